@@ -1,0 +1,22 @@
+//! Core vocabulary of lmcache-rs.
+//!
+//! # Motivation
+//! Every layer (L1, L2, wire protocol, server) speaks about the same things: which chunk of
+//! which model's KV cache an object is ([`ObjectKey`]), and how a token sequence maps to chunk
+//! hashes ([`TokenHasher`]). They live here, free of IO and `unsafe`, so every crate above can
+//! depend on them.
+//!
+//! # Components
+//! - [`key`]: [`ObjectKey`], [`ChunkHash`], [`KvRank`] and their validation.
+//! - [`hashing`]: LMCache 0.5.6's BLAKE3 prefix chain, batch and incremental.
+//! - [`units`]: byte-size helpers shared by configuration code.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod hashing;
+pub mod key;
+pub mod units;
+
+pub use error::KeyError;
+pub use hashing::{DEFAULT_CHUNK_SIZE, NONE_HASH, PrefixHasher, TokenHasher};
+pub use key::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey};

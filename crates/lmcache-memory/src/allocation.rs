@@ -1,0 +1,272 @@
+//! Allocations: owned, bounds-checked views of arena bytes.
+//!
+//! # Soundness
+//! An [`Allocation`] is the only value that names its range `[offset, offset + len)` of the
+//! arena. The allocator guarantees live ranges never overlap and lie inside `[0, capacity)`,
+//! with `capacity <= arena.len()` (checked in [`ArenaAllocator::new`]); the allocation keeps
+//! the arena mapped through its `Arc`; and the range is returned to the allocator only in
+//! `Drop`. So `&mut self` on an allocation is exclusive access to its bytes within this
+//! process, and `&self` is shared access.
+//!
+//! A shared-memory arena can also be written by another process (the engine, in the
+//! engine-driven transfer mode). That is the point of sharing it, and the protocol decides
+//! when it may happen: the engine writes only into ranges it was handed for a write
+//! reservation, and this process never reads those until the engine commits them.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::allocator::{AllocError, Allocator, AllocatorStats, Block};
+use crate::arena::{Arena, BackingKind};
+use crate::error::MemoryError;
+
+#[derive(Debug)]
+struct Shared {
+    allocator: Mutex<Allocator>,
+    arena: Arena,
+}
+
+/// An arena with its allocator: the source of [`Allocation`]s. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ArenaAllocator {
+    shared: Arc<Shared>,
+}
+
+/// Memory use of an [`ArenaAllocator`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryUsage {
+    /// Allocator counters.
+    pub allocator: AllocatorStats,
+    /// The backing the arena landed on.
+    pub backing: BackingKind,
+}
+
+impl ArenaAllocator {
+    /// Puts an allocator with alignment `align` over the whole arena.
+    pub fn new(arena: Arena, align: u64) -> Result<Self, MemoryError> {
+        let allocator = Allocator::new(arena.len(), align)
+            .map_err(|_| MemoryError::InvalidAlign { align })?;
+        // The soundness of every slice below rests on this.
+        if allocator.capacity() > arena.len() {
+            return Err(MemoryError::InvalidSize { size: arena.len(), reason: "capacity" });
+        }
+        Ok(Self { shared: Arc::new(Shared { allocator: Mutex::new(allocator), arena }) })
+    }
+
+    /// Allocates `len` bytes (aligned up internally).
+    pub fn allocate(&self, len: u64) -> Result<Allocation, AllocError> {
+        let block = self.shared.allocator.lock().allocate(len)?;
+        Ok(Allocation { shared: Arc::clone(&self.shared), block: Some(block), len })
+    }
+
+    /// Allocates one allocation per entry of `lens`, all or nothing.
+    pub fn allocate_batch(&self, lens: &[u64]) -> Result<Vec<Allocation>, AllocError> {
+        let blocks = self.shared.allocator.lock().allocate_batch(lens)?;
+        Ok(blocks
+            .into_iter()
+            .zip(lens)
+            .map(|(block, &len)| Allocation {
+                shared: Arc::clone(&self.shared),
+                block: Some(block),
+                len,
+            })
+            .collect())
+    }
+
+    /// The aligned size an allocation of `len` bytes occupies, or why it can never fit.
+    pub fn aligned_size(&self, len: u64) -> Result<u64, AllocError> {
+        self.shared.allocator.lock().aligned_size(len)
+    }
+
+    /// Current counters.
+    pub fn usage(&self) -> MemoryUsage {
+        MemoryUsage {
+            allocator: self.shared.allocator.lock().stats(),
+            backing: self.shared.arena.kind(),
+        }
+    }
+
+    /// Usable capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.shared.allocator.lock().capacity()
+    }
+
+    /// The arena.
+    pub fn arena(&self) -> &Arena {
+        &self.shared.arena
+    }
+}
+
+/// An owned range of the arena. Returned to the allocator when dropped.
+#[derive(Debug)]
+pub struct Allocation {
+    shared: Arc<Shared>,
+    /// Always `Some` until `Drop` takes it.
+    block: Option<Block>,
+    /// Logical length (what was asked for); the block may be larger.
+    len: u64,
+}
+
+impl Allocation {
+    /// Offset of the first byte in the arena (what a process that maps the segment uses).
+    pub fn offset(&self) -> u64 {
+        self.block.as_ref().map_or(0, Block::offset)
+    }
+
+    /// Logical length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for a zero-length allocation (never: zero-byte requests are refused).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes the allocation occupies in the arena (aligned).
+    pub fn physical_len(&self) -> u64 {
+        self.block.as_ref().map_or(0, Block::size)
+    }
+
+    /// The allocation's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        let (ptr, len) = self.raw();
+        // SAFETY: `raw` points at `len` bytes inside the live mapping (module docs: the
+        // range lies within the arena, which `self.shared` keeps mapped), no `&mut` to this
+        // range can exist while `&self` is borrowed, and the range is disjoint from every
+        // other allocation's.
+        unsafe { std::slice::from_raw_parts(ptr, len) }
+    }
+
+    /// The allocation's bytes, exclusively.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let (ptr, len) = self.raw();
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only borrow of the range.
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    }
+
+    /// Copies `src` to `offset` within the allocation, after checking the range.
+    pub fn write_at(&mut self, offset: u64, src: &[u8]) -> Result<(), AllocError> {
+        let range = self.checked_range(offset, src.len() as u64)?;
+        self.as_mut_slice()[range].copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Copies from `offset` within the allocation into `dst`, after checking the range.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), AllocError> {
+        let range = self.checked_range(offset, dst.len() as u64)?;
+        dst.copy_from_slice(&self.as_slice()[range]);
+        Ok(())
+    }
+
+    fn checked_range(&self, offset: u64, len: u64) -> Result<std::ops::Range<usize>, AllocError> {
+        let oob = AllocError::OutOfBounds { offset, len, size: self.len };
+        let end = offset.checked_add(len).ok_or(oob)?;
+        if end > self.len {
+            return Err(oob);
+        }
+        // Both fit usize: end <= self.len, which is a mapped length.
+        Ok(offset as usize..end as usize)
+    }
+
+    fn raw(&self) -> (*mut u8, usize) {
+        let offset = self.offset() as usize;
+        // `offset + len <= capacity <= arena.len()`, a usize: no overflow, stays in bounds.
+        // `wrapping_add` keeps pointer arithmetic safe code; the bound is what makes it valid.
+        (self.shared.arena.base_ptr().wrapping_add(offset), self.len as usize)
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        if let Some(block) = self.block.take() {
+            self.shared.allocator.lock().free(block);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arena::{ArenaBacking, ArenaConfig};
+
+    fn allocator(size: u64) -> ArenaAllocator {
+        let arena = Arena::create(&ArenaConfig {
+            size,
+            backing: ArenaBacking::Anonymous,
+            mlock: false,
+        })
+        .unwrap();
+        ArenaAllocator::new(arena, 4096).unwrap()
+    }
+
+    #[test]
+    fn bytes_round_trip_and_stay_separate() {
+        let a = allocator(1 << 20);
+        let mut x = a.allocate(5000).unwrap();
+        let mut y = a.allocate(100).unwrap();
+        assert_eq!(x.len(), 5000);
+        assert_eq!(x.physical_len(), 8192);
+        x.as_mut_slice().fill(0xaa);
+        y.as_mut_slice().fill(0x55);
+        assert!(x.as_slice().iter().all(|&b| b == 0xaa));
+        assert!(y.as_slice().iter().all(|&b| b == 0x55));
+        assert_ne!(x.offset(), y.offset());
+    }
+
+    #[test]
+    fn bounds_are_checked_at_the_edges() {
+        let a = allocator(1 << 20);
+        let mut x = a.allocate(100).unwrap();
+        assert!(x.write_at(0, &[1; 100]).is_ok());
+        assert!(x.write_at(99, &[7]).is_ok());
+        assert!(x.write_at(100, &[]).is_ok());
+        assert_eq!(
+            x.write_at(100, &[1]),
+            Err(AllocError::OutOfBounds { offset: 100, len: 1, size: 100 })
+        );
+        assert!(x.write_at(u64::MAX, &[1]).is_err(), "overflowing offset accepted");
+        let mut out = [0u8; 2];
+        x.read_at(98, &mut out).unwrap();
+        assert_eq!(out, [1, 7]);
+        assert!(x.read_at(99, &mut out).is_err());
+    }
+
+    #[test]
+    fn drop_returns_memory() {
+        let a = allocator(64 << 10);
+        let all = a.allocate_batch(&[16 << 10; 4]).unwrap();
+        assert!(a.allocate(1).is_err());
+        drop(all);
+        assert_eq!(a.usage().allocator.allocated_bytes, 0);
+        assert!(a.allocate(64 << 10).is_ok());
+    }
+
+    #[test]
+    fn allocations_outlive_the_allocator_handle() {
+        let a = allocator(1 << 20);
+        let mut x = a.allocate(10).unwrap();
+        drop(a);
+        x.as_mut_slice().copy_from_slice(b"still here");
+        assert_eq!(x.as_slice(), b"still here");
+    }
+
+    #[test]
+    fn shared_memory_is_visible_through_a_second_mapping() {
+        let name = format!("lmcache_rs_test_alloc_{}", std::process::id());
+        let arena = Arena::create(&ArenaConfig {
+            size: 1 << 20,
+            backing: ArenaBacking::SharedMemory { name: name.clone() },
+            mlock: false,
+        })
+        .unwrap();
+        let a = ArenaAllocator::new(arena, 4096).unwrap();
+        let mut x = a.allocate(16).unwrap();
+        x.as_mut_slice().copy_from_slice(b"kv-bytes-for-eng");
+        // What an engine process does: open the segment by name and read at the offset.
+        let bytes = std::fs::read(format!("/dev/shm/{name}")).unwrap();
+        let off = x.offset() as usize;
+        assert_eq!(&bytes[off..off + 16], b"kv-bytes-for-eng");
+    }
+}

@@ -1,0 +1,259 @@
+//! The L1 arena: one large mapping, committed lazily.
+//!
+//! Pipeline: pick the backing ([`ArenaBacking`]) → map it (`mmap`, `MAP_NORESERVE` for
+//! anonymous memory, a sparse tmpfs file for shared memory, `MAP_HUGETLB` for huge pages) →
+//! optionally `mlock`. Nothing is touched at creation, so a 64 GiB arena that holds 1 GiB
+//! keeps about 1 GiB resident. When huge pages are asked for but the kernel has none free,
+//! the arena falls back to transparent huge pages and says so in [`Arena::kind`], so a
+//! silent downgrade is visible to metrics and logs.
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::error::MemoryError;
+use crate::shm::ShmSegment;
+
+/// Size of a huge page (x86-64 and aarch64 default).
+pub const HUGE_PAGE_SIZE: u64 = 2 << 20;
+
+/// What memory the arena should use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ArenaBacking {
+    /// Private anonymous memory: not mappable by another process.
+    Anonymous,
+    /// A named POSIX shared-memory segment that an engine process can map.
+    SharedMemory {
+        /// Segment name without the leading `/`.
+        name: String,
+    },
+    /// 2 MiB huge pages (anonymous). Falls back to transparent huge pages.
+    HugePages,
+}
+
+/// What memory the arena actually got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackingKind {
+    /// Private anonymous memory.
+    Anonymous,
+    /// A named shared-memory segment.
+    SharedMemory,
+    /// Reserved 2 MiB huge pages (`MAP_HUGETLB`).
+    HugePages,
+    /// Anonymous memory advised as huge pages (`MADV_HUGEPAGE`): what huge pages fall back to.
+    TransparentHugePages,
+}
+
+impl BackingKind {
+    /// A short lower-case name for logs and status output.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Anonymous => "anonymous",
+            Self::SharedMemory => "shm",
+            Self::HugePages => "hugepages",
+            Self::TransparentHugePages => "thp",
+        }
+    }
+}
+
+/// How to build an [`Arena`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArenaConfig {
+    /// Size in bytes (rounded up to 2 MiB for huge pages).
+    pub size: u64,
+    /// The backing memory.
+    pub backing: ArenaBacking,
+    /// Lock the whole arena in RAM (`mlock`). Commits every page at once: it trades the lazy
+    /// commit for never being swapped.
+    pub mlock: bool,
+}
+
+/// One mapped region of memory.
+#[derive(Debug)]
+pub struct Arena {
+    // Field order matters for drop: the mapping goes before the segment is unlinked.
+    map: MmapRaw,
+    shm: Option<ShmSegment>,
+    kind: BackingKind,
+    locked: bool,
+}
+
+impl Arena {
+    /// Maps a new arena.
+    pub fn create(config: &ArenaConfig) -> Result<Self, MemoryError> {
+        if config.size == 0 {
+            return Err(MemoryError::InvalidSize { size: 0, reason: "zero" });
+        }
+        let len = usize::try_from(config.size).map_err(|_| MemoryError::InvalidSize {
+            size: config.size,
+            reason: "larger than the address space",
+        })?;
+        let (map, shm, kind) = match &config.backing {
+            ArenaBacking::Anonymous => (map_anonymous(len)?, None, BackingKind::Anonymous),
+            ArenaBacking::SharedMemory { name } => {
+                let seg = ShmSegment::create(name, config.size)?;
+                let map = MmapOptions::new()
+                    .len(len)
+                    .map_raw(seg.file())
+                    .map_err(|e| MemoryError::os("mmap shared memory", e))?;
+                (map, Some(seg), BackingKind::SharedMemory)
+            }
+            ArenaBacking::HugePages => {
+                let rounded = config
+                    .size
+                    .checked_next_multiple_of(HUGE_PAGE_SIZE)
+                    .and_then(|s| usize::try_from(s).ok())
+                    .ok_or(MemoryError::InvalidSize { size: config.size, reason: "overflow" })?;
+                match MmapOptions::new().len(rounded).huge(Some(21)).map_anon() {
+                    Ok(m) => (MmapRaw::from(m), None, BackingKind::HugePages),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no free 2 MiB huge pages; using transparent huge pages");
+                        let map = map_anonymous(rounded)?;
+                        if let Err(e) = map.advise(memmap2::Advice::HugePage) {
+                            tracing::warn!(error = %e, "madvise(MADV_HUGEPAGE) failed");
+                        }
+                        (map, None, BackingKind::TransparentHugePages)
+                    }
+                }
+            }
+        };
+        let mut arena = Self { map, shm, kind, locked: false };
+        if config.mlock {
+            arena.map.lock().map_err(|e| MemoryError::os("mlock (check RLIMIT_MEMLOCK)", e))?;
+            arena.locked = true;
+        }
+        Ok(arena)
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// True for a zero-length arena (never: creation refuses size 0).
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    /// What backing the arena landed on.
+    pub fn kind(&self) -> BackingKind {
+        self.kind
+    }
+
+    /// The shared-memory segment name, for SHM arenas.
+    pub fn shm_name(&self) -> Option<&str> {
+        self.shm.as_ref().map(ShmSegment::name)
+    }
+
+    /// True when the arena is `mlock`ed.
+    pub fn is_locked(&self) -> bool {
+        self.locked
+    }
+
+    /// Bytes of the arena currently backed by RAM (`Rss` of the mapping in
+    /// `/proc/self/smaps`; for shared memory, the blocks of the segment).
+    pub fn resident_bytes(&self) -> Result<u64, MemoryError> {
+        if let Some(seg) = &self.shm {
+            return seg.committed_bytes();
+        }
+        let start = self.map.as_ptr() as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps")
+            .map_err(|e| MemoryError::os("read /proc/self/smaps", e))?;
+        Ok(rss_of_mapping(&smaps, start).unwrap_or(0))
+    }
+
+    /// Base address of the mapping. Valid for `len()` bytes while `self` lives.
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+}
+
+fn map_anonymous(len: usize) -> Result<MmapRaw, MemoryError> {
+    MmapOptions::new()
+        .len(len)
+        .no_reserve_swap()
+        .map_anon()
+        .map(MmapRaw::from)
+        .map_err(|e| MemoryError::os("mmap anonymous", e))
+}
+
+/// Finds the mapping that starts at `start` in smaps text and returns its Rss in bytes.
+fn rss_of_mapping(smaps: &str, start: usize) -> Option<u64> {
+    let header = format!("{start:x}-");
+    let mut in_mapping = false;
+    let mut rss = 0u64;
+    for line in smaps.lines() {
+        if line.starts_with(|c: char| c.is_ascii_hexdigit()) && line.contains('-') {
+            if in_mapping {
+                return Some(rss);
+            }
+            in_mapping = line.starts_with(&header);
+        } else if in_mapping {
+            let field = |name: &str| {
+                line.strip_prefix(name)
+                    .and_then(|v| v.trim().strip_suffix("kB"))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+            };
+            if let Some(kb) = field("Rss:") {
+                rss += kb * 1024;
+            }
+            // Reserved huge pages are not counted in Rss.
+            if let Some(kb) = field("Private_Hugetlb:").or_else(|| field("Shared_Hugetlb:")) {
+                rss += kb * 1024;
+            }
+        }
+    }
+    in_mapping.then_some(rss)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::SHM_DIR;
+
+    #[test]
+    fn zero_size_is_refused() {
+        let cfg = ArenaConfig { size: 0, backing: ArenaBacking::Anonymous, mlock: false };
+        assert!(matches!(Arena::create(&cfg), Err(MemoryError::InvalidSize { .. })));
+    }
+
+    #[test]
+    fn anonymous_arena_is_lazily_committed() {
+        // 64 GiB of address space on a 24 GiB machine: only possible because nothing is
+        // committed up front.
+        let cfg = ArenaConfig { size: 64 << 30, backing: ArenaBacking::Anonymous, mlock: false };
+        let arena = Arena::create(&cfg).unwrap();
+        assert_eq!(arena.kind(), BackingKind::Anonymous);
+        assert!(arena.resident_bytes().unwrap() < 4 << 20);
+    }
+
+    #[test]
+    fn shm_arena_unlinks_on_drop() {
+        let name = format!("lmcache_rs_test_arena_{}", std::process::id());
+        let cfg = ArenaConfig {
+            size: 8 << 20,
+            backing: ArenaBacking::SharedMemory { name: name.clone() },
+            mlock: false,
+        };
+        let arena = Arena::create(&cfg).unwrap();
+        assert_eq!(arena.shm_name(), Some(name.as_str()));
+        assert_eq!(arena.resident_bytes().unwrap(), 0);
+        drop(arena);
+        assert!(!std::path::Path::new(SHM_DIR).join(&name).exists());
+    }
+
+    #[test]
+    fn hugepages_fall_back_visibly() {
+        let cfg = ArenaConfig { size: 3 << 20, backing: ArenaBacking::HugePages, mlock: false };
+        let arena = Arena::create(&cfg).unwrap();
+        assert!(matches!(arena.kind(), BackingKind::HugePages | BackingKind::TransparentHugePages));
+        assert_eq!(arena.len(), 4 << 20, "rounded up to whole huge pages");
+    }
+
+    #[test]
+    fn smaps_parser_sums_the_right_mapping() {
+        let smaps = "7f00-7f10 rw-p 0 0 0\nRss:   8 kB\n1000-2000 rw-p 0 0 0\nRss:  12 kB\n\
+                     Private_Hugetlb:   2048 kB\n3000-4000 r--p\nRss: 4 kB\n";
+        assert_eq!(rss_of_mapping(smaps, 0x1000), Some(12 * 1024 + 2048 * 1024));
+        assert_eq!(rss_of_mapping(smaps, 0x3000), Some(4096));
+        assert_eq!(rss_of_mapping(smaps, 0x5000), None);
+    }
+}

@@ -1,0 +1,64 @@
+//! Errors of arena creation.
+
+use thiserror::Error;
+
+/// Why an arena could not be created.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum MemoryError {
+    /// The requested size is zero or not representable on this platform.
+    #[error("arena size {size} bytes is invalid: {reason}")]
+    InvalidSize {
+        /// The requested size.
+        size: u64,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+    /// The alignment is not a power of two of at least 64 bytes.
+    #[error("alignment {align} must be a power of two and at least 64")]
+    InvalidAlign {
+        /// The refused alignment.
+        align: u64,
+    },
+    /// The shared-memory name is unusable.
+    #[error("shared-memory name {name:?} is invalid: {reason}")]
+    InvalidShmName {
+        /// The refused name.
+        name: String,
+        /// Why.
+        reason: &'static str,
+    },
+    /// A live process holds the named segment.
+    #[error("shared-memory segment {name:?} is in use by another live process")]
+    ShmInUse {
+        /// The segment's name.
+        name: String,
+    },
+    /// /dev/shm has less room than the arena would need once full; writes past it would
+    /// kill the process with SIGBUS, so the arena is refused up front.
+    #[error(
+        "shared-memory arena of {size} bytes does not fit /dev/shm ({available} bytes free); \
+         lower --l1-size-gb or enlarge /dev/shm"
+    )]
+    ShmTooSmall {
+        /// The requested size.
+        size: u64,
+        /// Free bytes on the shared-memory file system.
+        available: u64,
+    },
+    /// A system call failed.
+    #[error("{op} failed: {source}")]
+    Os {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl MemoryError {
+    pub(crate) fn os(op: &'static str, source: impl Into<std::io::Error>) -> Self {
+        Self::Os { op, source: source.into() }
+    }
+}

@@ -1,0 +1,28 @@
+//! Raw memory for the L1 tier: the only crate of lmcache-rs with `unsafe` code.
+//!
+//! # Motivation
+//! L1 is one large region of CPU memory that an inference engine may also map (POSIX shared
+//! memory), carved into KV objects of a few fixed sizes. Everything that touches raw pointers
+//! lives here, behind a safe API whose soundness rests on one allocator invariant: live
+//! allocations never overlap. Crates above reach bytes only through [`Allocation`].
+//!
+//! # Components
+//! - [`arena`]: the mapping ([`Arena`]): anonymous, named shared memory, or 2 MiB huge pages,
+//!   committed lazily, optionally `mlock`ed; [`shm`] holds the segment guard and stale-segment
+//!   cleanup.
+//! - [`allocator`]: the offset allocator ([`Allocator`]): aligned, best-fit with coalescing,
+//!   exact-size bins that make same-size allocation O(1), all-or-nothing batches. Pure logic,
+//!   no pointers.
+//! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
+//!   arena, gives `&[u8]`/`&mut [u8]` to it, and returns it to the allocator on drop.
+
+pub mod allocation;
+pub mod allocator;
+pub mod arena;
+pub mod error;
+pub mod shm;
+
+pub use allocation::{Allocation, ArenaAllocator, MemoryUsage};
+pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
+pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind};
+pub use error::MemoryError;

@@ -1,0 +1,257 @@
+//! Named POSIX shared-memory segments and the cleanup of stale ones.
+//!
+//! A segment is owned by the [`ShmSegment`] guard that created it: the guard holds an
+//! exclusive `flock` on the segment for its whole life and unlinks the name when dropped.
+//! The lock is what tells a live owner from a crashed one: a segment whose lock can be taken
+//! belongs to nobody and is stale. Stale segments of earlier runs are unlinked at start
+//! ([`clean_stale_segments`]), so a crash never leaks /dev/shm space across restarts.
+
+use std::fs::File;
+use std::path::Path;
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg, OFlag};
+use nix::sys::stat::Mode;
+
+use crate::error::MemoryError;
+
+/// Prefix of LMCache's default L1 segment names: `lmcache_l1_pool_<pid>`.
+pub const DEFAULT_SHM_PREFIX: &str = "lmcache_l1_pool_";
+
+/// Where Linux mounts POSIX shared memory.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// The default segment name of this process, as LMCache names it.
+pub fn default_shm_name() -> String {
+    format!("{DEFAULT_SHM_PREFIX}{}", std::process::id())
+}
+
+/// Checks a segment name: non-empty, at most 255 bytes, no `/` and no NUL.
+pub fn validate_name(name: &str) -> Result<(), MemoryError> {
+    let bad = |reason| Err(MemoryError::InvalidShmName { name: name.to_owned(), reason });
+    if name.is_empty() {
+        return bad("empty");
+    }
+    if name.len() > 255 {
+        return bad("longer than 255 bytes");
+    }
+    if name.contains('/') || name.contains('\0') {
+        return bad("contains '/' or NUL");
+    }
+    if name == "." || name == ".." {
+        return bad("is a directory name");
+    }
+    Ok(())
+}
+
+/// An owned, locked, named shared-memory segment. Unlinked on drop.
+#[derive(Debug)]
+pub struct ShmSegment {
+    name: String,
+    /// Holds the exclusive lock that marks the segment as owned by a live process.
+    file: Flock<File>,
+    len: u64,
+}
+
+impl ShmSegment {
+    /// Creates segment `name` of `len` bytes (sparse: pages are committed on first touch).
+    ///
+    /// A leftover segment of the same name whose owner is gone is replaced; one whose owner
+    /// is alive is refused with [`MemoryError::ShmInUse`]. The segment must fit the free
+    /// space of /dev/shm, since a write past that space would raise SIGBUS.
+    pub fn create(name: &str, len: u64) -> Result<Self, MemoryError> {
+        validate_name(name)?;
+        if len == 0 {
+            return Err(MemoryError::InvalidSize { size: len, reason: "zero" });
+        }
+        let path = format!("/{name}");
+        let fd = match open(&path, true) {
+            Ok(fd) => fd,
+            Err(Errno::EEXIST) => {
+                // Someone left a segment of this name. Take it over only if its owner is gone.
+                let existing = open(&path, false).map_err(|e| MemoryError::os("shm_open", e))?;
+                match Flock::lock(File::from(existing), FlockArg::LockExclusiveNonblock) {
+                    Ok(stale) => {
+                        tracing::warn!(segment = name, "replacing stale shared-memory segment");
+                        nix::sys::mman::shm_unlink(path.as_str())
+                            .map_err(|e| MemoryError::os("shm_unlink", e))?;
+                        drop(stale);
+                        open(&path, true).map_err(|e| MemoryError::os("shm_open", e))?
+                    }
+                    Err((_, _)) => return Err(MemoryError::ShmInUse { name: name.to_owned() }),
+                }
+            }
+            Err(e) => return Err(MemoryError::os("shm_open", e)),
+        };
+        let file = match Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
+            Ok(f) => f,
+            Err((_, e)) => {
+                let _ = nix::sys::mman::shm_unlink(path.as_str());
+                return Err(MemoryError::os("flock", e));
+            }
+        };
+        // From here on the guard exists, so any failure unlinks the name on drop.
+        let segment = Self { name: name.to_owned(), file, len };
+        let available = shm_free_bytes()?;
+        if len > available {
+            return Err(MemoryError::ShmTooSmall { size: len, available });
+        }
+        segment.file.set_len(len).map_err(|e| MemoryError::os("ftruncate", e))?;
+        Ok(segment)
+    }
+
+    /// The segment's name, without the leading `/`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The open segment.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True when the length is zero (never, for a created segment).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the segment actually backed by memory (tmpfs allocates on first touch).
+    pub fn committed_bytes(&self) -> Result<u64, MemoryError> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = self.file.metadata().map_err(|e| MemoryError::os("fstat", e))?;
+        Ok(meta.blocks() * 512)
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        let path = format!("/{}", self.name);
+        if let Err(e) = nix::sys::mman::shm_unlink(path.as_str()) {
+            tracing::warn!(segment = %self.name, error = %e, "could not unlink shared memory");
+        }
+    }
+}
+
+fn open(path: &str, create: bool) -> Result<std::os::fd::OwnedFd, Errno> {
+    let flags = if create { OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL } else { OFlag::O_RDWR };
+    nix::sys::mman::shm_open(path, flags, Mode::S_IRUSR | Mode::S_IWUSR)
+}
+
+fn shm_free_bytes() -> Result<u64, MemoryError> {
+    let st = nix::sys::statvfs::statvfs(SHM_DIR).map_err(|e| MemoryError::os("statvfs", e))?;
+    Ok(st.blocks_available().saturating_mul(st.fragment_size()))
+}
+
+/// Unlinks LMCache-style segments (`lmcache_l1_pool_<pid>`) in `dir` whose process is gone
+/// and whose lock nobody holds. Returns the names removed. Errors on single entries are
+/// logged and skipped: cleanup never stops a start.
+pub fn clean_stale_segments(dir: &Path) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut removed = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = name.strip_prefix(DEFAULT_SHM_PREFIX).and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if pid <= 0 || process_alive(pid) {
+            continue;
+        }
+        let Ok(file) = File::options().read(true).write(true).open(entry.path()) else { continue };
+        if let Ok(lock) = Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => {
+                    tracing::info!(segment = name, pid, "removed stale shared-memory segment");
+                    removed.push(name.to_owned());
+                }
+                Err(e) => tracing::warn!(segment = name, error = %e, "could not remove stale segment"),
+            }
+            drop(lock);
+        }
+    }
+    removed
+}
+
+fn process_alive(pid: i32) -> bool {
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
+        Ok(()) => true,
+        Err(Errno::ESRCH) => false,
+        // EPERM: it exists but belongs to someone else.
+        Err(_) => true,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unique(tag: &str) -> String {
+        format!("lmcache_rs_test_{tag}_{}", std::process::id())
+    }
+
+    #[test]
+    fn create_is_sparse_and_unlinks_on_drop() {
+        let name = unique("sparse");
+        let seg = ShmSegment::create(&name, 1 << 30).unwrap();
+        assert_eq!(seg.len(), 1 << 30);
+        assert!(seg.committed_bytes().unwrap() < 1 << 20, "segment committed eagerly");
+        assert!(Path::new(SHM_DIR).join(&name).exists());
+        drop(seg);
+        assert!(!Path::new(SHM_DIR).join(&name).exists());
+    }
+
+    #[test]
+    fn live_segment_is_refused_and_stale_one_replaced() {
+        let name = unique("inuse");
+        let seg = ShmSegment::create(&name, 4096).unwrap();
+        assert!(matches!(ShmSegment::create(&name, 4096), Err(MemoryError::ShmInUse { .. })));
+        drop(seg);
+        // A crashed owner leaves the name behind with nobody holding its lock.
+        let path = Path::new(SHM_DIR).join(&name);
+        std::fs::write(&path, b"stale").unwrap();
+        let seg = ShmSegment::create(&name, 8192).unwrap();
+        assert_eq!(seg.file().metadata().unwrap().len(), 8192);
+    }
+
+    #[test]
+    fn names_are_validated() {
+        for bad in ["", "a/b", "a\0b", ".", ".."] {
+            assert!(matches!(validate_name(bad), Err(MemoryError::InvalidShmName { .. })));
+        }
+        assert!(validate_name(&"x".repeat(256)).is_err());
+        assert!(validate_name("lmcache_l1_pool_1").is_ok());
+    }
+
+    #[test]
+    fn oversized_segment_is_refused_not_sigbus() {
+        let name = unique("huge");
+        let err = ShmSegment::create(&name, 1 << 60).unwrap_err();
+        assert!(matches!(err, MemoryError::ShmTooSmall { .. }), "{err}");
+        assert!(!Path::new(SHM_DIR).join(&name).exists(), "failed create left the name");
+    }
+
+    #[test]
+    fn stale_cleanup_removes_dead_owner_segments_only() {
+        let dir = std::env::temp_dir().join(format!("lmcache_rs_stale_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A pid that cannot be alive (above pid_max) and our own, live, pid.
+        let dead = dir.join(format!("{DEFAULT_SHM_PREFIX}{}", 999_999_999));
+        let live = dir.join(format!("{DEFAULT_SHM_PREFIX}{}", std::process::id()));
+        let other = dir.join("unrelated_segment");
+        for p in [&dead, &live, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        let removed = clean_stale_segments(&dir);
+        assert_eq!(removed, vec![format!("{DEFAULT_SHM_PREFIX}999999999")]);
+        assert!(!dead.exists());
+        assert!(live.exists());
+        assert!(other.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
