@@ -1,0 +1,729 @@
+//! The L1 object store: index, lifecycle, synchronous and background eviction, quotas.
+//!
+//! # Lifecycle
+//! ```text
+//! absent ──reserve_write──▶ staged ──commit──▶ resident ⇄ read-locked(n)
+//!                             │  └─discard/drop─▶ absent        │
+//!                             │                 evict (n = 0) ──┴──▶ absent
+//!                        delete(force): unindexed, freed when the last handle goes
+//! ```
+//! Every transition goes through one mutex over [`State`]; work under it is O(1) per key (plus
+//! eviction, which frees memory under it). Bulk copies happen outside it, through the
+//! handles. Lock order: L1 state → allocator. Handles are never dropped under the state lock
+//! by this module, except allocations, whose drop takes only the allocator lock.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::time::Instant;
+
+use lmcache_core::{CacheSalt, ObjectKey};
+use lmcache_memory::{AllocError, Allocation, ArenaAllocator, MemoryUsage};
+use parking_lot::Mutex;
+use slotmap::SlotMap;
+
+use crate::config::L1Config;
+use crate::entry::{Entry, EntryId, Slot};
+use crate::error::{L1ConfigError, L1Error};
+use crate::eviction::{EntryMeta, EvictionPolicy};
+use crate::handles::{ReadLease, WriteReservation};
+use crate::lease_table::{LeaseId, LeaseTable};
+use crate::quota::Quotas;
+
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// One object to reserve.
+#[derive(Debug, Clone)]
+pub struct WriteRequest {
+    /// Its key.
+    pub key: ObjectKey,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Deleted when its last read lock is released (one-shot objects).
+    pub temporary: bool,
+}
+
+impl WriteRequest {
+    /// A non-temporary object.
+    pub fn new(key: ObjectKey, size: u64) -> Self {
+        Self { key, size, temporary: false }
+    }
+}
+
+/// Counters since start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct L1Stats {
+    /// Objects evicted (by allocation pressure, watermark or quota).
+    pub evicted_objects: u64,
+    /// Bytes evicted.
+    pub evicted_bytes: u64,
+    /// Times an allocation had to evict synchronously.
+    pub sync_evictions: u64,
+    /// Write requests refused for lack of memory.
+    pub oom_rejections: u64,
+    /// Write requests refused by a quota.
+    pub quota_rejections: u64,
+    /// Objects committed.
+    pub committed: u64,
+    /// Reservations discarded (explicitly, dropped, or expired).
+    pub discarded: u64,
+}
+
+/// A snapshot of L1 occupancy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct L1Usage {
+    /// Usable bytes.
+    pub capacity: u64,
+    /// Bytes charged to objects (staged, resident and deleted-but-pinned).
+    pub used_bytes: u64,
+    /// Bytes of staged objects.
+    pub staged_bytes: u64,
+    /// Resident (visible) objects.
+    pub resident_objects: usize,
+    /// Staged objects.
+    pub staged_objects: usize,
+    /// Resident objects with at least one read lock.
+    pub locked_objects: usize,
+    /// Usage per tenant.
+    pub by_salt: Vec<(CacheSalt, u64)>,
+    /// Allocator counters.
+    pub memory: MemoryUsage,
+    /// Counters.
+    pub stats: L1Stats,
+}
+
+impl L1Usage {
+    /// used / capacity.
+    pub fn usage_fraction(&self) -> f64 {
+        if self.capacity == 0 { 0.0 } else { self.used_bytes as f64 / self.capacity as f64 }
+    }
+}
+
+/// What a maintenance pass did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MaintenanceReport {
+    /// Bytes evicted to bring tenants back under their quotas.
+    pub quota_evicted_bytes: u64,
+    /// Bytes evicted by the watermark.
+    pub watermark_evicted_bytes: u64,
+    /// Read leases that expired.
+    pub expired_read_leases: usize,
+    /// Write leases that expired.
+    pub expired_write_leases: usize,
+}
+
+/// What a clear did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClearReport {
+    /// Objects removed (or, when forced and pinned, unindexed).
+    pub removed: usize,
+    /// Objects kept because they were locked (non-forced clear).
+    pub skipped: usize,
+}
+
+#[derive(Debug)]
+pub(crate) struct State {
+    entries: SlotMap<EntryId, Entry>,
+    index: FastMap<ObjectKey, EntryId>,
+    policy: Box<dyn EvictionPolicy>,
+    quotas: Quotas,
+    used_bytes: u64,
+    staged_bytes: u64,
+    stats: L1Stats,
+}
+
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) state: Mutex<State>,
+    memory: ArenaAllocator,
+    config: L1Config,
+    key_hasher: foldhash::fast::FixedState,
+}
+
+/// The L1 tier. Cheap to clone; every clone is the same cache.
+#[derive(Debug, Clone)]
+pub struct L1Cache {
+    shared: Arc<Shared>,
+    leases: Arc<Leases>,
+}
+
+#[derive(Debug)]
+struct Leases {
+    read: LeaseTable<ReadLease>,
+    write: LeaseTable<WriteReservation>,
+}
+
+impl L1Cache {
+    /// An L1 over `memory`.
+    pub fn new(config: L1Config, memory: ArenaAllocator) -> Result<Self, L1ConfigError> {
+        config.validate()?;
+        let leases = Arc::new(Leases {
+            read: LeaseTable::new(config.read_ttl),
+            write: LeaseTable::new(config.write_ttl),
+        });
+        let state = State {
+            entries: SlotMap::with_key(),
+            index: FastMap::default(),
+            policy: config.eviction_policy.build(),
+            quotas: Quotas::default(),
+            used_bytes: 0,
+            staged_bytes: 0,
+            stats: L1Stats::default(),
+        };
+        Ok(Self {
+            shared: Arc::new(Shared {
+                state: Mutex::new(state),
+                memory,
+                config,
+                key_hasher: foldhash::fast::FixedState::with_seed(0x6c6d_6361_6368_6521),
+            }),
+            leases,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &L1Config {
+        &self.shared.config
+    }
+
+    /// The memory the objects live in.
+    pub fn memory(&self) -> &ArenaAllocator {
+        &self.shared.memory
+    }
+
+    /// Reserves memory for each request. Per key: [`L1Error::NotWritable`] if the key is
+    /// resident, staged, or repeated in the batch; [`L1Error::QuotaExceeded`] if its tenant's
+    /// quota cannot fit it after evicting that tenant's unlocked objects. The remaining keys
+    /// are allocated all or nothing, evicting unlocked objects synchronously when memory is
+    /// short; if that is not enough, each gets [`L1Error::OutOfMemory`].
+    pub fn reserve_write(&self, requests: &[WriteRequest]) -> Vec<Result<WriteReservation, L1Error>> {
+        let shared = &self.shared;
+        let mut results: Vec<Option<Result<WriteReservation, L1Error>>> =
+            (0..requests.len()).map(|_| None).collect();
+        let mut st = shared.state.lock();
+        // 1. Which keys can be written, and how big they are.
+        let mut todo: Vec<(usize, u64)> = Vec::with_capacity(requests.len());
+        for (i, req) in requests.iter().enumerate() {
+            let refused = match shared.memory.aligned_size(req.size) {
+                Err(_) => Some(L1Error::InvalidSize {
+                    size: req.size,
+                    capacity: shared.memory.capacity(),
+                }),
+                Ok(_) if st.index.contains_key(&req.key) => Some(L1Error::NotWritable),
+                Ok(_) if todo.iter().any(|&(j, _)| requests[j].key == req.key) => {
+                    Some(L1Error::NotWritable)
+                }
+                Ok(size) => {
+                    todo.push((i, size));
+                    None
+                }
+            };
+            if let Some(e) = refused {
+                results[i] = Some(Err(e));
+            }
+        }
+        // 2. Quotas, per tenant in the batch.
+        let mut need: Vec<(CacheSalt, u64)> = Vec::new();
+        for &(i, size) in &todo {
+            let salt = &requests[i].key.cache_salt;
+            match need.iter_mut().find(|(s, _)| s == salt) {
+                Some((_, n)) => *n += size,
+                None => need.push((salt.clone(), size)),
+            }
+        }
+        for (salt, requested) in need {
+            let Some(limit) = st.quotas.limit(&salt) else { continue };
+            let used = st.quotas.usage(&salt);
+            if used + requested > limit {
+                st.evict(Some(&salt), used + requested - limit);
+            }
+            let used = st.quotas.usage(&salt);
+            if used + requested > limit {
+                let err = L1Error::QuotaExceeded { cache_salt: salt.clone(), limit, used, requested };
+                todo.retain(|&(i, _)| {
+                    let keep = requests[i].key.cache_salt != salt;
+                    if !keep {
+                        results[i] = Some(Err(err.clone()));
+                    }
+                    keep
+                });
+                st.stats.quota_rejections += 1;
+            }
+        }
+        // 3. Memory, all or nothing, evicting as needed.
+        if !todo.is_empty() {
+            let sizes: Vec<u64> = todo.iter().map(|&(i, _)| requests[i].size).collect();
+            match st.allocate_evicting(&shared.memory, &sizes) {
+                Ok(allocs) => {
+                    for (&(i, size), alloc) in todo.iter().zip(allocs) {
+                        let req = &requests[i];
+                        let id = st.entries.insert(Entry {
+                            key: req.key.clone(),
+                            bytes: size,
+                            temporary: req.temporary,
+                            indexed: true,
+                            slot: Slot::Staged,
+                        });
+                        st.index.insert(req.key.clone(), id);
+                        st.quotas.charge(&req.key.cache_salt, size);
+                        st.used_bytes += size;
+                        st.staged_bytes += size;
+                        results[i] = Some(Ok(WriteReservation::new(
+                            Arc::clone(shared),
+                            id,
+                            req.key.clone(),
+                            alloc,
+                        )));
+                    }
+                }
+                Err(e) => {
+                    st.stats.oom_rejections += todo.len() as u64;
+                    for &(i, _) in &todo {
+                        results[i] = Some(Err(e.clone()));
+                    }
+                }
+            }
+        }
+        drop(st);
+        results.into_iter().map(|r| r.unwrap_or(Err(L1Error::WrongState))).collect()
+    }
+
+    /// Commits reservations in one step, inserting them into the eviction policy in reverse
+    /// order, so that a request's last chunk is the first to leave.
+    pub fn commit_batch(&self, reservations: Vec<WriteReservation>) -> Vec<Result<(), L1Error>> {
+        let mut parts: Vec<(EntryId, Allocation)> = Vec::with_capacity(reservations.len());
+        for mut r in reservations {
+            parts.push(r.take_parts());
+        }
+        let mut results = vec![Ok(()); parts.len()];
+        let mut garbage = Vec::new();
+        {
+            let mut st = self.shared.state.lock();
+            for (i, (id, alloc)) in parts.into_iter().enumerate().rev() {
+                match st.commit(&self.shared, id, alloc, 0) {
+                    Ok(_) => {}
+                    Err((e, alloc)) => {
+                        results[i] = Err(e);
+                        garbage.push(alloc);
+                    }
+                }
+            }
+        }
+        drop(garbage);
+        results
+    }
+
+    /// Read-locks each key `count` times (one per engine reader). Staged keys are invisible:
+    /// [`L1Error::NotFound`].
+    pub fn read_lock(&self, keys: &[ObjectKey], count: u32) -> Vec<Result<ReadLease, L1Error>> {
+        if let Err(e) = self.check_count(count) {
+            return keys.iter().map(|_| Err(e.clone())).collect();
+        }
+        let mut st = self.shared.state.lock();
+        keys.iter().map(|k| st.read_lock(&self.shared, k, count)).collect()
+    }
+
+    /// Read-locks the longest prefix of `keys` that is resident, stopping at the first miss.
+    pub fn read_lock_prefix(&self, keys: &[ObjectKey], count: u32) -> Result<Vec<ReadLease>, L1Error> {
+        self.check_count(count)?;
+        let mut st = self.shared.state.lock();
+        let mut out = Vec::new();
+        for k in keys {
+            match st.read_lock(&self.shared, k, count) {
+                Ok(l) => out.push(l),
+                Err(_) => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// True when `key` is resident (visible).
+    pub fn contains(&self, key: &ObjectKey) -> bool {
+        let st = self.shared.state.lock();
+        st.index.get(key).and_then(|&id| st.entries.get(id)).is_some_and(|e| {
+            matches!(e.slot, Slot::Resident { .. })
+        })
+    }
+
+    /// How many leading keys are resident.
+    pub fn prefix_hits(&self, keys: &[ObjectKey]) -> usize {
+        let st = self.shared.state.lock();
+        keys.iter()
+            .take_while(|k| {
+                st.index
+                    .get(*k)
+                    .and_then(|&id| st.entries.get(id))
+                    .is_some_and(|e| matches!(e.slot, Slot::Resident { .. }))
+            })
+            .count()
+    }
+
+    /// Records a use of each resident key (request order; applied in reverse so the prefix
+    /// ends up most recent).
+    pub fn touch(&self, keys: &[ObjectKey]) {
+        let mut st = self.shared.state.lock();
+        for k in keys.iter().rev() {
+            if let Some(&id) = st.index.get(k)
+                && matches!(st.entries.get(id).map(|e| &e.slot), Some(Slot::Resident { .. }))
+            {
+                st.policy.on_access(id);
+            }
+        }
+    }
+
+    /// Deletes keys. Without `force`, a read-locked or staged key is refused with
+    /// [`L1Error::Locked`]. With `force`, it disappears from the index at once and its memory
+    /// is freed when its last handle goes: memory is never freed under a reader or writer.
+    pub fn delete(&self, keys: &[ObjectKey], force: bool) -> Vec<Result<(), L1Error>> {
+        let mut st = self.shared.state.lock();
+        keys.iter()
+            .map(|k| {
+                let id = *st.index.get(k).ok_or(L1Error::NotFound)?;
+                st.delete_entry(id, force)
+            })
+            .collect()
+    }
+
+    /// Deletes everything that may go (unlocked resident objects), or with `force` unindexes
+    /// everything (pinned memory is freed when its handles go).
+    pub fn clear(&self, force: bool) -> ClearReport {
+        let mut st = self.shared.state.lock();
+        let ids: Vec<EntryId> = st.index.values().copied().collect();
+        let mut report = ClearReport::default();
+        for id in ids {
+            match st.delete_entry(id, force) {
+                Ok(()) => report.removed += 1,
+                Err(_) => report.skipped += 1,
+            }
+        }
+        report
+    }
+
+    /// Frees at least `bytes` by evicting unlocked objects (of one tenant if `scope`).
+    /// Returns the bytes freed.
+    pub fn evict(&self, scope: Option<&CacheSalt>, bytes: u64) -> u64 {
+        self.shared.state.lock().evict(scope, bytes)
+    }
+
+    /// One maintenance pass: bring tenants under their quotas, apply the watermark (when
+    /// used bytes reach `trigger_watermark` of capacity, evict `eviction_ratio` of them),
+    /// expire leases of dead clients.
+    pub fn run_maintenance(&self) -> MaintenanceReport {
+        let mut report = MaintenanceReport::default();
+        {
+            let mut st = self.shared.state.lock();
+            for (salt, excess) in st.quotas.excess() {
+                report.quota_evicted_bytes += st.evict(Some(&salt), excess);
+            }
+            let capacity = self.shared.memory.capacity() as f64;
+            let used = st.used_bytes as f64;
+            if capacity > 0.0 && used >= self.shared.config.trigger_watermark * capacity {
+                let target = (used * self.shared.config.eviction_ratio).ceil() as u64;
+                report.watermark_evicted_bytes = st.evict(None, target.max(1));
+            }
+        }
+        let now = Instant::now();
+        report.expired_read_leases = self.leases.read.expire(now);
+        report.expired_write_leases = self.leases.write.expire(now);
+        report
+    }
+
+    /// Sets or removes a tenant's quota in bytes. Lowering it below usage takes effect at
+    /// the next admission of that tenant or the next maintenance pass.
+    pub fn set_quota(&self, salt: &CacheSalt, limit: Option<u64>) {
+        self.shared.state.lock().quotas.set_limit(salt, limit);
+    }
+
+    /// A tenant's quota.
+    pub fn quota(&self, salt: &CacheSalt) -> Option<u64> {
+        self.shared.state.lock().quotas.limit(salt)
+    }
+
+    /// Every quota.
+    pub fn quotas(&self) -> Vec<(CacheSalt, u64)> {
+        self.shared.state.lock().quotas.limits()
+    }
+
+    /// A tenant's usage in bytes.
+    pub fn usage_of(&self, salt: &CacheSalt) -> u64 {
+        self.shared.state.lock().quotas.usage(salt)
+    }
+
+    /// A snapshot of occupancy and counters.
+    pub fn usage(&self) -> L1Usage {
+        let st = self.shared.state.lock();
+        let mut resident = 0;
+        let mut staged = 0;
+        let mut locked = 0;
+        for e in st.entries.values().filter(|e| e.indexed) {
+            match e.slot {
+                Slot::Staged => staged += 1,
+                Slot::Resident { readers, .. } => {
+                    resident += 1;
+                    if readers > 0 {
+                        locked += 1;
+                    }
+                }
+            }
+        }
+        L1Usage {
+            capacity: self.shared.memory.capacity(),
+            used_bytes: st.used_bytes,
+            staged_bytes: st.staged_bytes,
+            resident_objects: resident,
+            staged_objects: staged,
+            locked_objects: locked,
+            by_salt: st.quotas.usage_by_salt(),
+            memory: self.shared.memory.usage(),
+            stats: st.stats,
+        }
+    }
+
+    /// Parks a read lease for a client that releases it in a later message.
+    pub fn park_read(&self, lease: ReadLease) -> LeaseId {
+        self.leases.read.park(lease)
+    }
+
+    /// Takes a parked read lease back.
+    pub fn take_read(&self, id: LeaseId) -> Option<ReadLease> {
+        self.leases.read.take(id)
+    }
+
+    /// Parks a write reservation for a client that commits it in a later message.
+    pub fn park_write(&self, reservation: WriteReservation) -> LeaseId {
+        self.leases.write.park(reservation)
+    }
+
+    /// Takes a parked write reservation back.
+    pub fn take_write(&self, id: LeaseId) -> Option<WriteReservation> {
+        self.leases.write.take(id)
+    }
+
+    /// Parked (read, write) leases.
+    pub fn parked_leases(&self) -> (usize, usize) {
+        (self.leases.read.len(), self.leases.write.len())
+    }
+
+    fn check_count(&self, count: u32) -> Result<(), L1Error> {
+        let max = self.shared.config.max_read_locks;
+        if count == 0 || count > max {
+            return Err(L1Error::InvalidLockCount { count, max });
+        }
+        Ok(())
+    }
+
+    /// Checks the index against the allocator and the quotas; returns the first violation.
+    /// O(n); for tests.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let st = self.shared.state.lock();
+        let entry_bytes: u64 = st.entries.values().map(|e| e.bytes).sum();
+        if entry_bytes != st.used_bytes {
+            return Err(format!("entries hold {entry_bytes} bytes, used_bytes is {}", st.used_bytes));
+        }
+        let allocated = self.shared.memory.usage().allocator.allocated_bytes;
+        if allocated != st.used_bytes {
+            return Err(format!("allocator has {allocated} bytes out, L1 accounts {}", st.used_bytes));
+        }
+        let by_salt: u64 = st.quotas.usage_by_salt().iter().map(|(_, b)| b).sum();
+        if by_salt != st.used_bytes {
+            return Err(format!("tenants account {by_salt} bytes, L1 {}", st.used_bytes));
+        }
+        let staged: u64 =
+            st.entries.values().filter(|e| matches!(e.slot, Slot::Staged)).map(|e| e.bytes).sum();
+        if staged != st.staged_bytes {
+            return Err(format!("staged entries hold {staged}, staged_bytes is {}", st.staged_bytes));
+        }
+        for (key, &id) in &st.index {
+            match st.entries.get(id) {
+                Some(e) if e.indexed && &e.key == key => {}
+                _ => return Err(format!("index entry for {key} is stale")),
+            }
+        }
+        let indexed = st.entries.values().filter(|e| e.indexed).count();
+        if indexed != st.index.len() {
+            return Err(format!("{indexed} indexed entries, index has {}", st.index.len()));
+        }
+        let policy_expect = st
+            .entries
+            .values()
+            .filter(|e| e.indexed && matches!(e.slot, Slot::Resident { .. }))
+            .count();
+        if st.policy.name() != "noop" && st.policy.len() != policy_expect {
+            return Err(format!("policy tracks {}, {policy_expect} resident", st.policy.len()));
+        }
+        Ok(())
+    }
+}
+
+impl State {
+    fn key_meta<'a>(&self, shared: &Shared, e: &'a Entry) -> (u64, &'a CacheSalt) {
+        (shared.key_hasher.hash_one(&e.key), &e.key.cache_salt)
+    }
+
+    /// Allocates `sizes` all or nothing, evicting unlocked objects while it helps.
+    fn allocate_evicting(
+        &mut self,
+        memory: &ArenaAllocator,
+        sizes: &[u64],
+    ) -> Result<Vec<Allocation>, L1Error> {
+        let mut evicted_any = false;
+        loop {
+            match memory.allocate_batch(sizes) {
+                Ok(v) => return Ok(v),
+                Err(AllocError::OutOfMemory { requested, free }) => {
+                    // Free the shortfall; when the bytes exist but are fragmented, free at
+                    // least one object's worth more and try again.
+                    let want = requested.saturating_sub(free).max(1);
+                    let freed = self.evict(None, want);
+                    if freed == 0 {
+                        let free = memory.usage().allocator.capacity - self.used_bytes;
+                        return Err(L1Error::OutOfMemory { requested, free });
+                    }
+                    if !evicted_any {
+                        self.stats.sync_evictions += 1;
+                        evicted_any = true;
+                    }
+                }
+                Err(_) => {
+                    let size = sizes.iter().copied().max().unwrap_or(0);
+                    return Err(L1Error::InvalidSize { size, capacity: memory.capacity() });
+                }
+            }
+        }
+    }
+
+    /// Evicts unlocked resident objects (of `scope` only, if given) worth `target` bytes.
+    pub(crate) fn evict(&mut self, scope: Option<&CacheSalt>, target: u64) -> u64 {
+        let mut victims = Vec::new();
+        let entries = &self.entries;
+        let freed = self.policy.evict(
+            scope,
+            target,
+            &mut |id| {
+                let e = entries.get(id)?;
+                let in_scope = scope.is_none_or(|s| &e.key.cache_salt == s);
+                match e.slot {
+                    Slot::Resident { readers: 0, .. } if e.indexed && in_scope => Some(e.bytes),
+                    _ => None,
+                }
+            },
+            &mut victims,
+        );
+        for id in victims {
+            if let Some(e) = self.remove_entry(id) {
+                self.stats.evicted_objects += 1;
+                self.stats.evicted_bytes += e.bytes;
+            }
+        }
+        freed
+    }
+
+    /// Removes an entry and its accounting. The caller has already told the policy.
+    fn remove_entry(&mut self, id: EntryId) -> Option<Entry> {
+        let e = self.entries.remove(id)?;
+        if e.indexed {
+            self.index.remove(&e.key);
+        }
+        self.quotas.credit(&e.key.cache_salt, e.bytes);
+        self.used_bytes -= e.bytes;
+        if matches!(e.slot, Slot::Staged) {
+            self.staged_bytes -= e.bytes;
+        }
+        Some(e)
+    }
+
+    fn delete_entry(&mut self, id: EntryId, force: bool) -> Result<(), L1Error> {
+        let e = self.entries.get_mut(id).ok_or(L1Error::NotFound)?;
+        let pinned = matches!(e.slot, Slot::Staged) || e.readers() > 0;
+        if pinned && !force {
+            return Err(L1Error::Locked);
+        }
+        let resident = matches!(e.slot, Slot::Resident { .. });
+        if pinned {
+            // Out of sight now; memory goes with the last handle.
+            e.indexed = false;
+            let key = e.key.clone();
+            self.index.remove(&key);
+        }
+        if resident {
+            self.policy.on_remove(id);
+        }
+        if !pinned {
+            self.remove_entry(id);
+        }
+        Ok(())
+    }
+
+    fn read_lock(&mut self, shared: &Arc<Shared>, key: &ObjectKey, count: u32) -> Result<ReadLease, L1Error> {
+        let id = *self.index.get(key).ok_or(L1Error::NotFound)?;
+        let e = self.entries.get_mut(id).ok_or(L1Error::NotFound)?;
+        match &mut e.slot {
+            Slot::Staged => Err(L1Error::NotFound),
+            Slot::Resident { alloc, readers } => {
+                *readers += count;
+                Ok(ReadLease::new(Arc::clone(shared), id, e.key.clone(), Arc::clone(alloc), count))
+            }
+        }
+    }
+
+    /// Makes a staged entry resident with `readers` read locks. On failure the allocation is
+    /// handed back so the caller can drop it outside the lock.
+    pub(crate) fn commit(
+        &mut self,
+        shared: &Arc<Shared>,
+        id: EntryId,
+        alloc: Allocation,
+        readers: u32,
+    ) -> Result<Option<ReadLease>, (L1Error, Allocation)> {
+        let Some(e) = self.entries.get_mut(id) else { return Err((L1Error::WrongState, alloc)) };
+        if !matches!(e.slot, Slot::Staged) {
+            return Err((L1Error::WrongState, alloc));
+        }
+        if !e.indexed {
+            // Deleted by force while being written: the object never becomes visible.
+            self.remove_entry(id);
+            self.stats.discarded += 1;
+            return Err((L1Error::WrongState, alloc));
+        }
+        let alloc = Arc::new(alloc);
+        e.slot = Slot::Resident { alloc: Arc::clone(&alloc), readers };
+        let key = e.key.clone();
+        self.staged_bytes -= e.bytes;
+        self.stats.committed += 1;
+        let e = &self.entries[id];
+        let (key_hash, cache_salt) = self.key_meta(shared, e);
+        let meta = EntryMeta { key_hash, cache_salt, bytes: e.bytes };
+        self.policy.on_insert(id, meta);
+        Ok((readers > 0).then(|| ReadLease::new(Arc::clone(shared), id, key, alloc, readers)))
+    }
+}
+
+impl Shared {
+    /// A reservation ended without commit.
+    pub(crate) fn discard(&self, id: EntryId) {
+        let mut st = self.state.lock();
+        if matches!(st.entries.get(id).map(|e| &e.slot), Some(Slot::Staged)) {
+            st.remove_entry(id);
+            st.stats.discarded += 1;
+        }
+    }
+
+    /// A lease gave back `count` read locks.
+    pub(crate) fn release_read(&self, id: EntryId, count: u32) {
+        let mut st = self.state.lock();
+        let Some(e) = st.entries.get_mut(id) else { return };
+        let Slot::Resident { readers, .. } = &mut e.slot else { return };
+        debug_assert!(*readers >= count, "read locks released twice");
+        *readers = readers.saturating_sub(count);
+        if *readers == 0 && (e.temporary || !e.indexed) {
+            if e.indexed {
+                st.policy.on_remove(id);
+            }
+            st.remove_entry(id);
+        }
+    }
+
+    pub(crate) fn max_read_locks(&self) -> u32 {
+        self.config.max_read_locks
+    }
+}

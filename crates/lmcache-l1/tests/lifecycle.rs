@@ -1,0 +1,347 @@
+//! The object lifecycle, one rule per test.
+
+mod common;
+
+use common::*;
+use lmcache_core::CacheSalt;
+use lmcache_l1::{EvictionPolicyKind, L1Error, L1Status, WriteRequest};
+
+fn reserve_one(c: &lmcache_l1::L1Cache, i: u32, size: u64) -> lmcache_l1::WriteReservation {
+    c.reserve_write(&[WriteRequest::new(key(i), size)]).pop().unwrap().unwrap()
+}
+
+#[test]
+fn store_then_read_round_trips_bytes() {
+    let c = cache(1 << 20);
+    let mut w = reserve_one(&c, 1, 10_000);
+    w.as_mut_slice().fill(0x5a);
+    w.write_at(9_998, &[1, 2]).unwrap();
+    assert!(w.write_at(9_999, &[1, 2]).is_err(), "write past the object accepted");
+    w.commit().unwrap();
+    let r = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    assert_eq!(r.len(), 10_000);
+    assert!(r.bytes()[..9_998].iter().all(|&b| b == 0x5a));
+    assert_eq!(&r.bytes()[9_998..], &[1, 2]);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn staged_objects_are_invisible_and_exclusive() {
+    let c = cache(1 << 20);
+    let w = reserve_one(&c, 1, 100);
+    assert!(!c.contains(&key(1)));
+    assert_eq!(c.read_lock(&[key(1)], 1)[0].as_ref().unwrap_err(), &L1Error::NotFound);
+    let again = c.reserve_write(&[WriteRequest::new(key(1), 100)]);
+    assert_eq!(again[0].as_ref().unwrap_err(), &L1Error::NotWritable);
+    w.commit().unwrap();
+    assert!(c.contains(&key(1)));
+    // Resident keys are never rewritten.
+    let again = c.reserve_write(&[WriteRequest::new(key(1), 100)]);
+    assert_eq!(again[0].as_ref().unwrap_err().status(), L1Status::NotWritable);
+}
+
+#[test]
+fn duplicate_keys_in_one_batch_get_one_reservation() {
+    let c = cache(1 << 20);
+    let r = c.reserve_write(&[WriteRequest::new(key(1), 100), WriteRequest::new(key(1), 100)]);
+    assert!(r[0].is_ok());
+    assert_eq!(r[1].as_ref().unwrap_err(), &L1Error::NotWritable);
+}
+
+#[test]
+fn dropped_reservation_discards_and_frees() {
+    let c = cache(1 << 20);
+    drop(reserve_one(&c, 1, 100_000));
+    assert_eq!(c.usage().used_bytes, 0);
+    assert_eq!(c.usage().stats.discarded, 1);
+    // The key is writable again.
+    reserve_one(&c, 1, 100).commit().unwrap();
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn read_locks_count_and_release_on_drop() {
+    let c = cache(1 << 20);
+    reserve_one(&c, 1, 100).commit().unwrap();
+    let mut lease = c.read_lock(&[key(1)], 3).pop().unwrap().unwrap();
+    assert_eq!(c.delete(&[key(1)], false)[0], Err(L1Error::Locked));
+    let one = lease.split(1).unwrap();
+    assert_eq!((lease.count(), one.count()), (2, 1));
+    assert!(lease.split(2).is_none() && lease.split(0).is_none());
+    drop(lease);
+    assert_eq!(c.usage().locked_objects, 1, "one lock still held");
+    one.release();
+    assert_eq!(c.usage().locked_objects, 0);
+    assert_eq!(c.delete(&[key(1)], false)[0], Ok(()));
+    assert!(!c.contains(&key(1)));
+}
+
+#[test]
+fn lock_count_is_validated() {
+    let c = cache(1 << 20);
+    reserve_one(&c, 1, 100).commit().unwrap();
+    assert!(matches!(c.read_lock(&[key(1)], 0)[0], Err(L1Error::InvalidLockCount { .. })));
+    assert!(matches!(c.read_lock(&[key(1)], 129)[0], Err(L1Error::InvalidLockCount { .. })));
+    assert!(c.read_lock(&[key(1)], 128)[0].is_ok());
+}
+
+#[test]
+fn temporary_objects_go_with_their_last_read_lock() {
+    let c = cache(1 << 20);
+    let req = WriteRequest { key: key(1), size: 100, temporary: true };
+    let w = c.reserve_write(&[req]).pop().unwrap().unwrap();
+    let mut lease = w.commit_and_read_lock(2).unwrap();
+    let other = lease.split(1).unwrap();
+    drop(lease);
+    assert!(c.contains(&key(1)));
+    drop(other);
+    assert!(!c.contains(&key(1)));
+    assert_eq!(c.usage().used_bytes, 0);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn forced_delete_never_frees_memory_under_a_reader() {
+    let c = cache(1 << 20);
+    let mut w = reserve_one(&c, 1, 4096);
+    w.as_mut_slice().fill(7);
+    w.commit().unwrap();
+    let lease = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    assert_eq!(c.delete(&[key(1)], true)[0], Ok(()));
+    assert!(!c.contains(&key(1)));
+    // New writes cannot be given the reader's memory.
+    let mut w2 = reserve_one(&c, 2, 4096);
+    w2.as_mut_slice().fill(9);
+    assert_ne!(w2.offset(), lease.offset());
+    assert!(lease.bytes().iter().all(|&b| b == 7), "reader saw foreign bytes");
+    assert_eq!(c.usage().used_bytes, 2 * 4096);
+    drop(lease);
+    assert_eq!(c.usage().used_bytes, 4096);
+    drop(w2);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn forced_delete_of_a_staged_object_fails_its_commit() {
+    let c = cache(1 << 20);
+    let w = reserve_one(&c, 1, 100);
+    assert_eq!(c.delete(&[key(1)], false)[0], Err(L1Error::Locked));
+    assert_eq!(c.clear(true).removed, 1);
+    assert_eq!(w.commit(), Err(L1Error::WrongState));
+    assert!(!c.contains(&key(1)));
+    assert_eq!(c.usage().used_bytes, 0);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn allocation_evicts_synchronously_instead_of_failing() {
+    let c = cache(16 * PAGE);
+    for i in 0..16 {
+        reserve_one(&c, i, PAGE).commit().unwrap();
+    }
+    // Full. LMCache would fail this write until its 1 s eviction loop ran.
+    reserve_one(&c, 100, 4 * PAGE).commit().unwrap();
+    let u = c.usage();
+    assert_eq!(u.stats.sync_evictions, 1);
+    assert_eq!(u.stats.evicted_objects, 4);
+    // LRU: the oldest four went.
+    for i in 0..4 {
+        assert!(!c.contains(&key(i)));
+    }
+    assert!(c.contains(&key(4)));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn locked_and_staged_objects_are_never_evicted() {
+    let c = cache(8 * PAGE);
+    reserve_one(&c, 0, PAGE).commit().unwrap();
+    let _lease = c.read_lock(&[key(0)], 1).pop().unwrap().unwrap();
+    let _staged = reserve_one(&c, 1, PAGE);
+    for i in 2..8 {
+        reserve_one(&c, i, PAGE).commit().unwrap();
+    }
+    // Needs 7 pages; only 6 are evictable.
+    let r = c.reserve_write(&[WriteRequest::new(key(50), 7 * PAGE)]);
+    assert!(matches!(r[0], Err(L1Error::OutOfMemory { .. })));
+    assert!(c.contains(&key(0)));
+    assert_eq!(c.usage().staged_objects, 1);
+    // 6 pages fit after evicting the 6 unlocked ones.
+    reserve_one(&c, 51, 6 * PAGE).commit().unwrap();
+    assert!(c.contains(&key(0)));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn batch_allocation_is_all_or_nothing() {
+    let c = cache(8 * PAGE);
+    let _pin = {
+        reserve_one(&c, 0, 4 * PAGE).commit().unwrap();
+        c.read_lock(&[key(0)], 1).pop().unwrap().unwrap()
+    };
+    let reqs: Vec<_> = (1..=5).map(|i| WriteRequest::new(key(i), PAGE)).collect();
+    let r = c.reserve_write(&reqs);
+    assert!(r.iter().all(|x| matches!(x, Err(L1Error::OutOfMemory { .. }))));
+    assert_eq!(c.usage().used_bytes, 4 * PAGE, "a failed batch left memory behind");
+    assert_eq!(c.usage().stats.oom_rejections, 5);
+}
+
+#[test]
+fn lru_evicts_a_requests_suffix_before_its_prefix() {
+    let c = cache(8 * PAGE);
+    let reqs: Vec<_> = (0..8).map(|i| WriteRequest::new(key(i), PAGE)).collect();
+    let ws: Vec<_> = c.reserve_write(&reqs).into_iter().map(Result::unwrap).collect();
+    c.commit_batch(ws).into_iter().for_each(|r| r.unwrap());
+    assert_eq!(c.evict(None, 3 * PAGE), 3 * PAGE);
+    assert_eq!(c.prefix_hits(&(0..8).map(key).collect::<Vec<_>>()), 5);
+    // A touch in request order keeps the same property.
+    let keys: Vec<_> = (0..5).map(key).collect();
+    c.touch(&keys);
+    c.evict(None, PAGE);
+    assert_eq!(c.prefix_hits(&keys), 4);
+}
+
+#[test]
+fn quota_is_enforced_at_admission_by_evicting_the_tenant_only() {
+    let a = CacheSalt::new("a").unwrap();
+    // Tenant a: commit 4, then a fifth evicts a's oldest, never b's.
+    let c = cache(64 * PAGE);
+    c.set_quota(&a, Some(4 * PAGE));
+    for i in 0..4 {
+        reserve_one_salted(&c, i, "b");
+    }
+    for i in 0..5 {
+        reserve_one_salted(&c, i, "a");
+    }
+    assert_eq!(c.usage_of(&a), 4 * PAGE);
+    assert!(!c.contains(&key_salted(0, "a")));
+    for i in 0..4 {
+        assert!(c.contains(&key_salted(i, "b")));
+    }
+    // Nothing evictable in a: pin everything, then a write is refused with the quota named.
+    let _pins = c.read_lock(&(1..5).map(|i| key_salted(i, "a")).collect::<Vec<_>>(), 1);
+    let r = c.reserve_write(&[WriteRequest::new(key_salted(9, "a"), PAGE)]);
+    match &r[0] {
+        Err(L1Error::QuotaExceeded { cache_salt, limit, .. }) => {
+            assert_eq!(cache_salt, &a);
+            assert_eq!(*limit, 4 * PAGE);
+        }
+        other => panic!("expected a quota error, got {other:?}"),
+    }
+    assert_eq!(r[0].as_ref().unwrap_err().status(), L1Status::OutOfMemory);
+    c.check_invariants().unwrap();
+}
+
+fn reserve_one_salted(c: &lmcache_l1::L1Cache, i: u32, salt: &str) {
+    c.reserve_write(&[WriteRequest::new(key_salted(i, salt), PAGE)])
+        .pop()
+        .unwrap()
+        .unwrap()
+        .commit()
+        .unwrap();
+}
+
+#[test]
+fn lowered_quota_is_enforced_by_maintenance() {
+    let c = cache_with(64 * PAGE, EvictionPolicyKind::IsolatedLru);
+    for i in 0..10 {
+        reserve_one_salted(&c, i, "t");
+    }
+    let t = CacheSalt::new("t").unwrap();
+    c.set_quota(&t, Some(3 * PAGE));
+    let report = c.run_maintenance();
+    assert_eq!(report.quota_evicted_bytes, 7 * PAGE);
+    assert_eq!(c.usage_of(&t), 3 * PAGE);
+    assert!(c.contains(&key_salted(9, "t")) && !c.contains(&key_salted(0, "t")));
+}
+
+#[test]
+fn watermark_pass_evicts_the_ratio_in_bytes() {
+    let c = cache(100 * PAGE);
+    for i in 0..79 {
+        reserve_one(&c, i, PAGE).commit().unwrap();
+    }
+    assert_eq!(c.run_maintenance().watermark_evicted_bytes, 0, "below 0.8: nothing");
+    reserve_one(&c, 79, PAGE).commit().unwrap();
+    let r = c.run_maintenance();
+    assert_eq!(r.watermark_evicted_bytes, 16 * PAGE, "0.2 of 80 pages");
+    assert_eq!(c.usage().used_bytes, 64 * PAGE);
+}
+
+#[test]
+fn parked_leases_expire_and_release_their_locks() {
+    use std::time::Duration;
+    let arena = lmcache_memory::Arena::create(&lmcache_memory::ArenaConfig {
+        size: 1 << 20,
+        backing: lmcache_memory::ArenaBacking::Anonymous,
+        mlock: false,
+    })
+    .unwrap();
+    let memory = lmcache_memory::ArenaAllocator::new(arena, PAGE).unwrap();
+    let cfg = lmcache_l1::L1Config {
+        read_ttl: Duration::from_millis(1),
+        write_ttl: Duration::from_millis(1),
+        ..Default::default()
+    };
+    let c = lmcache_l1::L1Cache::new(cfg, memory).unwrap();
+    reserve_one(&c, 1, 100).commit().unwrap();
+    let lease = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    let read_id = c.park_read(lease);
+    let write_id = c.park_write(reserve_one(&c, 2, 100));
+    assert_eq!(c.parked_leases(), (1, 1));
+    std::thread::sleep(Duration::from_millis(5));
+    let r = c.run_maintenance();
+    assert_eq!((r.expired_read_leases, r.expired_write_leases), (1, 1));
+    assert!(c.take_read(read_id).is_none() && c.take_write(write_id).is_none());
+    assert_eq!(c.usage().locked_objects, 0);
+    assert_eq!(c.usage().staged_objects, 0);
+    assert_eq!(c.delete(&[key(1)], false)[0], Ok(()));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn invalid_sizes_are_typed_errors() {
+    let c = cache(1 << 20);
+    let r = c.reserve_write(&[WriteRequest::new(key(1), 0), WriteRequest::new(key(2), 1 << 40)]);
+    assert!(matches!(r[0], Err(L1Error::InvalidSize { size: 0, .. })));
+    assert!(matches!(r[1], Err(L1Error::InvalidSize { .. })));
+}
+
+#[test]
+fn noop_policy_never_evicts() {
+    let c = cache_with(4 * PAGE, EvictionPolicyKind::Noop);
+    for i in 0..4 {
+        reserve_one(&c, i, PAGE).commit().unwrap();
+    }
+    let r = c.reserve_write(&[WriteRequest::new(key(9), PAGE)]);
+    assert!(matches!(r[0], Err(L1Error::OutOfMemory { .. })));
+    assert_eq!(c.clear(false).removed, 4);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn background_maintenance_runs_and_stops_on_drop() {
+    use std::time::Duration;
+    let arena = lmcache_memory::Arena::create(&lmcache_memory::ArenaConfig {
+        size: 10 * PAGE,
+        backing: lmcache_memory::ArenaBacking::Anonymous,
+        mlock: false,
+    })
+    .unwrap();
+    let memory = lmcache_memory::ArenaAllocator::new(arena, PAGE).unwrap();
+    let cfg = lmcache_l1::L1Config {
+        maintenance_interval: Duration::from_millis(5),
+        ..Default::default()
+    };
+    let c = lmcache_l1::L1Cache::new(cfg, memory).unwrap();
+    for i in 0..9 {
+        reserve_one(&c, i, PAGE).commit().unwrap();
+    }
+    let m = lmcache_l1::Maintenance::spawn(c.clone()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while c.usage().used_bytes >= 8 * PAGE && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(m);
+    assert!(c.usage().used_bytes < 8 * PAGE, "watermark pass never ran");
+}
