@@ -46,7 +46,11 @@ pub struct WriteRequest {
 impl WriteRequest {
     /// A non-temporary object.
     pub fn new(key: ObjectKey, size: u64) -> Self {
-        Self { key, size, temporary: false }
+        Self {
+            key,
+            size,
+            temporary: false,
+        }
     }
 }
 
@@ -95,7 +99,11 @@ pub struct L1Usage {
 impl L1Usage {
     /// used / capacity.
     pub fn usage_fraction(&self) -> f64 {
-        if self.capacity == 0 { 0.0 } else { self.used_bytes as f64 / self.capacity as f64 }
+        if self.capacity == 0 {
+            0.0
+        } else {
+            self.used_bytes as f64 / self.capacity as f64
+        }
     }
 }
 
@@ -196,7 +204,10 @@ impl L1Cache {
     /// quota cannot fit it after evicting that tenant's unlocked objects. The remaining keys
     /// are allocated all or nothing, evicting unlocked objects synchronously when memory is
     /// short; if that is not enough, each gets [`L1Error::OutOfMemory`].
-    pub fn reserve_write(&self, requests: &[WriteRequest]) -> Vec<Result<WriteReservation, L1Error>> {
+    pub fn reserve_write(
+        &self,
+        requests: &[WriteRequest],
+    ) -> Vec<Result<WriteReservation, L1Error>> {
         let shared = &self.shared;
         let mut results: Vec<Option<Result<WriteReservation, L1Error>>> =
             (0..requests.len()).map(|_| None).collect();
@@ -232,14 +243,21 @@ impl L1Cache {
             }
         }
         for (salt, requested) in need {
-            let Some(limit) = st.quotas.limit(&salt) else { continue };
+            let Some(limit) = st.quotas.limit(&salt) else {
+                continue;
+            };
             let used = st.quotas.usage(&salt);
             if used + requested > limit {
                 st.evict(Some(&salt), used + requested - limit);
             }
             let used = st.quotas.usage(&salt);
             if used + requested > limit {
-                let err = L1Error::QuotaExceeded { cache_salt: salt.clone(), limit, used, requested };
+                let err = L1Error::QuotaExceeded {
+                    cache_salt: salt.clone(),
+                    limit,
+                    used,
+                    requested,
+                };
                 todo.retain(|&(i, _)| {
                     let keep = requests[i].key.cache_salt != salt;
                     if !keep {
@@ -285,7 +303,10 @@ impl L1Cache {
             }
         }
         drop(st);
-        results.into_iter().map(|r| r.unwrap_or(Err(L1Error::WrongState))).collect()
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(L1Error::WrongState)))
+            .collect()
     }
 
     /// Commits reservations in one step, inserting them into the eviction policy in reverse
@@ -320,11 +341,17 @@ impl L1Cache {
             return keys.iter().map(|_| Err(e.clone())).collect();
         }
         let mut st = self.shared.state.lock();
-        keys.iter().map(|k| st.read_lock(&self.shared, k, count)).collect()
+        keys.iter()
+            .map(|k| st.read_lock(&self.shared, k, count))
+            .collect()
     }
 
     /// Read-locks the longest prefix of `keys` that is resident, stopping at the first miss.
-    pub fn read_lock_prefix(&self, keys: &[ObjectKey], count: u32) -> Result<Vec<ReadLease>, L1Error> {
+    pub fn read_lock_prefix(
+        &self,
+        keys: &[ObjectKey],
+        count: u32,
+    ) -> Result<Vec<ReadLease>, L1Error> {
         self.check_count(count)?;
         let mut st = self.shared.state.lock();
         let mut out = Vec::new();
@@ -340,9 +367,10 @@ impl L1Cache {
     /// True when `key` is resident (visible).
     pub fn contains(&self, key: &ObjectKey) -> bool {
         let st = self.shared.state.lock();
-        st.index.get(key).and_then(|&id| st.entries.get(id)).is_some_and(|e| {
-            matches!(e.slot, Slot::Resident { .. })
-        })
+        st.index
+            .get(key)
+            .and_then(|&id| st.entries.get(id))
+            .is_some_and(|e| matches!(e.slot, Slot::Resident { .. }))
     }
 
     /// How many leading keys are resident.
@@ -364,7 +392,10 @@ impl L1Cache {
         let mut st = self.shared.state.lock();
         for k in keys.iter().rev() {
             if let Some(&id) = st.index.get(k)
-                && matches!(st.entries.get(id).map(|e| &e.slot), Some(Slot::Resident { .. }))
+                && matches!(
+                    st.entries.get(id).map(|e| &e.slot),
+                    Some(Slot::Resident { .. })
+                )
             {
                 st.policy.on_access(id);
             }
@@ -518,20 +549,36 @@ impl L1Cache {
         let st = self.shared.state.lock();
         let entry_bytes: u64 = st.entries.values().map(|e| e.bytes).sum();
         if entry_bytes != st.used_bytes {
-            return Err(format!("entries hold {entry_bytes} bytes, used_bytes is {}", st.used_bytes));
+            return Err(format!(
+                "entries hold {entry_bytes} bytes, used_bytes is {}",
+                st.used_bytes
+            ));
         }
         let allocated = self.shared.memory.usage().allocator.allocated_bytes;
         if allocated != st.used_bytes {
-            return Err(format!("allocator has {allocated} bytes out, L1 accounts {}", st.used_bytes));
+            return Err(format!(
+                "allocator has {allocated} bytes out, L1 accounts {}",
+                st.used_bytes
+            ));
         }
         let by_salt: u64 = st.quotas.usage_by_salt().iter().map(|(_, b)| b).sum();
         if by_salt != st.used_bytes {
-            return Err(format!("tenants account {by_salt} bytes, L1 {}", st.used_bytes));
+            return Err(format!(
+                "tenants account {by_salt} bytes, L1 {}",
+                st.used_bytes
+            ));
         }
-        let staged: u64 =
-            st.entries.values().filter(|e| matches!(e.slot, Slot::Staged)).map(|e| e.bytes).sum();
+        let staged: u64 = st
+            .entries
+            .values()
+            .filter(|e| matches!(e.slot, Slot::Staged))
+            .map(|e| e.bytes)
+            .sum();
         if staged != st.staged_bytes {
-            return Err(format!("staged entries hold {staged}, staged_bytes is {}", st.staged_bytes));
+            return Err(format!(
+                "staged entries hold {staged}, staged_bytes is {}",
+                st.staged_bytes
+            ));
         }
         for (key, &id) in &st.index {
             match st.entries.get(id) {
@@ -541,7 +588,10 @@ impl L1Cache {
         }
         let indexed = st.entries.values().filter(|e| e.indexed).count();
         if indexed != st.index.len() {
-            return Err(format!("{indexed} indexed entries, index has {}", st.index.len()));
+            return Err(format!(
+                "{indexed} indexed entries, index has {}",
+                st.index.len()
+            ));
         }
         let policy_expect = st
             .entries
@@ -549,7 +599,10 @@ impl L1Cache {
             .filter(|e| e.indexed && matches!(e.slot, Slot::Resident { .. }))
             .count();
         if st.policy.name() != "noop" && st.policy.len() != policy_expect {
-            return Err(format!("policy tracks {}, {policy_expect} resident", st.policy.len()));
+            return Err(format!(
+                "policy tracks {}, {policy_expect} resident",
+                st.policy.len()
+            ));
         }
         Ok(())
     }
@@ -586,7 +639,10 @@ impl State {
                 }
                 Err(_) => {
                     let size = sizes.iter().copied().max().unwrap_or(0);
-                    return Err(L1Error::InvalidSize { size, capacity: memory.capacity() });
+                    return Err(L1Error::InvalidSize {
+                        size,
+                        capacity: memory.capacity(),
+                    });
                 }
             }
         }
@@ -654,14 +710,25 @@ impl State {
         Ok(())
     }
 
-    fn read_lock(&mut self, shared: &Arc<Shared>, key: &ObjectKey, count: u32) -> Result<ReadLease, L1Error> {
+    fn read_lock(
+        &mut self,
+        shared: &Arc<Shared>,
+        key: &ObjectKey,
+        count: u32,
+    ) -> Result<ReadLease, L1Error> {
         let id = *self.index.get(key).ok_or(L1Error::NotFound)?;
         let e = self.entries.get_mut(id).ok_or(L1Error::NotFound)?;
         match &mut e.slot {
             Slot::Staged => Err(L1Error::NotFound),
             Slot::Resident { alloc, readers } => {
                 *readers += count;
-                Ok(ReadLease::new(Arc::clone(shared), id, e.key.clone(), Arc::clone(alloc), count))
+                Ok(ReadLease::new(
+                    Arc::clone(shared),
+                    id,
+                    e.key.clone(),
+                    Arc::clone(alloc),
+                    count,
+                ))
             }
         }
     }
@@ -675,7 +742,9 @@ impl State {
         alloc: Allocation,
         readers: u32,
     ) -> Result<Option<ReadLease>, (L1Error, Allocation)> {
-        let Some(e) = self.entries.get_mut(id) else { return Err((L1Error::WrongState, alloc)) };
+        let Some(e) = self.entries.get_mut(id) else {
+            return Err((L1Error::WrongState, alloc));
+        };
         if !matches!(e.slot, Slot::Staged) {
             return Err((L1Error::WrongState, alloc));
         }
@@ -686,13 +755,20 @@ impl State {
             return Err((L1Error::WrongState, alloc));
         }
         let alloc = Arc::new(alloc);
-        e.slot = Slot::Resident { alloc: Arc::clone(&alloc), readers };
+        e.slot = Slot::Resident {
+            alloc: Arc::clone(&alloc),
+            readers,
+        };
         let key = e.key.clone();
         self.staged_bytes -= e.bytes;
         self.stats.committed += 1;
         let e = &self.entries[id];
         let (key_hash, cache_salt) = self.key_meta(shared, e);
-        let meta = EntryMeta { key_hash, cache_salt, bytes: e.bytes };
+        let meta = EntryMeta {
+            key_hash,
+            cache_salt,
+            bytes: e.bytes,
+        };
         self.policy.on_insert(id, meta);
         Ok((readers > 0).then(|| ReadLease::new(Arc::clone(shared), id, key, alloc, readers)))
     }
@@ -711,8 +787,12 @@ impl Shared {
     /// A lease gave back `count` read locks.
     pub(crate) fn release_read(&self, id: EntryId, count: u32) {
         let mut st = self.state.lock();
-        let Some(e) = st.entries.get_mut(id) else { return };
-        let Slot::Resident { readers, .. } = &mut e.slot else { return };
+        let Some(e) = st.entries.get_mut(id) else {
+            return;
+        };
+        let Slot::Resident { readers, .. } = &mut e.slot else {
+            return;
+        };
         debug_assert!(*readers >= count, "read locks released twice");
         *readers = readers.saturating_sub(count);
         if *readers == 0 && (e.temporary || !e.indexed) {

@@ -52,7 +52,9 @@ pub enum L1Error {
         free: u64,
     },
     /// The tenant's quota cannot fit the object, even after evicting its unlocked objects.
-    #[error("quota of cache_salt {cache_salt:?} exceeded: {used} of {limit} bytes used, {requested} requested")]
+    #[error(
+        "quota of cache_salt {cache_salt:?} exceeded: {used} of {limit} bytes used, {requested} requested"
+    )]
     QuotaExceeded {
         /// The tenant.
         cache_salt: CacheSalt,

@@ -21,21 +21,26 @@ impl Maintenance {
     pub fn spawn(cache: L1Cache) -> std::io::Result<Self> {
         let (stop, rx) = mpsc::channel::<()>();
         let interval = cache.config().maintenance_interval;
-        let thread = std::thread::Builder::new().name("l1-maintenance".into()).spawn(move || {
-            loop {
-                match rx.recv_timeout(interval) {
-                    Err(RecvTimeoutError::Timeout) => {
-                        let r = cache.run_maintenance();
-                        if r != Default::default() {
-                            tracing::debug!(?r, "l1 maintenance pass");
+        let thread = std::thread::Builder::new()
+            .name("l1-maintenance".into())
+            .spawn(move || {
+                loop {
+                    match rx.recv_timeout(interval) {
+                        Err(RecvTimeoutError::Timeout) => {
+                            let r = cache.run_maintenance();
+                            if r != Default::default() {
+                                tracing::debug!(?r, "l1 maintenance pass");
+                            }
                         }
+                        // A message or a dropped sender: stop.
+                        _ => break,
                     }
-                    // A message or a dropped sender: stop.
-                    _ => break,
                 }
-            }
-        })?;
-        Ok(Self { stop: Some(stop), thread: Some(thread) })
+            })?;
+        Ok(Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
     }
 }
 

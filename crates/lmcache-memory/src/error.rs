@@ -59,6 +59,9 @@ pub enum MemoryError {
 
 impl MemoryError {
     pub(crate) fn os(op: &'static str, source: impl Into<std::io::Error>) -> Self {
-        Self::Os { op, source: source.into() }
+        Self::Os {
+            op,
+            source: source.into(),
+        }
     }
 }

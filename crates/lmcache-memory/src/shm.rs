@@ -28,7 +28,12 @@ pub fn default_shm_name() -> String {
 
 /// Checks a segment name: non-empty, at most 255 bytes, no `/` and no NUL.
 pub fn validate_name(name: &str) -> Result<(), MemoryError> {
-    let bad = |reason| Err(MemoryError::InvalidShmName { name: name.to_owned(), reason });
+    let bad = |reason| {
+        Err(MemoryError::InvalidShmName {
+            name: name.to_owned(),
+            reason,
+        })
+    };
     if name.is_empty() {
         return bad("empty");
     }
@@ -62,7 +67,10 @@ impl ShmSegment {
     pub fn create(name: &str, len: u64) -> Result<Self, MemoryError> {
         validate_name(name)?;
         if len == 0 {
-            return Err(MemoryError::InvalidSize { size: len, reason: "zero" });
+            return Err(MemoryError::InvalidSize {
+                size: len,
+                reason: "zero",
+            });
         }
         let path = format!("/{name}");
         let fd = match open(&path, true) {
@@ -78,7 +86,11 @@ impl ShmSegment {
                         drop(stale);
                         open(&path, true).map_err(|e| MemoryError::os("shm_open", e))?
                     }
-                    Err((_, _)) => return Err(MemoryError::ShmInUse { name: name.to_owned() }),
+                    Err((_, _)) => {
+                        return Err(MemoryError::ShmInUse {
+                            name: name.to_owned(),
+                        });
+                    }
                 }
             }
             Err(e) => return Err(MemoryError::os("shm_open", e)),
@@ -91,12 +103,22 @@ impl ShmSegment {
             }
         };
         // From here on the guard exists, so any failure unlinks the name on drop.
-        let segment = Self { name: name.to_owned(), file, len };
+        let segment = Self {
+            name: name.to_owned(),
+            file,
+            len,
+        };
         let available = shm_free_bytes()?;
         if len > available {
-            return Err(MemoryError::ShmTooSmall { size: len, available });
+            return Err(MemoryError::ShmTooSmall {
+                size: len,
+                available,
+            });
         }
-        segment.file.set_len(len).map_err(|e| MemoryError::os("ftruncate", e))?;
+        segment
+            .file
+            .set_len(len)
+            .map_err(|e| MemoryError::os("ftruncate", e))?;
         Ok(segment)
     }
 
@@ -123,7 +145,10 @@ impl ShmSegment {
     /// Bytes of the segment actually backed by memory (tmpfs allocates on first touch).
     pub fn committed_bytes(&self) -> Result<u64, MemoryError> {
         use std::os::unix::fs::MetadataExt;
-        let meta = self.file.metadata().map_err(|e| MemoryError::os("fstat", e))?;
+        let meta = self
+            .file
+            .metadata()
+            .map_err(|e| MemoryError::os("fstat", e))?;
         Ok(meta.blocks() * 512)
     }
 }
@@ -138,7 +163,11 @@ impl Drop for ShmSegment {
 }
 
 fn open(path: &str, create: bool) -> Result<std::os::fd::OwnedFd, Errno> {
-    let flags = if create { OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL } else { OFlag::O_RDWR };
+    let flags = if create {
+        OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL
+    } else {
+        OFlag::O_RDWR
+    };
     nix::sys::mman::shm_open(path, flags, Mode::S_IRUSR | Mode::S_IWUSR)
 }
 
@@ -151,26 +180,34 @@ fn shm_free_bytes() -> Result<u64, MemoryError> {
 /// and whose lock nobody holds. Returns the names removed. Errors on single entries are
 /// logged and skipped: cleanup never stops a start.
 pub fn clean_stale_segments(dir: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
     let mut removed = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(pid) = name.strip_prefix(DEFAULT_SHM_PREFIX).and_then(|p| p.parse::<i32>().ok())
+        let Some(pid) = name
+            .strip_prefix(DEFAULT_SHM_PREFIX)
+            .and_then(|p| p.parse::<i32>().ok())
         else {
             continue;
         };
         if pid <= 0 || process_alive(pid) {
             continue;
         }
-        let Ok(file) = File::options().read(true).write(true).open(entry.path()) else { continue };
+        let Ok(file) = File::options().read(true).write(true).open(entry.path()) else {
+            continue;
+        };
         if let Ok(lock) = Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             match std::fs::remove_file(entry.path()) {
                 Ok(()) => {
                     tracing::info!(segment = name, pid, "removed stale shared-memory segment");
                     removed.push(name.to_owned());
                 }
-                Err(e) => tracing::warn!(segment = name, error = %e, "could not remove stale segment"),
+                Err(e) => {
+                    tracing::warn!(segment = name, error = %e, "could not remove stale segment")
+                }
             }
             drop(lock);
         }
@@ -200,7 +237,10 @@ mod tests {
         let name = unique("sparse");
         let seg = ShmSegment::create(&name, 1 << 30).unwrap();
         assert_eq!(seg.len(), 1 << 30);
-        assert!(seg.committed_bytes().unwrap() < 1 << 20, "segment committed eagerly");
+        assert!(
+            seg.committed_bytes().unwrap() < 1 << 20,
+            "segment committed eagerly"
+        );
         assert!(Path::new(SHM_DIR).join(&name).exists());
         drop(seg);
         assert!(!Path::new(SHM_DIR).join(&name).exists());
@@ -210,7 +250,10 @@ mod tests {
     fn live_segment_is_refused_and_stale_one_replaced() {
         let name = unique("inuse");
         let seg = ShmSegment::create(&name, 4096).unwrap();
-        assert!(matches!(ShmSegment::create(&name, 4096), Err(MemoryError::ShmInUse { .. })));
+        assert!(matches!(
+            ShmSegment::create(&name, 4096),
+            Err(MemoryError::ShmInUse { .. })
+        ));
         drop(seg);
         // A crashed owner leaves the name behind with nobody holding its lock.
         let path = Path::new(SHM_DIR).join(&name);
@@ -222,7 +265,10 @@ mod tests {
     #[test]
     fn names_are_validated() {
         for bad in ["", "a/b", "a\0b", ".", ".."] {
-            assert!(matches!(validate_name(bad), Err(MemoryError::InvalidShmName { .. })));
+            assert!(matches!(
+                validate_name(bad),
+                Err(MemoryError::InvalidShmName { .. })
+            ));
         }
         assert!(validate_name(&"x".repeat(256)).is_err());
         assert!(validate_name("lmcache_l1_pool_1").is_ok());
@@ -233,7 +279,10 @@ mod tests {
         let name = unique("huge");
         let err = ShmSegment::create(&name, 1 << 60).unwrap_err();
         assert!(matches!(err, MemoryError::ShmTooSmall { .. }), "{err}");
-        assert!(!Path::new(SHM_DIR).join(&name).exists(), "failed create left the name");
+        assert!(
+            !Path::new(SHM_DIR).join(&name).exists(),
+            "failed create left the name"
+        );
     }
 
     #[test]

@@ -23,7 +23,9 @@ pub struct IsolatedLru {
 
 impl IsolatedLru {
     fn unlink(&mut self, id: EntryId) {
-        let Some(salt) = self.salt_of.remove(id) else { return };
+        let Some(salt) = self.salt_of.remove(id) else {
+            return;
+        };
         self.tick_of.remove(id);
         if let Some(list) = self.lists.get_mut(&salt) {
             list.remove(id);
@@ -43,11 +45,16 @@ impl EvictionPolicy for IsolatedLru {
         self.clock += 1;
         self.tick_of.insert(id, self.clock);
         self.salt_of.insert(id, meta.cache_salt.clone());
-        self.lists.entry(meta.cache_salt.clone()).or_default().push_front(id);
+        self.lists
+            .entry(meta.cache_salt.clone())
+            .or_default()
+            .push_front(id);
     }
 
     fn on_access(&mut self, id: EntryId) {
-        let Some(salt) = self.salt_of.get(id) else { return };
+        let Some(salt) = self.salt_of.get(id) else {
+            return;
+        };
         self.clock += 1;
         self.tick_of.insert(id, self.clock);
         if let Some(list) = self.lists.get_mut(salt) {

@@ -31,7 +31,10 @@ impl IdList {
     /// Pushes `id` at the front. The caller guarantees `id` is not in the list.
     pub(crate) fn push_front(&mut self, id: EntryId) {
         debug_assert!(!self.contains(id));
-        let link = Link { prev: None, next: self.front };
+        let link = Link {
+            prev: None,
+            next: self.front,
+        };
         if let Some(old) = self.front
             && let Some(l) = self.links.get_mut(old)
         {
@@ -46,7 +49,9 @@ impl IdList {
 
     /// Removes `id`; false when it was not in the list.
     pub(crate) fn remove(&mut self, id: EntryId) -> bool {
-        let Some(link) = self.links.remove(id) else { return false };
+        let Some(link) = self.links.remove(id) else {
+            return false;
+        };
         match link.prev {
             Some(p) => {
                 if let Some(l) = self.links.get_mut(p) {

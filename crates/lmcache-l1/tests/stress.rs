@@ -1,0 +1,154 @@
+//! Concurrent writers, readers, deleters and eviction on one L1, for a bounded number of
+//! operations. Every read checks the bytes belong to the key read (a use-after-free or an
+//! overlapping allocation would show another key's bytes); at the end the accounting must
+//! balance and every handle must have released what it held.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use common::*;
+use lmcache_core::ObjectKey;
+use lmcache_l1::{EvictionPolicyKind, L1Cache, WriteRequest};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const KEYS: u32 = 400;
+const OPS_PER_THREAD: usize = 20_000;
+
+fn fill(buf: &mut [u8], k: u32) {
+    buf.fill((k % 251) as u8);
+    buf[..4].copy_from_slice(&k.to_be_bytes());
+}
+
+fn verify(buf: &[u8], k: u32) -> bool {
+    buf[..4] == k.to_be_bytes() && buf[4..].iter().all(|&b| b == (k % 251) as u8)
+}
+
+fn size_of(k: u32) -> u64 {
+    // Mostly one size (the KV case), some others.
+    if k % 10 == 0 { 3 * PAGE - 17 } else { PAGE }
+}
+
+fn writer(c: L1Cache, seed: u64, stores: Arc<AtomicU64>) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for _ in 0..OPS_PER_THREAD / 4 {
+        let start = rng.gen_range(0..KEYS);
+        let n = rng.gen_range(1..=4);
+        let keys: Vec<u32> = (start..start + n).map(|k| k % KEYS).collect();
+        let reqs: Vec<WriteRequest> = keys
+            .iter()
+            .map(|&k| WriteRequest::new(key(k), size_of(k)))
+            .collect();
+        let mut ok = Vec::new();
+        for (k, r) in keys.iter().zip(c.reserve_write(&reqs)) {
+            if let Ok(mut w) = r {
+                fill(w.as_mut_slice(), *k);
+                ok.push(w);
+            }
+        }
+        if rng.gen_bool(0.05) {
+            drop(ok); // abandoned reservations
+        } else {
+            stores.fetch_add(
+                c.commit_batch(ok).iter().filter(|r| r.is_ok()).count() as u64,
+                Ordering::Relaxed,
+            );
+        }
+    }
+}
+
+fn reader(c: L1Cache, seed: u64, reads: Arc<AtomicU64>) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for _ in 0..OPS_PER_THREAD {
+        let k = rng.gen_range(0..KEYS);
+        let keys: Vec<ObjectKey> = (k..k + 3).map(|k| key(k % KEYS)).collect();
+        let leases = c.read_lock_prefix(&keys, rng.gen_range(1..3)).unwrap();
+        for (i, lease) in leases.iter().enumerate() {
+            let kk = (k + i as u32) % KEYS;
+            assert!(
+                verify(lease.bytes(), kk),
+                "key {kk}: foreign bytes under a read lock"
+            );
+        }
+        reads.fetch_add(leases.len() as u64, Ordering::Relaxed);
+        if rng.gen_bool(0.3) {
+            c.touch(&keys);
+        }
+        // Hold some leases across an eviction-heavy window.
+        if rng.gen_bool(0.01) {
+            std::thread::yield_now();
+        }
+        drop(leases);
+    }
+}
+
+fn janitor(c: L1Cache, seed: u64) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    for i in 0..OPS_PER_THREAD / 2 {
+        match rng.gen_range(0..100) {
+            0..60 => {
+                c.evict(None, rng.gen_range(1..8) * PAGE);
+            }
+            60..90 => {
+                let k = key(rng.gen_range(0..KEYS));
+                let _ = c.delete(&[k], rng.gen_bool(0.3));
+            }
+            90..98 => {
+                c.run_maintenance();
+            }
+            _ => {
+                c.clear(i % 7 == 0);
+            }
+        }
+    }
+}
+
+fn stress(policy: EvictionPolicyKind) {
+    // Smaller than the key space: constant pressure.
+    let c = cache_with(160 * PAGE, policy);
+    let reads = Arc::new(AtomicU64::new(0));
+    let stores = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for t in 0..2u64 {
+        let (c2, s) = (c.clone(), stores.clone());
+        threads.push(std::thread::spawn(move || writer(c2, t, s)));
+        let (c2, r) = (c.clone(), reads.clone());
+        threads.push(std::thread::spawn(move || reader(c2, 100 + t, r)));
+    }
+    let c2 = c.clone();
+    threads.push(std::thread::spawn(move || janitor(c2, 7)));
+    for t in threads {
+        t.join().expect("a stress thread panicked");
+    }
+    c.check_invariants().unwrap();
+    let u = c.usage();
+    assert_eq!(u.staged_objects, 0, "reservation leaked");
+    assert_eq!(u.locked_objects, 0, "read lock leaked");
+    assert!(stores.load(Ordering::Relaxed) > 1000, "writers barely ran");
+    assert!(reads.load(Ordering::Relaxed) > 1000, "readers barely hit");
+    c.clear(false);
+    assert_eq!(c.usage().used_bytes, 0);
+    assert_eq!(c.memory().usage().allocator.allocated_bytes, 0);
+}
+
+#[test]
+fn stress_lru() {
+    stress(EvictionPolicyKind::Lru);
+}
+
+#[test]
+fn stress_arc() {
+    stress(EvictionPolicyKind::Arc);
+}
+
+#[test]
+fn stress_s3fifo() {
+    stress(EvictionPolicyKind::S3Fifo);
+}
+
+#[test]
+fn stress_isolated_lru() {
+    stress(EvictionPolicyKind::IsolatedLru);
+}
