@@ -10,9 +10,7 @@ use std::hint::black_box;
 fn bench_hashing(c: &mut Criterion) {
     let mut group = c.benchmark_group("token_hashing");
     for tokens in [256usize, 4096, 32768] {
-        let seq: Vec<u32> = (0..tokens as u32)
-            .map(|t| t.wrapping_mul(2_654_435_761))
-            .collect();
+        let seq: Vec<u32> = (0..tokens as u32).map(|t| t.wrapping_mul(2_654_435_761)).collect();
         let hasher = TokenHasher::default();
         group.throughput(Throughput::Bytes((tokens * 4) as u64));
         group.bench_function(format!("blake3_chain_{tokens}_tokens"), |b| {

@@ -59,9 +59,7 @@ pub struct TokenHasher {
 
 impl Default for TokenHasher {
     fn default() -> Self {
-        Self {
-            chunk_size: DEFAULT_CHUNK_SIZE,
-        }
+        Self { chunk_size: DEFAULT_CHUNK_SIZE }
     }
 }
 
@@ -92,11 +90,7 @@ impl TokenHasher {
 
     /// A fresh incremental hasher with this chunk size.
     pub fn prefix_hasher(&self) -> PrefixHasher {
-        PrefixHasher {
-            chunk_size: self.chunk_size,
-            hashes: Vec::new(),
-            pending: Vec::new(),
-        }
+        PrefixHasher { chunk_size: self.chunk_size, hashes: Vec::new(), pending: Vec::new() }
     }
 }
 
@@ -211,23 +205,14 @@ mod tests {
 
     #[test]
     fn tokens_from_i64_names_the_bad_position() {
-        assert_eq!(
-            tokens_from_i64(&[0, 5, 4_294_967_295]).unwrap(),
-            vec![0, 5, u32::MAX]
-        );
+        assert_eq!(tokens_from_i64(&[0, 5, 4_294_967_295]).unwrap(), vec![0, 5, u32::MAX]);
         assert_eq!(
             tokens_from_i64(&[1, -1]),
-            Err(KeyError::TokenOutOfRange {
-                token: -1,
-                position: 1
-            })
+            Err(KeyError::TokenOutOfRange { token: -1, position: 1 })
         );
         assert_eq!(
             tokens_from_i64(&[1 << 32]),
-            Err(KeyError::TokenOutOfRange {
-                token: 1 << 32,
-                position: 0
-            })
+            Err(KeyError::TokenOutOfRange { token: 1 << 32, position: 0 })
         );
     }
 
@@ -241,10 +226,7 @@ mod tests {
         assert_eq!(inc.tokens_seen(), 5);
         let new = inc.extend(&[6, 7, 8, 9, 10, 11, 12]).to_vec();
         assert_eq!(new.len(), 2);
-        assert_eq!(
-            inc.hashes(),
-            hasher.hash_tokens(&(1..=12).collect::<Vec<_>>()).as_slice()
-        );
+        assert_eq!(inc.hashes(), hasher.hash_tokens(&(1..=12).collect::<Vec<_>>()).as_slice());
     }
 
     proptest! {

@@ -24,10 +24,9 @@ pub struct ChunkHash(pub [u8; 32]);
 impl ChunkHash {
     /// Builds a hash from a byte slice of exactly 32 bytes.
     pub fn from_slice(bytes: &[u8]) -> Result<Self, KeyError> {
-        let arr: [u8; 32] = bytes.try_into().map_err(|_| KeyError::ChunkHashLength {
-            expected: 32,
-            got: bytes.len(),
-        })?;
+        let arr: [u8; 32] = bytes
+            .try_into()
+            .map_err(|_| KeyError::ChunkHashLength { expected: 32, got: bytes.len() })?;
         Ok(Self(arr))
     }
 
@@ -73,9 +72,7 @@ impl ModelName {
             return Err(KeyError::EmptyModelName);
         }
         if name.contains('@') {
-            return Err(KeyError::ModelNameContainsAt {
-                model_name: name.to_owned(),
-            });
+            return Err(KeyError::ModelNameContainsAt { model_name: name.to_owned() });
         }
         Ok(Self(Arc::from(name)))
     }
@@ -114,16 +111,10 @@ impl CacheSalt {
         }
         let len = salt.chars().count();
         if len > MAX_CACHE_SALT_LEN {
-            return Err(KeyError::CacheSaltTooLong {
-                len,
-                max: MAX_CACHE_SALT_LEN,
-            });
+            return Err(KeyError::CacheSaltTooLong { len, max: MAX_CACHE_SALT_LEN });
         }
         if let Some(ch) = salt.chars().find(|c| matches!(c, '@' | '/' | '\\' | '\0')) {
-            return Err(KeyError::CacheSaltForbiddenChar {
-                cache_salt: salt.to_owned(),
-                ch,
-            });
+            return Err(KeyError::CacheSaltForbiddenChar { cache_salt: salt.to_owned(), ch });
         }
         Ok(Self(Some(Arc::from(salt))))
     }
@@ -163,14 +154,9 @@ impl KvRank {
             return Err(KeyError::WorldSizeOutOfRange { world_size });
         }
         if worker_id >= world_size {
-            return Err(KeyError::WorkerIdOutOfRange {
-                worker_id,
-                world_size,
-            });
+            return Err(KeyError::WorkerIdOutOfRange { worker_id, world_size });
         }
-        Ok(Self(
-            world_size << 24 | worker_id << 16 | world_size << 8 | worker_id,
-        ))
+        Ok(Self(world_size << 24 | worker_id << 16 | world_size << 8 | worker_id))
     }
 
     /// Interprets an already packed value (as found in L2 key encodings). The global and
@@ -183,10 +169,7 @@ impl KvRank {
         }
         let worker_id = (packed >> 16) & 0xff;
         if worker_id >= world_size {
-            return Err(KeyError::WorkerIdOutOfRange {
-                worker_id,
-                world_size,
-            });
+            return Err(KeyError::WorkerIdOutOfRange { worker_id, world_size });
         }
         Ok(Self(packed))
     }
@@ -283,20 +266,11 @@ mod tests {
 
     #[test]
     fn kv_rank_rejects_bad_values() {
-        assert_eq!(
-            KvRank::new(0, 0),
-            Err(KeyError::WorldSizeOutOfRange { world_size: 0 })
-        );
-        assert_eq!(
-            KvRank::new(256, 0),
-            Err(KeyError::WorldSizeOutOfRange { world_size: 256 })
-        );
+        assert_eq!(KvRank::new(0, 0), Err(KeyError::WorldSizeOutOfRange { world_size: 0 }));
+        assert_eq!(KvRank::new(256, 0), Err(KeyError::WorldSizeOutOfRange { world_size: 256 }));
         assert_eq!(
             KvRank::new(2, 2),
-            Err(KeyError::WorkerIdOutOfRange {
-                worker_id: 2,
-                world_size: 2
-            })
+            Err(KeyError::WorkerIdOutOfRange { worker_id: 2, world_size: 2 })
         );
         assert!(KvRank::from_packed(0).is_err());
         assert!(KvRank::from_packed(0x0105_0000).is_err());
@@ -313,10 +287,7 @@ mod tests {
     fn model_name_validation() {
         assert!(ModelName::new("meta-llama/Llama-3-8B").is_ok());
         assert_eq!(ModelName::new(""), Err(KeyError::EmptyModelName));
-        assert!(matches!(
-            ModelName::new("a@b"),
-            Err(KeyError::ModelNameContainsAt { .. })
-        ));
+        assert!(matches!(ModelName::new("a@b"), Err(KeyError::ModelNameContainsAt { .. })));
     }
 
     #[test]
@@ -332,10 +303,7 @@ mod tests {
         assert!(CacheSalt::new(&"é".repeat(128)).is_ok());
         for bad in ["a@b", "a/b", "a\\b", "a\0b"] {
             assert!(
-                matches!(
-                    CacheSalt::new(bad),
-                    Err(KeyError::CacheSaltForbiddenChar { .. })
-                ),
+                matches!(CacheSalt::new(bad), Err(KeyError::CacheSaltForbiddenChar { .. })),
                 "{bad:?} accepted"
             );
         }
@@ -372,10 +340,7 @@ mod tests {
         assert!(ChunkHash::from_slice(&[0; 32]).is_ok());
         assert_eq!(
             ChunkHash::from_slice(&[0; 31]),
-            Err(KeyError::ChunkHashLength {
-                expected: 32,
-                got: 31
-            })
+            Err(KeyError::ChunkHashLength { expected: 32, got: 31 })
         );
     }
 }

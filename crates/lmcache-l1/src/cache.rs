@@ -46,11 +46,7 @@ pub struct WriteRequest {
 impl WriteRequest {
     /// A non-temporary object.
     pub fn new(key: ObjectKey, size: u64) -> Self {
-        Self {
-            key,
-            size,
-            temporary: false,
-        }
+        Self { key, size, temporary: false }
     }
 }
 
@@ -99,11 +95,7 @@ pub struct L1Usage {
 impl L1Usage {
     /// used / capacity.
     pub fn usage_fraction(&self) -> f64 {
-        if self.capacity == 0 {
-            0.0
-        } else {
-            self.used_bytes as f64 / self.capacity as f64
-        }
+        if self.capacity == 0 { 0.0 } else { self.used_bytes as f64 / self.capacity as f64 }
     }
 }
 
@@ -129,10 +121,17 @@ pub struct ClearReport {
     pub skipped: usize,
 }
 
+#[derive(Debug, Clone, Copy)]
+struct IndexSlot {
+    id: EntryId,
+    resident: bool,
+}
+
 #[derive(Debug)]
 pub(crate) struct State {
     entries: SlotMap<EntryId, Entry>,
-    index: FastMap<ObjectKey, EntryId>,
+    /// Key → entry, with residency kept beside the id so that a lookup costs one probe.
+    index: FastMap<ObjectKey, IndexSlot>,
     policy: Box<dyn EvictionPolicy>,
     quotas: Quotas,
     used_bytes: u64,
@@ -252,12 +251,8 @@ impl L1Cache {
             }
             let used = st.quotas.usage(&salt);
             if used + requested > limit {
-                let err = L1Error::QuotaExceeded {
-                    cache_salt: salt.clone(),
-                    limit,
-                    used,
-                    requested,
-                };
+                let err =
+                    L1Error::QuotaExceeded { cache_salt: salt.clone(), limit, used, requested };
                 todo.retain(|&(i, _)| {
                     let keep = requests[i].key.cache_salt != salt;
                     if !keep {
@@ -282,7 +277,7 @@ impl L1Cache {
                             indexed: true,
                             slot: Slot::Staged,
                         });
-                        st.index.insert(req.key.clone(), id);
+                        st.index.insert(req.key.clone(), IndexSlot { id, resident: false });
                         st.quotas.charge(&req.key.cache_salt, size);
                         st.used_bytes += size;
                         st.staged_bytes += size;
@@ -303,10 +298,7 @@ impl L1Cache {
             }
         }
         drop(st);
-        results
-            .into_iter()
-            .map(|r| r.unwrap_or(Err(L1Error::WrongState)))
-            .collect()
+        results.into_iter().map(|r| r.unwrap_or(Err(L1Error::WrongState))).collect()
     }
 
     /// Commits reservations in one step, inserting them into the eviction policy in reverse
@@ -341,9 +333,7 @@ impl L1Cache {
             return keys.iter().map(|_| Err(e.clone())).collect();
         }
         let mut st = self.shared.state.lock();
-        keys.iter()
-            .map(|k| st.read_lock(&self.shared, k, count))
-            .collect()
+        keys.iter().map(|k| st.read_lock(&self.shared, k, count)).collect()
     }
 
     /// Read-locks the longest prefix of `keys` that is resident, stopping at the first miss.
@@ -366,24 +356,13 @@ impl L1Cache {
 
     /// True when `key` is resident (visible).
     pub fn contains(&self, key: &ObjectKey) -> bool {
-        let st = self.shared.state.lock();
-        st.index
-            .get(key)
-            .and_then(|&id| st.entries.get(id))
-            .is_some_and(|e| matches!(e.slot, Slot::Resident { .. }))
+        self.shared.state.lock().index.get(key).is_some_and(|s| s.resident)
     }
 
     /// How many leading keys are resident.
     pub fn prefix_hits(&self, keys: &[ObjectKey]) -> usize {
         let st = self.shared.state.lock();
-        keys.iter()
-            .take_while(|k| {
-                st.index
-                    .get(*k)
-                    .and_then(|&id| st.entries.get(id))
-                    .is_some_and(|e| matches!(e.slot, Slot::Resident { .. }))
-            })
-            .count()
+        keys.iter().take_while(|k| st.index.get(*k).is_some_and(|s| s.resident)).count()
     }
 
     /// Records a use of each resident key (request order; applied in reverse so the prefix
@@ -391,12 +370,7 @@ impl L1Cache {
     pub fn touch(&self, keys: &[ObjectKey]) {
         let mut st = self.shared.state.lock();
         for k in keys.iter().rev() {
-            if let Some(&id) = st.index.get(k)
-                && matches!(
-                    st.entries.get(id).map(|e| &e.slot),
-                    Some(Slot::Resident { .. })
-                )
-            {
+            if let Some(&IndexSlot { id, resident: true }) = st.index.get(k) {
                 st.policy.on_access(id);
             }
         }
@@ -409,7 +383,7 @@ impl L1Cache {
         let mut st = self.shared.state.lock();
         keys.iter()
             .map(|k| {
-                let id = *st.index.get(k).ok_or(L1Error::NotFound)?;
+                let id = st.index.get(k).ok_or(L1Error::NotFound)?.id;
                 st.delete_entry(id, force)
             })
             .collect()
@@ -419,7 +393,7 @@ impl L1Cache {
     /// everything (pinned memory is freed when its handles go).
     pub fn clear(&self, force: bool) -> ClearReport {
         let mut st = self.shared.state.lock();
-        let ids: Vec<EntryId> = st.index.values().copied().collect();
+        let ids: Vec<EntryId> = st.index.values().map(|s| s.id).collect();
         let mut report = ClearReport::default();
         for id in ids {
             match st.delete_entry(id, force) {
@@ -563,35 +537,28 @@ impl L1Cache {
         }
         let by_salt: u64 = st.quotas.usage_by_salt().iter().map(|(_, b)| b).sum();
         if by_salt != st.used_bytes {
-            return Err(format!(
-                "tenants account {by_salt} bytes, L1 {}",
-                st.used_bytes
-            ));
+            return Err(format!("tenants account {by_salt} bytes, L1 {}", st.used_bytes));
         }
-        let staged: u64 = st
-            .entries
-            .values()
-            .filter(|e| matches!(e.slot, Slot::Staged))
-            .map(|e| e.bytes)
-            .sum();
+        let staged: u64 =
+            st.entries.values().filter(|e| matches!(e.slot, Slot::Staged)).map(|e| e.bytes).sum();
         if staged != st.staged_bytes {
             return Err(format!(
                 "staged entries hold {staged}, staged_bytes is {}",
                 st.staged_bytes
             ));
         }
-        for (key, &id) in &st.index {
-            match st.entries.get(id) {
-                Some(e) if e.indexed && &e.key == key => {}
+        for (key, slot) in &st.index {
+            match st.entries.get(slot.id) {
+                Some(e)
+                    if e.indexed
+                        && &e.key == key
+                        && slot.resident == matches!(e.slot, Slot::Resident { .. }) => {}
                 _ => return Err(format!("index entry for {key} is stale")),
             }
         }
         let indexed = st.entries.values().filter(|e| e.indexed).count();
         if indexed != st.index.len() {
-            return Err(format!(
-                "{indexed} indexed entries, index has {}",
-                st.index.len()
-            ));
+            return Err(format!("{indexed} indexed entries, index has {}", st.index.len()));
         }
         let policy_expect = st
             .entries
@@ -599,10 +566,7 @@ impl L1Cache {
             .filter(|e| e.indexed && matches!(e.slot, Slot::Resident { .. }))
             .count();
         if st.policy.name() != "noop" && st.policy.len() != policy_expect {
-            return Err(format!(
-                "policy tracks {}, {policy_expect} resident",
-                st.policy.len()
-            ));
+            return Err(format!("policy tracks {}, {policy_expect} resident", st.policy.len()));
         }
         Ok(())
     }
@@ -639,10 +603,7 @@ impl State {
                 }
                 Err(_) => {
                     let size = sizes.iter().copied().max().unwrap_or(0);
-                    return Err(L1Error::InvalidSize {
-                        size,
-                        capacity: memory.capacity(),
-                    });
+                    return Err(L1Error::InvalidSize { size, capacity: memory.capacity() });
                 }
             }
         }
@@ -716,19 +677,17 @@ impl State {
         key: &ObjectKey,
         count: u32,
     ) -> Result<ReadLease, L1Error> {
-        let id = *self.index.get(key).ok_or(L1Error::NotFound)?;
+        let slot = self.index.get(key).ok_or(L1Error::NotFound)?;
+        if !slot.resident {
+            return Err(L1Error::NotFound);
+        }
+        let id = slot.id;
         let e = self.entries.get_mut(id).ok_or(L1Error::NotFound)?;
         match &mut e.slot {
             Slot::Staged => Err(L1Error::NotFound),
             Slot::Resident { alloc, readers } => {
                 *readers += count;
-                Ok(ReadLease::new(
-                    Arc::clone(shared),
-                    id,
-                    e.key.clone(),
-                    Arc::clone(alloc),
-                    count,
-                ))
+                Ok(ReadLease::new(Arc::clone(shared), id, e.key.clone(), Arc::clone(alloc), count))
             }
         }
     }
@@ -755,20 +714,16 @@ impl State {
             return Err((L1Error::WrongState, alloc));
         }
         let alloc = Arc::new(alloc);
-        e.slot = Slot::Resident {
-            alloc: Arc::clone(&alloc),
-            readers,
-        };
+        e.slot = Slot::Resident { alloc: Arc::clone(&alloc), readers };
         let key = e.key.clone();
+        if let Some(slot) = self.index.get_mut(&key) {
+            slot.resident = true;
+        }
         self.staged_bytes -= e.bytes;
         self.stats.committed += 1;
         let e = &self.entries[id];
         let (key_hash, cache_salt) = self.key_meta(shared, e);
-        let meta = EntryMeta {
-            key_hash,
-            cache_salt,
-            bytes: e.bytes,
-        };
+        let meta = EntryMeta { key_hash, cache_salt, bytes: e.bytes };
         self.policy.on_insert(id, meta);
         Ok((readers > 0).then(|| ReadLease::new(Arc::clone(shared), id, key, alloc, readers)))
     }

@@ -68,9 +68,7 @@ impl L1Config {
             }
         }
         if self.max_read_locks == 0 {
-            return Err(L1ConfigError::Zero {
-                name: "max read locks",
-            });
+            return Err(L1ConfigError::Zero { name: "max read locks" });
         }
         Ok(())
     }
@@ -90,21 +88,12 @@ mod tests {
 
     #[test]
     fn bad_values_are_named() {
-        let c = L1Config {
-            trigger_watermark: 1.5,
-            ..L1Config::default()
-        };
+        let c = L1Config { trigger_watermark: 1.5, ..L1Config::default() };
         let e = c.validate().unwrap_err().to_string();
         assert!(e.contains("watermark") && e.contains("1.5"), "{e}");
-        let c = L1Config {
-            eviction_ratio: f64::NAN,
-            ..L1Config::default()
-        };
+        let c = L1Config { eviction_ratio: f64::NAN, ..L1Config::default() };
         assert!(c.validate().is_err());
-        let c = L1Config {
-            read_ttl: Duration::ZERO,
-            ..L1Config::default()
-        };
+        let c = L1Config { read_ttl: Duration::ZERO, ..L1Config::default() };
         assert!(c.validate().unwrap_err().to_string().contains("read TTL"));
     }
 }

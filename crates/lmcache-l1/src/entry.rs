@@ -19,10 +19,7 @@ pub(crate) enum Slot {
     /// to readers; never evicted.
     Staged,
     /// Visible. `readers` read locks are held by [`crate::ReadLease`]s; evictable at zero.
-    Resident {
-        alloc: Arc<Allocation>,
-        readers: u32,
-    },
+    Resident { alloc: Arc<Allocation>, readers: u32 },
 }
 
 #[derive(Debug)]

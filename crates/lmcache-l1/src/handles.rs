@@ -25,12 +25,7 @@ pub struct WriteReservation {
 
 impl WriteReservation {
     pub(crate) fn new(shared: Arc<Shared>, id: EntryId, key: ObjectKey, alloc: Allocation) -> Self {
-        Self {
-            shared,
-            id,
-            key,
-            alloc: Some(alloc),
-        }
+        Self { shared, id, key, alloc: Some(alloc) }
     }
 
     /// The object's key.
@@ -55,9 +50,7 @@ impl WriteReservation {
 
     /// The object's bytes, to fill.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.alloc
-            .as_mut()
-            .map_or(&mut [], Allocation::as_mut_slice)
+        self.alloc.as_mut().map_or(&mut [], Allocation::as_mut_slice)
     }
 
     /// The object's bytes as written so far.
@@ -69,11 +62,7 @@ impl WriteReservation {
     pub fn write_at(&mut self, offset: u64, src: &[u8]) -> Result<(), AllocError> {
         match self.alloc.as_mut() {
             Some(a) => a.write_at(offset, src),
-            None => Err(AllocError::OutOfBounds {
-                offset,
-                len: src.len() as u64,
-                size: 0,
-            }),
+            None => Err(AllocError::OutOfBounds { offset, len: src.len() as u64, size: 0 }),
         }
     }
 
@@ -98,11 +87,7 @@ impl WriteReservation {
 
     fn commit_inner(&mut self, readers: u32) -> Result<Option<ReadLease>, L1Error> {
         let (id, alloc) = self.take_parts();
-        let result = self
-            .shared
-            .state
-            .lock()
-            .commit(&self.shared, id, alloc, readers);
+        let result = self.shared.state.lock().commit(&self.shared, id, alloc, readers);
         // On failure the allocation comes back and is freed here, outside the L1 lock.
         result.map_err(|(e, _alloc)| e)
     }
@@ -151,13 +136,7 @@ impl ReadLease {
         alloc: Arc<Allocation>,
         count: u32,
     ) -> Self {
-        Self {
-            shared,
-            id,
-            key,
-            alloc,
-            count,
-        }
+        Self { shared, id, key, alloc, count }
     }
 
     /// The object's key.

@@ -34,13 +34,7 @@ pub struct LeaseTable<T> {
 impl<T> LeaseTable<T> {
     /// An empty table whose leases live `ttl` unless renewed.
     pub fn new(ttl: Duration) -> Self {
-        Self {
-            ttl,
-            inner: Mutex::new(Inner {
-                next: 1,
-                leases: HashMap::default(),
-            }),
-        }
+        Self { ttl, inner: Mutex::new(Inner { next: 1, leases: HashMap::default() }) }
     }
 
     /// The TTL.
@@ -83,16 +77,9 @@ impl<T> LeaseTable<T> {
     pub fn expire(&self, now: Instant) -> usize {
         let expired: Vec<T> = {
             let mut g = self.inner.lock();
-            let ids: Vec<LeaseId> = g
-                .leases
-                .iter()
-                .filter(|(_, (d, _))| *d <= now)
-                .map(|(id, _)| *id)
-                .collect();
-            ids.into_iter()
-                .filter_map(|id| g.leases.remove(&id))
-                .map(|(_, v)| v)
-                .collect()
+            let ids: Vec<LeaseId> =
+                g.leases.iter().filter(|(_, (d, _))| *d <= now).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| g.leases.remove(&id)).map(|(_, v)| v).collect()
         };
         let n = expired.len();
         drop(expired);
@@ -140,11 +127,7 @@ mod tests {
         assert_eq!(dropped.load(Ordering::SeqCst), 1);
         assert!(t.take(due).is_none());
         assert!(t.renew(later));
-        assert_eq!(
-            t.expire(now + Duration::from_secs(11)),
-            0,
-            "renewed lease expired"
-        );
+        assert_eq!(t.expire(now + Duration::from_secs(11)), 0, "renewed lease expired");
         let v = t.take(later).unwrap();
         drop(v);
         assert_eq!(dropped.load(Ordering::SeqCst), 2);

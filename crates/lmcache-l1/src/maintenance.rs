@@ -21,9 +21,8 @@ impl Maintenance {
     pub fn spawn(cache: L1Cache) -> std::io::Result<Self> {
         let (stop, rx) = mpsc::channel::<()>();
         let interval = cache.config().maintenance_interval;
-        let thread = std::thread::Builder::new()
-            .name("l1-maintenance".into())
-            .spawn(move || {
+        let thread =
+            std::thread::Builder::new().name("l1-maintenance".into()).spawn(move || {
                 loop {
                     match rx.recv_timeout(interval) {
                         Err(RecvTimeoutError::Timeout) => {
@@ -37,10 +36,7 @@ impl Maintenance {
                     }
                 }
             })?;
-        Ok(Self {
-            stop: Some(stop),
-            thread: Some(thread),
-        })
+        Ok(Self { stop: Some(stop), thread: Some(thread) })
     }
 }
 

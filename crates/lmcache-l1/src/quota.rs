@@ -107,10 +107,7 @@ mod tests {
         assert_eq!(q.excess(), vec![(a.clone(), 40)]);
         q.credit(&a, 100);
         assert_eq!(q.usage(&a), 0);
-        assert!(
-            q.usage_by_salt().iter().all(|(s, _)| s != &a),
-            "empty bucket kept"
-        );
+        assert!(q.usage_by_salt().iter().all(|(s, _)| s != &a), "empty bucket kept");
         q.set_limit(&a, None);
         assert!(q.limits().is_empty());
     }

@@ -7,10 +7,7 @@ use lmcache_core::CacheSalt;
 use lmcache_l1::{EvictionPolicyKind, L1Error, L1Status, WriteRequest};
 
 fn reserve_one(c: &lmcache_l1::L1Cache, i: u32, size: u64) -> lmcache_l1::WriteReservation {
-    c.reserve_write(&[WriteRequest::new(key(i), size)])
-        .pop()
-        .unwrap()
-        .unwrap()
+    c.reserve_write(&[WriteRequest::new(key(i), size)]).pop().unwrap().unwrap()
 }
 
 #[test]
@@ -19,10 +16,7 @@ fn store_then_read_round_trips_bytes() {
     let mut w = reserve_one(&c, 1, 10_000);
     w.as_mut_slice().fill(0x5a);
     w.write_at(9_998, &[1, 2]).unwrap();
-    assert!(
-        w.write_at(9_999, &[1, 2]).is_err(),
-        "write past the object accepted"
-    );
+    assert!(w.write_at(9_999, &[1, 2]).is_err(), "write past the object accepted");
     w.commit().unwrap();
     let r = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
     assert_eq!(r.len(), 10_000);
@@ -36,29 +30,20 @@ fn staged_objects_are_invisible_and_exclusive() {
     let c = cache(1 << 20);
     let w = reserve_one(&c, 1, 100);
     assert!(!c.contains(&key(1)));
-    assert_eq!(
-        c.read_lock(&[key(1)], 1)[0].as_ref().unwrap_err(),
-        &L1Error::NotFound
-    );
+    assert_eq!(c.read_lock(&[key(1)], 1)[0].as_ref().unwrap_err(), &L1Error::NotFound);
     let again = c.reserve_write(&[WriteRequest::new(key(1), 100)]);
     assert_eq!(again[0].as_ref().unwrap_err(), &L1Error::NotWritable);
     w.commit().unwrap();
     assert!(c.contains(&key(1)));
     // Resident keys are never rewritten.
     let again = c.reserve_write(&[WriteRequest::new(key(1), 100)]);
-    assert_eq!(
-        again[0].as_ref().unwrap_err().status(),
-        L1Status::NotWritable
-    );
+    assert_eq!(again[0].as_ref().unwrap_err().status(), L1Status::NotWritable);
 }
 
 #[test]
 fn duplicate_keys_in_one_batch_get_one_reservation() {
     let c = cache(1 << 20);
-    let r = c.reserve_write(&[
-        WriteRequest::new(key(1), 100),
-        WriteRequest::new(key(1), 100),
-    ]);
+    let r = c.reserve_write(&[WriteRequest::new(key(1), 100), WriteRequest::new(key(1), 100)]);
     assert!(r[0].is_ok());
     assert_eq!(r[1].as_ref().unwrap_err(), &L1Error::NotWritable);
 }
@@ -95,25 +80,15 @@ fn read_locks_count_and_release_on_drop() {
 fn lock_count_is_validated() {
     let c = cache(1 << 20);
     reserve_one(&c, 1, 100).commit().unwrap();
-    assert!(matches!(
-        c.read_lock(&[key(1)], 0)[0],
-        Err(L1Error::InvalidLockCount { .. })
-    ));
-    assert!(matches!(
-        c.read_lock(&[key(1)], 129)[0],
-        Err(L1Error::InvalidLockCount { .. })
-    ));
+    assert!(matches!(c.read_lock(&[key(1)], 0)[0], Err(L1Error::InvalidLockCount { .. })));
+    assert!(matches!(c.read_lock(&[key(1)], 129)[0], Err(L1Error::InvalidLockCount { .. })));
     assert!(c.read_lock(&[key(1)], 128)[0].is_ok());
 }
 
 #[test]
 fn temporary_objects_go_with_their_last_read_lock() {
     let c = cache(1 << 20);
-    let req = WriteRequest {
-        key: key(1),
-        size: 100,
-        temporary: true,
-    };
+    let req = WriteRequest { key: key(1), size: 100, temporary: true };
     let w = c.reserve_write(&[req]).pop().unwrap().unwrap();
     let mut lease = w.commit_and_read_lock(2).unwrap();
     let other = lease.split(1).unwrap();
@@ -138,10 +113,7 @@ fn forced_delete_never_frees_memory_under_a_reader() {
     let mut w2 = reserve_one(&c, 2, 4096);
     w2.as_mut_slice().fill(9);
     assert_ne!(w2.offset(), lease.offset());
-    assert!(
-        lease.bytes().iter().all(|&b| b == 7),
-        "reader saw foreign bytes"
-    );
+    assert!(lease.bytes().iter().all(|&b| b == 7), "reader saw foreign bytes");
     assert_eq!(c.usage().used_bytes, 2 * 4096);
     drop(lease);
     assert_eq!(c.usage().used_bytes, 4096);
@@ -209,15 +181,8 @@ fn batch_allocation_is_all_or_nothing() {
     };
     let reqs: Vec<_> = (1..=5).map(|i| WriteRequest::new(key(i), PAGE)).collect();
     let r = c.reserve_write(&reqs);
-    assert!(
-        r.iter()
-            .all(|x| matches!(x, Err(L1Error::OutOfMemory { .. })))
-    );
-    assert_eq!(
-        c.usage().used_bytes,
-        4 * PAGE,
-        "a failed batch left memory behind"
-    );
+    assert!(r.iter().all(|x| matches!(x, Err(L1Error::OutOfMemory { .. }))));
+    assert_eq!(c.usage().used_bytes, 4 * PAGE, "a failed batch left memory behind");
     assert_eq!(c.usage().stats.oom_rejections, 5);
 }
 
@@ -225,11 +190,7 @@ fn batch_allocation_is_all_or_nothing() {
 fn lru_evicts_a_requests_suffix_before_its_prefix() {
     let c = cache(8 * PAGE);
     let reqs: Vec<_> = (0..8).map(|i| WriteRequest::new(key(i), PAGE)).collect();
-    let ws: Vec<_> = c
-        .reserve_write(&reqs)
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let ws: Vec<_> = c.reserve_write(&reqs).into_iter().map(Result::unwrap).collect();
     c.commit_batch(ws).into_iter().for_each(|r| r.unwrap());
     assert_eq!(c.evict(None, 3 * PAGE), 3 * PAGE);
     assert_eq!(c.prefix_hits(&(0..8).map(key).collect::<Vec<_>>()), 5);
@@ -261,9 +222,7 @@ fn quota_is_enforced_at_admission_by_evicting_the_tenant_only() {
     let _pins = c.read_lock(&(1..5).map(|i| key_salted(i, "a")).collect::<Vec<_>>(), 1);
     let r = c.reserve_write(&[WriteRequest::new(key_salted(9, "a"), PAGE)]);
     match &r[0] {
-        Err(L1Error::QuotaExceeded {
-            cache_salt, limit, ..
-        }) => {
+        Err(L1Error::QuotaExceeded { cache_salt, limit, .. }) => {
             assert_eq!(cache_salt, &a);
             assert_eq!(*limit, 4 * PAGE);
         }
@@ -302,11 +261,7 @@ fn watermark_pass_evicts_the_ratio_in_bytes() {
     for i in 0..79 {
         reserve_one(&c, i, PAGE).commit().unwrap();
     }
-    assert_eq!(
-        c.run_maintenance().watermark_evicted_bytes,
-        0,
-        "below 0.8: nothing"
-    );
+    assert_eq!(c.run_maintenance().watermark_evicted_bytes, 0, "below 0.8: nothing");
     reserve_one(&c, 79, PAGE).commit().unwrap();
     let r = c.run_maintenance();
     assert_eq!(r.watermark_evicted_bytes, 16 * PAGE, "0.2 of 80 pages");
@@ -347,10 +302,7 @@ fn parked_leases_expire_and_release_their_locks() {
 #[test]
 fn invalid_sizes_are_typed_errors() {
     let c = cache(1 << 20);
-    let r = c.reserve_write(&[
-        WriteRequest::new(key(1), 0),
-        WriteRequest::new(key(2), 1 << 40),
-    ]);
+    let r = c.reserve_write(&[WriteRequest::new(key(1), 0), WriteRequest::new(key(2), 1 << 40)]);
     assert!(matches!(r[0], Err(L1Error::InvalidSize { size: 0, .. })));
     assert!(matches!(r[1], Err(L1Error::InvalidSize { .. })));
 }

@@ -107,10 +107,8 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                         temporary,
                     })
                     .collect();
-                let before: Vec<u64> = SALTS
-                    .iter()
-                    .map(|s| c.usage_of(&CacheSalt::new(s).unwrap()))
-                    .collect();
+                let before: Vec<u64> =
+                    SALTS.iter().map(|s| c.usage_of(&CacheSalt::new(s).unwrap())).collect();
                 let results = c.reserve_write(&reqs);
                 let mut seen = Vec::new();
                 let mut oom = 0;
@@ -169,14 +167,7 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                             prop_assert!(!force_deleted);
                             model.insert(k, Known::Resident(inc));
                             let pattern = patterns[&inc];
-                            readers.push((
-                                k,
-                                Held {
-                                    lease,
-                                    pattern,
-                                    incarnation: inc,
-                                },
-                            ));
+                            readers.push((k, Held { lease, pattern, incarnation: inc }));
                         }
                         Err(e) => {
                             prop_assert!(force_deleted, "commit failed: {e}");
@@ -196,14 +187,7 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 match (model.get(&k).copied(), r) {
                     (Some(Known::Resident(inc)), Ok(lease)) => {
                         let pattern = patterns[&inc];
-                        readers.push((
-                            k,
-                            Held {
-                                lease,
-                                pattern,
-                                incarnation: inc,
-                            },
-                        ))
+                        readers.push((k, Held { lease, pattern, incarnation: inc }))
                     }
                     (_, Err(L1Error::NotFound)) if !resident => {}
                     (m, r) => {
@@ -219,14 +203,7 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let k = readers[idx].0;
                 let (pattern, incarnation) = (readers[idx].1.pattern, readers[idx].1.incarnation);
                 if let Some(part) = readers[idx].1.lease.split(1) {
-                    readers.push((
-                        k,
-                        Held {
-                            lease: part,
-                            pattern,
-                            incarnation,
-                        },
-                    ));
+                    readers.push((k, Held { lease: part, pattern, incarnation }));
                 }
             }
             Op::Release(i) if !readers.is_empty() => {
@@ -262,10 +239,9 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 model.retain(|k, _| keep.contains(k));
             }
             Op::Touch(keys) => c.touch(&keys.into_iter().map(key_of).collect::<Vec<_>>()),
-            Op::SetQuota(s, pages) => c.set_quota(
-                &CacheSalt::new(SALTS[s]).unwrap(),
-                pages.map(|p| p as u64 * PAGE),
-            ),
+            Op::SetQuota(s, pages) => {
+                c.set_quota(&CacheSalt::new(SALTS[s]).unwrap(), pages.map(|p| p as u64 * PAGE))
+            }
             Op::Maintenance => {
                 c.run_maintenance();
             }
@@ -321,9 +297,7 @@ fn is_locked(readers: &[(u32, Held)], model: &HashMap<u32, Known>, k: u32) -> bo
     let Some(inc) = model.get(&k).map(|s| s.incarnation()) else {
         return false;
     };
-    readers
-        .iter()
-        .any(|(rk, h)| *rk == k && h.incarnation == inc)
+    readers.iter().any(|(rk, h)| *rk == k && h.incarnation == inc)
 }
 
 proptest! {

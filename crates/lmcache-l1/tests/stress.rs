@@ -37,10 +37,8 @@ fn writer(c: L1Cache, seed: u64, stores: Arc<AtomicU64>) {
         let start = rng.gen_range(0..KEYS);
         let n = rng.gen_range(1..=4);
         let keys: Vec<u32> = (start..start + n).map(|k| k % KEYS).collect();
-        let reqs: Vec<WriteRequest> = keys
-            .iter()
-            .map(|&k| WriteRequest::new(key(k), size_of(k)))
-            .collect();
+        let reqs: Vec<WriteRequest> =
+            keys.iter().map(|&k| WriteRequest::new(key(k), size_of(k))).collect();
         let mut ok = Vec::new();
         for (k, r) in keys.iter().zip(c.reserve_write(&reqs)) {
             if let Ok(mut w) = r {
@@ -67,10 +65,7 @@ fn reader(c: L1Cache, seed: u64, reads: Arc<AtomicU64>) {
         let leases = c.read_lock_prefix(&keys, rng.gen_range(1..3)).unwrap();
         for (i, lease) in leases.iter().enumerate() {
             let kk = (k + i as u32) % KEYS;
-            assert!(
-                verify(lease.bytes(), kk),
-                "key {kk}: foreign bytes under a read lock"
-            );
+            assert!(verify(lease.bytes(), kk), "key {kk}: foreign bytes under a read lock");
         }
         reads.fetch_add(leases.len() as u64, Ordering::Relaxed);
         if rng.gen_bool(0.3) {

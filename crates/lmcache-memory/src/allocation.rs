@@ -49,27 +49,15 @@ impl ArenaAllocator {
             Allocator::new(arena.len(), align).map_err(|_| MemoryError::InvalidAlign { align })?;
         // The soundness of every slice below rests on this.
         if allocator.capacity() > arena.len() {
-            return Err(MemoryError::InvalidSize {
-                size: arena.len(),
-                reason: "capacity",
-            });
+            return Err(MemoryError::InvalidSize { size: arena.len(), reason: "capacity" });
         }
-        Ok(Self {
-            shared: Arc::new(Shared {
-                allocator: Mutex::new(allocator),
-                arena,
-            }),
-        })
+        Ok(Self { shared: Arc::new(Shared { allocator: Mutex::new(allocator), arena }) })
     }
 
     /// Allocates `len` bytes (aligned up internally).
     pub fn allocate(&self, len: u64) -> Result<Allocation, AllocError> {
         let block = self.shared.allocator.lock().allocate(len)?;
-        Ok(Allocation {
-            shared: Arc::clone(&self.shared),
-            block: Some(block),
-            len,
-        })
+        Ok(Allocation { shared: Arc::clone(&self.shared), block: Some(block), len })
     }
 
     /// Allocates one allocation per entry of `lens`, all or nothing.
@@ -173,11 +161,7 @@ impl Allocation {
     }
 
     fn checked_range(&self, offset: u64, len: u64) -> Result<std::ops::Range<usize>, AllocError> {
-        let oob = AllocError::OutOfBounds {
-            offset,
-            len,
-            size: self.len,
-        };
+        let oob = AllocError::OutOfBounds { offset, len, size: self.len };
         let end = offset.checked_add(len).ok_or(oob)?;
         if end > self.len {
             return Err(oob);
@@ -190,10 +174,7 @@ impl Allocation {
         let offset = self.offset() as usize;
         // `offset + len <= capacity <= arena.len()`, a usize: no overflow, stays in bounds.
         // `wrapping_add` keeps pointer arithmetic safe code; the bound is what makes it valid.
-        (
-            self.shared.arena.base_ptr().wrapping_add(offset),
-            self.len as usize,
-        )
+        (self.shared.arena.base_ptr().wrapping_add(offset), self.len as usize)
     }
 }
 
@@ -211,12 +192,9 @@ mod tests {
     use crate::arena::{ArenaBacking, ArenaConfig};
 
     fn allocator(size: u64) -> ArenaAllocator {
-        let arena = Arena::create(&ArenaConfig {
-            size,
-            backing: ArenaBacking::Anonymous,
-            mlock: false,
-        })
-        .unwrap();
+        let arena =
+            Arena::create(&ArenaConfig { size, backing: ArenaBacking::Anonymous, mlock: false })
+                .unwrap();
         ArenaAllocator::new(arena, 4096).unwrap()
     }
 
@@ -243,16 +221,9 @@ mod tests {
         assert!(x.write_at(100, &[]).is_ok());
         assert_eq!(
             x.write_at(100, &[1]),
-            Err(AllocError::OutOfBounds {
-                offset: 100,
-                len: 1,
-                size: 100
-            })
+            Err(AllocError::OutOfBounds { offset: 100, len: 1, size: 100 })
         );
-        assert!(
-            x.write_at(u64::MAX, &[1]).is_err(),
-            "overflowing offset accepted"
-        );
+        assert!(x.write_at(u64::MAX, &[1]).is_err(), "overflowing offset accepted");
         let mut out = [0u8; 2];
         x.read_at(98, &mut out).unwrap();
         assert_eq!(out, [1, 7]);

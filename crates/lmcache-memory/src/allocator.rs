@@ -186,10 +186,7 @@ impl Allocator {
         }
         match size.checked_next_multiple_of(self.align) {
             Some(s) if s <= self.capacity => Ok(s),
-            _ => Err(AllocError::TooLarge {
-                requested: size,
-                capacity: self.capacity,
-            }),
+            _ => Err(AllocError::TooLarge { requested: size, capacity: self.capacity }),
         }
     }
 
@@ -223,10 +220,7 @@ impl Allocator {
             total = total.saturating_add(self.aligned_size(s)?);
         }
         if total > self.free_bytes() {
-            return Err(AllocError::OutOfMemory {
-                requested: total,
-                free: self.free_bytes(),
-            });
+            return Err(AllocError::OutOfMemory { requested: total, free: self.free_bytes() });
         }
         let mut out = Vec::with_capacity(sizes.len());
         for &s in sizes {
@@ -237,10 +231,9 @@ impl Allocator {
                         self.free(b);
                     }
                     return Err(match e {
-                        AllocError::OutOfMemory { free, .. } => AllocError::OutOfMemory {
-                            requested: total,
-                            free,
-                        },
+                        AllocError::OutOfMemory { free, .. } => {
+                            AllocError::OutOfMemory { requested: total, free }
+                        }
                         other => other,
                     });
                 }
@@ -257,10 +250,7 @@ impl Allocator {
             bin.offsets.push(block.offset);
             self.binned_bytes += block.size;
         } else if self.bins.len() < MAX_BINS {
-            self.bins.push(Bin {
-                size: block.size,
-                offsets: vec![block.offset],
-            });
+            self.bins.push(Bin { size: block.size, offsets: vec![block.offset] });
             self.binned_bytes += block.size;
         } else {
             self.insert_extent(block.offset, block.size);
@@ -342,10 +332,7 @@ impl Allocator {
         let mut cursor = 0u64;
         for &(o, s, what) in &ranges {
             if o % self.align != 0 || s % self.align != 0 || s == 0 {
-                return Err(format!(
-                    "{what} range {o}+{s} is not aligned to {}",
-                    self.align
-                ));
+                return Err(format!("{what} range {o}+{s} is not aligned to {}", self.align));
             }
             if o != cursor {
                 return Err(format!("{what} range {o}+{s} does not start at {cursor}"));
@@ -353,10 +340,7 @@ impl Allocator {
             cursor = o + s;
         }
         if cursor != self.capacity {
-            return Err(format!(
-                "ranges end at {cursor}, capacity is {}",
-                self.capacity
-            ));
+            return Err(format!("ranges end at {cursor}, capacity is {}", self.capacity));
         }
         let mut prev_end = None;
         for (&o, &s) in &self.by_addr {
@@ -377,11 +361,7 @@ impl Allocator {
                 live.len()
             ));
         }
-        let binned: u64 = self
-            .bins
-            .iter()
-            .map(|b| b.size * b.offsets.len() as u64)
-            .sum();
+        let binned: u64 = self.bins.iter().map(|b| b.size * b.offsets.len() as u64).sum();
         if binned != self.binned_bytes {
             return Err(format!("binned bytes {} != {}", self.binned_bytes, binned));
         }
@@ -398,24 +378,12 @@ mod tests {
 
     #[test]
     fn rejects_bad_alignment_and_sizes() {
-        assert!(matches!(
-            Allocator::new(1 << 20, 3),
-            Err(AllocError::BadAlign { .. })
-        ));
-        assert!(matches!(
-            Allocator::new(1 << 20, 32),
-            Err(AllocError::BadAlign { .. })
-        ));
+        assert!(matches!(Allocator::new(1 << 20, 3), Err(AllocError::BadAlign { .. })));
+        assert!(matches!(Allocator::new(1 << 20, 32), Err(AllocError::BadAlign { .. })));
         let mut a = Allocator::new(1 << 20, A).unwrap();
         assert_eq!(a.allocate(0), Err(AllocError::ZeroSize));
-        assert!(matches!(
-            a.allocate((1 << 20) + 1),
-            Err(AllocError::TooLarge { .. })
-        ));
-        assert!(matches!(
-            a.allocate(u64::MAX),
-            Err(AllocError::TooLarge { .. })
-        ));
+        assert!(matches!(a.allocate((1 << 20) + 1), Err(AllocError::TooLarge { .. })));
+        assert!(matches!(a.allocate(u64::MAX), Err(AllocError::TooLarge { .. })));
     }
 
     #[test]
@@ -462,13 +430,7 @@ mod tests {
         let mut a = Allocator::new(10 * A, A).unwrap();
         let _keep = a.allocate(4 * A).unwrap();
         let err = a.allocate_batch(&[2 * A, 2 * A, 2 * A, 2 * A]).unwrap_err();
-        assert_eq!(
-            err,
-            AllocError::OutOfMemory {
-                requested: 8 * A,
-                free: 6 * A
-            }
-        );
+        assert_eq!(err, AllocError::OutOfMemory { requested: 8 * A, free: 6 * A });
         assert_eq!(a.allocated_bytes(), 4 * A);
         // Fragmented failure path: enough bytes in total, but not contiguous.
         let mut b = Allocator::new(4 * A, A).unwrap();
@@ -506,11 +468,7 @@ mod tests {
     }
 
     fn op(uniform: bool) -> impl Strategy<Value = Op> {
-        let size = if uniform {
-            Just(5 * A).boxed()
-        } else {
-            (1u64..40 * A).boxed()
-        };
+        let size = if uniform { Just(5 * A).boxed() } else { (1u64..40 * A).boxed() };
         prop_oneof![
             4 => size.clone().prop_map(Op::Alloc),
             1 => proptest::collection::vec(size, 1..6).prop_map(Op::Batch),

@@ -80,10 +80,7 @@ impl Arena {
     /// Maps a new arena.
     pub fn create(config: &ArenaConfig) -> Result<Self, MemoryError> {
         if config.size == 0 {
-            return Err(MemoryError::InvalidSize {
-                size: 0,
-                reason: "zero",
-            });
+            return Err(MemoryError::InvalidSize { size: 0, reason: "zero" });
         }
         let len = usize::try_from(config.size).map_err(|_| MemoryError::InvalidSize {
             size: config.size,
@@ -104,10 +101,7 @@ impl Arena {
                     .size
                     .checked_next_multiple_of(HUGE_PAGE_SIZE)
                     .and_then(|s| usize::try_from(s).ok())
-                    .ok_or(MemoryError::InvalidSize {
-                        size: config.size,
-                        reason: "overflow",
-                    })?;
+                    .ok_or(MemoryError::InvalidSize { size: config.size, reason: "overflow" })?;
                 match MmapOptions::new().len(rounded).huge(Some(21)).map_anon() {
                     Ok(m) => (MmapRaw::from(m), None, BackingKind::HugePages),
                     Err(e) => {
@@ -121,17 +115,9 @@ impl Arena {
                 }
             }
         };
-        let mut arena = Self {
-            map,
-            shm,
-            kind,
-            locked: false,
-        };
+        let mut arena = Self { map, shm, kind, locked: false };
         if config.mlock {
-            arena
-                .map
-                .lock()
-                .map_err(|e| MemoryError::os("mlock (check RLIMIT_MEMLOCK)", e))?;
+            arena.map.lock().map_err(|e| MemoryError::os("mlock (check RLIMIT_MEMLOCK)", e))?;
             arena.locked = true;
         }
         Ok(arena)
@@ -225,26 +211,15 @@ mod tests {
 
     #[test]
     fn zero_size_is_refused() {
-        let cfg = ArenaConfig {
-            size: 0,
-            backing: ArenaBacking::Anonymous,
-            mlock: false,
-        };
-        assert!(matches!(
-            Arena::create(&cfg),
-            Err(MemoryError::InvalidSize { .. })
-        ));
+        let cfg = ArenaConfig { size: 0, backing: ArenaBacking::Anonymous, mlock: false };
+        assert!(matches!(Arena::create(&cfg), Err(MemoryError::InvalidSize { .. })));
     }
 
     #[test]
     fn anonymous_arena_is_lazily_committed() {
         // 64 GiB of address space on a 24 GiB machine: only possible because nothing is
         // committed up front.
-        let cfg = ArenaConfig {
-            size: 64 << 30,
-            backing: ArenaBacking::Anonymous,
-            mlock: false,
-        };
+        let cfg = ArenaConfig { size: 64 << 30, backing: ArenaBacking::Anonymous, mlock: false };
         let arena = Arena::create(&cfg).unwrap();
         assert_eq!(arena.kind(), BackingKind::Anonymous);
         assert!(arena.resident_bytes().unwrap() < 4 << 20);
@@ -267,16 +242,9 @@ mod tests {
 
     #[test]
     fn hugepages_fall_back_visibly() {
-        let cfg = ArenaConfig {
-            size: 3 << 20,
-            backing: ArenaBacking::HugePages,
-            mlock: false,
-        };
+        let cfg = ArenaConfig { size: 3 << 20, backing: ArenaBacking::HugePages, mlock: false };
         let arena = Arena::create(&cfg).unwrap();
-        assert!(matches!(
-            arena.kind(),
-            BackingKind::HugePages | BackingKind::TransparentHugePages
-        ));
+        assert!(matches!(arena.kind(), BackingKind::HugePages | BackingKind::TransparentHugePages));
         assert_eq!(arena.len(), 4 << 20, "rounded up to whole huge pages");
     }
 

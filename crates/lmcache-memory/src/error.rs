@@ -59,9 +59,6 @@ pub enum MemoryError {
 
 impl MemoryError {
     pub(crate) fn os(op: &'static str, source: impl Into<std::io::Error>) -> Self {
-        Self::Os {
-            op,
-            source: source.into(),
-        }
+        Self::Os { op, source: source.into() }
     }
 }

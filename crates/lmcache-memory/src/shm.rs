@@ -28,12 +28,7 @@ pub fn default_shm_name() -> String {
 
 /// Checks a segment name: non-empty, at most 255 bytes, no `/` and no NUL.
 pub fn validate_name(name: &str) -> Result<(), MemoryError> {
-    let bad = |reason| {
-        Err(MemoryError::InvalidShmName {
-            name: name.to_owned(),
-            reason,
-        })
-    };
+    let bad = |reason| Err(MemoryError::InvalidShmName { name: name.to_owned(), reason });
     if name.is_empty() {
         return bad("empty");
     }
@@ -67,10 +62,7 @@ impl ShmSegment {
     pub fn create(name: &str, len: u64) -> Result<Self, MemoryError> {
         validate_name(name)?;
         if len == 0 {
-            return Err(MemoryError::InvalidSize {
-                size: len,
-                reason: "zero",
-            });
+            return Err(MemoryError::InvalidSize { size: len, reason: "zero" });
         }
         let path = format!("/{name}");
         let fd = match open(&path, true) {
@@ -87,9 +79,7 @@ impl ShmSegment {
                         open(&path, true).map_err(|e| MemoryError::os("shm_open", e))?
                     }
                     Err((_, _)) => {
-                        return Err(MemoryError::ShmInUse {
-                            name: name.to_owned(),
-                        });
+                        return Err(MemoryError::ShmInUse { name: name.to_owned() });
                     }
                 }
             }
@@ -103,22 +93,12 @@ impl ShmSegment {
             }
         };
         // From here on the guard exists, so any failure unlinks the name on drop.
-        let segment = Self {
-            name: name.to_owned(),
-            file,
-            len,
-        };
+        let segment = Self { name: name.to_owned(), file, len };
         let available = shm_free_bytes()?;
         if len > available {
-            return Err(MemoryError::ShmTooSmall {
-                size: len,
-                available,
-            });
+            return Err(MemoryError::ShmTooSmall { size: len, available });
         }
-        segment
-            .file
-            .set_len(len)
-            .map_err(|e| MemoryError::os("ftruncate", e))?;
+        segment.file.set_len(len).map_err(|e| MemoryError::os("ftruncate", e))?;
         Ok(segment)
     }
 
@@ -145,10 +125,7 @@ impl ShmSegment {
     /// Bytes of the segment actually backed by memory (tmpfs allocates on first touch).
     pub fn committed_bytes(&self) -> Result<u64, MemoryError> {
         use std::os::unix::fs::MetadataExt;
-        let meta = self
-            .file
-            .metadata()
-            .map_err(|e| MemoryError::os("fstat", e))?;
+        let meta = self.file.metadata().map_err(|e| MemoryError::os("fstat", e))?;
         Ok(meta.blocks() * 512)
     }
 }
@@ -163,11 +140,7 @@ impl Drop for ShmSegment {
 }
 
 fn open(path: &str, create: bool) -> Result<std::os::fd::OwnedFd, Errno> {
-    let flags = if create {
-        OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL
-    } else {
-        OFlag::O_RDWR
-    };
+    let flags = if create { OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL } else { OFlag::O_RDWR };
     nix::sys::mman::shm_open(path, flags, Mode::S_IRUSR | Mode::S_IWUSR)
 }
 
@@ -187,9 +160,7 @@ pub fn clean_stale_segments(dir: &Path) -> Vec<String> {
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(pid) = name
-            .strip_prefix(DEFAULT_SHM_PREFIX)
-            .and_then(|p| p.parse::<i32>().ok())
+        let Some(pid) = name.strip_prefix(DEFAULT_SHM_PREFIX).and_then(|p| p.parse::<i32>().ok())
         else {
             continue;
         };
@@ -237,10 +208,7 @@ mod tests {
         let name = unique("sparse");
         let seg = ShmSegment::create(&name, 1 << 30).unwrap();
         assert_eq!(seg.len(), 1 << 30);
-        assert!(
-            seg.committed_bytes().unwrap() < 1 << 20,
-            "segment committed eagerly"
-        );
+        assert!(seg.committed_bytes().unwrap() < 1 << 20, "segment committed eagerly");
         assert!(Path::new(SHM_DIR).join(&name).exists());
         drop(seg);
         assert!(!Path::new(SHM_DIR).join(&name).exists());
@@ -250,10 +218,7 @@ mod tests {
     fn live_segment_is_refused_and_stale_one_replaced() {
         let name = unique("inuse");
         let seg = ShmSegment::create(&name, 4096).unwrap();
-        assert!(matches!(
-            ShmSegment::create(&name, 4096),
-            Err(MemoryError::ShmInUse { .. })
-        ));
+        assert!(matches!(ShmSegment::create(&name, 4096), Err(MemoryError::ShmInUse { .. })));
         drop(seg);
         // A crashed owner leaves the name behind with nobody holding its lock.
         let path = Path::new(SHM_DIR).join(&name);
@@ -265,10 +230,7 @@ mod tests {
     #[test]
     fn names_are_validated() {
         for bad in ["", "a/b", "a\0b", ".", ".."] {
-            assert!(matches!(
-                validate_name(bad),
-                Err(MemoryError::InvalidShmName { .. })
-            ));
+            assert!(matches!(validate_name(bad), Err(MemoryError::InvalidShmName { .. })));
         }
         assert!(validate_name(&"x".repeat(256)).is_err());
         assert!(validate_name("lmcache_l1_pool_1").is_ok());
@@ -279,10 +241,7 @@ mod tests {
         let name = unique("huge");
         let err = ShmSegment::create(&name, 1 << 60).unwrap_err();
         assert!(matches!(err, MemoryError::ShmTooSmall { .. }), "{err}");
-        assert!(
-            !Path::new(SHM_DIR).join(&name).exists(),
-            "failed create left the name"
-        );
+        assert!(!Path::new(SHM_DIR).join(&name).exists(), "failed create left the name");
     }
 
     #[test]

@@ -86,11 +86,7 @@ impl EvictionPolicy for Arc {
         let start = out.len();
         let mut chosen = 0;
         let t1_first = self.t1.len() >= self.p.max(1);
-        let (first, second) = if t1_first {
-            (&self.t1, &self.t2)
-        } else {
-            (&self.t2, &self.t1)
-        };
+        let (first, second) = if t1_first { (&self.t1, &self.t2) } else { (&self.t2, &self.t1) };
         collect_from(first.iter_from_back(), target, &mut chosen, eligible, out);
         collect_from(second.iter_from_back(), target, &mut chosen, eligible, out);
         for &id in &out[start..] {
@@ -126,14 +122,7 @@ mod tests {
         let salt = CacheSalt::EMPTY;
         let a: Vec<EntryId> = (0..4).map(|_| ids.insert(())).collect();
         for (i, &id) in a.iter().enumerate() {
-            arc.on_insert(
-                id,
-                EntryMeta {
-                    key_hash: i as u64,
-                    cache_salt: &salt,
-                    bytes: 1,
-                },
-            );
+            arc.on_insert(id, EntryMeta { key_hash: i as u64, cache_salt: &salt, bytes: 1 });
         }
         let mut out = Vec::new();
         arc.evict(None, 1, &mut |_| Some(1), &mut out);
@@ -141,14 +130,7 @@ mod tests {
         assert_eq!(arc.target_t1(), 0);
         // Key 0 returns: it was in B1, so T1 deserved more room and it lands in T2.
         let again = ids.insert(());
-        arc.on_insert(
-            again,
-            EntryMeta {
-                key_hash: 0,
-                cache_salt: &salt,
-                bytes: 1,
-            },
-        );
+        arc.on_insert(again, EntryMeta { key_hash: 0, cache_salt: &salt, bytes: 1 });
         assert_eq!(arc.target_t1(), 1);
         assert!(arc.t2.contains(again));
     }
@@ -159,14 +141,7 @@ mod tests {
         let mut arc = Arc::default();
         let salt = CacheSalt::EMPTY;
         let id = ids.insert(());
-        arc.on_insert(
-            id,
-            EntryMeta {
-                key_hash: 7,
-                cache_salt: &salt,
-                bytes: 1,
-            },
-        );
+        arc.on_insert(id, EntryMeta { key_hash: 7, cache_salt: &salt, bytes: 1 });
         assert!(arc.t1.contains(id));
         arc.on_access(id);
         assert!(arc.t2.contains(id) && !arc.t1.contains(id));

@@ -47,14 +47,8 @@ fn check(kind: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 let bytes = 1 + (ids.len() as u64 % 3);
                 let id = ids.insert((salt(s), bytes));
                 let (sa, b) = &ids[id];
-                policy.on_insert(
-                    id,
-                    EntryMeta {
-                        key_hash: id_hash(id),
-                        cache_salt: sa,
-                        bytes: *b,
-                    },
-                );
+                policy
+                    .on_insert(id, EntryMeta { key_hash: id_hash(id), cache_salt: sa, bytes: *b });
                 tracked.push(id);
             }
             Op::Access(i) => {
@@ -120,11 +114,7 @@ fn check(kind: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 tracked.retain(|id| !out.contains(id));
             }
         }
-        let expect = if kind == EvictionPolicyKind::Noop {
-            0
-        } else {
-            tracked.len()
-        };
+        let expect = if kind == EvictionPolicyKind::Noop { 0 } else { tracked.len() };
         prop_assert_eq!(policy.len(), expect, "{} lost track of entries", kind);
     }
     Ok(())
@@ -151,14 +141,8 @@ fn names_parse_back() {
         assert_eq!(kind.as_str().parse::<EvictionPolicyKind>().unwrap(), kind);
         assert_eq!(kind.build().name(), kind.as_str());
     }
-    assert_eq!(
-        "lru".parse::<EvictionPolicyKind>().unwrap(),
-        EvictionPolicyKind::Lru
-    );
-    assert_eq!(
-        "s3-fifo".parse::<EvictionPolicyKind>().unwrap(),
-        EvictionPolicyKind::S3Fifo
-    );
+    assert_eq!("lru".parse::<EvictionPolicyKind>().unwrap(), EvictionPolicyKind::Lru);
+    assert_eq!("s3-fifo".parse::<EvictionPolicyKind>().unwrap(), EvictionPolicyKind::S3Fifo);
     assert!("mru".parse::<EvictionPolicyKind>().is_err());
 }
 
@@ -170,14 +154,7 @@ fn recency_policies_evict_least_recent_first() {
         let s = CacheSalt::EMPTY;
         let all: Vec<EntryId> = (0..5).map(|_| ids.insert(())).collect();
         for &id in &all {
-            p.on_insert(
-                id,
-                EntryMeta {
-                    key_hash: 0,
-                    cache_salt: &s,
-                    bytes: 1,
-                },
-            );
+            p.on_insert(id, EntryMeta { key_hash: 0, cache_salt: &s, bytes: 1 });
         }
         p.on_access(all[0]);
         let mut out = Vec::new();
@@ -195,14 +172,7 @@ fn isolated_lru_global_pressure_takes_globally_oldest() {
     let mut made = Vec::new();
     for (s, _) in order {
         let id = ids.insert(());
-        p.on_insert(
-            id,
-            EntryMeta {
-                key_hash: 0,
-                cache_salt: s,
-                bytes: 1,
-            },
-        );
+        p.on_insert(id, EntryMeta { key_hash: 0, cache_salt: s, bytes: 1 });
         made.push(id);
     }
     let mut out = Vec::new();

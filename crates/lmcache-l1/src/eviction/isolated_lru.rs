@@ -45,10 +45,7 @@ impl EvictionPolicy for IsolatedLru {
         self.clock += 1;
         self.tick_of.insert(id, self.clock);
         self.salt_of.insert(id, meta.cache_salt.clone());
-        self.lists
-            .entry(meta.cache_salt.clone())
-            .or_default()
-            .push_front(id);
+        self.lists.entry(meta.cache_salt.clone()).or_default().push_front(id);
     }
 
     fn on_access(&mut self, id: EntryId) {

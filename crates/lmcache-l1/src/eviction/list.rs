@@ -31,10 +31,7 @@ impl IdList {
     /// Pushes `id` at the front. The caller guarantees `id` is not in the list.
     pub(crate) fn push_front(&mut self, id: EntryId) {
         debug_assert!(!self.contains(id));
-        let link = Link {
-            prev: None,
-            next: self.front,
-        };
+        let link = Link { prev: None, next: self.front };
         if let Some(old) = self.front
             && let Some(l) = self.links.get_mut(old)
         {

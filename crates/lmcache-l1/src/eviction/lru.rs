@@ -39,13 +39,7 @@ impl EvictionPolicy for Lru {
     ) -> u64 {
         let start = out.len();
         let mut chosen = 0;
-        collect_from(
-            self.list.iter_from_back(),
-            target,
-            &mut chosen,
-            eligible,
-            out,
-        );
+        collect_from(self.list.iter_from_back(), target, &mut chosen, eligible, out);
         for &id in &out[start..] {
             self.list.remove(id);
         }

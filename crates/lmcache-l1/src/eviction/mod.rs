@@ -99,13 +99,8 @@ pub enum EvictionPolicyKind {
 
 impl EvictionPolicyKind {
     /// Every kind, for help texts and tests.
-    pub const ALL: [EvictionPolicyKind; 5] = [
-        Self::Lru,
-        Self::Arc,
-        Self::S3Fifo,
-        Self::IsolatedLru,
-        Self::Noop,
-    ];
+    pub const ALL: [EvictionPolicyKind; 5] =
+        [Self::Lru, Self::Arc, Self::S3Fifo, Self::IsolatedLru, Self::Noop];
 
     /// The configured name.
     pub fn as_str(self) -> &'static str {

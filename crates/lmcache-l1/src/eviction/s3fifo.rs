@@ -87,11 +87,7 @@ impl EvictionPolicy for S3Fifo {
             if !from_small {
                 stalled += 1;
             }
-            let list = if from_small {
-                &mut self.small
-            } else {
-                &mut self.main
-            };
+            let list = if from_small { &mut self.small } else { &mut self.main };
             let Some(id) = list.back() else { break };
             let freq = self.freq.get(id).copied().unwrap_or(0);
             if freq > 0 {
@@ -154,14 +150,7 @@ mod tests {
         let salt = CacheSalt::EMPTY;
         let all: Vec<EntryId> = (0..20).map(|_| ids.insert(())).collect();
         for (i, &id) in all.iter().enumerate() {
-            p.on_insert(
-                id,
-                EntryMeta {
-                    key_hash: i as u64,
-                    cache_salt: &salt,
-                    bytes: 1,
-                },
-            );
+            p.on_insert(id, EntryMeta { key_hash: i as u64, cache_salt: &salt, bytes: 1 });
         }
         // The oldest five are used again; they must survive evicting ten.
         for &id in &all[..5] {
@@ -174,14 +163,7 @@ mod tests {
         }
         // A ghost that returns goes straight to main.
         let back = ids.insert(());
-        p.on_insert(
-            back,
-            EntryMeta {
-                key_hash: 5,
-                cache_salt: &salt,
-                bytes: 1,
-            },
-        );
+        p.on_insert(back, EntryMeta { key_hash: 5, cache_salt: &salt, bytes: 1 });
         assert!(p.main.contains(back));
     }
 }

@@ -15,14 +15,7 @@ pub fn cache_with(capacity: u64, policy: EvictionPolicyKind) -> L1Cache {
     })
     .unwrap();
     let memory = ArenaAllocator::new(arena, PAGE).unwrap();
-    L1Cache::new(
-        L1Config {
-            eviction_policy: policy,
-            ..L1Config::default()
-        },
-        memory,
-    )
-    .unwrap()
+    L1Cache::new(L1Config { eviction_policy: policy, ..L1Config::default() }, memory).unwrap()
 }
 
 pub fn cache(capacity: u64) -> L1Cache {
