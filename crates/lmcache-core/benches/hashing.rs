@@ -17,6 +17,13 @@ fn bench_hashing(c: &mut Criterion) {
             b.iter(|| black_box(hasher.hash_tokens(black_box(&seq))))
         });
     }
+    // Baseline: BLAKE3 itself on one chunk's message (32-byte prefix + 1024 token bytes),
+    // the floor for any implementation of LMCache's chain.
+    let msg = [7u8; 32 + 1024];
+    group.throughput(Throughput::Bytes(1024));
+    group.bench_function("raw_blake3_one_1056_byte_message", |b| {
+        b.iter(|| black_box(blake3::hash(black_box(&msg))))
+    });
     // Growing a request by one chunk: the incremental hasher does one chunk of work.
     let hasher = TokenHasher::default();
     let seq: Vec<u32> = (0..4096u32).collect();

@@ -23,16 +23,11 @@ impl Maintenance {
         let interval = cache.config().maintenance_interval;
         let thread =
             std::thread::Builder::new().name("l1-maintenance".into()).spawn(move || {
-                loop {
-                    match rx.recv_timeout(interval) {
-                        Err(RecvTimeoutError::Timeout) => {
-                            let r = cache.run_maintenance();
-                            if r != Default::default() {
-                                tracing::debug!(?r, "l1 maintenance pass");
-                            }
-                        }
-                        // A message or a dropped sender: stop.
-                        _ => break,
+                // A message or a dropped sender ends the loop.
+                while let Err(RecvTimeoutError::Timeout) = rx.recv_timeout(interval) {
+                    let r = cache.run_maintenance();
+                    if r != Default::default() {
+                        tracing::debug!(?r, "l1 maintenance pass");
                     }
                 }
             })?;

@@ -1,0 +1,33 @@
+//! `lmcache-rs`: the KV-cache server for LLM inference engines, and its operator commands.
+#![forbid(unsafe_code)]
+
+mod server;
+
+use clap::{Parser, Subcommand};
+
+/// lmcache-rs: a KV-cache layer for LLM inference engines, compatible with LMCache.
+#[derive(Debug, Parser)]
+#[command(name = "lmcache-rs", version, about, long_about = None)]
+struct Cli {
+    /// Log level (error, warn, info, debug, trace); RUST_LOG overrides it.
+    #[arg(long, global = true, default_value = "info")]
+    log_level: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the cache server (every flag has a default; LMCache's flag names).
+    Server(Box<server::ServerArgs>),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
+    match cli.command {
+        Command::Server(args) => server::run(*args),
+    }
+}

@@ -1,0 +1,58 @@
+//! The `lmcache-rs` binary as a user runs it.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_lmcache-rs"))
+}
+
+#[test]
+fn help_names_lmcache_flags() {
+    let out = bin().args(["server", "--help"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for flag in ["--l1-size-gb", "--eviction-policy", "--eviction-trigger-watermark", "--shm-name"]
+    {
+        assert!(text.contains(flag), "--help lacks {flag}");
+    }
+}
+
+#[test]
+fn bad_flags_are_refused_with_their_name() {
+    let out = bin().args(["server", "--eviction-policy", "MRU"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("MRU") && err.contains("LRU"), "{err}");
+    let out = bin().args(["server", "--l1-size-gb", "-1"]).output().unwrap();
+    assert!(!out.status.success());
+    let out = bin().args(["server", "--no-such-flag"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--no-such-flag"));
+}
+
+#[test]
+fn server_starts_fast_on_defaults_and_unlinks_its_segment_on_sigterm() {
+    let name = format!("lmcache_rs_cli_test_{}", std::process::id());
+    let mut child = bin()
+        .args(["server", "--shm-name", &name, "--l1-size-gb", "1"])
+        .stderr(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    let started = Instant::now();
+    while !path.exists() {
+        assert!(started.elapsed() < Duration::from_secs(10), "segment never appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    nix_kill(child.id());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "server exited with {status}");
+    assert!(!path.exists(), "segment left behind after SIGTERM");
+}
+
+fn nix_kill(pid: u32) {
+    let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
+    assert!(ok.success());
+}
