@@ -9,14 +9,17 @@
 //! # Components
 //! - [`key`]: [`ObjectKey`], [`ChunkHash`], [`KvRank`] and their validation.
 //! - [`hashing`]: LMCache 0.5.6's BLAKE3 prefix chain, batch and incremental.
+//! - [`layout`]: tensor element types as the wire names them.
 //! - [`units`]: byte-size helpers shared by configuration code.
 #![forbid(unsafe_code)]
 
 pub mod error;
 pub mod hashing;
 pub mod key;
+pub mod layout;
 pub mod units;
 
 pub use error::KeyError;
 pub use hashing::{DEFAULT_CHUNK_SIZE, NONE_HASH, PrefixHasher, TokenHasher};
 pub use key::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey};
+pub use layout::Dtype;

@@ -1,0 +1,26 @@
+//! LMCache 0.5.6's multiprocess (MP) wire format, as its Python clients speak it.
+//!
+//! # Motivation
+//! A user swaps `lmcache server` for `lmcache-rs server` and LMCache's own clients (vLLM's MP
+//! connector, `lmcache bench server`) must keep working unchanged. This crate is that
+//! contract, byte for byte, with no sockets: frames in, typed requests out; typed replies in,
+//! frames out.
+//!
+//! # Components
+//! - [`op`]: the operation table (integer ids and names).
+//! - [`frame`]: the multipart layout of requests, replies and stream control messages.
+//! - [`value`]: strict msgpack readers (a `bool` must be a msgpack bool, `bytes` a bin...),
+//!   each failure naming the field and what was found.
+//! - [`types`]: the payload types (`IPCCacheServerKey`, registration payloads, IPC
+//!   descriptors, transfer responses) with their decoders and encoders.
+#![forbid(unsafe_code)]
+
+pub mod error;
+pub mod frame;
+pub mod op;
+pub mod types;
+pub mod value;
+
+pub use error::ProtocolError;
+pub use frame::{Control, Incoming, Reply, Request};
+pub use op::Op;
