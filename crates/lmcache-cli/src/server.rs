@@ -1,29 +1,68 @@
-//! `lmcache-rs server`: builds the L1 tier from LMCache's flags and serves until SIGINT or
-//! SIGTERM, then releases everything (the shared-memory segment is unlinked).
+//! `lmcache-rs server`: LMCache's MP cache server flags, embedded defaults for everything.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use lmcache_core::units::{gib_to_bytes, human_bytes};
-use lmcache_l1::{EvictionPolicyKind, L1Cache, L1Config, Maintenance};
-use lmcache_memory::shm::{SHM_DIR, clean_stale_segments, default_shm_name};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+use lmcache_core::units::gib_to_bytes;
+use lmcache_l1::{EvictionPolicyKind, L1Config};
+use lmcache_memory::shm::default_shm_name;
+use lmcache_memory::{ArenaBacking, ArenaConfig};
+use lmcache_server::{Server, ServerConfig};
 use nix::sys::signal::{SigSet, Signal};
 
 /// Flags of `lmcache-rs server`, named and defaulted as `lmcache server`'s.
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
+    /// Host of the ZMQ endpoint engines connect to (or a full tcp:// or ipc:// URL).
+    #[arg(long, default_value = "localhost")]
+    pub host: String,
+    /// Port of the ZMQ endpoint.
+    #[arg(long, default_value_t = 5555)]
+    pub port: u16,
+    /// Host of the HTTP API.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub http_host: String,
+    /// Port of the HTTP API.
+    #[arg(long, default_value_t = 8080)]
+    pub http_port: u16,
     /// Tokens per chunk.
     #[arg(long, default_value_t = lmcache_core::DEFAULT_CHUNK_SIZE)]
     pub chunk_size: usize,
+    /// Worker threads per pool (lookups, transfers) unless set separately.
+    #[arg(long, default_value_t = 1)]
+    pub max_workers: usize,
+    /// Threads for lookups and management requests (default: --max-workers).
+    #[arg(long)]
+    pub max_cpu_workers: Option<usize>,
+    /// Threads for transfers (default: --max-workers).
+    #[arg(long)]
+    pub max_gpu_workers: Option<usize>,
+    /// Accepted for compatibility: both transfer families are always served.
+    #[arg(long, default_value = "lmcache_driven", value_parser = ["lmcache_driven", "engine_driven", "auto"])]
+    pub supported_transfer_mode: String,
+    /// Drop registrations of ping-proven workers silent this long (0 disables; else >= 30).
+    #[arg(long, default_value_t = 120)]
+    pub worker_reap_timeout_seconds: u64,
+    /// Drop registrations never proven by a ping after this long.
+    #[arg(long, default_value_t = 3600)]
+    pub worker_registration_grace_seconds: u64,
+    /// Drop request sessions this long after their creation.
+    #[arg(long, default_value_t = 600)]
+    pub session_ttl_seconds: u64,
+    /// Block id marking unallocated blocks (chunks of only null blocks are not stored).
+    #[arg(long, default_value_t = 0)]
+    pub null_block_id: u64,
+    /// Token hash: only blake3 (LMCache's default) is reproducible outside Python.
+    #[arg(long, default_value = "blake3", value_parser = ["blake3"])]
+    pub hash_algorithm: String,
     /// L1 (CPU memory) size in GiB. Memory is committed as it is used.
     #[arg(long, default_value_t = 8.0)]
     pub l1_size_gb: f64,
     /// Alignment of every L1 object in bytes (a power of two).
     #[arg(long, default_value_t = lmcache_memory::DEFAULT_ALIGN)]
     pub l1_align_bytes: u64,
-    /// Back L1 with 2 MiB huge pages (private memory; not shareable with the engine).
+    /// Back L1 with 2 MiB huge pages (private: engine-driven clients then cannot map it).
     #[arg(long)]
     pub l1_use_hugepages: bool,
     /// Lock L1 in RAM (mlock). Commits the whole L1 at start.
@@ -52,52 +91,88 @@ pub struct ServerArgs {
     pub exit_after_seconds: u64,
 }
 
+/// LMCache `server` flags that lmcache-rs does not implement yet: refused by name.
+pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
+    "--l1-manager",
+    "--l1-devdax-path",
+    "--gds-l1-path",
+    "--l2-adapter",
+    "--l2-store-policy",
+    "--l2-prefetch-policy",
+    "--l2-prefetch-max-in-flight",
+    "--transport",
+    "--engine-type",
+    "--isolated-ipc",
+    "--runtime-plugin-locations",
+    "--server-module",
+    "--enable-segmented-prefix",
+    "--enable-dedup-content",
+    "--enable-blend-reorder",
+    "--enable",
+    "--p2p-advertise-url",
+    "--p2p-listen-url",
+    "--coordinator-url",
+    "--enable-tracing",
+    "--otlp-endpoint",
+    "--run-script-api-enabled",
+];
+
+/// Refuses a known-but-unsupported LMCache flag with a message naming it.
+pub fn refuse_unsupported(args: &[String]) -> anyhow::Result<()> {
+    for a in args {
+        let flag = a.split('=').next().unwrap_or(a);
+        if UNSUPPORTED_LMCACHE_FLAGS.contains(&flag) {
+            bail!("{flag} is an LMCache server flag that lmcache-rs does not support yet");
+        }
+    }
+    Ok(())
+}
+
 fn parse_policy(s: &str) -> Result<EvictionPolicyKind, String> {
     s.parse().map_err(|e: lmcache_l1::eviction::UnknownPolicy| e.to_string())
 }
 
-/// Everything the server owns; dropped in field order on shutdown.
-struct Server {
-    _maintenance: Maintenance,
-    l1: L1Cache,
-}
-
-fn build(args: &ServerArgs) -> anyhow::Result<Server> {
-    if args.chunk_size == 0 {
-        bail!("--chunk-size must be at least 1");
-    }
+fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     let size = gib_to_bytes(args.l1_size_gb)
         .filter(|&b| b > 0)
         .with_context(|| format!("--l1-size-gb {} is not a positive size", args.l1_size_gb))?;
+    let t = args.worker_reap_timeout_seconds;
+    if t != 0 && t < 30 {
+        bail!("--worker-reap-timeout-seconds must be 0 (disabled) or at least 30, got {t}");
+    }
     let backing = if args.l1_use_hugepages {
         if !args.shm_name.is_empty() {
             bail!("--l1-use-hugepages and --shm-name exclude each other (huge pages are private)");
         }
         ArenaBacking::HugePages
     } else {
-        let removed = clean_stale_segments(std::path::Path::new(SHM_DIR));
-        if !removed.is_empty() {
-            tracing::info!(count = removed.len(), "removed stale L1 segments of crashed runs");
-        }
         let name =
             if args.shm_name.is_empty() { default_shm_name() } else { args.shm_name.clone() };
         ArenaBacking::SharedMemory { name }
     };
-    let arena = Arena::create(&ArenaConfig { size, backing, mlock: args.l1_mlock })
-        .context("creating the L1 arena")?;
-    let memory = ArenaAllocator::new(arena, args.l1_align_bytes)
-        .with_context(|| format!("--l1-align-bytes {}", args.l1_align_bytes))?;
-    let config = L1Config {
-        eviction_policy: args.eviction_policy,
-        trigger_watermark: args.eviction_trigger_watermark,
-        eviction_ratio: args.eviction_ratio,
-        read_ttl: Duration::from_secs(args.l1_read_ttl_seconds),
-        write_ttl: Duration::from_secs(args.l1_write_ttl_seconds),
-        ..L1Config::default()
-    };
-    let l1 = L1Cache::new(config, memory).context("configuring L1")?;
-    let maintenance = Maintenance::spawn(l1.clone()).context("starting L1 maintenance")?;
-    Ok(Server { _maintenance: maintenance, l1 })
+    Ok(ServerConfig {
+        host: args.host.clone(),
+        port: args.port,
+        http_host: args.http_host.clone(),
+        http_port: Some(args.http_port),
+        chunk_size: args.chunk_size,
+        max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),
+        max_gpu_workers: args.max_gpu_workers.unwrap_or(args.max_workers).max(1),
+        worker_reap_timeout: Duration::from_secs(t),
+        worker_registration_grace: Duration::from_secs(args.worker_registration_grace_seconds),
+        session_ttl: Duration::from_secs(args.session_ttl_seconds.max(1)),
+        null_block_id: args.null_block_id,
+        l1: L1Config {
+            eviction_policy: args.eviction_policy,
+            trigger_watermark: args.eviction_trigger_watermark,
+            eviction_ratio: args.eviction_ratio,
+            read_ttl: Duration::from_secs(args.l1_read_ttl_seconds),
+            write_ttl: Duration::from_secs(args.l1_write_ttl_seconds),
+            ..L1Config::default()
+        },
+        arena: ArenaConfig { size, backing, mlock: args.l1_mlock },
+        align: args.l1_align_bytes,
+    })
 }
 
 /// Runs the server until SIGINT/SIGTERM (or `--exit-after-seconds`).
@@ -110,16 +185,14 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     signals.add(Signal::SIGTERM);
     signals.thread_block().context("blocking shutdown signals")?;
 
-    let server = build(&args)?;
-    let arena = server.l1.memory().arena();
+    let server = Server::start(config(&args)?).context("starting the server")?;
     tracing::info!(
-        l1 = %human_bytes(arena.len()),
-        backing = arena.kind().as_str(),
-        shm = arena.shm_name().unwrap_or("-"),
+        zmq = server.endpoint(),
+        http = ?server.http_addr(),
         policy = %args.eviction_policy,
-        chunk_size = args.chunk_size,
+        l1_gb = args.l1_size_gb,
         ready_ms = started.elapsed().as_millis() as u64,
-        "lmcache-rs L1 ready"
+        "lmcache-rs serving"
     );
     if args.exit_after_seconds > 0 {
         std::thread::sleep(Duration::from_secs(args.exit_after_seconds));
@@ -127,7 +200,7 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
         let sig = signals.wait().context("waiting for a shutdown signal")?;
         tracing::info!(signal = ?sig, "shutting down");
     }
-    drop(server);
+    server.shutdown();
     tracing::info!("stopped");
     Ok(())
 }

@@ -13,6 +13,8 @@
 //! - [`allocator`]: the offset allocator ([`Allocator`]): aligned, best-fit with coalescing,
 //!   exact-size bins that make same-size allocation O(1), all-or-nothing batches. Pure logic,
 //!   no pointers.
+//! - [`foreign`]: [`ForeignSegment`], another process's shm segment, reached only by
+//!   bounds-checked raw copies.
 //! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
 //!   arena, gives `&[u8]`/`&mut [u8]` to it, and returns it to the allocator on drop.
 
@@ -20,9 +22,11 @@ pub mod allocation;
 pub mod allocator;
 pub mod arena;
 pub mod error;
+pub mod foreign;
 pub mod shm;
 
 pub use allocation::{Allocation, ArenaAllocator, MemoryUsage};
 pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
 pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind};
 pub use error::MemoryError;
+pub use foreign::ForeignSegment;

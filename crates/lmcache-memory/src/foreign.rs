@@ -1,0 +1,121 @@
+//! Shared-memory segments created by another process (an engine's KV cache in the CPU
+//! lmcache-driven mode), mapped read-write and accessed only by bounds-checked copies.
+//!
+//! The other process writes these pages whenever it likes, so no Rust reference to them is
+//! ever formed: bytes move with raw copies (`ptr::copy_nonoverlapping`) after the range has
+//! been checked against the mapping with overflow-checked arithmetic. Offsets come from the
+//! wire and are treated as untrusted.
+
+use std::fs::File;
+
+use memmap2::{MmapOptions, MmapRaw};
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+
+use crate::allocator::AllocError;
+use crate::error::MemoryError;
+use crate::shm::validate_name;
+
+/// A mapping of another process's shared-memory segment.
+#[derive(Debug)]
+pub struct ForeignSegment {
+    name: String,
+    map: MmapRaw,
+}
+
+impl ForeignSegment {
+    /// Maps `len` bytes of segment `name` (a leading `/` is accepted). Fails if the segment
+    /// is missing or shorter than `len`.
+    pub fn open(name: &str, len: u64) -> Result<Self, MemoryError> {
+        let bare = name.strip_prefix('/').unwrap_or(name);
+        validate_name(bare)?;
+        if len == 0 {
+            return Err(MemoryError::InvalidSize { size: 0, reason: "zero" });
+        }
+        let fd =
+            nix::sys::mman::shm_open(format!("/{bare}").as_str(), OFlag::O_RDWR, Mode::empty())
+                .map_err(|e| MemoryError::os("shm_open (client segment)", e))?;
+        let file = File::from(fd);
+        let actual = file.metadata().map_err(|e| MemoryError::os("fstat", e))?.len();
+        if actual < len {
+            return Err(MemoryError::InvalidSize { size: len, reason: "segment is shorter" });
+        }
+        let len = usize::try_from(len)
+            .map_err(|_| MemoryError::InvalidSize { size: len, reason: "address space" })?;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|e| MemoryError::os("mmap client segment", e))?;
+        Ok(Self { name: bare.to_owned(), map })
+    }
+
+    /// The segment's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Mapped length.
+    pub fn len(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    /// True for an empty mapping (never).
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    fn check(&self, offset: u64, len: usize) -> Result<usize, AllocError> {
+        let oob = AllocError::OutOfBounds { offset, len: len as u64, size: self.len() };
+        let end = offset.checked_add(len as u64).ok_or(oob)?;
+        if end > self.len() {
+            return Err(oob);
+        }
+        Ok(offset as usize)
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` of the segment into `dst`.
+    pub fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), AllocError> {
+        let off = self.check(offset, dst.len())?;
+        // SAFETY: `check` proved `off + dst.len() <= map.len()`, so the source range lies in
+        // the live mapping owned by `self`; `dst` is a distinct Rust slice, so the ranges do
+        // not overlap. Raw copy: no reference to the shared pages is formed.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `src` into the segment at `offset`.
+    pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), AllocError> {
+        let off = self.check(offset, src.len())?;
+        // SAFETY: as in `read`, with the roles swapped: the destination range is inside the
+        // mapping and cannot overlap the Rust slice `src`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len())
+        };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::ShmSegment;
+
+    #[test]
+    fn copies_are_bounds_checked_at_the_edges() {
+        let name = format!("lmcache_rs_test_foreign_{}", std::process::id());
+        let _owner = ShmSegment::create(&name, 4096).unwrap();
+        let seg = ForeignSegment::open(&format!("/{name}"), 4096).unwrap();
+        seg.write(4090, b"abcdef").unwrap();
+        let mut out = [0u8; 6];
+        seg.read(4090, &mut out).unwrap();
+        assert_eq!(&out, b"abcdef");
+        assert!(seg.write(4091, b"abcdef").is_err(), "write past the end accepted");
+        assert!(seg.read(u64::MAX - 2, &mut out).is_err(), "overflowing offset accepted");
+        assert!(seg.read(4096, &mut []).is_ok());
+        assert!(ForeignSegment::open(&name, 8192).is_err(), "mapping beyond the segment");
+        assert!(ForeignSegment::open("no_such_segment_xyz", 10).is_err());
+        assert!(ForeignSegment::open("../etc/passwd", 10).is_err());
+    }
+}

@@ -1,0 +1,54 @@
+//! Server settings (the CLI fills them from LMCache's flag names).
+
+use std::time::Duration;
+
+use lmcache_l1::L1Config;
+use lmcache_memory::ArenaConfig;
+
+/// Everything `lmcache-rs server` is configured with.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// ZMQ bind host (`localhost` binds 127.0.0.1), or a full `tcp://`/`ipc://` endpoint.
+    pub host: String,
+    /// ZMQ port (ignored for a full endpoint in `host`; 0 picks a free port).
+    pub port: u16,
+    /// HTTP bind host.
+    pub http_host: String,
+    /// HTTP port (0: any free port); `None` disables the HTTP server.
+    pub http_port: Option<u16>,
+    /// Tokens per chunk.
+    pub chunk_size: usize,
+    /// Threads for lookups and management requests.
+    pub max_cpu_workers: usize,
+    /// Threads for transfers; a client identity always maps to the same one.
+    pub max_gpu_workers: usize,
+    /// Registrations of ping-proven workers silent this long are dropped (zero disables).
+    pub worker_reap_timeout: Duration,
+    /// Registrations never proven by a ping are dropped after this long.
+    pub worker_registration_grace: Duration,
+    /// Sessions are dropped this long after their creation.
+    pub session_ttl: Duration,
+    /// Block id that marks an unallocated block (all-null chunks are skipped).
+    pub null_block_id: u64,
+    /// The L1 index settings.
+    pub l1: L1Config,
+    /// The L1 arena.
+    pub arena: ArenaConfig,
+    /// L1 object alignment.
+    pub align: u64,
+}
+
+impl ServerConfig {
+    /// The ZMQ endpoint to bind.
+    pub fn endpoint(&self) -> String {
+        if self.host.contains("://") {
+            return self.host.clone();
+        }
+        let host = if self.host == "localhost" { "127.0.0.1" } else { self.host.as_str() };
+        if self.port == 0 {
+            format!("tcp://{host}:*")
+        } else {
+            format!("tcp://{host}:{}", self.port)
+        }
+    }
+}

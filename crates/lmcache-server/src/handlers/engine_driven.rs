@@ -1,0 +1,206 @@
+//! Engine-driven transfer, always in SHM mode: the L1 arena is the shared pool; the client
+//! copies into and out of the slots we hand it.
+//!
+//! prepare_store reserves one object per chunk not already resident and returns their slots;
+//! commit_store makes them visible. prepare_retrieve read-locks every chunk of the range (or
+//! fails) and returns their slots; commit_retrieve releases those locks and this worker's
+//! share of the lookup's locks. Handles between the two messages are parked in the L1 lease
+//! tables, so a client that dies releases them when the lease expires.
+
+use std::time::Instant;
+
+use lmcache_l1::{L1Error, WriteRequest};
+use lmcache_protocol::types::{self, CacheKey, EngineDrivenRegistration, SlotDesc};
+use lmcache_protocol::{Op, ProtocolError, Request, value};
+use rmpv::Value;
+
+use crate::registry::{Family, Instance, ObjectLayout, Registration};
+use crate::state::{PendingKey, ServerState};
+
+pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
+    match req.op {
+        Op::RegisterKvCacheEngineDrivenContext => {
+            req.expect_params(1)?;
+            let r = EngineDrivenRegistration::decode("payload", &req.params[0])?;
+            let slots = r.num_physical_slots.unwrap_or(state.chunk_size() as u64);
+            let layout = ObjectLayout {
+                kv: if r.use_mla { 1 } else { 2 },
+                layers: r.num_layers,
+                slots,
+                hidden: r.hidden_dim_size,
+                dtype: r.dtype,
+            };
+            let arena = state.l1.memory().arena();
+            let fits = layout.bytes().is_some_and(|b| b > 0 && b <= arena.len());
+            if !fits {
+                return Err(ProtocolError::OutOfRange {
+                    field: "payload".into(),
+                    reason: format!("object layout {:?} does not fit the L1 pool", layout.shape()),
+                });
+            }
+            state.registry.register(
+                Family::EngineDriven,
+                r.instance_id,
+                Instance {
+                    model: r.model_name.clone(),
+                    world_size: r.world_size,
+                    layout,
+                    registration: Registration::EngineDriven,
+                    last_seen: Instant::now(),
+                    ping_proven: false,
+                },
+            );
+            let (name, size) = match arena.shm_name() {
+                Some(n) => (n, arena.len()),
+                None => ("", 0),
+            };
+            tracing::info!(
+                instance_id = r.instance_id,
+                model = %r.model_name,
+                world_size = r.world_size,
+                shape = ?layout.shape(),
+                dtype = %layout.dtype,
+                "engine-driven worker registered"
+            );
+            Ok(Some(types::engine_driven_registered(name, size)))
+        }
+        Op::UnregisterKvCacheEngineDrivenContext => {
+            req.expect_params(1)?;
+            let id = value::u64_("instance_id", &req.params[0])?;
+            state.registry.unregister(Family::EngineDriven, id);
+            Ok(None)
+        }
+        Op::PrepareStore => {
+            req.expect_params(2)?;
+            let (key, id) = key_and_instance(req)?;
+            prepare_store(state, &key, id).map(Some)
+        }
+        Op::CommitStore => {
+            req.expect_params(3)?;
+            let (key, id) = key_and_instance(req)?;
+            let data = value::bin("data", &req.params[2])?;
+            if !data.is_empty() {
+                return Err(ProtocolError::OutOfRange {
+                    field: "data".into(),
+                    reason: "pickle mode is not supported; map the advertised SHM pool".into(),
+                });
+            }
+            Ok(Some(Value::Boolean(commit_store(state, &key, id))))
+        }
+        Op::PrepareRetrieve => {
+            req.expect_params(2)?;
+            let (key, id) = key_and_instance(req)?;
+            prepare_retrieve(state, &key, id).map(Some)
+        }
+        Op::CommitRetrieve => {
+            req.expect_params(2)?;
+            let (key, id) = key_and_instance(req)?;
+            Ok(Some(Value::Boolean(commit_retrieve(state, &key, id))))
+        }
+        other => Err(ProtocolError::UnsupportedOp(other.name())),
+    }
+}
+
+fn key_and_instance(req: &Request) -> Result<(CacheKey, u64), ProtocolError> {
+    Ok((CacheKey::decode("key", &req.params[0])?, value::u64_("instance_id", &req.params[1])?))
+}
+
+fn instance(state: &ServerState, id: u64) -> Result<Instance, ProtocolError> {
+    state.registry.get(Family::EngineDriven, id).ok_or_else(|| ProtocolError::OutOfRange {
+        field: "instance_id".into(),
+        reason: format!("instance {id} is not registered for engine-driven transfer"),
+    })
+}
+
+fn slot(layout: &ObjectLayout, offset: u64, length: u64) -> SlotDesc {
+    SlotDesc { offset, length, shape: layout.shape(), dtype: layout.dtype }
+}
+
+fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
+    let inst = instance(state, id)?;
+    let size = inst.layout.bytes().unwrap_or(0);
+    let (_, hashes) = state.range_hashes(key);
+    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
+    let reqs: Vec<WriteRequest> = keys.iter().map(|k| WriteRequest::new(k.clone(), size)).collect();
+    let mut slots = Vec::new();
+    let mut indices = Vec::new();
+    let mut leases = Vec::new();
+    for (i, r) in state.l1.reserve_write(&reqs).into_iter().enumerate() {
+        match r {
+            Ok(w) => {
+                slots.push(slot(&inst.layout, w.offset(), w.len()));
+                indices.push(i as u64);
+                leases.push(state.l1.park_write(w));
+            }
+            Err(L1Error::NotWritable) => {}
+            Err(e) => tracing::debug!(error = %e, "chunk not stored"),
+        }
+    }
+    if !leases.is_empty() {
+        let pk = PendingKey::new(id, key, &hashes);
+        let old = state.pending.stores.lock().insert(pk, (Instant::now(), leases));
+        discard_parked_writes(state, old);
+    }
+    Ok(types::prepare_store_response(&slots, &indices))
+}
+
+fn discard_parked_writes(state: &ServerState, old: Option<(Instant, Vec<lmcache_l1::LeaseId>)>) {
+    for id in old.map(|(_, v)| v).unwrap_or_default() {
+        drop(state.l1.take_write(id));
+    }
+}
+
+fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
+    if instance(state, id).is_err() {
+        return false;
+    }
+    let (_, hashes) = state.range_hashes(key);
+    let pk = PendingKey::new(id, key, &hashes);
+    let Some((_, ids)) = state.pending.stores.lock().remove(&pk) else { return false };
+    let writes: Vec<_> = ids.into_iter().filter_map(|i| state.l1.take_write(i)).collect();
+    let expected = writes.len();
+    let committed = state.l1.commit_batch(writes).into_iter().filter(Result::is_ok).count();
+    state.metrics.stored_chunks.inc_by(committed as u64);
+    committed == expected
+}
+
+fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
+    let inst = instance(state, id)?;
+    let (_, hashes) = state.range_hashes(key);
+    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
+    let leases: Result<Vec<_>, _> = state.l1.read_lock(&keys, 1).into_iter().collect();
+    let Ok(leases) = leases else {
+        return Ok(types::prepare_retrieve_response(false, &[]));
+    };
+    if leases.is_empty() {
+        return Ok(types::prepare_retrieve_response(false, &[]));
+    }
+    let slots: Vec<SlotDesc> =
+        leases.iter().map(|l| slot(&inst.layout, l.offset(), l.len())).collect();
+    let parked: Vec<_> = leases.into_iter().map(|l| state.l1.park_read(l)).collect();
+    let pk = PendingKey::new(id, key, &hashes);
+    let old = state.pending.retrieves.lock().insert(pk, (Instant::now(), parked));
+    for lid in old.map(|(_, v)| v).unwrap_or_default() {
+        drop(state.l1.take_read(lid));
+    }
+    Ok(types::prepare_retrieve_response(true, &slots))
+}
+
+fn commit_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> bool {
+    let (first, hashes) = state.range_hashes(key);
+    let pk = PendingKey::new(id, key, &hashes);
+    let parked = state.pending.retrieves.lock().remove(&pk);
+    // This worker's share of the lookup's locks goes whether or not prepare succeeded.
+    let shard = key.worker_id.unwrap_or(0) as usize;
+    state.sessions.with_existing(&key.request_id, |s| {
+        s.lookup.release_one(shard, first..first + hashes.len())
+    });
+    match parked {
+        Some((_, ids)) => {
+            let n = ids.iter().filter_map(|i| state.l1.take_read(*i)).count();
+            state.metrics.retrieved_chunks.inc_by(n as u64);
+            true
+        }
+        None => false,
+    }
+}

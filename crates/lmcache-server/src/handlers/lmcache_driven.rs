@@ -1,0 +1,287 @@
+//! LMCache-driven transfer on the CPU: the server maps the client's `cpu_shm` KV segments
+//! and copies between their paged blocks and L1 objects itself.
+//!
+//! A chunk is visible to lookups by the time its store reply is sent (LMCache commits after
+//! replying, so a lookup right after a store can miss). Chunks whose blocks are all the null
+//! block are skipped; a resident key is never rewritten; an unregistered instance gets
+//! `(b"", false)`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use lmcache_l1::{L1Error, WriteRequest};
+use lmcache_memory::ForeignSegment;
+use lmcache_protocol::types::{self, CacheKey, EngineGroupInfo, IpcDescriptor};
+use lmcache_protocol::{Op, ProtocolError, Request, value};
+use rmpv::Value;
+
+use crate::registry::{Family, Instance, LayerTensor, ObjectLayout, Registration};
+use crate::state::ServerState;
+use crate::transfer::{CpuTransfer, KvTransfer, PagedGeometry, geometry};
+
+pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
+    match req.op {
+        Op::RegisterKvCache => {
+            req.expect_params(7)?;
+            register(state, req)?;
+            Ok(None)
+        }
+        Op::UnregisterKvCache => {
+            req.expect_params(1)?;
+            let id = value::u64_("instance_id", &req.params[0])?;
+            state.registry.unregister(Family::LmcacheDriven, id);
+            Ok(None)
+        }
+        Op::Store => {
+            req.expect_params(4)?;
+            let key = CacheKey::decode("key", &req.params[0])?;
+            let id = value::u64_("instance_id", &req.params[1])?;
+            let blocks = types::block_ids("block_ids", &req.params[2])?;
+            value::bin("event_ipc_handle", &req.params[3])?;
+            Ok(Some(types::transfer_result(store(state, &key, id, &blocks)?)))
+        }
+        Op::Retrieve => {
+            req.expect_params(5)?;
+            let key = CacheKey::decode("key", &req.params[0])?;
+            let id = value::u64_("instance_id", &req.params[1])?;
+            let blocks = types::block_ids("block_ids", &req.params[2])?;
+            value::bin("event_ipc_handle", &req.params[3])?;
+            let skip = value::u64_("skip_first_n_tokens", &req.params[4])?;
+            Ok(Some(types::transfer_result(retrieve(state, &key, id, &blocks, skip)?)))
+        }
+        other => Err(ProtocolError::UnsupportedOp(other.name())),
+    }
+}
+
+fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
+    ProtocolError::OutOfRange { field: field.to_owned(), reason: reason.into() }
+}
+
+fn register(state: &ServerState, req: &Request) -> Result<(), ProtocolError> {
+    let id = value::u64_("instance_id", &req.params[0])?;
+    let descs = value::array("kv_cache", &req.params[1])?;
+    let model = value::str_("model_name", &req.params[2])?;
+    let model =
+        lmcache_core::ModelName::new(model).map_err(|e| bad("model_name", e.to_string()))?;
+    let world_size = value::u32_("world_size", &req.params[3])?;
+    lmcache_core::KvRank::new(world_size, 0).map_err(|e| bad("world_size", e.to_string()))?;
+    value::str_("engine_type", &req.params[4])?;
+    let groups = value::array("engine_group_infos", &req.params[6])?;
+    let groups: Vec<EngineGroupInfo> = groups
+        .iter()
+        .enumerate()
+        .map(|(i, g)| EngineGroupInfo::decode(&format!("engine_group_infos[{i}]"), g))
+        .collect::<Result<_, _>>()?;
+    if groups.len() > 1 {
+        return Err(bad(
+            "engine_group_infos",
+            "hybrid models (several KV groups) are not supported yet",
+        ));
+    }
+    if state.registry.contains(Family::LmcacheDriven, id) {
+        state.registry.get(Family::LmcacheDriven, id);
+        return Ok(());
+    }
+    if descs.is_empty() {
+        return Err(bad("kv_cache", "no layer tensors"));
+    }
+    let mut segments: HashMap<String, Arc<ForeignSegment>> = HashMap::new();
+    let mut layers = Vec::with_capacity(descs.len());
+    for (i, d) in descs.iter().enumerate() {
+        let field = format!("kv_cache[{i}]");
+        match IpcDescriptor::decode(&field, d)? {
+            IpcDescriptor::CpuShm { shm_name, nbytes, meta } => {
+                let seg = match segments.get(&shm_name) {
+                    Some(s) if s.len() >= nbytes => Arc::clone(s),
+                    _ => {
+                        let s = ForeignSegment::open(&shm_name, nbytes)
+                            .map_err(|e| bad(&field, format!("cannot map {shm_name:?}: {e}")))?;
+                        let s = Arc::new(s);
+                        segments.insert(shm_name.clone(), Arc::clone(&s));
+                        s
+                    }
+                };
+                layers.push(LayerTensor { segment: seg, meta });
+            }
+            IpcDescriptor::Device { kind } => {
+                return Err(bad(
+                    &field,
+                    format!(
+                        "{kind:?} memory needs a GPU backend; this server copies on the CPU (cpu_shm)"
+                    ),
+                ));
+            }
+        }
+    }
+    let mla = layers[0].meta.shape.len() == 3;
+    let geo = geometry(&layers[0], mla).map_err(|e| bad("kv_cache[0]", e))?;
+    for (i, l) in layers.iter().enumerate().skip(1) {
+        let g = geometry(l, mla).map_err(|e| bad(&format!("kv_cache[{i}]"), e))?;
+        if g != geo {
+            return Err(bad(&format!("kv_cache[{i}]"), "layer geometry differs from layer 0"));
+        }
+    }
+    let chunk = state.chunk_size() as u64;
+    if geo.block_size == 0 || chunk % geo.block_size != 0 {
+        return Err(bad(
+            "kv_cache",
+            format!("chunk size {chunk} is not a multiple of block size {}", geo.block_size),
+        ));
+    }
+    let layout = ObjectLayout {
+        kv: geo.kv,
+        layers: layers.len() as u64,
+        slots: chunk,
+        hidden: geo.hidden,
+        dtype: geo.dtype,
+    };
+    tracing::info!(instance_id = id, model = %model, world_size, layers = layers.len(), shape = ?layout.shape(), dtype = %geo.dtype, "lmcache-driven worker registered");
+    state.registry.register(
+        Family::LmcacheDriven,
+        id,
+        Instance {
+            model,
+            world_size,
+            layout,
+            registration: Registration::LmcacheDriven {
+                layers,
+                block_size: geo.block_size,
+                mla,
+                num_blocks: geo.num_blocks,
+            },
+            last_seen: Instant::now(),
+            ping_proven: false,
+        },
+    );
+    Ok(())
+}
+
+struct Resolved<'a> {
+    transfer: CpuTransfer<'a>,
+    blocks_per_chunk: usize,
+}
+
+fn resolve<'a>(inst: &'a Instance, state: &ServerState) -> Option<Resolved<'a>> {
+    let Registration::LmcacheDriven { layers, block_size, num_blocks, .. } = &inst.registration
+    else {
+        return None;
+    };
+    let geometry = PagedGeometry {
+        kv: inst.layout.kv,
+        num_blocks: *num_blocks,
+        block_size: *block_size,
+        hidden: inst.layout.hidden,
+        dtype: inst.layout.dtype,
+    };
+    Some(Resolved {
+        transfer: CpuTransfer { layers, geometry },
+        blocks_per_chunk: state.chunk_size() / *block_size as usize,
+    })
+}
+
+fn chunk_blocks<'b>(blocks: &'b [Vec<u64>], i: usize, bpc: usize) -> Option<&'b [u64]> {
+    blocks.first()?.get(i * bpc..(i + 1) * bpc)
+}
+
+fn store(
+    state: &ServerState,
+    key: &CacheKey,
+    id: u64,
+    blocks: &[Vec<u64>],
+) -> Result<bool, ProtocolError> {
+    let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else { return Ok(false) };
+    let Some(r) = resolve(&inst, state) else { return Ok(false) };
+    let (_, hashes) = state.range_hashes(key);
+    let n = hashes.len();
+    if blocks.first().map_or(0, Vec::len) < n * r.blocks_per_chunk {
+        return Err(bad(
+            "block_ids",
+            format!("{n} chunks need {} block ids", n * r.blocks_per_chunk),
+        ));
+    }
+    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
+    let size = inst.layout.bytes().unwrap_or(0);
+    let null = state.config.null_block_id;
+    let wanted: Vec<usize> = (0..n)
+        .filter(|&i| {
+            chunk_blocks(blocks, i, r.blocks_per_chunk)
+                .is_some_and(|b| b.iter().any(|&x| x != null))
+        })
+        .collect();
+    let reqs: Vec<WriteRequest> =
+        wanted.iter().map(|&i| WriteRequest::new(keys[i].clone(), size)).collect();
+    let mut ok = true;
+    let mut filled = Vec::new();
+    for (&i, res) in wanted.iter().zip(state.l1.reserve_write(&reqs)) {
+        match res {
+            Ok(mut w) => {
+                let Some(b) = chunk_blocks(blocks, i, r.blocks_per_chunk) else { continue };
+                match r.transfer.gather(b, w.as_mut_slice()) {
+                    Ok(()) => filled.push(w),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "store gather failed");
+                        ok = false;
+                    }
+                }
+            }
+            Err(L1Error::NotWritable) => {}
+            Err(e) => tracing::debug!(error = %e, "chunk not stored"),
+        }
+    }
+    let committed = state.l1.commit_batch(filled).into_iter().filter(Result::is_ok).count();
+    state.metrics.stored_chunks.inc_by(committed as u64);
+    Ok(ok)
+}
+
+fn retrieve(
+    state: &ServerState,
+    key: &CacheKey,
+    id: u64,
+    blocks: &[Vec<u64>],
+    skip_tokens: u64,
+) -> Result<bool, ProtocolError> {
+    let (first, hashes) = state.range_hashes(key);
+    let shard = key.worker_id.unwrap_or(0) as usize;
+    let release = || {
+        state.sessions.with_existing(&key.request_id, |s| {
+            s.lookup.release_one(shard, first..first + hashes.len())
+        })
+    };
+    let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
+        release();
+        return Ok(false);
+    };
+    let Some(r) = resolve(&inst, state) else {
+        release();
+        return Ok(false);
+    };
+    let n = hashes.len();
+    if blocks.first().map_or(0, Vec::len) < n * r.blocks_per_chunk {
+        release();
+        return Err(bad(
+            "block_ids",
+            format!("{n} chunks need {} block ids", n * r.blocks_per_chunk),
+        ));
+    }
+    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
+    let mut skip_blocks = (skip_tokens / r.transfer.geometry.block_size) as usize;
+    let mut ok = true;
+    for (i, lease) in state.l1.read_lock(&keys, 1).into_iter().enumerate() {
+        let Ok(lease) = lease else {
+            ok = false;
+            break;
+        };
+        let Some(b) = chunk_blocks(blocks, i, r.blocks_per_chunk) else { break };
+        let skip = skip_blocks.min(b.len());
+        skip_blocks -= skip;
+        if let Err(e) = r.transfer.scatter(b, skip, lease.bytes()) {
+            tracing::warn!(error = %e, "retrieve scatter failed");
+            ok = false;
+            break;
+        }
+        state.metrics.retrieved_chunks.inc();
+    }
+    release();
+    Ok(ok)
+}

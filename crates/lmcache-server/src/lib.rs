@@ -1,0 +1,26 @@
+//! The lmcache-rs MP cache server: LMCache 0.5.6's multiprocess protocol over ZMQ, on top of
+//! the L1 tier.
+//!
+//! # Components
+//! - [`transport`]: the ZMQ ROUTER thread and the worker pools.
+//! - [`handlers`]: one module per operation family; every request gets exactly one reply.
+//! - [`session`]: request sessions (hash chains, lookup locks).
+//! - [`registry`]: registered workers, their layouts and KV memory, liveness.
+//! - [`transfer`]: gather/scatter between paged KV and L1 objects (CPU backend).
+//! - [`http`]: the HTTP API (health, status, clear, checksums, metrics).
+//! - [`server`]: wiring, background reapers, shutdown.
+#![forbid(unsafe_code)]
+
+pub mod config;
+pub mod handlers;
+pub mod http;
+pub mod metrics;
+pub mod registry;
+pub mod server;
+pub mod session;
+pub mod state;
+pub mod transfer;
+pub mod transport;
+
+pub use config::ServerConfig;
+pub use server::Server;

@@ -1,0 +1,182 @@
+//! Registered engine workers: their object layouts, their KV memory (lmcache-driven), and
+//! their liveness. Lookups return zero hits for a `(model, world_size)` that no worker has
+//! registered, as LMCache does.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lmcache_core::{Dtype, ModelName};
+use lmcache_memory::ForeignSegment;
+use lmcache_protocol::types::TensorMeta;
+use parking_lot::RwLock;
+
+/// Shape of one stored object: `[kv, layers, slots, hidden]` (`kv` = 2, or 1 for MLA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectLayout {
+    /// K and V planes (2) or one (MLA).
+    pub kv: u64,
+    /// Layers.
+    pub layers: u64,
+    /// Token slots per chunk.
+    pub slots: u64,
+    /// Elements per token per layer (heads x head size).
+    pub hidden: u64,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+impl ObjectLayout {
+    /// Bytes of one object; `None` on overflow.
+    pub fn bytes(&self) -> Option<u64> {
+        self.kv
+            .checked_mul(self.layers)?
+            .checked_mul(self.slots)?
+            .checked_mul(self.hidden)?
+            .checked_mul(self.dtype.itemsize())
+    }
+
+    /// The object's tensor shape as the wire describes it.
+    pub fn shape(&self) -> Vec<u64> {
+        if self.kv == 1 {
+            vec![self.layers, self.slots, self.hidden]
+        } else {
+            vec![self.kv, self.layers, self.slots, self.hidden]
+        }
+    }
+}
+
+/// One layer's paged KV tensor in a client segment (lmcache-driven, CPU).
+#[derive(Debug, Clone)]
+pub struct LayerTensor {
+    /// The mapped segment.
+    pub segment: Arc<ForeignSegment>,
+    /// Its view.
+    pub meta: TensorMeta,
+}
+
+/// What a worker registered.
+#[derive(Debug, Clone)]
+pub enum Registration {
+    /// The client copies (engine-driven, SHM pool).
+    EngineDriven,
+    /// The server copies from/to these layer tensors.
+    LmcacheDriven {
+        /// One per layer, in layer order.
+        layers: Vec<LayerTensor>,
+        /// Tokens per engine block.
+        block_size: u64,
+        /// MLA (`[NB, BS, D]` per layer).
+        mla: bool,
+        /// Blocks in each layer tensor.
+        num_blocks: u64,
+    },
+}
+
+/// A registered worker.
+#[derive(Debug, Clone)]
+pub struct Instance {
+    /// The model.
+    pub model: ModelName,
+    /// Its world size.
+    pub world_size: u32,
+    /// Its object layout.
+    pub layout: ObjectLayout,
+    /// How it transfers.
+    pub registration: Registration,
+    /// Last request seen from it.
+    pub last_seen: Instant,
+    /// Proven alive by a ping.
+    pub ping_proven: bool,
+}
+
+/// All registrations, keyed by `(transfer family, instance id)`.
+#[derive(Debug, Default)]
+pub struct Registry {
+    instances: RwLock<HashMap<(bool, u64), Instance>>,
+}
+
+/// Which family a registration belongs to (LMCache keeps them apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// `register_kv_cache` family.
+    LmcacheDriven,
+    /// `register_kv_cache_engine_driven_context` family.
+    EngineDriven,
+}
+
+impl Family {
+    fn key(self, id: u64) -> (bool, u64) {
+        (self == Family::EngineDriven, id)
+    }
+}
+
+impl Registry {
+    /// Adds or replaces a registration.
+    pub fn register(&self, family: Family, id: u64, instance: Instance) {
+        self.instances.write().insert(family.key(id), instance);
+    }
+
+    /// Removes a registration; false if unknown.
+    pub fn unregister(&self, family: Family, id: u64) -> bool {
+        self.instances.write().remove(&family.key(id)).is_some()
+    }
+
+    /// A registration, refreshing its liveness.
+    pub fn get(&self, family: Family, id: u64) -> Option<Instance> {
+        let mut map = self.instances.write();
+        let inst = map.get_mut(&family.key(id))?;
+        inst.last_seen = Instant::now();
+        Some(inst.clone())
+    }
+
+    /// True when registered (no liveness refresh).
+    pub fn contains(&self, family: Family, id: u64) -> bool {
+        self.instances.read().contains_key(&family.key(id))
+    }
+
+    /// A ping from `id`: refreshes and proves every registration it has.
+    pub fn ping(&self, id: u64) {
+        let now = Instant::now();
+        for ((_, i), inst) in self.instances.write().iter_mut() {
+            if *i == id {
+                inst.last_seen = now;
+                inst.ping_proven = true;
+            }
+        }
+    }
+
+    /// True when some worker registered `(model, world_size)`.
+    pub fn has_model(&self, model: &ModelName, world_size: u32) -> bool {
+        self.instances.read().values().any(|i| &i.model == model && i.world_size == world_size)
+    }
+
+    /// Drops registrations silent for longer than their timeout; returns how many.
+    pub fn reap(&self, now: Instant, timeout: Duration, grace: Duration) -> usize {
+        if timeout.is_zero() {
+            return 0;
+        }
+        let mut map = self.instances.write();
+        let before = map.len();
+        map.retain(|_, i| {
+            let limit = if i.ping_proven { timeout } else { grace };
+            now.duration_since(i.last_seen) < limit
+        });
+        before - map.len()
+    }
+
+    /// `(family, instance id, model, world size)` of every registration.
+    pub fn list(&self) -> Vec<(Family, u64, String, u32)> {
+        let mut v: Vec<_> = self
+            .instances
+            .read()
+            .iter()
+            .map(|((ed, id), i)| {
+                let fam = if *ed { Family::EngineDriven } else { Family::LmcacheDriven };
+                (fam, *id, i.model.to_string(), i.world_size)
+            })
+            .collect();
+        v.sort_by_key(|x| x.1);
+        v
+    }
+}

@@ -1,0 +1,246 @@
+//! Wiring: build the L1, bind ZMQ and HTTP, start the background threads; shut them down in
+//! order (stop reading requests, answer those in flight, stop HTTP, stop reapers, release the
+//! L1 and unlink its shared-memory segment).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lmcache_core::TokenHasher;
+use lmcache_l1::{L1Cache, L1ConfigError, Maintenance};
+use lmcache_memory::shm::{SHM_DIR, clean_stale_segments};
+use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, MemoryError};
+use thiserror::Error;
+
+use crate::config::ServerConfig;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+use crate::session::Sessions;
+use crate::state::{Pending, ServerState};
+use crate::transport::{Transport, TransportError};
+
+/// Why the server could not start.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// A setting is unusable.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The L1 arena could not be created.
+    #[error("L1 memory: {0}")]
+    Memory(#[from] MemoryError),
+    /// The L1 settings are invalid.
+    #[error(transparent)]
+    L1(#[from] L1ConfigError),
+    /// ZMQ failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// HTTP bind or thread start failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
+    let what = what.into();
+    move |source| ServerError::Io { what, source }
+}
+
+/// A running server. Dropping it shuts it down.
+#[derive(Debug)]
+pub struct Server {
+    state: Arc<ServerState>,
+    stop: Arc<AtomicBool>,
+    endpoint: String,
+    http_addr: Option<SocketAddr>,
+    transport: Option<JoinHandle<Result<(), TransportError>>>,
+    http: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
+    reaper: Option<(Sender<()>, JoinHandle<()>)>,
+    maintenance: Option<Maintenance>,
+}
+
+impl Server {
+    /// Builds everything and starts serving.
+    pub fn start(config: ServerConfig) -> Result<Self, ServerError> {
+        let started = Instant::now();
+        let hasher = TokenHasher::new(config.chunk_size)
+            .map_err(|e| ServerError::Config(format!("--chunk-size: {e}")))?;
+        if matches!(config.arena.backing, ArenaBacking::SharedMemory { .. }) {
+            let removed = clean_stale_segments(std::path::Path::new(SHM_DIR));
+            if !removed.is_empty() {
+                tracing::info!(segments = ?removed, "removed stale L1 segments of crashed runs");
+            }
+        }
+        let arena = Arena::create(&config.arena)?;
+        let memory = ArenaAllocator::new(arena, config.align)?;
+        let l1 = L1Cache::new(config.l1.clone(), memory)?;
+        let maintenance = Maintenance::spawn(l1.clone()).map_err(io("starting L1 maintenance"))?;
+        let transport = Transport::bind(&config.endpoint())?;
+        let endpoint = transport.endpoint().to_owned();
+        let state = Arc::new(ServerState {
+            sessions: Sessions::new(hasher, config.session_ttl),
+            hasher,
+            l1,
+            registry: Registry::default(),
+            pending: Pending::default(),
+            metrics: Metrics::default(),
+            started,
+            config,
+        });
+        let stop = Arc::new(AtomicBool::new(false));
+        let http = match state.config.http_port {
+            None => None,
+            Some(port) => Some(start_http(Arc::clone(&state), port)?),
+        };
+        let http_addr = http.as_ref().map(|(addr, _, _)| *addr);
+        let http = http.map(|(_, tx, j)| (tx, j));
+        let transport = {
+            let (state, stop) = (Arc::clone(&state), Arc::clone(&stop));
+            std::thread::Builder::new()
+                .name("mp-socket".into())
+                .spawn(move || transport.serve(state, stop))
+                .map_err(io("starting the socket thread"))?
+        };
+        let reaper = start_reaper(Arc::clone(&state))?;
+        tracing::info!(
+            endpoint = %endpoint,
+            http = ?http_addr,
+            ready_ms = started.elapsed().as_millis() as u64,
+            "lmcache-rs server ready"
+        );
+        Ok(Self {
+            state,
+            stop,
+            endpoint,
+            http_addr,
+            transport: Some(transport),
+            http,
+            reaper: Some(reaper),
+            maintenance: Some(maintenance),
+        })
+    }
+
+    /// The bound ZMQ endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// The bound HTTP address, if HTTP is on.
+    pub fn http_addr(&self) -> Option<SocketAddr> {
+        self.http_addr
+    }
+
+    /// The shared state (for tests and embedding).
+    pub fn state(&self) -> &Arc<ServerState> {
+        &self.state
+    }
+
+    /// Stops serving: in-flight requests are answered first.
+    pub fn shutdown(mut self) {
+        self.stop_all();
+    }
+
+    fn stop_all(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.transport.take() {
+            match t.join() {
+                Ok(Err(e)) => tracing::error!(error = %e, "transport stopped with an error"),
+                Err(_) => tracing::error!("socket thread panicked"),
+                Ok(Ok(())) => {}
+            }
+        }
+        if let Some((tx, j)) = self.http.take() {
+            let _ = tx.send(());
+            let _ = j.join();
+        }
+        if let Some((tx, j)) = self.reaper.take() {
+            drop(tx);
+            let _ = j.join();
+        }
+        self.maintenance.take();
+        self.state.sessions.clear();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+type HttpParts = (SocketAddr, tokio::sync::oneshot::Sender<()>, JoinHandle<()>);
+
+fn start_http(state: Arc<ServerState>, port: u16) -> Result<HttpParts, ServerError> {
+    let addr = format!("{}:{}", state.config.http_host, port);
+    let listener =
+        std::net::TcpListener::bind(&addr).map_err(io(format!("binding HTTP on {addr}")))?;
+    listener.set_nonblocking(true).map_err(io("HTTP listener"))?;
+    let local = listener.local_addr().map_err(io("HTTP listener"))?;
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let join = std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(error = %e, "HTTP runtime failed to start");
+                    return;
+                }
+            };
+            rt.block_on(async move {
+                let listener = match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "HTTP listener failed");
+                        return;
+                    }
+                };
+                let app = crate::http::router(state);
+                let shutdown = async move {
+                    let _ = rx.await;
+                };
+                if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+                    tracing::error!(error = %e, "HTTP server failed");
+                }
+            });
+        })
+        .map_err(io("starting the HTTP thread"))?;
+    Ok((local, tx, join))
+}
+
+/// Reaps sessions past their TTL, dead workers and abandoned engine-driven transfers.
+fn start_reaper(state: Arc<ServerState>) -> Result<(Sender<()>, JoinHandle<()>), ServerError> {
+    let (tx, rx) = mpsc::channel::<()>();
+    let c = &state.config;
+    let period = [c.session_ttl / 10, c.worker_reap_timeout / 4, Duration::from_secs(60)]
+        .into_iter()
+        .filter(|d| !d.is_zero())
+        .min()
+        .unwrap_or(Duration::from_secs(60))
+        .max(Duration::from_millis(50));
+    let join = std::thread::Builder::new()
+        .name("reaper".into())
+        .spawn(move || {
+            while let Err(RecvTimeoutError::Timeout) = rx.recv_timeout(period) {
+                let now = Instant::now();
+                let c = &state.config;
+                let sessions = state.sessions.reap(now);
+                let workers =
+                    state.registry.reap(now, c.worker_reap_timeout, c.worker_registration_grace);
+                state.pending.reap(now, c.l1.write_ttl.max(c.l1.read_ttl));
+                if sessions + workers > 0 {
+                    tracing::info!(sessions, workers, "reaped");
+                }
+            }
+        })
+        .map_err(io("starting the reaper"))?;
+    Ok((tx, join))
+}

@@ -1,0 +1,123 @@
+//! Everything the handlers share.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use lmcache_core::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey, TokenHasher};
+use lmcache_l1::{L1Cache, LeaseId};
+use lmcache_protocol::ProtocolError;
+use lmcache_protocol::types::CacheKey;
+use parking_lot::Mutex;
+
+use crate::config::ServerConfig;
+use crate::metrics::Metrics;
+use crate::registry::Registry;
+use crate::session::Sessions;
+
+/// Identity of an engine-driven transfer between its prepare and commit messages:
+/// `(instance, key identity)`, where the chunk hashes stand for the token list.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PendingKey {
+    instance_id: u64,
+    model: ModelName,
+    world_size: u32,
+    worker_id: Option<u32>,
+    cache_salt: CacheSalt,
+    start: usize,
+    end: usize,
+    last_hash: Option<ChunkHash>,
+}
+
+impl PendingKey {
+    /// The pending-transfer key of `key` for `instance_id`.
+    pub fn new(instance_id: u64, key: &CacheKey, hashes: &[ChunkHash]) -> Self {
+        Self {
+            instance_id,
+            model: key.model_name.clone(),
+            world_size: key.world_size,
+            worker_id: key.worker_id,
+            cache_salt: key.cache_salt.clone(),
+            start: key.start,
+            end: key.end,
+            last_hash: hashes.last().copied(),
+        }
+    }
+}
+
+/// Parked handles of transfers between prepare and commit.
+#[derive(Debug, Default)]
+pub struct Pending {
+    /// Write reservations of `prepare_store`.
+    pub stores: Mutex<HashMap<PendingKey, (Instant, Vec<LeaseId>)>>,
+    /// Read leases of `prepare_retrieve`.
+    pub retrieves: Mutex<HashMap<PendingKey, (Instant, Vec<LeaseId>)>>,
+}
+
+impl Pending {
+    /// Forgets entries older than `ttl` (their handles have expired from the lease tables).
+    pub fn reap(&self, now: Instant, ttl: Duration) {
+        self.stores.lock().retain(|_, (t, _)| now.duration_since(*t) < ttl);
+        self.retrieves.lock().retain(|_, (t, _)| now.duration_since(*t) < ttl);
+    }
+}
+
+/// The server's shared state.
+#[derive(Debug)]
+pub struct ServerState {
+    /// Settings.
+    pub config: ServerConfig,
+    /// The L1 tier.
+    pub l1: L1Cache,
+    /// Token hasher (chunk size of the server).
+    pub hasher: TokenHasher,
+    /// Request sessions.
+    pub sessions: Sessions,
+    /// Registered workers.
+    pub registry: Registry,
+    /// Engine-driven transfers in flight.
+    pub pending: Pending,
+    /// Counters.
+    pub metrics: Metrics,
+    /// Start time.
+    pub started: Instant,
+}
+
+impl ServerState {
+    /// Chunk size in tokens.
+    pub fn chunk_size(&self) -> usize {
+        self.hasher.chunk_size()
+    }
+
+    /// Object keys of `hashes` for one shard.
+    pub fn object_keys(
+        &self,
+        key: &CacheKey,
+        worker_id: u32,
+        hashes: &[ChunkHash],
+    ) -> Result<Vec<ObjectKey>, ProtocolError> {
+        let kv_rank = KvRank::new(key.world_size, worker_id).map_err(|e| {
+            ProtocolError::OutOfRange { field: "key.worker_id".into(), reason: e.to_string() }
+        })?;
+        Ok(hashes
+            .iter()
+            .map(|h| ObjectKey {
+                chunk_hash: *h,
+                model_name: key.model_name.clone(),
+                kv_rank,
+                object_group_id: 0,
+                cache_salt: key.cache_salt.clone(),
+            })
+            .collect())
+    }
+
+    /// The chunk hashes of `key`'s range `[start, end)` (whole chunks), computed through the
+    /// request's session. Returns `(first chunk index, hashes)`.
+    pub fn range_hashes(&self, key: &CacheKey) -> (usize, Vec<ChunkHash>) {
+        let c = self.chunk_size();
+        let first = key.start / c;
+        let last = key.end / c;
+        let all = self.sessions.with(&key.request_id, |s| s.chunk_hashes(&key.token_ids, last));
+        let hashes = all.get(first..).map(<[ChunkHash]>::to_vec).unwrap_or_default();
+        (first, hashes)
+    }
+}

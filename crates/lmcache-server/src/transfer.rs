@@ -1,0 +1,354 @@
+//! Moving KV between an engine's paged cache and L1 objects, on the CPU.
+//!
+//! The engine's cache is one tensor per layer, `[2, NB, BS, NH, HS]` (or `[NB, BS, D]` for
+//! MLA), living in shared-memory segments the client registered. An object holds one chunk
+//! as `[kv, L, T, H]`: element `[p, l, t, :]` is layer `l`'s plane `p` at block
+//! `blocks[t / BS]`, slot `t % BS`. Each block of a plane is one contiguous run of
+//! `BS * H` elements in both places, so a chunk moves as `kv * L * blocks_per_chunk` copies.
+//!
+//! Every block id is checked against the layer's block count before any copy, and every copy
+//! is bounds-checked by [`ForeignSegment`](lmcache_memory::ForeignSegment): a bad id is a
+//! failed request, never a read or write outside a segment. [`KvTransfer`] is the seam where a
+//! GPU backend plugs in later.
+
+use md5::{Digest, Md5};
+use thiserror::Error;
+
+use crate::registry::LayerTensor;
+use lmcache_core::Dtype;
+use lmcache_memory::AllocError;
+
+/// Why a transfer failed.
+#[derive(Debug, Error)]
+pub enum TransferError {
+    /// A block id beyond the layer's blocks.
+    #[error("block id {block} is outside the {num_blocks} blocks of the registered KV cache")]
+    BlockOutOfRange {
+        /// The id.
+        block: u64,
+        /// Blocks per layer.
+        num_blocks: u64,
+    },
+    /// The object buffer does not match the layout.
+    #[error("object of {got} bytes, the layout needs {expected}")]
+    ObjectSize {
+        /// Needed.
+        expected: u64,
+        /// Given.
+        got: u64,
+    },
+    /// A copy fell outside a segment (a layout inconsistency caught before touching memory).
+    #[error(transparent)]
+    Bounds(#[from] AllocError),
+}
+
+/// Geometry of a registered paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagedGeometry {
+    /// Planes (2, or 1 for MLA).
+    pub kv: u64,
+    /// Blocks per layer.
+    pub num_blocks: u64,
+    /// Tokens per block.
+    pub block_size: u64,
+    /// Elements per token (heads x head size, or D).
+    pub hidden: u64,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+impl PagedGeometry {
+    /// Bytes of one block of one plane of one layer.
+    pub fn block_bytes(&self) -> u64 {
+        self.block_size * self.hidden * self.dtype.itemsize()
+    }
+}
+
+/// Validates a layer tensor and returns its geometry. The inner block (`[BS, NH, HS]` or
+/// `[BS, D]`) must be contiguous, and the farthest element must lie inside the mapping.
+pub fn geometry(layer: &LayerTensor, mla: bool) -> Result<PagedGeometry, String> {
+    let m = &layer.meta;
+    let (kv, nb, bs, hidden, inner_ok, block_stride_ok) = match (mla, m.shape.as_slice()) {
+        (false, [2, nb, bs, nh, hs]) => {
+            let s = &m.stride;
+            let ok = s[4] == 1 && s[3] == *hs && s[2] == nh * hs;
+            (2, *nb, *bs, nh * hs, ok, s[1] >= bs * nh * hs)
+        }
+        (true, [nb, bs, d]) => {
+            let s = &m.stride;
+            (1, *nb, *bs, *d, s[2] == 1 && s[1] == *d, s[0] >= bs * d)
+        }
+        _ => {
+            return Err(format!(
+                "unsupported KV tensor shape {:?} (expected [2, NB, BS, NH, HS]{})",
+                m.shape,
+                if mla { " or MLA [NB, BS, D]" } else { "" }
+            ));
+        }
+    };
+    if !inner_ok || !block_stride_ok {
+        return Err(format!("KV tensor blocks are not contiguous (strides {:?})", m.stride));
+    }
+    // Last element offset, with overflow checks.
+    let mut last = m.storage_offset;
+    for (d, s) in m.shape.iter().zip(&m.stride) {
+        let add = d.checked_sub(1).and_then(|x| x.checked_mul(*s)).ok_or("shape overflow")?;
+        last = last.checked_add(add).ok_or("shape overflow")?;
+    }
+    let end = last
+        .checked_add(1)
+        .and_then(|e| e.checked_mul(m.dtype.itemsize()))
+        .ok_or("shape overflow")?;
+    if end > layer.segment.len() {
+        return Err(format!(
+            "KV tensor needs {end} bytes but its segment maps {}",
+            layer.segment.len()
+        ));
+    }
+    Ok(PagedGeometry { kv, num_blocks: nb, block_size: bs, hidden, dtype: m.dtype })
+}
+
+/// Moves chunks between paged layer tensors and objects.
+pub trait KvTransfer: Send + Sync {
+    /// Copies `blocks` of every layer into `object` (`[kv, L, T, H]`).
+    fn gather(&self, blocks: &[u64], object: &mut [u8]) -> Result<(), TransferError>;
+    /// Copies `object` into `blocks`, leaving the first `skip_blocks` blocks untouched.
+    fn scatter(
+        &self,
+        blocks: &[u64],
+        skip_blocks: usize,
+        object: &[u8],
+    ) -> Result<(), TransferError>;
+}
+
+/// The CPU backend over shared-memory layer tensors.
+#[derive(Debug)]
+pub struct CpuTransfer<'a> {
+    /// The layers, in order.
+    pub layers: &'a [LayerTensor],
+    /// Their common geometry.
+    pub geometry: PagedGeometry,
+}
+
+impl CpuTransfer<'_> {
+    /// Byte offset of block `b` of plane `p` in layer `l`'s segment.
+    fn block_offset(&self, l: usize, p: u64, b: u64) -> Result<u64, TransferError> {
+        let g = &self.geometry;
+        if b >= g.num_blocks {
+            return Err(TransferError::BlockOutOfRange { block: b, num_blocks: g.num_blocks });
+        }
+        let m = &self.layers[l].meta;
+        let elem = if g.kv == 2 {
+            m.storage_offset + p * m.stride[0] + b * m.stride[1]
+        } else {
+            m.storage_offset + b * m.stride[0]
+        };
+        Ok(elem * g.dtype.itemsize())
+    }
+
+    fn check_object(&self, blocks: &[u64], len: usize) -> Result<u64, TransferError> {
+        let g = &self.geometry;
+        let run = g.block_bytes();
+        let expected = g.kv * self.layers.len() as u64 * blocks.len() as u64 * run;
+        if len as u64 != expected {
+            return Err(TransferError::ObjectSize { expected, got: len as u64 });
+        }
+        for &b in blocks {
+            if b >= g.num_blocks {
+                return Err(TransferError::BlockOutOfRange { block: b, num_blocks: g.num_blocks });
+            }
+        }
+        Ok(run)
+    }
+}
+
+impl KvTransfer for CpuTransfer<'_> {
+    fn gather(&self, blocks: &[u64], object: &mut [u8]) -> Result<(), TransferError> {
+        let run = self.check_object(blocks, object.len())? as usize;
+        let mut dst = 0usize;
+        for p in 0..self.geometry.kv {
+            for (l, layer) in self.layers.iter().enumerate() {
+                for &b in blocks {
+                    let src = self.block_offset(l, p, b)?;
+                    layer.segment.read(src, &mut object[dst..dst + run])?;
+                    dst += run;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn scatter(
+        &self,
+        blocks: &[u64],
+        skip_blocks: usize,
+        object: &[u8],
+    ) -> Result<(), TransferError> {
+        let run = self.check_object(blocks, object.len())? as usize;
+        let mut src = 0usize;
+        for p in 0..self.geometry.kv {
+            for (l, layer) in self.layers.iter().enumerate() {
+                for (j, &b) in blocks.iter().enumerate() {
+                    if j >= skip_blocks {
+                        let dst = self.block_offset(l, p, b)?;
+                        layer.segment.write(dst, &object[src..src + run])?;
+                    }
+                    src += run;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// LMCache's `POST /cache/checksums`: for each group of `chunk_blocks` blocks, one MD5 over
+/// every layer's gathered blocks (plane-major within a layer), bfloat16 upcast to float32.
+pub fn checksums(
+    t: &CpuTransfer<'_>,
+    blocks: &[u64],
+    chunk_blocks: usize,
+    layerwise: bool,
+) -> Result<Vec<Vec<String>>, TransferError> {
+    let g = t.geometry;
+    let run = g.block_bytes() as usize;
+    let mut buf = vec![0u8; run];
+    let mut upcast = Vec::new();
+    let groups: Vec<&[u64]> = blocks.chunks(chunk_blocks.max(1)).collect();
+    let n_out = if layerwise { t.layers.len() } else { 1 };
+    let mut out = vec![Vec::with_capacity(groups.len()); n_out];
+    for group in &groups {
+        let mut md5s = vec![Md5::new(); n_out];
+        for l in 0..t.layers.len() {
+            let h = &mut md5s[if layerwise { l } else { 0 }];
+            for p in 0..g.kv {
+                for &b in group.iter() {
+                    let off = t.block_offset(l, p, b)?;
+                    t.layers[l].segment.read(off, &mut buf)?;
+                    if g.dtype == Dtype::BFloat16 {
+                        upcast.clear();
+                        for pair in buf.chunks_exact(2) {
+                            upcast.extend_from_slice(&[0, 0, pair[0], pair[1]]);
+                        }
+                        h.update(&upcast);
+                    } else {
+                        h.update(&buf);
+                    }
+                }
+            }
+        }
+        for (i, h) in md5s.into_iter().enumerate() {
+            out[i].push(format!("{:x}", h.finalize()));
+        }
+    }
+    Ok(out)
+}
+
+/// LMCache's `compress_slot_mapping`: runs of 3+ consecutive ids become `[first, last]`.
+pub fn compress_ranges(ids: &[u64]) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < ids.len() {
+        let mut j = i;
+        while j + 1 < ids.len() && ids[j + 1] == ids[j] + 1 {
+            j += 1;
+        }
+        if j - i >= 2 {
+            out.push(serde_json::json!([ids[i], ids[j]]));
+        } else {
+            for id in &ids[i..=j] {
+                out.push(serde_json::json!(id));
+            }
+        }
+        i = j + 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lmcache_memory::ForeignSegment;
+    use lmcache_memory::shm::ShmSegment;
+    use lmcache_protocol::types::TensorMeta;
+    use std::sync::Arc;
+
+    fn layer(name: &str, nb: u64, bs: u64, nh: u64, hs: u64) -> (ShmSegment, LayerTensor) {
+        let bytes = 2 * nb * bs * nh * hs * 2;
+        let owner = ShmSegment::create(name, bytes).unwrap();
+        let seg = Arc::new(ForeignSegment::open(name, bytes).unwrap());
+        let meta = TensorMeta {
+            dtype: Dtype::Float16,
+            shape: vec![2, nb, bs, nh, hs],
+            stride: vec![nb * bs * nh * hs, bs * nh * hs, nh * hs, hs, 1],
+            storage_offset: 0,
+            device_uuid: "cpu".into(),
+        };
+        (owner, LayerTensor { segment: seg, meta })
+    }
+
+    #[test]
+    fn gather_then_scatter_round_trips_and_skips() {
+        let pid = std::process::id();
+        let (_o1, l1) = layer(&format!("lmrs_t_l1_{pid}"), 8, 4, 2, 8);
+        let (_o2, l2) = layer(&format!("lmrs_t_l2_{pid}"), 8, 4, 2, 8);
+        for (i, l) in [&l1, &l2].iter().enumerate() {
+            let data: Vec<u8> =
+                (0..l.segment.len()).map(|x| (x as u8).wrapping_add(i as u8)).collect();
+            l.segment.write(0, &data).unwrap();
+        }
+        let layers = vec![l1, l2];
+        let g = geometry(&layers[0], false).unwrap();
+        let t = CpuTransfer { layers: &layers, geometry: g };
+        let blocks = [5, 2];
+        let mut obj = vec![0u8; (2 * 2 * 2 * g.block_bytes()) as usize];
+        t.gather(&blocks, &mut obj).unwrap();
+        // Object element [p=1, l=1, t=0] is layer 1, plane 1, block 5.
+        let run = g.block_bytes() as usize;
+        let want_off = t.block_offset(1, 1, 5).unwrap();
+        let mut want = vec![0u8; run];
+        layers[1].segment.read(want_off, &mut want).unwrap();
+        assert_eq!(&obj[3 * 2 * run..3 * 2 * run + run], &want[..]);
+        // Scatter into other blocks, skipping the first: block 6 stays as it was.
+        let mut before6 = vec![0u8; run];
+        layers[0].segment.read(t.block_offset(0, 0, 6).unwrap(), &mut before6).unwrap();
+        t.scatter(&[6, 7], 1, &obj).unwrap();
+        let mut after6 = vec![0u8; run];
+        layers[0].segment.read(t.block_offset(0, 0, 6).unwrap(), &mut after6).unwrap();
+        assert_eq!(before6, after6, "skipped block was written");
+        let mut back = vec![0u8; obj.len()];
+        t.gather(&[5, 7], &mut back).unwrap();
+        assert_eq!(back, obj, "block 7 must now equal block 2's data");
+        // Bad ids and sizes fail before any copy.
+        assert!(matches!(t.gather(&[8, 0], &mut obj), Err(TransferError::BlockOutOfRange { .. })));
+        assert!(t.scatter(&[u64::MAX, 0], 0, &obj).is_err());
+        assert!(matches!(t.gather(&[1], &mut obj), Err(TransferError::ObjectSize { .. })));
+        // Checksums: one per group, stable.
+        let c = checksums(&t, &[5, 7], 2, false).unwrap();
+        assert_eq!(c[0].len(), 1);
+        assert_eq!(c, checksums(&t, &[5, 7], 2, false).unwrap());
+        assert_ne!(c, checksums(&t, &[5, 6], 2, false).unwrap());
+    }
+
+    #[test]
+    fn geometry_refuses_bad_layouts() {
+        let pid = std::process::id();
+        let (_o, mut l) = layer(&format!("lmrs_t_geo_{pid}"), 4, 4, 2, 8);
+        assert!(geometry(&l, false).is_ok());
+        l.meta.shape[1] = 1000;
+        assert!(geometry(&l, false).unwrap_err().contains("segment maps"));
+        l.meta.shape[1] = 4;
+        l.meta.stride[4] = 2;
+        assert!(geometry(&l, false).unwrap_err().contains("contiguous"));
+        l.meta.shape = vec![4, 4];
+        assert!(geometry(&l, false).is_err());
+    }
+
+    #[test]
+    fn ranges_compress_like_lmcache() {
+        let j = |v: &[u64]| serde_json::to_string(&compress_ranges(v)).unwrap();
+        assert_eq!(j(&[1, 2, 3, 4, 5, 9, 10, 11, 12]), "[[1,5],[9,12]]");
+        assert_eq!(j(&[5, 3, 1, 2, 4]), "[5,3,1,2,4]");
+        assert_eq!(j(&[1, 2, 3, 4, 5, 7, 8]), "[[1,5],7,8]");
+        assert_eq!(j(&[]), "[]");
+    }
+}

@@ -1,0 +1,225 @@
+//! The ZMQ side: one thread owns the ROUTER socket and never runs handler logic beyond the
+//! cheap inline operations; lookups and management requests go to a shared pool, transfers to
+//! a pool where a client identity always lands on the same thread (its transfers stay in
+//! order). Workers send replies back over an inproc PUSH/PULL pair that the socket thread
+//! polls beside the ROUTER, so a long copy never blocks a lookup.
+//!
+//! Shutdown: once the stop flag is set the socket thread stops reading requests, forwards the
+//! replies of requests already in flight (up to a deadline), then closes the worker queues and
+//! joins the workers.
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use lmcache_protocol::frame::{self, Incoming, Request};
+use thiserror::Error;
+
+use crate::handlers::{self, Lane};
+use crate::state::ServerState;
+
+/// How long shutdown waits for in-flight replies.
+const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Why the transport could not start or stopped.
+#[derive(Debug, Error)]
+pub enum TransportError {
+    /// A ZMQ call failed.
+    #[error("zmq {op} failed: {source}")]
+    Zmq {
+        /// What was being done.
+        op: &'static str,
+        /// The ZMQ error.
+        #[source]
+        source: zmq::Error,
+    },
+    /// A worker thread could not start.
+    #[error("could not start thread {name}: {source}")]
+    Spawn {
+        /// Thread name.
+        name: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn zerr(op: &'static str) -> impl FnOnce(zmq::Error) -> TransportError {
+    move |source| TransportError::Zmq { op, source }
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+/// A bound ROUTER socket, ready to serve.
+pub struct Transport {
+    ctx: zmq::Context,
+    router: zmq::Socket,
+    replies: zmq::Socket,
+    reply_endpoint: String,
+    endpoint: String,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport").field("endpoint", &self.endpoint).finish()
+    }
+}
+
+impl Transport {
+    /// Binds the ROUTER to `endpoint` (`tcp://` or `ipc://`).
+    pub fn bind(endpoint: &str) -> Result<Self, TransportError> {
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
+        router.set_router_mandatory(true).map_err(zerr("setsockopt ROUTER_MANDATORY"))?;
+        router.set_linger(0).map_err(zerr("setsockopt LINGER"))?;
+        router.set_rcvhwm(0).map_err(zerr("setsockopt RCVHWM"))?;
+        router.set_sndhwm(0).map_err(zerr("setsockopt SNDHWM"))?;
+        router.bind(endpoint).map_err(zerr("bind"))?;
+        let bound = router
+            .get_last_endpoint()
+            .map_err(zerr("getsockopt LAST_ENDPOINT"))?
+            .unwrap_or_else(|_| endpoint.to_owned());
+        let replies = ctx.socket(zmq::PULL).map_err(zerr("socket"))?;
+        let reply_endpoint = format!(
+            "inproc://lmcache-rs-replies-{}-{}",
+            std::process::id(),
+            NEXT_ID.fetch_add(1, Ordering::Relaxed)
+        );
+        replies.bind(&reply_endpoint).map_err(zerr("bind inproc"))?;
+        Ok(Self { ctx, router, replies, reply_endpoint, endpoint: bound })
+    }
+
+    /// The endpoint actually bound (with the port chosen, for port 0).
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Serves until `stop` is set. Runs on the calling thread.
+    pub fn serve(
+        self,
+        state: Arc<ServerState>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<(), TransportError> {
+        let normal_threads = state.config.max_cpu_workers.max(1);
+        let transfer_threads = state.config.max_gpu_workers.max(1);
+        let mut workers = Vec::new();
+
+        let (normal_tx, normal_rx) = mpsc::channel::<Request>();
+        let normal_rx = Arc::new(Mutex::new(normal_rx));
+        for i in 0..normal_threads {
+            let rx = Arc::clone(&normal_rx);
+            let next = move || rx.lock().ok().and_then(|r| r.recv().ok());
+            workers.push(self.spawn_worker(format!("mp-worker-{i}"), &state, next)?);
+        }
+        let mut transfer_tx: Vec<Sender<Request>> = Vec::new();
+        for i in 0..transfer_threads {
+            let (tx, rx): (Sender<Request>, Receiver<Request>) = mpsc::channel();
+            transfer_tx.push(tx);
+            workers.push(
+                self.spawn_worker(format!("mp-transfer-{i}"), &state, move || rx.recv().ok())?,
+            );
+        }
+
+        let in_flight = AtomicU64::new(0);
+        let mut stopping: Option<Instant> = None;
+        let hasher = std::collections::hash_map::RandomState::new();
+        loop {
+            let mut items =
+                [self.router.as_poll_item(zmq::POLLIN), self.replies.as_poll_item(zmq::POLLIN)];
+            zmq::poll(&mut items, 50).map_err(zerr("poll"))?;
+            let (requests_ready, replies_ready) = (items[0].is_readable(), items[1].is_readable());
+            if replies_ready {
+                while let Ok(frames) = self.replies.recv_multipart(zmq::DONTWAIT) {
+                    in_flight.fetch_sub(1, Ordering::Relaxed);
+                    self.send(frames);
+                }
+            }
+            if stop.load(Ordering::Relaxed) && stopping.is_none() {
+                tracing::info!(in_flight = in_flight.load(Ordering::Relaxed), "transport draining");
+                stopping = Some(Instant::now());
+            }
+            if let Some(since) = stopping {
+                if in_flight.load(Ordering::Relaxed) == 0 || since.elapsed() > DRAIN_DEADLINE {
+                    break;
+                }
+                continue;
+            }
+            if !requests_ready {
+                continue;
+            }
+            while let Ok(frames) = self.router.recv_multipart(zmq::DONTWAIT) {
+                match frame::parse(frames) {
+                    Ok(Incoming::Request(req)) => match handlers::lane(req.op) {
+                        Lane::Inline => {
+                            let reply = handlers::handle(&state, req);
+                            self.send(reply.into_frames());
+                        }
+                        Lane::Normal => {
+                            in_flight.fetch_add(1, Ordering::Relaxed);
+                            if normal_tx.send(req).is_err() {
+                                in_flight.fetch_sub(1, Ordering::Relaxed);
+                            }
+                        }
+                        Lane::Transfer => {
+                            let mut h = hasher.build_hasher();
+                            h.write(&req.header.identity);
+                            let idx = (h.finish() % transfer_tx.len() as u64) as usize;
+                            in_flight.fetch_add(1, Ordering::Relaxed);
+                            if transfer_tx[idx].send(req).is_err() {
+                                in_flight.fetch_sub(1, Ordering::Relaxed);
+                            }
+                        }
+                    },
+                    // No streams are served, so there is nothing to flow-control.
+                    Ok(Incoming::Control { .. }) => {}
+                    Err(failure) => {
+                        if let Some(reply) = handlers::handle_parse_failure(&state, failure) {
+                            self.send(reply.into_frames());
+                        }
+                    }
+                }
+            }
+        }
+        drop(normal_tx);
+        drop(transfer_tx);
+        for w in workers {
+            if w.join().is_err() {
+                tracing::error!("a worker thread panicked");
+            }
+        }
+        Ok(())
+    }
+
+    fn send(&self, frames: Vec<Vec<u8>>) {
+        if let Err(e) = self.router.send_multipart(frames, 0) {
+            // EHOSTUNREACH: the client went away; nothing to deliver to.
+            tracing::debug!(error = %e, "reply not delivered");
+        }
+    }
+
+    fn spawn_worker(
+        &self,
+        name: String,
+        state: &Arc<ServerState>,
+        mut next: impl FnMut() -> Option<Request> + Send + 'static,
+    ) -> Result<JoinHandle<()>, TransportError> {
+        let push = self.ctx.socket(zmq::PUSH).map_err(zerr("socket"))?;
+        push.set_sndhwm(0).map_err(zerr("setsockopt SNDHWM"))?;
+        push.connect(&self.reply_endpoint).map_err(zerr("connect inproc"))?;
+        let state = Arc::clone(state);
+        std::thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                while let Some(req) = next() {
+                    let reply = handlers::handle(&state, req);
+                    if let Err(e) = push.send_multipart(reply.into_frames(), 0) {
+                        tracing::error!(error = %e, "could not hand a reply to the socket thread");
+                    }
+                }
+            })
+            .map_err(|source| TransportError::Spawn { name, source })
+    }
+}
