@@ -26,6 +26,12 @@ fn bad_flags_are_refused_with_their_name() {
     assert!(err.contains("MRU") && err.contains("LRU"), "{err}");
     let out = bin().args(["server", "--l1-size-gb", "-1"]).output().unwrap();
     assert!(!out.status.success());
+    let out = bin().args(["server", "--l2-adapter", "{}"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--l2-adapter") && err.contains("not support"), "{err}");
+    let out = bin().args(["server", "--worker-reap-timeout-seconds", "5"]).output().unwrap();
+    assert!(!out.status.success());
     let out = bin().args(["server", "--no-such-flag"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--no-such-flag"));
@@ -35,7 +41,17 @@ fn bad_flags_are_refused_with_their_name() {
 fn server_starts_fast_on_defaults_and_unlinks_its_segment_on_sigterm() {
     let name = format!("lmcache_rs_cli_test_{}", std::process::id());
     let mut child = bin()
-        .args(["server", "--shm-name", &name, "--l1-size-gb", "1"])
+        .args([
+            "server",
+            "--shm-name",
+            &name,
+            "--l1-size-gb",
+            "1",
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+        ])
         .stderr(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .spawn()

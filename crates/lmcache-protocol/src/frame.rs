@@ -66,7 +66,7 @@ pub enum Incoming {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParseFailure {
     /// Present when uid and op frames were readable.
-    pub header: Option<(Header, Option<Op>)>,
+    pub header: Option<Box<(Header, Option<Op>)>>,
     /// What was wrong.
     pub error: ProtocolError,
 }
@@ -105,13 +105,16 @@ pub fn parse(mut frames: Vec<Vec<u8>>) -> Result<Incoming, ParseFailure> {
         _ => None,
     };
     let Some(op) = op else {
-        return Err(fail(Some((header, None)), ProtocolError::UnknownOp(op_value.to_string())));
+        return Err(fail(
+            Some(Box::new((header, None))),
+            ProtocolError::UnknownOp(op_value.to_string()),
+        ));
     };
     let mut params = Vec::with_capacity(rest.len());
     for (i, f) in rest.iter().enumerate() {
         match value::decode(i + 2, f) {
             Ok(v) => params.push(v),
-            Err(e) => return Err(fail(Some((header, Some(op))), e)),
+            Err(e) => return Err(fail(Some(Box::new((header, Some(op)))), e)),
         }
     }
     Ok(Incoming::Request(Request { header, op, params }))

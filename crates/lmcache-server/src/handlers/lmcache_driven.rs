@@ -180,7 +180,7 @@ fn resolve<'a>(inst: &'a Instance, state: &ServerState) -> Option<Resolved<'a>> 
     })
 }
 
-fn chunk_blocks<'b>(blocks: &'b [Vec<u64>], i: usize, bpc: usize) -> Option<&'b [u64]> {
+fn chunk_blocks(blocks: &[Vec<u64>], i: usize, bpc: usize) -> Option<&[u64]> {
     blocks.first()?.get(i * bpc..(i + 1) * bpc)
 }
 

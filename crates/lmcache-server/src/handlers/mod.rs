@@ -68,10 +68,10 @@ pub fn handle(state: &ServerState, req: Request) -> Reply {
 
 /// The reply to a message that failed to parse.
 pub fn handle_parse_failure(state: &ServerState, failure: ParseFailure) -> Option<Reply> {
-    let op_name = failure.header.as_ref().and_then(|(_, op)| *op).map_or("unknown", Op::name);
+    let op_name = failure.header.as_ref().and_then(|h| h.1).map_or("unknown", Op::name);
     tracing::warn!(op = op_name, error = %failure.error, "malformed message");
     state.metrics.error(op_name, failure.error.kind());
-    let (header, op) = failure.header?;
+    let (header, op) = *failure.header?;
     Some(failure_reply(header, op))
 }
 

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Interop: LMCache 0.5.6's own `lmcache bench server --mode cpu` against `lmcache-rs server`,
+# both transfer modes, tp 1 and 2, 20 sequences, --interval 0. Every cold lookup must miss,
+# every warm lookup must be a full hit, every checksum must match.
+# Usage: tests/interop/bench.sh PATH/TO/lmcache-rs
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN=${1:?usage: bench.sh PATH/TO/lmcache-rs}
+VENV=$(./scripts/lmcache-venv)
+N=${INTEROP_SEQUENCES:-20}
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONWARNINGS=ignore
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+passed=0
+failed=0
+for mode in lmcache_driven engine_driven; do
+  for tp in 1 2; do
+    name="$mode-tp$tp"
+    port=$(free_port); http=$(free_port)
+    "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 2 \
+        --shm-name "lmcache_rs_interop_$$_$name" --max-workers 2 --log-level warn \
+        > "$WORK/$name.server.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 100); do
+      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
+      sleep 0.1
+    done
+    rc=0
+    timeout 600 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
+        --url "http://127.0.0.1:$http" --mode cpu --transfer-mode "$mode" --tp-size "$tp" \
+        --num-tokens 512 --start 0 --end "$N" --interval 0 --format json \
+        --output "$WORK/$name.json" > "$WORK/$name.bench.log" 2>&1 || rc=$?
+    kill -TERM "$pid"
+    srv_rc=0; wait "$pid" || srv_rc=$?
+    if python3 - "$WORK/$name.json" "$WORK/$name.bench.log" "$N" "$rc" "$srv_rc" <<'PY'
+import json, re, sys
+path, log, n, rc, srv_rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+problems = []
+if rc != 0: problems.append(f"bench exited {rc}")
+if srv_rc != 0: problems.append(f"server exited {srv_rc} on SIGTERM")
+text = open(log).read()
+try:
+    r = json.load(open(path))["metrics"]["results"]
+    if r.get("total_requests") != n: problems.append(f"total_requests {r.get('total_requests')} != {n}")
+    if r.get("checksum_ok") != n: problems.append(f"checksum_ok {r.get('checksum_ok')} != {n}")
+    if r.get("checksum_fail") != 0: problems.append(f"checksum_fail {r.get('checksum_fail')}")
+except Exception as e:
+    problems.append(f"no result JSON: {e}")
+cold = len(re.findall(r"/cold\] LOOKUP: 0/(\d+) chunks hit", text))
+warm = [m for m in re.findall(r"/warm\] LOOKUP: (\d+)/(\d+) chunks hit", text)]
+full = sum(1 for a, b in warm if a == b and a != "0")
+if cold != n: problems.append(f"{cold} of {n} cold lookups missed fully")
+if full != n: problems.append(f"{full} of {n} warm lookups were full hits")
+if problems:
+    print("  " + "\n  ".join(problems))
+    sys.exit(1)
+PY
+    then
+      echo "interop bench $name: ok ($N sequences: cold misses, warm full hits, checksums match)"
+      passed=$((passed + 1))
+    else
+      echo "interop bench $name: FAILED; bench log tail:"
+      tail -20 "$WORK/$name.bench.log" | sed 's/^/    /'
+      echo "  server log tail:"; tail -10 "$WORK/$name.server.log" | sed 's/^/    /'
+      failed=$((failed + 1))
+    fi
+  done
+done
+echo "interop: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
