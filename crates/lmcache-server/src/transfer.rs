@@ -292,8 +292,10 @@ mod tests {
         let (_o1, l1) = layer(&format!("lmrs_t_l1_{pid}"), 8, 4, 2, 8);
         let (_o2, l2) = layer(&format!("lmrs_t_l2_{pid}"), 8, 4, 2, 8);
         for (i, l) in [&l1, &l2].iter().enumerate() {
-            let data: Vec<u8> =
-                (0..l.segment.len()).map(|x| (x as u8).wrapping_add(i as u8)).collect();
+            // Not periodic in the block size, so no two blocks hold the same bytes.
+            let data: Vec<u8> = (0..l.segment.len())
+                .map(|x| ((x.wrapping_mul(2_654_435_761) >> 13) as u8).wrapping_add(i as u8))
+                .collect();
             l.segment.write(0, &data).unwrap();
         }
         let layers = vec![l1, l2];
