@@ -53,6 +53,14 @@ impl WriteReservation {
         self.alloc.as_mut().map_or(&mut [], Allocation::as_mut_slice)
     }
 
+    /// Commits the object's memory pages in one call ahead of a bulk write (fresh L1 memory
+    /// otherwise takes one page fault per 4 KiB on first touch).
+    pub fn prefault(&self) {
+        if let Some(a) = &self.alloc {
+            a.prefault();
+        }
+    }
+
     /// The object's bytes as written so far.
     pub fn as_slice(&self) -> &[u8] {
         self.alloc.as_ref().map_or(&[], Allocation::as_slice)

@@ -14,6 +14,7 @@
 //! reservation, and this process never reads those until the engine commits them.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
@@ -25,6 +26,8 @@ use crate::error::MemoryError;
 struct Shared {
     allocator: Mutex<Allocator>,
     arena: Arena,
+    /// Highest end offset any allocation has reached: memory past it has never been used.
+    high_water: AtomicU64,
 }
 
 /// An arena with its allocator: the source of [`Allocation`]s. Cheap to clone.
@@ -51,18 +54,28 @@ impl ArenaAllocator {
         if allocator.capacity() > arena.len() {
             return Err(MemoryError::InvalidSize { size: arena.len(), reason: "capacity" });
         }
-        Ok(Self { shared: Arc::new(Shared { allocator: Mutex::new(allocator), arena }) })
+        Ok(Self {
+            shared: Arc::new(Shared {
+                allocator: Mutex::new(allocator),
+                arena,
+                high_water: AtomicU64::new(0),
+            }),
+        })
     }
 
     /// Allocates `len` bytes (aligned up internally).
     pub fn allocate(&self, len: u64) -> Result<Allocation, AllocError> {
         let block = self.shared.allocator.lock().allocate(len)?;
+        self.shared.high_water.fetch_max(block.offset() + block.size(), Ordering::Relaxed);
         Ok(Allocation { shared: Arc::clone(&self.shared), block: Some(block), len })
     }
 
     /// Allocates one allocation per entry of `lens`, all or nothing.
     pub fn allocate_batch(&self, lens: &[u64]) -> Result<Vec<Allocation>, AllocError> {
         let blocks = self.shared.allocator.lock().allocate_batch(lens)?;
+        if let Some(end) = blocks.iter().map(|b| b.offset() + b.size()).max() {
+            self.shared.high_water.fetch_max(end, Ordering::Relaxed);
+        }
         Ok(blocks
             .into_iter()
             .zip(lens)
@@ -95,6 +108,72 @@ impl ArenaAllocator {
     /// The arena.
     pub fn arena(&self) -> &Arena {
         &self.shared.arena
+    }
+
+    /// Highest offset any allocation has reached.
+    pub fn high_water(&self) -> u64 {
+        self.shared.high_water.load(Ordering::Relaxed)
+    }
+
+    /// Starts a background thread that commits arena pages ahead of use (see [`Prefaulter`]).
+    pub fn spawn_prefaulter(&self, max_ahead: u64) -> std::io::Result<Prefaulter> {
+        Prefaulter::spawn(self.clone(), max_ahead)
+    }
+}
+
+/// Commits arena pages just ahead of the allocation high-water mark, off the request path.
+///
+/// Fresh memory is expensive to touch the first time (the kernel allocates and zeroes each
+/// page; in a VM the hypervisor may have to back it too), which would otherwise land on the
+/// first store into each part of L1. The prefaulter keeps `[high_water, high_water + ahead)`
+/// committed with `ahead = min(max_ahead, high_water)`: nothing at idle, so an L1 that holds
+/// nothing stays uncommitted, and at most as much again as is in use. It stops when dropped.
+#[derive(Debug)]
+pub struct Prefaulter {
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Pages are committed in steps of this size.
+const PREFAULT_STEP: u64 = 8 << 20;
+
+impl Prefaulter {
+    fn spawn(alloc: ArenaAllocator, max_ahead: u64) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::Builder::new().name("l1-prefault".into()).spawn(move || {
+            let len = alloc.arena().len();
+            let mut done = 0u64;
+            loop {
+                let hw = alloc.high_water();
+                let target = hw.saturating_add(hw.min(max_ahead)).min(len);
+                if done < hw {
+                    done = hw;
+                }
+                if done < target {
+                    let step = PREFAULT_STEP.min(target - done);
+                    alloc.arena().prefault(done, step);
+                    done += step;
+                    if !matches!(rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {
+                        return;
+                    }
+                    continue;
+                }
+                match rx.recv_timeout(std::time::Duration::from_millis(5)) {
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                    _ => return,
+                }
+            }
+        })?;
+        Ok(Self { stop: Some(tx), thread: Some(thread) })
+    }
+}
+
+impl Drop for Prefaulter {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
     }
 }
 
@@ -144,6 +223,11 @@ impl Allocation {
         let (ptr, len) = self.raw();
         // SAFETY: as in `as_slice`; `&mut self` makes this the only borrow of the range.
         unsafe { std::slice::from_raw_parts_mut(ptr, len) }
+    }
+
+    /// Commits the allocation's pages ahead of a bulk write (see [`Arena::prefault`]).
+    pub fn prefault(&self) {
+        self.shared.arena.prefault(self.offset(), self.physical_len());
     }
 
     /// Copies `src` to `offset` within the allocation, after checking the range.
@@ -228,6 +312,31 @@ mod tests {
         x.read_at(98, &mut out).unwrap();
         assert_eq!(out, [1, 7]);
         assert!(x.read_at(99, &mut out).is_err());
+    }
+
+    #[test]
+    fn prefaulter_commits_ahead_of_use_and_nothing_at_idle() {
+        let name = format!("lmcache_rs_test_prefault_{}", std::process::id());
+        let arena = Arena::create(&ArenaConfig {
+            size: 256 << 20,
+            backing: ArenaBacking::SharedMemory { name },
+            mlock: false,
+        })
+        .unwrap();
+        let a = ArenaAllocator::new(arena, 4096).unwrap();
+        let p = a.spawn_prefaulter(64 << 20).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        assert_eq!(a.arena().resident_bytes().unwrap(), 0, "committed memory at idle");
+        let _x = a.allocate(16 << 20).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while a.arena().resident_bytes().unwrap() < 16 << 20 && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        drop(p);
+        let r = a.arena().resident_bytes().unwrap();
+        assert!(r >= 16 << 20, "nothing committed ahead: {r}");
+        assert!(r <= 32 << 20, "committed more than in use again: {r}");
     }
 
     #[test]

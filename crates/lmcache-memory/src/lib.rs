@@ -25,7 +25,7 @@ pub mod error;
 pub mod foreign;
 pub mod shm;
 
-pub use allocation::{Allocation, ArenaAllocator, MemoryUsage};
+pub use allocation::{Allocation, ArenaAllocator, MemoryUsage, Prefaulter};
 pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
 pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind};
 pub use error::MemoryError;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use lmcache_core::TokenHasher;
 use lmcache_l1::{L1Cache, L1ConfigError, Maintenance};
 use lmcache_memory::shm::{SHM_DIR, clean_stale_segments};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, MemoryError};
+use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, MemoryError, Prefaulter};
 use thiserror::Error;
 
 use crate::config::ServerConfig;
@@ -65,7 +65,11 @@ pub struct Server {
     http: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
     reaper: Option<(Sender<()>, JoinHandle<()>)>,
     maintenance: Option<Maintenance>,
+    prefaulter: Option<Prefaulter>,
 }
+
+/// Most L1 memory committed ahead of use by the prefaulter.
+const PREFAULT_AHEAD: u64 = 1 << 30;
 
 impl Server {
     /// Builds everything and starts serving.
@@ -81,6 +85,8 @@ impl Server {
         }
         let arena = Arena::create(&config.arena)?;
         let memory = ArenaAllocator::new(arena, config.align)?;
+        let prefaulter =
+            memory.spawn_prefaulter(PREFAULT_AHEAD).map_err(io("starting the L1 prefaulter"))?;
         let l1 = L1Cache::new(config.l1.clone(), memory)?;
         let maintenance = Maintenance::spawn(l1.clone()).map_err(io("starting L1 maintenance"))?;
         let transport = Transport::bind(&config.endpoint())?;
@@ -125,6 +131,7 @@ impl Server {
             http,
             reaper: Some(reaper),
             maintenance: Some(maintenance),
+            prefaulter: Some(prefaulter),
         })
     }
 
@@ -166,6 +173,7 @@ impl Server {
             let _ = j.join();
         }
         self.maintenance.take();
+        self.prefaulter.take();
         self.state.sessions.clear();
     }
 }

@@ -128,6 +128,8 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
     for (i, r) in state.l1.reserve_write(&reqs).into_iter().enumerate() {
         match r {
             Ok(w) => {
+                // Allocate the tmpfs pages here, so the client's copy only maps them.
+                w.prefault();
                 slots.push(slot(&inst.layout, w.offset(), w.len()));
                 indices.push(i as u64);
                 leases.push(state.l1.park_write(w));

@@ -190,6 +190,7 @@ fn store(
     id: u64,
     blocks: &[Vec<u64>],
 ) -> Result<bool, ProtocolError> {
+    let t0 = Instant::now();
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else { return Ok(false) };
     let Some(r) = resolve(&inst, state) else { return Ok(false) };
     let (_, hashes) = state.range_hashes(key);
@@ -217,6 +218,7 @@ fn store(
         match res {
             Ok(mut w) => {
                 let Some(b) = chunk_blocks(blocks, i, r.blocks_per_chunk) else { continue };
+                w.prefault();
                 match r.transfer.gather(b, w.as_mut_slice()) {
                     Ok(()) => filled.push(w),
                     Err(e) => {
@@ -229,8 +231,15 @@ fn store(
             Err(e) => tracing::debug!(error = %e, "chunk not stored"),
         }
     }
+    let t_copy = t0.elapsed();
     let committed = state.l1.commit_batch(filled).into_iter().filter(Result::is_ok).count();
     state.metrics.stored_chunks.inc_by(committed as u64);
+    tracing::debug!(
+        chunks = committed,
+        copy_ms = t_copy.as_secs_f64() * 1e3,
+        total_ms = t0.elapsed().as_secs_f64() * 1e3,
+        "store"
+    );
     Ok(ok)
 }
 
