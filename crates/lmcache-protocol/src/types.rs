@@ -48,14 +48,27 @@ impl CacheKey {
             reason: e.to_string(),
         })?;
         let raw = value::array(&f.path("token_ids"), f.req("token_ids")?)?;
-        let mut ints = Vec::with_capacity(raw.len());
+        let mut token_ids = Vec::with_capacity(raw.len());
         for (i, t) in raw.iter().enumerate() {
-            ints.push(value::int(&format!("{}[{i}]", f.path("token_ids")), t)?);
+            // Fast path without building a field path; the error path names the position.
+            match t.as_u64().and_then(|x| u32::try_from(x).ok()) {
+                Some(x) => token_ids.push(x),
+                None => {
+                    let field = format!("{}[{i}]", f.path("token_ids"));
+                    let v = value::int(&field, t)?;
+                    return Err(tokens_from_i64(&[v]).err().map_or_else(
+                        || ProtocolError::OutOfRange {
+                            field: field.clone(),
+                            reason: "invalid".into(),
+                        },
+                        |e| ProtocolError::OutOfRange {
+                            field: f.path("token_ids"),
+                            reason: format!("{e} (index {i})"),
+                        },
+                    ));
+                }
+            }
         }
-        let token_ids = tokens_from_i64(&ints).map_err(|e| ProtocolError::OutOfRange {
-            field: f.path("token_ids"),
-            reason: e.to_string(),
-        })?;
         let start = value::u64_(&f.path("start"), f.req("start")?)? as usize;
         let end = value::u64_(&f.path("end"), f.req("end")?)? as usize;
         if start > end || end > token_ids.len() {
@@ -146,7 +159,10 @@ fn u64_list(field: &str, v: &Value) -> Result<Vec<u64>, ProtocolError> {
     value::array(field, v)?
         .iter()
         .enumerate()
-        .map(|(i, x)| value::u64_(&format!("{field}[{i}]"), x))
+        .map(|(i, x)| match x.as_u64() {
+            Some(n) => Ok(n),
+            None => value::u64_(&format!("{field}[{i}]"), x),
+        })
         .collect()
 }
 

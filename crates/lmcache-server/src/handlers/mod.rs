@@ -32,9 +32,17 @@ pub enum Lane {
 /// The lane of an operation (LMCache's SYNC / BLOCKING / affinity split).
 pub fn lane(op: Op) -> Lane {
     match op {
+        // Cheap and bounded (a lookup is O(chunks): hashing plus one index probe per chunk),
+        // so they skip two thread hand-offs per request. Transfers never run here.
         Op::GetChunkSize
         | Op::GetExperimental
         | Op::Noop
+        | Op::Ping
+        | Op::Lookup
+        | Op::QueryPrefetchStatus
+        | Op::FreeLookupLocks
+        | Op::EndSession
+        | Op::ReportBlockAllocation
         | Op::RegisterKvCacheEngineDrivenContext
         | Op::UnregisterKvCacheEngineDrivenContext
         | Op::UnregisterKvCache => Lane::Inline,

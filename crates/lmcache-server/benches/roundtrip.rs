@@ -1,0 +1,79 @@
+//! Lookup + query_prefetch_status round trip from the Rust client over ZMQ TCP on 127.0.0.1,
+//! against an in-process server whose L1 holds the prompt: the scheduler's per-request cost.
+//! Prompts of 2 to 128 chunks (256 tokens each), all hits; p50 and p99 of 2000 round trips.
+//! Target: <= 200 us p50 for 2 chunks, growing linearly.
+//! Run: `cargo bench -p lmcache-server --bench roundtrip`.
+#![expect(clippy::expect_used, reason = "a benchmark binary: any failure should abort it")]
+
+use std::time::{Duration, Instant};
+
+use lmcache_client::{Client, KeySpec};
+use lmcache_l1::L1Config;
+use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
+use lmcache_server::{Server, ServerConfig};
+
+fn main() {
+    let cfg = ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        http_host: "127.0.0.1".into(),
+        http_port: None,
+        chunk_size: 256,
+        max_cpu_workers: 1,
+        max_gpu_workers: 1,
+        worker_reap_timeout: Duration::ZERO,
+        worker_registration_grace: Duration::from_secs(3600),
+        session_ttl: Duration::from_secs(600),
+        null_block_id: 0,
+        l1: L1Config::default(),
+        arena: ArenaConfig {
+            size: 1 << 30,
+            backing: ArenaBacking::SharedMemory {
+                name: format!("lmcache_rs_rt_{}", std::process::id()),
+            },
+            mlock: false,
+        },
+        align: 4096,
+    };
+    let server = Server::start(cfg).expect("server");
+    let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).expect("client");
+    // Small objects: the cost measured is the protocol and the index, not memory.
+    let (name, size) = c.register_engine_driven(1, "m", 1, 16, 1, 8, "float16").expect("register");
+    let pool = ForeignSegment::open(&name, size).expect("pool");
+    // The floor: one noop round trip through the same client, socket and server thread.
+    let mut noop = Vec::with_capacity(2000);
+    for _ in 0..2000 {
+        let t = Instant::now();
+        c.call(lmcache_protocol::Op::Noop, &[]).expect("noop");
+        noop.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    noop.sort_by(f64::total_cmp);
+    println!(
+        "noop round trip (transport floor): p50 {:.1} us, p99 {:.1} us",
+        noop[1000], noop[1980]
+    );
+    println!("lookup + query_prefetch_status = 2 round trips:");
+    println!("{:>8} {:>10} {:>10} {:>12}", "chunks", "p50_us", "p99_us", "us/chunk");
+    for chunks in [2usize, 8, 32, 128] {
+        let tokens: Vec<u32> = (0..(chunks * 256) as u32).map(|t| t.wrapping_mul(7919)).collect();
+        let key = KeySpec::whole("m", "warm", tokens.clone(), 256);
+        for (_, s) in c.prepare_store(&key.for_worker(0), 1).expect("prepare") {
+            pool.write(s.offset, &vec![1u8; s.length as usize]).expect("write");
+        }
+        assert!(c.commit_store(&key.for_worker(0), 1).expect("commit"));
+        let mut times = Vec::with_capacity(2000);
+        for i in 0..2000 {
+            // A new request id each time: every lookup hashes the prompt from scratch.
+            let k = KeySpec { request_id: format!("q{i}"), ..key.clone() };
+            let t = Instant::now();
+            let hits = c.lookup(&k).expect("lookup");
+            times.push(t.elapsed().as_secs_f64() * 1e6);
+            assert_eq!(hits as usize, chunks);
+            c.end_session(&k.request_id).expect("end");
+        }
+        times.sort_by(f64::total_cmp);
+        let p50 = times[times.len() / 2];
+        let p99 = times[times.len() * 99 / 100];
+        println!("{chunks:>8} {p50:>10.1} {p99:>10.1} {:>12.2}", p50 / chunks as f64);
+    }
+}

@@ -1,0 +1,204 @@
+//! The MP server over real ZMQ, driven by the Rust client as LMCache's clients drive it.
+
+use std::time::Duration;
+
+use lmcache_client::{Client, KeySpec};
+use lmcache_l1::L1Config;
+use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
+use lmcache_protocol::{Op, value};
+use lmcache_server::{Server, ServerConfig};
+use rmpv::Value;
+
+const CHUNK: usize = 16;
+/// [2, L=2, S=16, H=32] float16 = 4 KiB per chunk object.
+const LAYERS: u64 = 2;
+const HIDDEN: u64 = 32;
+
+fn server(tag: &str) -> Server {
+    let cfg = ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        http_host: "127.0.0.1".into(),
+        http_port: None,
+        chunk_size: CHUNK,
+        max_cpu_workers: 1,
+        max_gpu_workers: 2,
+        worker_reap_timeout: Duration::from_secs(120),
+        worker_registration_grace: Duration::from_secs(3600),
+        session_ttl: Duration::from_secs(600),
+        null_block_id: 0,
+        l1: L1Config::default(),
+        arena: ArenaConfig {
+            size: 64 << 20,
+            backing: ArenaBacking::SharedMemory {
+                name: format!("lmcache_rs_mp_test_{tag}_{}", std::process::id()),
+            },
+            mlock: false,
+        },
+        align: 4096,
+    };
+    Server::start(cfg).unwrap()
+}
+
+fn client(s: &Server) -> Client {
+    Client::connect(s.endpoint(), Duration::from_secs(5)).unwrap()
+}
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| i.wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+/// Stores every chunk of `key` for `worker` through the shared pool, filling chunk `i` with
+/// `fill(i)`. Returns the chunks written.
+fn store(
+    c: &mut Client,
+    pool: &ForeignSegment,
+    key: &KeySpec,
+    id: u64,
+    fill: impl Fn(u64) -> u8,
+) -> usize {
+    let slots = c.prepare_store(key, id).unwrap();
+    for (i, s) in &slots {
+        pool.write(s.offset, &vec![fill(*i); s.length as usize]).unwrap();
+    }
+    assert!(c.commit_store(key, id).unwrap());
+    slots.len()
+}
+
+fn register(c: &mut Client, id: u64, world: u32) -> ForeignSegment {
+    let (name, size) =
+        c.register_engine_driven(id, "m", world, 16, LAYERS, HIDDEN, "float16").unwrap();
+    assert!(!name.is_empty() && size > 0, "no SHM pool advertised");
+    ForeignSegment::open(&name, size).unwrap()
+}
+
+#[test]
+fn management_replies_have_lmcache_types() {
+    let s = server("mgmt");
+    let mut c = client(&s);
+    assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64);
+    assert!(c.ping(None).unwrap());
+    assert_eq!(c.call(Op::Noop, &[]).unwrap(), Some(Value::from("OK")));
+    assert_eq!(c.call(Op::GetExperimental, &[]).unwrap(), Some(Value::Array(vec![])));
+    assert_eq!(c.call(Op::Clear, &[Value::Boolean(false)]).unwrap(), None, "clear is void");
+}
+
+#[test]
+fn zero_hits_until_a_worker_registers_and_status_is_exactly_once() {
+    let s = server("zero");
+    let mut c = client(&s);
+    let key = KeySpec::whole("m", "r1", tokens(1, 40), CHUNK);
+    assert_eq!(c.lookup(&key).unwrap(), 0);
+    let pool = register(&mut c, 7, 1);
+    assert_eq!(store(&mut c, &pool, &key.for_worker(0), 7, |i| i as u8 + 1), 2);
+    // Visible to the very next lookup (LMCache replies before committing).
+    assert_eq!(c.lookup(&key).unwrap(), 2);
+    let again = c.call(Op::QueryPrefetchStatus, &[Value::from("r1")]).unwrap();
+    assert_eq!(again, Some(Value::from(0)), "hit count must be handed out once");
+    // A resident key is never rewritten: a second prepare offers no slots.
+    assert!(c.prepare_store(&key.for_worker(0), 7).unwrap().is_empty());
+}
+
+#[test]
+fn engine_driven_round_trip_is_byte_exact() {
+    let s = server("rt");
+    let mut c = client(&s);
+    let pool = register(&mut c, 9, 1);
+    let key = KeySpec::whole("m", "r", tokens(5, 64), CHUNK);
+    assert_eq!(store(&mut c, &pool, &key.for_worker(0), 9, |i| 0x40 + i as u8), 4);
+    assert_eq!(c.lookup(&key).unwrap(), 4);
+    let slots = c.prepare_retrieve(&key.for_worker(0), 9).unwrap().expect("all chunks present");
+    assert_eq!(slots.len(), 4);
+    for (i, slot) in slots.iter().enumerate() {
+        let mut buf = vec![0u8; slot.length as usize];
+        pool.read(slot.offset, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x40 + i as u8), "chunk {i} came back wrong");
+        assert_eq!(slot.length, 2 * LAYERS * CHUNK as u64 * HIDDEN * 2);
+    }
+    assert!(c.commit_retrieve(&key.for_worker(0), 9).unwrap());
+    c.end_session("r").unwrap();
+    // A prefix of the same tokens hits; a different prefix does not.
+    let prefix = KeySpec::whole("m", "p", tokens(5, 32), CHUNK);
+    assert_eq!(c.lookup(&prefix).unwrap(), 2);
+    let other = KeySpec::whole("m", "o", tokens(6, 64), CHUNK);
+    assert_eq!(c.lookup(&other).unwrap(), 0);
+    // Another tenant does not see it.
+    let mut salted = KeySpec::whole("m", "s", tokens(5, 64), CHUNK);
+    salted.cache_salt = "tenant-b".into();
+    assert_eq!(c.lookup(&salted).unwrap(), 0);
+}
+
+#[test]
+fn a_chunk_hits_only_when_every_shard_has_it() {
+    let s = server("shards");
+    let mut c = client(&s);
+    let pool = register(&mut c, 1, 2);
+    register(&mut c, 2, 2);
+    let mut key = KeySpec::whole("m", "r", tokens(9, 48), CHUNK);
+    key.world_size = 2;
+    store(&mut c, &pool, &key.for_worker(0), 1, |_| 1);
+    assert_eq!(c.lookup(&key).unwrap(), 0, "shard 1 has nothing yet");
+    let mut two = key.for_worker(1);
+    two.end = 2 * CHUNK;
+    store(&mut c, &pool, &two, 2, |_| 2);
+    assert_eq!(c.lookup(&key).unwrap(), 2, "hit = shortest shard prefix");
+}
+
+#[test]
+fn malformed_requests_get_typed_failures_and_the_server_keeps_serving() {
+    let s = server("bad");
+    let mut c = client(&s);
+    let enc = |v: Value| value::encode(&v);
+    // Store with a wrong-typed parameter: the typed failure (b"", false).
+    c.send_frames(&[
+        enc(Value::from(100)),
+        enc(Value::from(6)),
+        enc(Value::from("not a key")),
+        enc(Value::from(1)),
+        enc(Value::Array(vec![])),
+        enc(Value::Binary(vec![])),
+    ])
+    .unwrap();
+    let r = c.recv_frames().unwrap().expect("store must be answered");
+    assert_eq!(r.len(), 3);
+    assert_eq!(r[2], vec![0x92, 0xc4, 0x00, 0xc2], "(b\"\", False)");
+    // Unknown op id: a void reply, echoing uid and op.
+    c.send_frames(&[enc(Value::from(101)), enc(Value::from(99))]).unwrap();
+    let r = c.recv_frames().unwrap().expect("unknown op must be answered");
+    assert_eq!(r, vec![enc(Value::from(101)), enc(Value::from(99))]);
+    // Garbage msgpack in a parameter of commit_store: False.
+    c.send_frames(&[enc(Value::from(102)), enc(Value::from(17)), vec![0xdc, 0xff]]).unwrap();
+    let r = c.recv_frames().unwrap().expect("commit_store must be answered");
+    assert_eq!(r[2], vec![0xc2]);
+    // Wrong parameter count for ping: still true (liveness).
+    c.send_frames(&[enc(Value::from(103)), enc(Value::from(22))]).unwrap();
+    assert_eq!(c.recv_frames().unwrap().unwrap()[2], vec![0xc3]);
+    // Lookup whose range exceeds its tokens: answered, zero hits.
+    let mut k = KeySpec::whole("m", "bad", tokens(1, 16), CHUNK);
+    k.end = 64;
+    assert_eq!(c.lookup(&k).unwrap(), 0);
+    // Unregistered instance: explicit failures, not silence.
+    let key = KeySpec::whole("m", "x", tokens(1, 32), CHUNK).for_worker(0);
+    assert!(c.prepare_retrieve(&key, 12345).unwrap().is_none());
+    assert!(!c.commit_store(&key, 12345).unwrap());
+    // Everything was counted, and the server still works.
+    let metrics = s.state().metrics.encode();
+    assert!(metrics.contains("mp_request_errors"), "{metrics}");
+    assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64);
+}
+
+#[test]
+fn replies_are_not_blocked_by_many_pipelined_requests() {
+    let s = server("pipe");
+    let c = client(&s);
+    let enc = |v: Value| value::encode(&v);
+    for uid in 0..200u64 {
+        c.send_frames(&[enc(Value::from(uid)), enc(Value::from(21))]).unwrap();
+    }
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..200 {
+        let r = c.recv_frames().unwrap().expect("reply");
+        seen.insert(r[0].clone());
+    }
+    assert_eq!(seen.len(), 200, "exactly one reply per request");
+}
