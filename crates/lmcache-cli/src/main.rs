@@ -1,6 +1,7 @@
 //! `lmcache-rs`: the KV-cache server for LLM inference engines, and its operator commands.
 #![forbid(unsafe_code)]
 
+mod bench;
 mod server;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +21,15 @@ struct Cli {
 enum Command {
     /// Run the cache server (every flag has a default; LMCache's flag names).
     Server(Box<server::ServerArgs>),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// Drive an MP server (ours or LMCache's) like engines do: cold store, warm retrieve.
+    Server(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -33,5 +43,6 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
     match cli.command {
         Command::Server(args) => server::run(*args),
+        Command::Bench(BenchCommand::Server(args)) => bench::run(args),
     }
 }

@@ -72,3 +72,32 @@ fn nix_kill(pid: u32) {
     let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
     assert!(ok.success());
 }
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[test]
+fn bench_server_round_trips_against_a_real_server() {
+    let port = free_port();
+    let name = format!("lmcache_rs_cli_bench_{}", std::process::id());
+    let mut server = bin()
+        .args(["server", "--port", &port.to_string(), "--http-port", "0", "--shm-name", &name])
+        .args(["--l1-size-gb", "1"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let out = bin()
+        .args(["bench", "server", "--rpc-url", &url, "--end", "3", "--format", "json"])
+        .args(["--num-layers", "2", "--hidden-dim", "64", "--concurrency", "2"])
+        .output()
+        .unwrap();
+    nix_kill(server.id());
+    assert!(server.wait().unwrap().success());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for field in ["\"bytes_match\": 3", "\"warm_full_hit\": 3", "\"cold_full_miss\": 3"] {
+        assert!(text.contains(field), "{field} missing in {text}");
+    }
+}

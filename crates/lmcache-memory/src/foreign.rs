@@ -42,11 +42,9 @@ impl ForeignSegment {
         }
         let len = usize::try_from(len)
             .map_err(|_| MemoryError::InvalidSize { size: len, reason: "address space" })?;
-        // The client has written its pages already: map them all now (MAP_POPULATE), so that
-        // copies do not take one minor fault per 4 KiB page on the transfer path.
+        // No MAP_POPULATE: on a sparse segment (a server's pool) it would commit every page.
         let map = MmapOptions::new()
             .len(len)
-            .populate()
             .map_raw(&file)
             .map_err(|e| MemoryError::os("mmap client segment", e))?;
         Ok(Self { name: bare.to_owned(), map })
