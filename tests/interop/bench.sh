@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Interop: LMCache 0.5.6's own `lmcache bench server --mode cpu` against `lmcache-rs server`,
-# both transfer modes, tp 1 and 2, 20 sequences, --interval 0. Every cold lookup must miss,
-# every warm lookup must be a full hit, every checksum must match.
+# Interop with LMCache 0.5.6's own clients, from the cached virtualenv:
+# - `lmcache bench server --mode cpu` against `lmcache-rs server`, both transfer modes, tp 1
+#   and 2, 20 sequences, --interval 0: every cold lookup must miss, every warm lookup must be a
+#   full hit, every checksum must match;
+# - vLLM's MP adapters (tests/interop/vllm_adapters.py) in both transfer modes.
 # Usage: tests/interop/bench.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -69,5 +71,29 @@ PY
     fi
   done
 done
+# vLLM's own MP adapters (scheduler + worker), one fresh server per transfer mode.
+for mode in engine_driven lmcache_driven; do
+  port=$(free_port)
+  "$BIN" server --host 127.0.0.1 --port "$port" --http-port 0 --l1-size-gb 1 \
+      --shm-name "lmcache_rs_adapters_$$_$mode" --max-workers 2 --log-level info \
+      > "$WORK/adapters-$mode.server.log" 2>&1 &
+  pid=$!
+  rc=0
+  LMCACHE_MP_TRANSFER_MODE=$mode timeout 300 "$VENV/bin/python" tests/interop/vllm_adapters.py \
+      "tcp://127.0.0.1:$port" > "$WORK/adapters-$mode.log" 2>&1 || rc=$?
+  kill -TERM "$pid"; wait "$pid" || rc=$?
+  want="lmcache-driven worker registered"
+  [ "$mode" = engine_driven ] && want="engine-driven worker registered"
+  if [ "$rc" -eq 0 ] && grep -q "bytes equal" "$WORK/adapters-$mode.log" \
+      && grep -q "$want" "$WORK/adapters-$mode.server.log"; then
+    echo "interop vllm adapters $mode: ok (miss, store, full hit, retrieve into other blocks, bytes equal)"
+    passed=$((passed + 1))
+  else
+    echo "interop vllm adapters $mode: FAILED"
+    grep -v INFO "$WORK/adapters-$mode.log" | tail -20 | sed 's/^/    /'
+    failed=$((failed + 1))
+  fi
+done
+
 echo "interop: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
