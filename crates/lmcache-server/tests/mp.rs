@@ -202,3 +202,119 @@ fn replies_are_not_blocked_by_many_pipelined_requests() {
     }
     assert_eq!(seen.len(), 200, "exactly one reply per request");
 }
+
+/// Random msgpack values, nested a little.
+fn random_value(rng: &mut impl rand::Rng, depth: u32) -> Value {
+    match rng.gen_range(0..if depth > 2 { 7 } else { 9 }) {
+        0 => Value::Nil,
+        1 => Value::Boolean(rng.r#gen()),
+        2 => Value::from(rng.gen_range(-5i64..300)),
+        3 => Value::from(rng.r#gen::<u64>()),
+        4 => Value::from(["m", "", "a@b", "x/y", "req"][rng.gen_range(0..5)]),
+        5 => Value::Binary(vec![0xc1; rng.gen_range(0..4)]),
+        6 => Value::F64(rng.r#gen()),
+        7 => Value::Array((0..rng.gen_range(0..5)).map(|_| random_value(rng, depth + 1)).collect()),
+        _ => {
+            let names = [
+                "model_name",
+                "world_size",
+                "worker_id",
+                "token_ids",
+                "start",
+                "end",
+                "request_id",
+                "cache_salt",
+                "num_kv_readers",
+                "instance_id",
+                "type",
+            ];
+            Value::Map(
+                (0..rng.gen_range(0..8))
+                    .map(|_| {
+                        (
+                            Value::from(names[rng.gen_range(0..names.len())]),
+                            random_value(rng, depth + 1),
+                        )
+                    })
+                    .collect(),
+            )
+        }
+    }
+}
+
+#[test]
+fn random_messages_are_answered_and_never_break_the_server() {
+    use rand::{Rng, SeedableRng};
+    let s = server("fuzz");
+    let c = client(&s);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0x5eed);
+    let enc = |v: &Value| value::encode(v);
+    let ops: Vec<u64> = Op::all().filter_map(Op::id).collect();
+    let mut expected = 0;
+    for uid in 0..400u64 {
+        let op = if rng.gen_bool(0.9) {
+            ops[rng.gen_range(0..ops.len())]
+        } else {
+            rng.gen_range(0..200)
+        };
+        let mut frames = vec![enc(&Value::from(uid)), enc(&Value::from(op))];
+        for _ in 0..rng.gen_range(0..8) {
+            if rng.gen_bool(0.05) {
+                frames.push((0..rng.gen_range(0..6)).map(|_| rng.r#gen::<u8>()).collect());
+            } else {
+                frames.push(enc(&random_value(&mut rng, 0)));
+            }
+        }
+        c.send_frames(&frames).unwrap();
+        expected += 1;
+    }
+    let mut answered = std::collections::HashSet::new();
+    while answered.len() < expected {
+        let Some(r) = c.recv_frames().unwrap() else { break };
+        answered.insert(r[0].clone());
+    }
+    assert_eq!(answered.len(), expected, "some requests went unanswered");
+    let mut c = client(&s);
+    assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64, "server stopped serving");
+    assert!(c.ping(None).unwrap());
+}
+
+#[test]
+fn silent_workers_are_reaped_and_lookups_then_miss() {
+    // A server whose reaper drops workers after 100 ms of silence.
+    let s = {
+        let cfg = ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            http_host: "127.0.0.1".into(),
+            http_port: None,
+            chunk_size: CHUNK,
+            max_cpu_workers: 1,
+            max_gpu_workers: 1,
+            worker_reap_timeout: Duration::from_millis(100),
+            worker_registration_grace: Duration::from_millis(100),
+            session_ttl: Duration::from_secs(600),
+            null_block_id: 0,
+            l1: L1Config::default(),
+            arena: ArenaConfig {
+                size: 16 << 20,
+                backing: ArenaBacking::SharedMemory {
+                    name: format!("lmcache_rs_mp_test_reap3_{}", std::process::id()),
+                },
+                mlock: false,
+            },
+            align: 4096,
+        };
+        Server::start(cfg).unwrap()
+    };
+    let mut c = client(&s);
+    let pool = register(&mut c, 5, 1);
+    assert!(c.ping(Some(5)).unwrap());
+    let key = KeySpec::whole("m", "r", tokens(3, 32), CHUNK);
+    store(&mut c, &pool, &key.for_worker(0), 5, |_| 9);
+    assert_eq!(c.lookup(&key).unwrap(), 2);
+    std::thread::sleep(Duration::from_millis(400));
+    let key2 = KeySpec { request_id: "r2".into(), ..key.clone() };
+    assert_eq!(c.lookup(&key2).unwrap(), 0, "a reaped worker's model must not hit");
+    assert!(!c.commit_store(&key.for_worker(0), 5).unwrap(), "transfers of a reaped worker fail");
+}
