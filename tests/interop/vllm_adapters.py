@@ -1,7 +1,7 @@
 """Drives vLLM's LMCache MP adapters (the scheduler and worker halves of LMCache 0.5.6's vLLM
 connector) against a running server, as vLLM does for one request pair: lookup (miss), store,
-end_session; lookup (full hit), retrieve into *other* blocks, end_session; then compares the
-retrieved KV bytes with the stored ones. The transfer mode comes from LMCACHE_MP_TRANSFER_MODE.
+end_session, the KV events the worker receives for it; lookup (full hit), retrieve into
+*other* blocks, end_session; then compares the retrieved KV bytes with the stored ones. The transfer mode comes from LMCACHE_MP_TRANSFER_MODE.
 
 Usage: python vllm_adapters.py tcp://127.0.0.1:PORT
 """
@@ -43,7 +43,7 @@ def main():
     kv = {f"model.layers.{i}.self_attn.attn": torch.randn(2, NB, BS, HEADS, HEAD, dtype=torch.float16)
           for i in range(LAYERS)}
     worker = LMCacheMPWorkerAdapter(url, ctx, "test-model", BS, ps, mq_timeout=TIMEOUT,
-                                    heartbeat_interval=1.0)
+                                    heartbeat_interval=1.0, enable_kv_events=True)
     worker.register_kv_caches(kv)
     sched = LMCacheMPSchedulerAdapter([url], ctx, "test-model", BS, ps, mq_timeout=TIMEOUT,
                                       heartbeat_interval=1.0)
@@ -59,6 +59,19 @@ def main():
     wait_for("store", lambda: (worker.get_finished({"req-cold"})[0] or set()) & {"req-cold"} or None)
     sched.end_session("req-cold")
 
+    # The server advertises "kv_event_stream": the worker subscribes and must see both chunks
+    # stored, chained by parent hash, with their tokens.
+    stored = []
+    def two_stored():
+        stored.extend(e for e in worker.get_kv_events() if type(e).__name__ == "CacheStoreEvent")
+        return stored if len(stored) >= 2 else None
+    wait_for("kv events", two_stored)
+    first, second = stored[0], stored[1]
+    assert first.parent_block_hash is None, first
+    assert second.parent_block_hash == first.block_hashes[0], (first, second)
+    assert list(first.token_ids) == tokens[:CHUNK_TOKENS], "event tokens differ"
+    assert list(second.token_ids) == tokens[CHUNK_TOKENS:2 * CHUNK_TOKENS]
+
     sched.maybe_submit_lookup_request("req-warm", tokens)
     warm = wait_for("warm lookup", lambda: sched.check_lookup_result("req-warm"))
     assert warm >= 2 * CHUNK_TOKENS - 1, f"warm lookup hit only {warm} tokens"
@@ -72,7 +85,8 @@ def main():
     for name, t in kv.items():
         if not torch.equal(t[:, src], t[:, dst]):
             raise AssertionError(f"{name}: retrieved KV differs from stored KV")
-    print(f"vllm adapters ({mode}): miss, store, full hit ({warm} tokens), retrieve: bytes equal")
+    print(f"vllm adapters ({mode}): miss, store, {len(stored)} KV store events, full hit "
+          f"({warm} tokens), retrieve: bytes equal")
     worker.shutdown()
     sched.shutdown()
 

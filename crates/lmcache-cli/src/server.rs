@@ -53,6 +53,9 @@ pub struct ServerArgs {
     /// Block id marking unallocated blocks (chunks of only null blocks are not stored).
     #[arg(long, default_value_t = 0)]
     pub null_block_id: u64,
+    /// KV event records kept for engines' `subscribe_kv_events` (0 disables the stream).
+    #[arg(long, default_value_t = 32768)]
+    pub kv_event_log_size: usize,
     /// Token hash: only blake3 (LMCache's default) is reproducible outside Python.
     #[arg(long, default_value = "blake3", value_parser = ["blake3"])]
     pub hash_algorithm: String,
@@ -162,6 +165,7 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         worker_registration_grace: Duration::from_secs(args.worker_registration_grace_seconds),
         session_ttl: Duration::from_secs(args.session_ttl_seconds.max(1)),
         null_block_id: args.null_block_id,
+        kv_event_log_size: args.kv_event_log_size,
         l1: L1Config {
             eviction_policy: args.eviction_policy,
             trigger_watermark: args.eviction_trigger_watermark,

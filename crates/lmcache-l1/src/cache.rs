@@ -127,8 +127,18 @@ struct IndexSlot {
     resident: bool,
 }
 
+/// Told when a resident object leaves L1 (evicted, deleted or cleared), for KV events.
+///
+/// Called with the L1 lock held: implementations must be quick and must not call back into
+/// the cache.
+pub trait L1Listener: Send + Sync + std::fmt::Debug {
+    /// `key` is no longer resident.
+    fn removed(&self, key: &ObjectKey);
+}
+
 #[derive(Debug)]
 pub(crate) struct State {
+    listener: Option<Arc<dyn L1Listener>>,
     entries: SlotMap<EntryId, Entry>,
     /// Key → entry, with residency kept beside the id so that a lookup costs one probe.
     index: FastMap<ObjectKey, IndexSlot>,
@@ -169,6 +179,7 @@ impl L1Cache {
             write: LeaseTable::new(config.write_ttl),
         });
         let state = State {
+            listener: None,
             entries: SlotMap::with_key(),
             index: FastMap::default(),
             policy: config.eviction_policy.build(),
@@ -186,6 +197,11 @@ impl L1Cache {
             }),
             leases,
         })
+    }
+
+    /// Installs the listener told about every resident object that leaves.
+    pub fn set_listener(&self, listener: Arc<dyn L1Listener>) {
+        self.shared.state.lock().listener = Some(listener);
     }
 
     /// The settings.
@@ -640,6 +656,9 @@ impl State {
         let e = self.entries.remove(id)?;
         if e.indexed {
             self.index.remove(&e.key);
+            if let (Some(l), Slot::Resident { .. }) = (&self.listener, &e.slot) {
+                l.removed(&e.key);
+            }
         }
         self.quotas.credit(&e.key.cache_salt, e.bytes);
         self.used_bytes -= e.bytes;
@@ -661,6 +680,9 @@ impl State {
             e.indexed = false;
             let key = e.key.clone();
             self.index.remove(&key);
+            if let (Some(l), true) = (&self.listener, resident) {
+                l.removed(&key);
+            }
         }
         if resident {
             self.policy.on_remove(id);

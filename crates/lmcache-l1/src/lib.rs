@@ -28,7 +28,9 @@ pub mod lease_table;
 pub mod maintenance;
 pub mod quota;
 
-pub use cache::{ClearReport, L1Cache, L1Stats, L1Usage, MaintenanceReport, WriteRequest};
+pub use cache::{
+    ClearReport, L1Cache, L1Listener, L1Stats, L1Usage, MaintenanceReport, WriteRequest,
+};
 pub use config::L1Config;
 pub use entry::EntryId;
 pub use error::{L1ConfigError, L1Error, L1Status};

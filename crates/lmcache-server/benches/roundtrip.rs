@@ -25,6 +25,7 @@ fn main() {
         worker_registration_grace: Duration::from_secs(3600),
         session_ttl: Duration::from_secs(600),
         null_block_id: 0,
+        kv_event_log_size: 32768,
         l1: L1Config::default(),
         arena: ArenaConfig {
             size: 1 << 30,

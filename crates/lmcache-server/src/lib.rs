@@ -7,6 +7,7 @@
 //! - [`session`]: request sessions (hash chains, lookup locks).
 //! - [`registry`]: registered workers, their layouts and KV memory, liveness.
 //! - [`transfer`]: gather/scatter between paged KV and L1 objects (CPU backend).
+//! - [`kv_events`]: the KV event log behind `subscribe_kv_events`.
 //! - [`http`]: the HTTP API (health, status, clear, checksums, metrics).
 //! - [`server`]: wiring, background reapers, shutdown.
 #![forbid(unsafe_code)]
@@ -14,6 +15,7 @@
 pub mod config;
 pub mod handlers;
 pub mod http;
+pub mod kv_events;
 pub mod metrics;
 pub mod registry;
 pub mod server;

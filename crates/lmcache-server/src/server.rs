@@ -16,6 +16,7 @@ use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, MemoryError, Prefaulte
 use thiserror::Error;
 
 use crate::config::ServerConfig;
+use crate::kv_events::KvEventLog;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::session::Sessions;
@@ -91,7 +92,10 @@ impl Server {
         let maintenance = Maintenance::spawn(l1.clone()).map_err(io("starting L1 maintenance"))?;
         let transport = Transport::bind(&config.endpoint())?;
         let endpoint = transport.endpoint().to_owned();
+        let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
+        l1.set_listener(events.clone());
         let state = Arc::new(ServerState {
+            events,
             sessions: Sessions::new(hasher, config.session_ttl),
             hasher,
             l1,

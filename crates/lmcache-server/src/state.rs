@@ -10,6 +10,7 @@ use lmcache_protocol::types::CacheKey;
 use parking_lot::Mutex;
 
 use crate::config::ServerConfig;
+use crate::kv_events::KvEventLog;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::session::Sessions;
@@ -78,6 +79,8 @@ pub struct ServerState {
     pub pending: Pending,
     /// Counters.
     pub metrics: Metrics,
+    /// KV events for `subscribe_kv_events`.
+    pub events: std::sync::Arc<KvEventLog>,
     /// Start time.
     pub started: Instant,
 }
@@ -113,11 +116,45 @@ impl ServerState {
     /// The chunk hashes of `key`'s range `[start, end)` (whole chunks), computed through the
     /// request's session. Returns `(first chunk index, hashes)`.
     pub fn range_hashes(&self, key: &CacheKey) -> (usize, Vec<ChunkHash>) {
+        let (first, hashes, _) = self.range_hashes_with_parent(key);
+        (first, hashes)
+    }
+
+    /// As [`Self::range_hashes`], plus the hash of the chunk before the range (`None` when
+    /// the range starts at chunk 0).
+    pub fn range_hashes_with_parent(
+        &self,
+        key: &CacheKey,
+    ) -> (usize, Vec<ChunkHash>, Option<ChunkHash>) {
         let c = self.chunk_size();
         let first = key.start / c;
         let last = key.end / c;
         let all = self.sessions.with(&key.request_id, |s| s.chunk_hashes(&key.token_ids, last));
+        let parent = first.checked_sub(1).and_then(|p| all.get(p).copied());
         let hashes = all.get(first..).map(<[ChunkHash]>::to_vec).unwrap_or_default();
-        (first, hashes)
+        (first, hashes, parent)
+    }
+
+    /// Announces newly resident chunks of shard 0 (`committed` are indexes into `hashes`).
+    pub fn record_stored(
+        &self,
+        key: &CacheKey,
+        first: usize,
+        hashes: &[ChunkHash],
+        parent: Option<ChunkHash>,
+        committed: &[usize],
+    ) {
+        if key.worker_id.unwrap_or(0) != 0 || !self.events.enabled() {
+            return;
+        }
+        let c = self.chunk_size();
+        for &j in committed {
+            let abs = first + j;
+            let Some(tokens) = key.token_ids.get(abs * c..(abs + 1) * c) else { continue };
+            let parent = if j == 0 { parent } else { hashes.get(j - 1).copied() };
+            if let Some(h) = hashes.get(j) {
+                self.events.stored(key.model_name.as_str(), *h, parent, tokens);
+            }
+        }
     }
 }

@@ -15,11 +15,40 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lmcache_protocol::frame::{self, Incoming, Request};
+use lmcache_protocol::frame::{self, Control, Header, Incoming, Request};
+use lmcache_protocol::{Op, ProtocolError, value};
 use thiserror::Error;
 
 use crate::handlers::{self, Lane};
 use crate::state::ServerState;
+
+/// One `subscribe_kv_events` stream: a batch goes out per credit (one at the start, one
+/// more per `ack`), when there is something new or the subscriber lost records.
+#[derive(Debug)]
+struct Stream {
+    header: Header,
+    instance_id: u64,
+    model: String,
+    cursor: u64,
+    max_events: usize,
+    credits: u32,
+    first: bool,
+}
+
+fn parse_subscription(req: &Request) -> Result<(u64, String, u64, usize), ProtocolError> {
+    req.expect_params(4)?;
+    let instance_id = value::u64_("instance_id", &req.params[0])?;
+    let model = value::str_("model_name", &req.params[1])?.to_owned();
+    let cursor = value::u64_("cursor", &req.params[2])?;
+    let max = value::u64_("max_events", &req.params[3])?;
+    if !(1..=1024).contains(&max) {
+        return Err(ProtocolError::OutOfRange {
+            field: "max_events".into(),
+            reason: format!("{max} is outside 1..=1024"),
+        });
+    }
+    Ok((instance_id, model, cursor, max as usize))
+}
 
 /// How long shutdown waits for in-flight replies.
 const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
@@ -125,11 +154,14 @@ impl Transport {
 
         let in_flight = AtomicU64::new(0);
         let mut stopping: Option<Instant> = None;
+        let mut streams: Vec<Stream> = Vec::new();
         let hasher = std::collections::hash_map::RandomState::new();
         loop {
             let mut items =
                 [self.router.as_poll_item(zmq::POLLIN), self.replies.as_poll_item(zmq::POLLIN)];
-            zmq::poll(&mut items, 50).map_err(zerr("poll"))?;
+            // With subscribers, wake often enough to deliver new events promptly.
+            let timeout = if streams.is_empty() { 50 } else { 5 };
+            zmq::poll(&mut items, timeout).map_err(zerr("poll"))?;
             let (requests_ready, replies_ready) = (items[0].is_readable(), items[1].is_readable());
             if replies_ready {
                 while let Ok(frames) = self.replies.recv_multipart(zmq::DONTWAIT) {
@@ -147,11 +179,15 @@ impl Transport {
                 }
                 continue;
             }
+            self.pump(&state, &mut streams);
             if !requests_ready {
                 continue;
             }
             while let Ok(frames) = self.router.recv_multipart(zmq::DONTWAIT) {
                 match frame::parse(frames) {
+                    Ok(Incoming::Request(req)) if req.op == Op::SubscribeKvEvents => {
+                        self.subscribe(&state, req, &mut streams);
+                    }
                     Ok(Incoming::Request(req)) => match handlers::lane(req.op) {
                         Lane::Inline => {
                             let reply = handlers::handle(&state, req);
@@ -173,8 +209,18 @@ impl Transport {
                             }
                         }
                     },
-                    // No streams are served, so there is nothing to flow-control.
-                    Ok(Incoming::Control { .. }) => {}
+                    Ok(Incoming::Control { identity, uid_frame, control }) => {
+                        let pos = streams.iter().position(|s| {
+                            s.header.identity == identity && s.header.uid_frame == uid_frame
+                        });
+                        match (pos, control) {
+                            (Some(i), Control::Ack) => streams[i].credits += 1,
+                            (Some(i), Control::Cancel) => {
+                                streams.swap_remove(i);
+                            }
+                            (None, _) => {}
+                        }
+                    }
                     Err(failure) => {
                         if let Some(reply) = handlers::handle_parse_failure(&state, failure) {
                             self.send(reply.into_frames());
@@ -182,6 +228,10 @@ impl Transport {
                     }
                 }
             }
+        }
+        // End every stream: a reply without payload tells the subscriber it is over.
+        for s in streams.drain(..) {
+            self.send(vec![s.header.identity, s.header.uid_frame, s.header.op_frame]);
         }
         drop(normal_tx);
         drop(transfer_tx);
@@ -191,6 +241,62 @@ impl Transport {
             }
         }
         Ok(())
+    }
+
+    fn subscribe(&self, state: &ServerState, req: Request, streams: &mut Vec<Stream>) {
+        state.metrics.request(req.op.name());
+        let parsed = parse_subscription(&req).and_then(|p| {
+            if state.events.enabled() {
+                Ok(p)
+            } else {
+                Err(ProtocolError::UnsupportedOp("subscribe_kv_events (--kv-event-log-size 0)"))
+            }
+        });
+        match parsed {
+            Ok((instance_id, model, cursor, max_events)) => {
+                // One subscription per worker: a new one ends the old.
+                if let Some(i) = streams.iter().position(|s| s.instance_id == instance_id) {
+                    let old = streams.swap_remove(i);
+                    self.send(vec![old.header.identity, old.header.uid_frame, old.header.op_frame]);
+                }
+                streams.push(Stream {
+                    header: req.header,
+                    instance_id,
+                    model,
+                    cursor,
+                    max_events,
+                    credits: 1,
+                    first: true,
+                });
+                self.pump(state, streams);
+            }
+            Err(e) => {
+                tracing::warn!(op = "subscribe_kv_events", error = %e, "refused subscription");
+                state.metrics.error("subscribe_kv_events", e.kind());
+                let h = req.header;
+                self.send(vec![h.identity, h.uid_frame, h.op_frame]);
+            }
+        }
+    }
+
+    /// Sends each stream with a credit the batch it is owed, if any.
+    fn pump(&self, state: &ServerState, streams: &mut [Stream]) {
+        for s in streams.iter_mut().filter(|s| s.credits > 0) {
+            let batch = state.events.read(&s.model, s.cursor, s.max_events);
+            s.cursor = batch.next_cursor;
+            if s.first || !batch.events.is_empty() || batch.lost || !batch.enabled {
+                s.first = false;
+                s.credits -= 1;
+                let h = &s.header;
+                let payload = value::encode(&batch.to_value());
+                self.send(vec![
+                    h.identity.clone(),
+                    h.uid_frame.clone(),
+                    h.op_frame.clone(),
+                    payload,
+                ]);
+            }
+        }
     }
 
     fn send(&self, frames: Vec<Vec<u8>>) {

@@ -27,6 +27,7 @@ fn server(tag: &str) -> Server {
         worker_registration_grace: Duration::from_secs(3600),
         session_ttl: Duration::from_secs(600),
         null_block_id: 0,
+        kv_event_log_size: 32768,
         l1: L1Config::default(),
         arena: ArenaConfig {
             size: 64 << 20,
@@ -79,7 +80,10 @@ fn management_replies_have_lmcache_types() {
     assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64);
     assert!(c.ping(None).unwrap());
     assert_eq!(c.call(Op::Noop, &[]).unwrap(), Some(Value::from("OK")));
-    assert_eq!(c.call(Op::GetExperimental, &[]).unwrap(), Some(Value::Array(vec![])));
+    assert_eq!(
+        c.call(Op::GetExperimental, &[]).unwrap(),
+        Some(Value::Array(vec![Value::from("kv_event_stream")]))
+    );
     assert_eq!(c.call(Op::Clear, &[Value::Boolean(false)]).unwrap(), None, "clear is void");
 }
 
@@ -295,6 +299,7 @@ fn silent_workers_are_reaped_and_lookups_then_miss() {
             worker_registration_grace: Duration::from_millis(100),
             session_ttl: Duration::from_secs(600),
             null_block_id: 0,
+            kv_event_log_size: 32768,
             l1: L1Config::default(),
             arena: ArenaConfig {
                 size: 16 << 20,
@@ -317,4 +322,75 @@ fn silent_workers_are_reaped_and_lookups_then_miss() {
     let key2 = KeySpec { request_id: "r2".into(), ..key.clone() };
     assert_eq!(c.lookup(&key2).unwrap(), 0, "a reaped worker's model must not hit");
     assert!(!c.commit_store(&key.for_worker(0), 5).unwrap(), "transfers of a reaped worker fail");
+}
+
+fn batch_events(frames: &[Vec<u8>]) -> (Vec<Value>, u64) {
+    let v = value::decode(2, &frames[2]).unwrap();
+    let f = value::Fields::of("batch", &v).unwrap();
+    assert_eq!(f.req("enabled").unwrap(), &Value::Boolean(true));
+    let cursor = value::u64_("next_cursor", f.req("next_cursor").unwrap()).unwrap();
+    (value::array("events", f.req("events").unwrap()).unwrap().to_vec(), cursor)
+}
+
+#[test]
+fn kv_event_stream_announces_stores_and_removals_with_credits() {
+    let s = server("events");
+    let mut c = client(&s);
+    let pool = register(&mut c, 3, 1);
+    let sub = client(&s);
+    let enc = |v: Value| value::encode(&v);
+    let uid = enc(Value::from(900));
+    let op = enc(Value::from("subscribe_kv_events"));
+    sub.send_frames(&[
+        uid.clone(),
+        op.clone(),
+        enc(Value::from(3)),
+        enc(Value::from("m")),
+        enc(Value::from(0)),
+        enc(Value::from(16)),
+    ])
+    .unwrap();
+    let first = sub.recv_frames().unwrap().expect("status batch at once");
+    assert_eq!((&first[0], &first[1]), (&uid, &op));
+    assert!(batch_events(&first).0.is_empty());
+    // No credit left: a store is not delivered until the ack.
+    let key = KeySpec::whole("m", "r", tokens(4, 32), CHUNK);
+    store(&mut c, &pool, &key.for_worker(0), 3, |_| 5);
+    std::thread::sleep(Duration::from_millis(50));
+    sub.send_frames(&[uid.clone(), Vec::new(), b"ack".to_vec()]).unwrap();
+    let got = sub.recv_frames().unwrap().expect("stored events after the ack");
+    let (events, cursor) = batch_events(&got);
+    assert_eq!(events.len(), 2, "one stored record per chunk");
+    assert_eq!(cursor, 2);
+    let e0 = value::Fields::of("e", &events[0]).unwrap();
+    let e1 = value::Fields::of("e", &events[1]).unwrap();
+    assert_eq!(e0.req("kind").unwrap(), &Value::from("stored"));
+    assert_eq!(e0.req("parent_block_hash").unwrap(), &Value::Nil);
+    let h0 = e0.req("block_hashes").unwrap().as_array().unwrap()[0].clone();
+    assert_eq!(e1.req("parent_block_hash").unwrap(), &h0, "second chunk's parent is the first");
+    let toks = value::array("t", e0.req("token_ids").unwrap()).unwrap();
+    assert_eq!(toks.len(), CHUNK);
+    let want = lmcache_core::TokenHasher::new(CHUNK).unwrap().hash_tokens(&tokens(4, 32));
+    assert_eq!(h0, Value::Binary(want[0].0.to_vec()), "block hash is the LMCache chunk hash");
+    // Removal: clear, ack, receive the removed records.
+    c.call(Op::Clear, &[Value::Boolean(false)]).unwrap();
+    sub.send_frames(&[uid.clone(), Vec::new(), b"ack".to_vec()]).unwrap();
+    let got = sub.recv_frames().unwrap().expect("removed events");
+    let (events, _) = batch_events(&got);
+    assert_eq!(events.len(), 2);
+    assert!(events.iter().all(|e| e.to_string().contains("removed")));
+    // Cancel, then the server ends nothing more to this subscriber; shutdown ends streams.
+    sub.send_frames(&[uid.clone(), Vec::new(), b"cancel".to_vec()]).unwrap();
+    // A bad subscription (max_events 0) is ended at once with a payload-less frame.
+    sub.send_frames(&[
+        enc(Value::from(901)),
+        op.clone(),
+        enc(Value::from(4)),
+        enc(Value::from("m")),
+        enc(Value::from(0)),
+        enc(Value::from(0)),
+    ])
+    .unwrap();
+    let end = sub.recv_frames().unwrap().expect("end of stream");
+    assert_eq!(end.len(), 2, "end-of-stream frames carry no payload");
 }

@@ -156,14 +156,22 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     if instance(state, id).is_err() {
         return false;
     }
-    let (_, hashes) = state.range_hashes(key);
+    let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let pk = PendingKey::new(id, key, &hashes);
     let Some((_, ids)) = state.pending.stores.lock().remove(&pk) else { return false };
     let writes: Vec<_> = ids.into_iter().filter_map(|i| state.l1.take_write(i)).collect();
     let expected = writes.len();
-    let committed = state.l1.commit_batch(writes).into_iter().filter(Result::is_ok).count();
-    state.metrics.stored_chunks.inc_by(committed as u64);
-    committed == expected
+    // Which chunk of the range each reservation is: match by key.
+    let idx: Vec<usize> = writes
+        .iter()
+        .filter_map(|w| hashes.iter().position(|h| *h == w.key().chunk_hash))
+        .collect();
+    let results = state.l1.commit_batch(writes);
+    let committed: Vec<usize> =
+        idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
+    state.metrics.stored_chunks.inc_by(committed.len() as u64);
+    state.record_stored(key, first, &hashes, parent, &committed);
+    committed.len() == expected
 }
 
 fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {

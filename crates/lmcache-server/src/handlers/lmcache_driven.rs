@@ -193,7 +193,7 @@ fn store(
     let t0 = Instant::now();
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else { return Ok(false) };
     let Some(r) = resolve(&inst, state) else { return Ok(false) };
-    let (_, hashes) = state.range_hashes(key);
+    let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let n = hashes.len();
     if blocks.first().map_or(0, Vec::len) < n * r.blocks_per_chunk {
         return Err(bad(
@@ -214,13 +214,17 @@ fn store(
         wanted.iter().map(|&i| WriteRequest::new(keys[i].clone(), size)).collect();
     let mut ok = true;
     let mut filled = Vec::new();
+    let mut filled_idx = Vec::new();
     for (&i, res) in wanted.iter().zip(state.l1.reserve_write(&reqs)) {
         match res {
             Ok(mut w) => {
                 let Some(b) = chunk_blocks(blocks, i, r.blocks_per_chunk) else { continue };
                 w.prefault();
                 match r.transfer.gather(b, w.as_mut_slice()) {
-                    Ok(()) => filled.push(w),
+                    Ok(()) => {
+                        filled.push(w);
+                        filled_idx.push(i);
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "store gather failed");
                         ok = false;
@@ -232,10 +236,13 @@ fn store(
         }
     }
     let t_copy = t0.elapsed();
-    let committed = state.l1.commit_batch(filled).into_iter().filter(Result::is_ok).count();
-    state.metrics.stored_chunks.inc_by(committed as u64);
+    let results = state.l1.commit_batch(filled);
+    let committed: Vec<usize> =
+        filled_idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
+    state.metrics.stored_chunks.inc_by(committed.len() as u64);
+    state.record_stored(key, first, &hashes, parent, &committed);
     tracing::debug!(
-        chunks = committed,
+        chunks = committed.len(),
         copy_ms = t_copy.as_secs_f64() * 1e3,
         total_ms = t0.elapsed().as_secs_f64() * 1e3,
         "store"

@@ -11,10 +11,15 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             req.expect_params(0)?;
             Ok(Some(Value::from(state.chunk_size() as u64)))
         }
-        // No optional capabilities yet: vLLM then computes KV-event hashes itself.
+        // "kv_event_stream": vLLM's router then takes block hashes from our event stream.
         Op::GetExperimental => {
             req.expect_params(0)?;
-            Ok(Some(Value::Array(Vec::new())))
+            let caps = if state.events.enabled() {
+                vec![Value::from("kv_event_stream")]
+            } else {
+                Vec::new()
+            };
+            Ok(Some(Value::Array(caps)))
         }
         Op::Ping => {
             req.expect_params(1)?;
