@@ -97,8 +97,16 @@ struct ClearBody {
     force: bool,
 }
 
-async fn clear(State(s): State<Shared>, body: Option<Json<ClearBody>>) -> Response {
-    let body = body.map(|Json(b)| b).unwrap_or_default();
+async fn clear(State(s): State<Shared>, raw: axum::body::Bytes) -> Response {
+    // The body is optional (LMCache's CLI may send none): empty means defaults.
+    let body: ClearBody = if raw.iter().all(u8::is_ascii_whitespace) {
+        ClearBody::default()
+    } else {
+        match serde_json::from_slice(&raw) {
+            Ok(b) => b,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+        }
+    };
     let tier = body.tier.unwrap_or_else(|| "l1".into());
     if tier != "l1" && tier != "all" {
         return error(

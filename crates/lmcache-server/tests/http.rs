@@ -1,0 +1,95 @@
+//! The HTTP API over a real socket: shapes LMCache's tools read, and 4xx with the field named.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use lmcache_l1::L1Config;
+use lmcache_memory::{ArenaBacking, ArenaConfig};
+use lmcache_server::{Server, ServerConfig};
+
+fn server() -> Server {
+    Server::start(ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        http_host: "127.0.0.1".into(),
+        http_port: Some(0),
+        chunk_size: 256,
+        max_cpu_workers: 1,
+        max_gpu_workers: 1,
+        worker_reap_timeout: Duration::from_secs(120),
+        worker_registration_grace: Duration::from_secs(3600),
+        session_ttl: Duration::from_secs(600),
+        null_block_id: 0,
+        kv_event_log_size: 16,
+        l1: L1Config::default(),
+        arena: ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false },
+        align: 4096,
+    })
+    .unwrap()
+}
+
+/// One request; returns (status, body).
+fn http(s: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let addr = s.http_addr().unwrap();
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let body = body.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    let status = out[9..12].parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}
+
+#[test]
+fn info_routes_answer_like_lmcache() {
+    let s = server();
+    let (code, body) = http(&s, "GET", "/", None);
+    assert_eq!(code, 200);
+    assert!(body.contains("\"status\":\"ok\"") && body.contains("LMCache HTTP API"), "{body}");
+    let (code, body) = http(&s, "GET", "/healthcheck", None);
+    assert_eq!((code, body.as_str()), (200, "{\"status\":\"healthy\"}"));
+    let (code, body) = http(&s, "GET", "/status", None);
+    assert_eq!(code, 200);
+    for field in [
+        "is_healthy",
+        "chunk_size",
+        "hash_algorithm",
+        "active_sessions",
+        "storage_manager",
+        "capacity_bytes",
+    ] {
+        assert!(body.contains(field), "/status lacks {field}: {body}");
+    }
+    let (code, body) = http(&s, "GET", "/metrics", None);
+    assert_eq!(code, 200);
+    assert!(body.contains("lmcache_rs_l1_capacity_bytes"), "{body}");
+    assert_eq!(http(&s, "GET", "/no/such/route", None).0, 404);
+}
+
+#[test]
+fn clear_and_checksums_validate_their_input() {
+    let s = server();
+    let (code, body) = http(&s, "POST", "/cache/clear", None);
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"cleared\"") && body.contains("\"l1\""), "{body}");
+    let (code, body) = http(&s, "POST", "/cache/clear", Some("{\"tier\": \"l9\"}"));
+    assert_eq!(code, 400);
+    assert!(body.contains("tier"), "{body}");
+    let (code, body) = http(
+        &s,
+        "POST",
+        "/cache/checksums",
+        Some("{\"block_ids\": [1], \"chunk_size\": 16, \"instance_id\": 77}"),
+    );
+    assert_eq!(code, 404);
+    assert!(body.contains("instance_id 77"), "{body}");
+    let (code, _) = http(&s, "POST", "/cache/checksums", Some("not json"));
+    assert!((400..500).contains(&code), "bad JSON must be a 4xx, got {code}");
+}
