@@ -53,6 +53,9 @@ pub struct ServerArgs {
     /// Block id marking unallocated blocks (chunks of only null blocks are not stored).
     #[arg(long, default_value_t = 0)]
     pub null_block_id: u64,
+    /// Threads per large server-side copy (lmcache-driven). On 2 cores, 1 measured fastest.
+    #[arg(long, default_value_t = 1)]
+    pub copy_threads: usize,
     /// KV event records kept for engines' `subscribe_kv_events` (0 disables the stream).
     #[arg(long, default_value_t = 32768)]
     pub kv_event_log_size: usize,
@@ -166,6 +169,7 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         session_ttl: Duration::from_secs(args.session_ttl_seconds.max(1)),
         null_block_id: args.null_block_id,
         kv_event_log_size: args.kv_event_log_size,
+        copy_threads: args.copy_threads.max(1),
         l1: L1Config {
             eviction_policy: args.eviction_policy,
             trigger_watermark: args.eviction_trigger_watermark,

@@ -26,6 +26,7 @@ fn main() {
         session_ttl: Duration::from_secs(600),
         null_block_id: 0,
         kv_event_log_size: 32768,
+        copy_threads: 1,
         l1: L1Config::default(),
         arena: ArenaConfig {
             size: 1 << 30,

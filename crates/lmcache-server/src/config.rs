@@ -30,6 +30,8 @@ pub struct ServerConfig {
     pub session_ttl: Duration,
     /// Block id that marks an unallocated block (all-null chunks are skipped).
     pub null_block_id: u64,
+    /// Threads per large lmcache-driven copy (1: the transfer thread copies alone).
+    pub copy_threads: usize,
     /// KV event records kept for `subscribe_kv_events` (0 disables the channel).
     pub kv_event_log_size: usize,
     /// The L1 index settings.

@@ -156,7 +156,7 @@ async fn cache_checksums(State(s): State<Shared>, Json(b): Json<ChecksumBody>) -
         hidden: inst.layout.hidden,
         dtype: inst.layout.dtype,
     };
-    let t = CpuTransfer { layers, geometry };
+    let t = CpuTransfer { layers, geometry, threads: 1 };
     let sums = match checksums(&t, &b.block_ids, b.chunk_size as usize, b.layerwise) {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("block_ids: {e}")),

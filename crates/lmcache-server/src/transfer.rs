@@ -40,6 +40,9 @@ pub enum TransferError {
     /// A copy fell outside a segment (a layout inconsistency caught before touching memory).
     #[error(transparent)]
     Bounds(#[from] AllocError),
+    /// A copy thread panicked.
+    #[error("a copy thread panicked")]
+    Panicked,
 }
 
 /// Geometry of a registered paged KV cache.
@@ -128,6 +131,8 @@ pub struct CpuTransfer<'a> {
     pub layers: &'a [LayerTensor],
     /// Their common geometry.
     pub geometry: PagedGeometry,
+    /// Copy threads for large copies (`--copy-threads`; 1 copies on the calling thread).
+    pub threads: usize,
 }
 
 impl CpuTransfer<'_> {
@@ -162,20 +167,69 @@ impl CpuTransfer<'_> {
     }
 }
 
+/// Copies below this size stay on one thread (spawning costs more than it saves).
+const PARALLEL_MIN_BYTES: usize = 8 << 20;
+
+impl CpuTransfer<'_> {
+    /// Threads for a copy of `bytes`: one for small copies, else the configured count.
+    fn threads(&self, bytes: usize) -> usize {
+        if bytes < PARALLEL_MIN_BYTES { 1 } else { self.threads.max(1) }
+    }
+
+    /// Runs `f(plane, layer, slab)` for every `[plane, layer]` slab of `object`, spread over
+    /// threads. Slabs are disjoint `chunks_mut` of the object, so no two threads share bytes.
+    fn for_each_slab<F>(
+        &self,
+        object: &mut [u8],
+        slab_len: usize,
+        f: F,
+    ) -> Result<(), TransferError>
+    where
+        F: Fn(u64, usize, &mut [u8]) -> Result<(), TransferError> + Sync,
+    {
+        let layers = self.layers.len();
+        let threads = self.threads(object.len());
+        let slabs: Vec<(usize, &mut [u8])> = object.chunks_mut(slab_len).enumerate().collect();
+        if threads <= 1 {
+            for (i, slab) in slabs {
+                f((i / layers) as u64, i % layers, slab)?;
+            }
+            return Ok(());
+        }
+        let per = slabs.len().div_ceil(threads);
+        let mut groups: Vec<Vec<(usize, &mut [u8])>> = Vec::new();
+        let mut it = slabs.into_iter().peekable();
+        while it.peek().is_some() {
+            groups.push(it.by_ref().take(per).collect());
+        }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = groups
+                .into_iter()
+                .map(|group| {
+                    let f = &f;
+                    scope.spawn(move || {
+                        for (i, slab) in group {
+                            f((i / layers) as u64, i % layers, slab)?;
+                        }
+                        Ok::<(), TransferError>(())
+                    })
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| h.join().unwrap_or(Err(TransferError::Panicked)))
+        })
+    }
+}
+
 impl KvTransfer for CpuTransfer<'_> {
     fn gather(&self, blocks: &[u64], object: &mut [u8]) -> Result<(), TransferError> {
         let run = self.check_object(blocks, object.len())? as usize;
-        let mut dst = 0usize;
-        for p in 0..self.geometry.kv {
-            for (l, layer) in self.layers.iter().enumerate() {
-                for &b in blocks {
-                    let src = self.block_offset(l, p, b)?;
-                    layer.segment.read(src, &mut object[dst..dst + run])?;
-                    dst += run;
-                }
+        self.for_each_slab(object, run * blocks.len(), |p, l, slab| {
+            for (j, &b) in blocks.iter().enumerate() {
+                let src = self.block_offset(l, p, b)?;
+                self.layers[l].segment.read(src, &mut slab[j * run..(j + 1) * run])?;
             }
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     fn scatter(
@@ -185,19 +239,32 @@ impl KvTransfer for CpuTransfer<'_> {
         object: &[u8],
     ) -> Result<(), TransferError> {
         let run = self.check_object(blocks, object.len())? as usize;
-        let mut src = 0usize;
-        for p in 0..self.geometry.kv {
-            for (l, layer) in self.layers.iter().enumerate() {
-                for (j, &b) in blocks.iter().enumerate() {
-                    if j >= skip_blocks {
-                        let dst = self.block_offset(l, p, b)?;
-                        layer.segment.write(dst, &object[src..src + run])?;
-                    }
-                    src += run;
-                }
+        let slab_len = run * blocks.len();
+        let layers = self.layers.len();
+        let work = |i: usize, slab: &[u8]| -> Result<(), TransferError> {
+            let (p, l) = ((i / layers) as u64, i % layers);
+            for (j, &b) in blocks.iter().enumerate().skip(skip_blocks) {
+                let dst = self.block_offset(l, p, b)?;
+                self.layers[l].segment.write(dst, &slab[j * run..(j + 1) * run])?;
             }
+            Ok(())
+        };
+        let slabs: Vec<(usize, &[u8])> = object.chunks(slab_len).enumerate().collect();
+        let threads = self.threads(object.len());
+        if threads <= 1 {
+            return slabs.into_iter().try_for_each(|(i, slab)| work(i, slab));
         }
-        Ok(())
+        let per = slabs.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = slabs
+                .chunks(per)
+                .map(|group| {
+                    let work = &work;
+                    scope.spawn(move || group.iter().try_for_each(|&(i, slab)| work(i, slab)))
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| h.join().unwrap_or(Err(TransferError::Panicked)))
+        })
     }
 }
 
@@ -300,7 +367,7 @@ mod tests {
         }
         let layers = vec![l1, l2];
         let g = geometry(&layers[0], false).unwrap();
-        let t = CpuTransfer { layers: &layers, geometry: g };
+        let t = CpuTransfer { layers: &layers, geometry: g, threads: 1 };
         let blocks = [5, 2];
         let mut obj = vec![0u8; (2 * 2 * 2 * g.block_bytes()) as usize];
         t.gather(&blocks, &mut obj).unwrap();
@@ -329,6 +396,47 @@ mod tests {
         assert_eq!(c[0].len(), 1);
         assert_eq!(c, checksums(&t, &[5, 7], 2, false).unwrap());
         assert_ne!(c, checksums(&t, &[5, 6], 2, false).unwrap());
+    }
+
+    #[test]
+    fn parallel_copies_match_the_single_threaded_ones() {
+        // 2 layers x 64 blocks x 64 KiB per block-plane: 16 MiB objects take the threaded path.
+        let pid = std::process::id();
+        let (_o1, l1) = layer(&format!("lmrs_t_pl1_{pid}"), 64, 16, 16, 128);
+        let (_o2, l2) = layer(&format!("lmrs_t_pl2_{pid}"), 64, 16, 16, 128);
+        for (i, l) in [&l1, &l2].iter().enumerate() {
+            let data: Vec<u8> = (0..l.segment.len())
+                .map(|x| ((x.wrapping_mul(2_654_435_761) >> 11) as u8) ^ i as u8)
+                .collect();
+            l.segment.write(0, &data).unwrap();
+        }
+        let layers = vec![l1, l2];
+        let g = geometry(&layers[0], false).unwrap();
+        let t = CpuTransfer { layers: &layers, geometry: g, threads: 2 };
+        let blocks: Vec<u64> = (0..32).collect();
+        let mut obj = vec![0u8; (2 * 2 * 32 * g.block_bytes()) as usize];
+        assert!(obj.len() >= PARALLEL_MIN_BYTES, "test must exercise the threaded path");
+        t.gather(&blocks, &mut obj).unwrap();
+        // Same bytes as one block copied at a time.
+        let run = g.block_bytes() as usize;
+        let mut want = vec![0u8; run];
+        for (slab, (p, l)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
+            for (j, &b) in blocks.iter().enumerate() {
+                layers[l].segment.read(t.block_offset(l, p, b).unwrap(), &mut want).unwrap();
+                let at = (slab * blocks.len() + j) * run;
+                assert_eq!(&obj[at..at + run], &want[..], "slab {slab} block {j}");
+            }
+        }
+        let dst: Vec<u64> = (32..64).collect();
+        t.scatter(&dst, 3, &obj).unwrap();
+        let mut back = vec![0u8; obj.len()];
+        t.gather(&dst, &mut back).unwrap();
+        // The first 3 blocks of each slab were skipped; the rest round-trip.
+        for slab in 0..4 {
+            let from = (slab * 32 + 3) * run;
+            let to = (slab + 1) * 32 * run;
+            assert_eq!(&back[from..to], &obj[from..to], "slab {slab}");
+        }
     }
 
     #[test]

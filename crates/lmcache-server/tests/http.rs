@@ -22,6 +22,7 @@ fn server() -> Server {
         session_ttl: Duration::from_secs(600),
         null_block_id: 0,
         kv_event_log_size: 16,
+        copy_threads: 1,
         l1: L1Config::default(),
         arena: ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false },
         align: 4096,

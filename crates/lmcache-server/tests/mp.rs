@@ -28,6 +28,7 @@ fn server(tag: &str) -> Server {
         session_ttl: Duration::from_secs(600),
         null_block_id: 0,
         kv_event_log_size: 32768,
+        copy_threads: 1,
         l1: L1Config::default(),
         arena: ArenaConfig {
             size: 64 << 20,
@@ -300,6 +301,7 @@ fn silent_workers_are_reaped_and_lookups_then_miss() {
             session_ttl: Duration::from_secs(600),
             null_block_id: 0,
             kv_event_log_size: 32768,
+            copy_threads: 1,
             l1: L1Config::default(),
             arena: ArenaConfig {
                 size: 16 << 20,

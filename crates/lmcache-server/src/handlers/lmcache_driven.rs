@@ -175,7 +175,7 @@ fn resolve<'a>(inst: &'a Instance, state: &ServerState) -> Option<Resolved<'a>> 
         dtype: inst.layout.dtype,
     };
     Some(Resolved {
-        transfer: CpuTransfer { layers, geometry },
+        transfer: CpuTransfer { layers, geometry, threads: state.config.copy_threads },
         blocks_per_chunk: state.chunk_size() / *block_size as usize,
     })
 }
