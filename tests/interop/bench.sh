@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Interop with LMCache 0.5.6's own clients, from the cached virtualenv:
 # - `lmcache bench server --mode cpu` against `lmcache-rs server`, both transfer modes, tp 1
-#   and 2, 20 sequences, --interval 0: every cold lookup must miss, every warm lookup must be a
-#   full hit, every checksum must match;
+#   and 2, plus an MLA bfloat16 model at tp 2, 20 sequences, --interval 0: every cold lookup
+#   must miss, every warm lookup must be a full hit, every checksum must match;
 # - vLLM's MP adapters (tests/interop/vllm_adapters.py) in both transfer modes.
 # Usage: tests/interop/bench.sh PATH/TO/lmcache-rs
 set -euo pipefail
@@ -18,9 +18,19 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 
 passed=0
 failed=0
-for mode in lmcache_driven engine_driven; do
-  for tp in 1 2; do
-    name="$mode-tp$tp"
+# name mode tp extra-bench-args: the default fp16 model at tp 1 and 2, and an MLA bf16 model.
+CASES=(
+  "lmcache_driven-tp1 lmcache_driven 1"
+  "lmcache_driven-tp2 lmcache_driven 2"
+  "engine_driven-tp1 engine_driven 1"
+  "engine_driven-tp2 engine_driven 2"
+  "lmcache_driven-mla-tp2 lmcache_driven 2 --use-mla --kvcache-shape-spec (1,1024,16,1,576):bfloat16:8"
+  "engine_driven-mla-tp2 engine_driven 2 --use-mla --kvcache-shape-spec (1,1024,16,1,576):bfloat16:8"
+)
+for case in "${CASES[@]}"; do
+    read -r name mode tp extra <<< "$case"
+    # shellcheck disable=SC2086
+    set -- $extra
     port=$(free_port); http=$(free_port)
     "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 2 \
         --shm-name "lmcache_rs_interop_$$_$name" --max-workers 2 --log-level warn \
@@ -33,7 +43,7 @@ for mode in lmcache_driven engine_driven; do
     rc=0
     timeout 600 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
         --url "http://127.0.0.1:$http" --mode cpu --transfer-mode "$mode" --tp-size "$tp" \
-        --num-tokens 512 --start 0 --end "$N" --interval 0 --format json \
+        --num-tokens 512 --start 0 --end "$N" --interval 0 --format json "$@" \
         --output "$WORK/$name.json" > "$WORK/$name.bench.log" 2>&1 || rc=$?
     kill -TERM "$pid"
     srv_rc=0; wait "$pid" || srv_rc=$?
@@ -69,8 +79,8 @@ PY
       echo "  server log tail:"; tail -10 "$WORK/$name.server.log" | sed 's/^/    /'
       failed=$((failed + 1))
     fi
-  done
 done
+
 # vLLM's own MP adapters (scheduler + worker), one fresh server per transfer mode.
 for mode in engine_driven lmcache_driven; do
   port=$(free_port)
