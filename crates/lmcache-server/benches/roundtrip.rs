@@ -8,35 +8,18 @@
 use std::time::{Duration, Instant};
 
 use lmcache_client::{Client, KeySpec};
-use lmcache_l1::L1Config;
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
 use lmcache_server::{Server, ServerConfig};
 
 fn main() {
-    let cfg = ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        http_host: "127.0.0.1".into(),
-        http_port: None,
-        chunk_size: 256,
-        max_cpu_workers: 1,
-        max_gpu_workers: 1,
-        worker_reap_timeout: Duration::ZERO,
-        worker_registration_grace: Duration::from_secs(3600),
-        session_ttl: Duration::from_secs(600),
-        null_block_id: 0,
-        kv_event_log_size: 32768,
-        copy_threads: 1,
-        l1: L1Config::default(),
-        arena: ArenaConfig {
-            size: 1 << 30,
-            backing: ArenaBacking::SharedMemory {
-                name: format!("lmcache_rs_rt_{}", std::process::id()),
-            },
-            mlock: false,
+    let arena = ArenaConfig {
+        size: 1 << 30,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_rt_{}", std::process::id()),
         },
-        align: 4096,
+        mlock: false,
     };
+    let cfg = ServerConfig { worker_reap_timeout: Duration::ZERO, ..ServerConfig::local(arena) };
     let server = Server::start(cfg).expect("server");
     let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).expect("client");
     // Small objects: the cost measured is the protocol and the index, not memory.

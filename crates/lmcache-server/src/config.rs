@@ -43,6 +43,29 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// LMCache's defaults over `arena`, bound to loopback on free ports (ZMQ port 0, no HTTP):
+    /// what embedding and tests start from, overriding fields as needed.
+    pub fn local(arena: ArenaConfig) -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 0,
+            http_host: "127.0.0.1".into(),
+            http_port: None,
+            chunk_size: lmcache_core::DEFAULT_CHUNK_SIZE,
+            max_cpu_workers: 1,
+            max_gpu_workers: 1,
+            worker_reap_timeout: Duration::from_secs(120),
+            worker_registration_grace: Duration::from_secs(3600),
+            session_ttl: Duration::from_secs(600),
+            null_block_id: 0,
+            copy_threads: 1,
+            kv_event_log_size: 32768,
+            l1: L1Config::default(),
+            arena,
+            align: lmcache_memory::DEFAULT_ALIGN,
+        }
+    }
+
     /// The ZMQ endpoint to bind.
     pub fn endpoint(&self) -> String {
         if self.host.contains("://") {

@@ -4,28 +4,15 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::Duration;
 
-use lmcache_l1::L1Config;
 use lmcache_memory::{ArenaBacking, ArenaConfig};
 use lmcache_server::{Server, ServerConfig};
 
 fn server() -> Server {
+    let arena = ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
     Server::start(ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        http_host: "127.0.0.1".into(),
         http_port: Some(0),
-        chunk_size: 256,
-        max_cpu_workers: 1,
-        max_gpu_workers: 1,
-        worker_reap_timeout: Duration::from_secs(120),
-        worker_registration_grace: Duration::from_secs(3600),
-        session_ttl: Duration::from_secs(600),
-        null_block_id: 0,
         kv_event_log_size: 16,
-        copy_threads: 1,
-        l1: L1Config::default(),
-        arena: ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false },
-        align: 4096,
+        ..ServerConfig::local(arena)
     })
     .unwrap()
 }

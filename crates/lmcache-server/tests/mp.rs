@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use lmcache_client::{Client, KeySpec};
-use lmcache_l1::L1Config;
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
 use lmcache_protocol::{Op, value};
 use lmcache_server::{Server, ServerConfig};
@@ -15,31 +14,19 @@ const LAYERS: u64 = 2;
 const HIDDEN: u64 = 32;
 
 fn server(tag: &str) -> Server {
-    let cfg = ServerConfig {
-        host: "127.0.0.1".into(),
-        port: 0,
-        http_host: "127.0.0.1".into(),
-        http_port: None,
-        chunk_size: CHUNK,
-        max_cpu_workers: 1,
-        max_gpu_workers: 2,
-        worker_reap_timeout: Duration::from_secs(120),
-        worker_registration_grace: Duration::from_secs(3600),
-        session_ttl: Duration::from_secs(600),
-        null_block_id: 0,
-        kv_event_log_size: 32768,
-        copy_threads: 1,
-        l1: L1Config::default(),
-        arena: ArenaConfig {
-            size: 64 << 20,
-            backing: ArenaBacking::SharedMemory {
-                name: format!("lmcache_rs_mp_test_{tag}_{}", std::process::id()),
-            },
-            mlock: false,
+    let arena = ArenaConfig {
+        size: 64 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_mp_test_{tag}_{}", std::process::id()),
         },
-        align: 4096,
+        mlock: false,
     };
-    Server::start(cfg).unwrap()
+    Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        max_gpu_workers: 2,
+        ..ServerConfig::local(arena)
+    })
+    .unwrap()
 }
 
 fn client(s: &Server) -> Client {
@@ -287,33 +274,20 @@ fn random_messages_are_answered_and_never_break_the_server() {
 #[test]
 fn silent_workers_are_reaped_and_lookups_then_miss() {
     // A server whose reaper drops workers after 100 ms of silence.
-    let s = {
-        let cfg = ServerConfig {
-            host: "127.0.0.1".into(),
-            port: 0,
-            http_host: "127.0.0.1".into(),
-            http_port: None,
-            chunk_size: CHUNK,
-            max_cpu_workers: 1,
-            max_gpu_workers: 1,
-            worker_reap_timeout: Duration::from_millis(100),
-            worker_registration_grace: Duration::from_millis(100),
-            session_ttl: Duration::from_secs(600),
-            null_block_id: 0,
-            kv_event_log_size: 32768,
-            copy_threads: 1,
-            l1: L1Config::default(),
-            arena: ArenaConfig {
-                size: 16 << 20,
-                backing: ArenaBacking::SharedMemory {
-                    name: format!("lmcache_rs_mp_test_reap3_{}", std::process::id()),
-                },
-                mlock: false,
-            },
-            align: 4096,
-        };
-        Server::start(cfg).unwrap()
+    let arena = ArenaConfig {
+        size: 16 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_mp_test_reap_{}", std::process::id()),
+        },
+        mlock: false,
     };
+    let s = Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        worker_reap_timeout: Duration::from_millis(100),
+        worker_registration_grace: Duration::from_millis(100),
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
     let mut c = client(&s);
     let pool = register(&mut c, 5, 1);
     assert!(c.ping(Some(5)).unwrap());
