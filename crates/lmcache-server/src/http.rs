@@ -1,14 +1,16 @@
 //! The HTTP API (axum), LMCache's routes and JSON shapes: `GET /`, `/healthcheck`, `/status`,
-//! `/metrics`; `POST /cache/clear`, `/cache/checksums`. Errors are `{"detail": ...}` with a
-//! 4xx status naming what was wrong.
+//! `/metrics`; `POST /cache/clear`, `/cache/checksums`; `GET /quota`, `GET|PUT|DELETE
+//! /quota/{cache_salt}` (`_default` is the empty salt; limits apply to L1 here: admission and
+//! eviction per tenant). Errors are `{"detail": ...}` with a 4xx status naming what was wrong.
 
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{Json, State};
+use axum::extract::{Json, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use lmcache_core::CacheSalt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -27,6 +29,8 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/cache/clear", post(clear))
         .route("/cache/checksums", post(cache_checksums))
+        .route("/quota", get(quota_list))
+        .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
         .with_state(state)
 }
 
@@ -50,7 +54,34 @@ async fn status(State(s): State<Shared>) -> Json<Value> {
             })
         })
         .collect();
+    // LMCache's `cache_context_meta`, per registered worker: what `lmcache describe kvcache`
+    // prints per model.
+    let mut meta = serde_json::Map::new();
+    for (_, id, inst) in s.registry.snapshot() {
+        let l = inst.layout;
+        let per_token = l.kv * l.layers * l.hidden * l.dtype.itemsize();
+        let mut layout = json!({
+            "num_layers": l.layers,
+            "cache_size_per_token": per_token,
+            "kernel_groups": [{
+                "kernel_group_idx": 0, "engine_group_idx": 0, "object_group_idx": 0,
+                "num_layers": l.layers, "dtype": l.dtype.as_str(), "is_mla": l.kv == 1,
+                "object_shape": l.shape(),
+            }],
+        });
+        if let crate::registry::Registration::LmcacheDriven { num_blocks, block_size, .. } =
+            &inst.registration
+        {
+            layout["num_blocks"] = json!(num_blocks);
+            layout["kernel_groups"][0]["tokens_per_block"] = json!(block_size);
+        }
+        meta.insert(
+            id.to_string(),
+            json!({"model_name": inst.model.as_str(), "world_size": inst.world_size, "kv_cache_layout": layout}),
+        );
+    }
     Json(json!({
+        "cache_context_meta": meta,
         "is_healthy": true,
         "engine_type": "default",
         "server": "lmcache-rs",
@@ -61,6 +92,14 @@ async fn status(State(s): State<Shared>) -> Json<Value> {
         "uptime_seconds": s.started.elapsed().as_secs_f64(),
         "registered_instances": instances,
         "storage_manager": {
+            "l1_manager": {
+                "memory_total_bytes": u.capacity,
+                "memory_used_bytes": u.used_bytes,
+                "memory_usage_ratio": u.usage_fraction(),
+                "total_object_count": u.resident_objects,
+            },
+            "eviction_controller": {"eviction_policy": s.l1.config().eviction_policy.as_str()},
+            "l2_adapters": [],
             "l1": {
                 "capacity_bytes": u.capacity,
                 "used_bytes": u.used_bytes,
@@ -178,4 +217,88 @@ async fn cache_checksums(State(s): State<Shared>, Json(b): Json<ChecksumBody>) -
         "block_id_ranges": compress_ranges(&b.block_ids),
     }))
     .into_response()
+}
+
+const GB: f64 = (1u64 << 30) as f64;
+
+/// `_default` in a path is the empty salt.
+fn salt_from_path(raw: &str) -> Result<CacheSalt, Response> {
+    let name = if raw == "_default" { "" } else { raw };
+    CacheSalt::new(name).map_err(|e| error(StatusCode::BAD_REQUEST, format!("cache_salt: {e}")))
+}
+
+fn salt_name(salt: &CacheSalt) -> String {
+    if salt.is_empty() { "_default".into() } else { salt.as_str().to_owned() }
+}
+
+async fn quota_list(State(s): State<Shared>) -> Json<Value> {
+    let users: serde_json::Map<String, Value> =
+        s.l1.quotas()
+            .into_iter()
+            .map(|(salt, limit)| {
+                let usage = s.l1.usage_of(&salt);
+                (
+                    salt_name(&salt),
+                    json!({"limit_gb": limit as f64 / GB, "current_usage_gb": usage as f64 / GB}),
+                )
+            })
+            .collect();
+    Json(json!({"users": users}))
+}
+
+async fn quota_get(State(s): State<Shared>, Path(raw): Path<String>) -> Response {
+    let salt = match salt_from_path(&raw) {
+        Ok(salt) => salt,
+        Err(r) => return r,
+    };
+    let limit = s.l1.quota(&salt);
+    Json(json!({
+        "cache_salt": salt_name(&salt),
+        "limit_gb": limit.map_or(0.0, |l| l as f64 / GB),
+        "current_usage_gb": s.l1.usage_of(&salt) as f64 / GB,
+        "exists": limit.is_some(),
+    }))
+    .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct QuotaBody {
+    limit_gb: f64,
+}
+
+async fn quota_put(
+    State(s): State<Shared>,
+    Path(raw): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let salt = match salt_from_path(&raw) {
+        Ok(salt) => salt,
+        Err(r) => return r,
+    };
+    let body: QuotaBody = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("limit_gb: {e}")),
+    };
+    let Some(bytes) = lmcache_core::units::gib_to_bytes(body.limit_gb) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("limit_gb: {} is not a finite size >= 0", body.limit_gb),
+        );
+    };
+    s.l1.set_quota(&salt, Some(bytes));
+    // Enforce now rather than at the next maintenance pass.
+    s.l1.run_maintenance();
+    Json(json!({"cache_salt": salt_name(&salt), "limit_gb": body.limit_gb, "status": "ok"}))
+        .into_response()
+}
+
+async fn quota_delete(State(s): State<Shared>, Path(raw): Path<String>) -> Response {
+    let salt = match salt_from_path(&raw) {
+        Ok(salt) => salt,
+        Err(r) => return r,
+    };
+    let existed = s.l1.quota(&salt).is_some();
+    s.l1.set_quota(&salt, None);
+    let status = if existed { "removed" } else { "not_found" };
+    Json(json!({"cache_salt": salt_name(&salt), "status": status})).into_response()
 }

@@ -165,6 +165,21 @@ impl Registry {
         before - map.len()
     }
 
+    /// Every registration, with its instance id and family.
+    pub fn snapshot(&self) -> Vec<(Family, u64, Instance)> {
+        let mut v: Vec<_> = self
+            .instances
+            .read()
+            .iter()
+            .map(|((ed, id), i)| {
+                let fam = if *ed { Family::EngineDriven } else { Family::LmcacheDriven };
+                (fam, *id, i.clone())
+            })
+            .collect();
+        v.sort_by_key(|x| x.1);
+        v
+    }
+
     /// `(family, instance id, model, world size)` of every registration.
     pub fn list(&self) -> Vec<(Family, u64, String, u32)> {
         let mut v: Vec<_> = self

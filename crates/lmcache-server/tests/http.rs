@@ -81,3 +81,53 @@ fn clear_and_checksums_validate_their_input() {
     let (code, _) = http(&s, "POST", "/cache/checksums", Some("not json"));
     assert!((400..500).contains(&code), "bad JSON must be a 4xx, got {code}");
 }
+
+#[test]
+fn quota_routes_crud_with_default_salt_and_validation() {
+    let s = server();
+    let (code, body) = http(&s, "PUT", "/quota/tenant-a", Some("{\"limit_gb\": 0.5}"));
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"status\":\"ok\"") && body.contains("tenant-a"), "{body}");
+    let (_, body) = http(&s, "GET", "/quota/tenant-a", None);
+    assert!(body.contains("\"exists\":true") && body.contains("\"limit_gb\":0.5"), "{body}");
+    http(&s, "PUT", "/quota/_default", Some("{\"limit_gb\": 1}"));
+    let (_, body) = http(&s, "GET", "/quota", None);
+    assert!(
+        body.contains("\"users\"") && body.contains("tenant-a") && body.contains("_default"),
+        "{body}"
+    );
+    let (_, body) = http(&s, "DELETE", "/quota/tenant-a", None);
+    assert!(body.contains("\"removed\""), "{body}");
+    let (_, body) = http(&s, "DELETE", "/quota/tenant-a", None);
+    assert!(body.contains("\"not_found\""), "{body}");
+    let (_, body) = http(&s, "GET", "/quota/tenant-a", None);
+    assert!(body.contains("\"exists\":false"), "{body}");
+    for bad in ["{\"limit_gb\": -1}", "{\"limit_gb\": \"x\"}", "{}", "nope"] {
+        let (code, body) = http(&s, "PUT", "/quota/t", Some(bad));
+        assert_eq!(code, 400, "{bad} accepted: {body}");
+        assert!(body.contains("limit_gb"), "error must name the field: {body}");
+    }
+    let (code, body) =
+        http(&s, "PUT", &format!("/quota/{}", "x".repeat(200)), Some("{\"limit_gb\": 1}"));
+    assert_eq!(code, 400);
+    assert!(body.contains("cache_salt"), "{body}");
+}
+
+#[test]
+fn status_has_the_fields_lmcache_describe_reads() {
+    let s = server();
+    let (_, body) = http(&s, "GET", "/status", None);
+    for field in [
+        "l1_manager",
+        "memory_total_bytes",
+        "memory_used_bytes",
+        "memory_usage_ratio",
+        "total_object_count",
+        "eviction_controller",
+        "eviction_policy",
+        "l2_adapters",
+        "cache_context_meta",
+    ] {
+        assert!(body.contains(field), "/status lacks {field}");
+    }
+}
