@@ -222,9 +222,9 @@ async fn cache_checksums(State(s): State<Shared>, Json(b): Json<ChecksumBody>) -
 const GB: f64 = (1u64 << 30) as f64;
 
 /// `_default` in a path is the empty salt.
-fn salt_from_path(raw: &str) -> Result<CacheSalt, Response> {
+fn salt_from_path(raw: &str) -> Result<CacheSalt, String> {
     let name = if raw == "_default" { "" } else { raw };
-    CacheSalt::new(name).map_err(|e| error(StatusCode::BAD_REQUEST, format!("cache_salt: {e}")))
+    CacheSalt::new(name).map_err(|e| format!("cache_salt: {e}"))
 }
 
 fn salt_name(salt: &CacheSalt) -> String {
@@ -249,7 +249,7 @@ async fn quota_list(State(s): State<Shared>) -> Json<Value> {
 async fn quota_get(State(s): State<Shared>, Path(raw): Path<String>) -> Response {
     let salt = match salt_from_path(&raw) {
         Ok(salt) => salt,
-        Err(r) => return r,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     let limit = s.l1.quota(&salt);
     Json(json!({
@@ -273,7 +273,7 @@ async fn quota_put(
 ) -> Response {
     let salt = match salt_from_path(&raw) {
         Ok(salt) => salt,
-        Err(r) => return r,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     let body: QuotaBody = match serde_json::from_slice(&body) {
         Ok(b) => b,
@@ -295,7 +295,7 @@ async fn quota_put(
 async fn quota_delete(State(s): State<Shared>, Path(raw): Path<String>) -> Response {
     let salt = match salt_from_path(&raw) {
         Ok(salt) => salt,
-        Err(r) => return r,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     let existed = s.l1.quota(&salt).is_some();
     s.l1.set_quota(&salt, None);
