@@ -28,6 +28,8 @@ struct Shared {
     arena: Arena,
     /// Highest end offset any allocation has reached: memory past it has never been used.
     high_water: AtomicU64,
+    /// Least lead the prefaulter keeps once asked (see [`ArenaAllocator::expect_use`]).
+    min_ahead: AtomicU64,
 }
 
 /// An arena with its allocator: the source of [`Allocation`]s. Cheap to clone.
@@ -59,6 +61,7 @@ impl ArenaAllocator {
                 allocator: Mutex::new(allocator),
                 arena,
                 high_water: AtomicU64::new(0),
+                min_ahead: AtomicU64::new(0),
             }),
         })
     }
@@ -115,6 +118,12 @@ impl ArenaAllocator {
         self.shared.high_water.load(Ordering::Relaxed)
     }
 
+    /// Tells the prefaulter that about `bytes` will be written soon (a client registered a
+    /// layout): it keeps at least that much committed ahead, within its cap.
+    pub fn expect_use(&self, bytes: u64) {
+        self.shared.min_ahead.fetch_max(bytes, Ordering::Relaxed);
+    }
+
     /// Starts a background thread that commits arena pages ahead of use (see [`Prefaulter`]).
     pub fn spawn_prefaulter(&self, max_ahead: u64) -> std::io::Result<Prefaulter> {
         Prefaulter::spawn(self.clone(), max_ahead)
@@ -126,8 +135,9 @@ impl ArenaAllocator {
 /// Fresh memory is expensive to touch the first time (the kernel allocates and zeroes each
 /// page; in a VM the hypervisor may have to back it too), which would otherwise land on the
 /// first store into each part of L1. The prefaulter keeps `[high_water, high_water + ahead)`
-/// committed with `ahead = min(max_ahead, high_water)`: nothing at idle, so an L1 that holds
-/// nothing stays uncommitted, and at most as much again as is in use. It stops when dropped.
+/// committed with `ahead = min(max_ahead, max(high_water, expected))`, where `expected` is what
+/// [`ArenaAllocator::expect_use`] announced: nothing at idle with no client, so an L1 that
+/// holds nothing stays uncommitted. It stops when dropped.
 #[derive(Debug)]
 pub struct Prefaulter {
     stop: Option<std::sync::mpsc::Sender<()>>,
@@ -145,7 +155,8 @@ impl Prefaulter {
             let mut done = 0u64;
             loop {
                 let hw = alloc.high_water();
-                let target = hw.saturating_add(hw.min(max_ahead)).min(len);
+                let expected = alloc.shared.min_ahead.load(Ordering::Relaxed);
+                let target = hw.saturating_add(hw.max(expected).min(max_ahead)).min(len);
                 if done < hw {
                     done = hw;
                 }
@@ -333,10 +344,19 @@ mod tests {
         {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        drop(p);
         let r = a.arena().resident_bytes().unwrap();
         assert!(r >= 16 << 20, "nothing committed ahead: {r}");
         assert!(r <= 32 << 20, "committed more than in use again: {r}");
+        // A client announces 40 MiB of writes: the lead grows to that, within the cap.
+        a.expect_use(40 << 20);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while a.arena().resident_bytes().unwrap() < 40 << 20 && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        drop(p);
+        let r = a.arena().resident_bytes().unwrap();
+        assert!((40 << 20..=(16 + 64) << 20).contains(&r), "announced lead not honoured: {r}");
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                     reason: format!("object layout {:?} does not fit the L1 pool", layout.shape()),
                 });
             }
+            // First stores should not pay for untouched memory: commit a few objects ahead.
+            state.l1.memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
             state.registry.register(
                 Family::EngineDriven,
                 r.instance_id,

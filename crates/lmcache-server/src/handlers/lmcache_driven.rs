@@ -137,6 +137,8 @@ fn register(state: &ServerState, req: &Request) -> Result<(), ProtocolError> {
         dtype: geo.dtype,
     };
     tracing::info!(instance_id = id, model = %model, world_size, layers = layers.len(), shape = ?layout.shape(), dtype = %geo.dtype, "lmcache-driven worker registered");
+    // First stores should not pay for untouched memory: commit a few objects ahead.
+    state.l1.memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
     state.registry.register(
         Family::LmcacheDriven,
         id,
