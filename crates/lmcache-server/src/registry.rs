@@ -130,6 +130,11 @@ impl Registry {
         Some(inst.clone())
     }
 
+    /// True when `id` has a registration in either family.
+    pub fn has_instance(&self, id: u64) -> bool {
+        self.instances.read().keys().any(|(_, i)| *i == id)
+    }
+
     /// True when registered (no liveness refresh).
     pub fn contains(&self, family: Family, id: u64) -> bool {
         self.instances.read().contains_key(&family.key(id))

@@ -33,6 +33,9 @@ struct Stream {
     max_events: usize,
     credits: u32,
     first: bool,
+    /// The worker was seen registered while subscribed: once its registration is reaped or
+    /// removed, the stream ends too.
+    was_registered: bool,
 }
 
 fn parse_subscription(req: &Request) -> Result<(u64, String, u64, usize), ProtocolError> {
@@ -267,6 +270,7 @@ impl Transport {
                     max_events,
                     credits: 1,
                     first: true,
+                    was_registered: false,
                 });
                 self.pump(state, streams);
             }
@@ -279,8 +283,23 @@ impl Transport {
         }
     }
 
-    /// Sends each stream with a credit the batch it is owed, if any.
-    fn pump(&self, state: &ServerState, streams: &mut [Stream]) {
+    /// Ends the streams of workers that are gone, then sends each stream with a credit the
+    /// batch it is owed, if any.
+    fn pump(&self, state: &ServerState, streams: &mut Vec<Stream>) {
+        streams.retain_mut(|s| {
+            let registered = state.registry.has_instance(s.instance_id);
+            if s.was_registered && !registered {
+                tracing::info!(
+                    instance_id = s.instance_id,
+                    "ending the KV event stream of a departed worker"
+                );
+                let h = &s.header;
+                self.send(vec![h.identity.clone(), h.uid_frame.clone(), h.op_frame.clone()]);
+                return false;
+            }
+            s.was_registered |= registered;
+            true
+        });
         for s in streams.iter_mut().filter(|s| s.credits > 0) {
             let batch = state.events.read(&s.model, s.cursor, s.max_events);
             s.cursor = batch.next_cursor;

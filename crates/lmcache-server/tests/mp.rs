@@ -355,7 +355,10 @@ fn kv_event_stream_announces_stores_and_removals_with_credits() {
     let (events, _) = batch_events(&got);
     assert_eq!(events.len(), 2);
     assert!(events.iter().all(|e| e.to_string().contains("removed")));
-    // Cancel, then the server ends nothing more to this subscriber; shutdown ends streams.
+    // The worker unregisters: its stream ends with a payload-less frame.
+    c.call(Op::UnregisterKvCacheEngineDrivenContext, &[Value::from(3)]).unwrap();
+    let end = sub.recv_frames().unwrap().expect("end of the departed worker's stream");
+    assert_eq!(end, vec![uid.clone(), op.clone()]);
     sub.send_frames(&[uid.clone(), Vec::new(), b"cancel".to_vec()]).unwrap();
     // A bad subscription (max_events 0) is ended at once with a payload-less frame.
     sub.send_frames(&[
