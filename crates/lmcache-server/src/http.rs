@@ -119,8 +119,12 @@ async fn status(State(s): State<Shared>) -> Json<Value> {
 async fn metrics(State(s): State<Shared>) -> Response {
     let u = s.l1.usage();
     s.metrics.l1_used_bytes.set(u.used_bytes as i64);
+    s.metrics.l1_usage_ratio.set(u.usage_fraction());
+    s.metrics.l1_staging_bytes.set(u.staged_bytes as i64);
     s.metrics.l1_capacity_bytes.set(u.capacity as i64);
+    s.metrics.kv_events_log_depth.set(s.events.len() as i64);
     s.metrics.active_sessions.set(s.sessions.len() as i64);
+    s.metrics.process_resident_memory_bytes.set(crate::metrics::process_rss_bytes() as i64);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         s.metrics.encode(),

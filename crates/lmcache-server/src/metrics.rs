@@ -1,10 +1,14 @@
-//! Request and error counters, exposed on `GET /metrics` in Prometheus text format.
+//! Prometheus metrics on `GET /metrics`, under LMCache 0.5.6's `lmcache_mp_*` names wherever
+//! lmcache-rs measures the same quantity (so existing dashboards keep working), plus
+//! `lmcache_rs_*` for what LMCache does not have (requests and refusals per operation).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
 
 /// Labels of per-operation counters.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -22,67 +26,200 @@ pub struct ErrorLabel {
     pub kind: String,
 }
 
+type FloatGauge = Gauge<f64, AtomicU64>;
+
 /// The server's metrics.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     /// Requests handled, per operation.
     pub requests: Family<OpLabel, Counter>,
-    /// Bad requests, per operation and kind.
+    /// Requests refused as malformed, per operation and kind.
     pub errors: Family<ErrorLabel, Counter>,
-    /// Chunks found by lookups.
-    pub lookup_hit_chunks: Counter,
-    /// Chunks asked for by lookups.
-    pub lookup_chunks: Counter,
-    /// Chunks stored.
-    pub stored_chunks: Counter,
-    /// Chunks retrieved.
-    pub retrieved_chunks: Counter,
-    /// L1 bytes in use (updated when scraped).
+    /// Completed lookups.
+    pub lookups: Counter,
+    /// Tokens submitted for lookup (whole chunks).
+    pub lookup_requested_tokens: Counter,
+    /// Tokens found.
+    pub lookup_hit_tokens: Counter,
+    /// Tokens found in L1 (all of them, until L2 exists).
+    pub lookup_hit_l1_tokens: Counter,
+    /// Hit keys (per shard and chunk) L1 held.
+    pub lookup_hit_l1_keys: Counter,
+    /// Chunks written to L1.
+    pub l1_write_chunks: Counter,
+    /// Chunks read from L1.
+    pub l1_read_chunks: Counter,
+    /// Store transfers started.
+    pub submitted_stores: Counter,
+    /// Store transfers finished.
+    pub finished_stores: Counter,
+    /// Retrieve transfers started.
+    pub submitted_retrieves: Counter,
+    /// Retrieve transfers finished.
+    pub finished_retrieves: Counter,
+    /// Chunks loaded into engines.
+    pub chunks_loaded: Counter,
+    /// Server-side store copy throughput per request, GB/s.
+    pub store_throughput: Histogram,
+    /// Server-side retrieve copy throughput per request, GB/s.
+    pub load_throughput: Histogram,
+    /// L1 bytes in use (set when scraped).
     pub l1_used_bytes: Gauge,
+    /// L1 used / capacity (set when scraped).
+    pub l1_usage_ratio: FloatGauge,
+    /// L1 bytes of staged objects (set when scraped).
+    pub l1_staging_bytes: Gauge,
     /// L1 capacity.
     pub l1_capacity_bytes: Gauge,
-    /// Live sessions (updated when scraped).
+    /// KV event records retained (set when scraped).
+    pub kv_events_log_depth: Gauge,
+    /// Prefetch jobs in flight (lookups complete synchronously: always 0 until L2 exists).
+    pub active_prefetch_jobs: Gauge,
+    /// Live sessions (set when scraped).
     pub active_sessions: Gauge,
+    /// Resident memory of the process (set when scraped).
+    pub process_resident_memory_bytes: Gauge,
+}
+
+fn throughput_buckets() -> Histogram {
+    Histogram::new([0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("lmcache_rs");
         let m = Self {
+            registry: Registry::default(),
             requests: Family::default(),
             errors: Family::default(),
-            lookup_hit_chunks: Counter::default(),
-            lookup_chunks: Counter::default(),
-            stored_chunks: Counter::default(),
-            retrieved_chunks: Counter::default(),
+            lookups: Counter::default(),
+            lookup_requested_tokens: Counter::default(),
+            lookup_hit_tokens: Counter::default(),
+            lookup_hit_l1_tokens: Counter::default(),
+            lookup_hit_l1_keys: Counter::default(),
+            l1_write_chunks: Counter::default(),
+            l1_read_chunks: Counter::default(),
+            submitted_stores: Counter::default(),
+            finished_stores: Counter::default(),
+            submitted_retrieves: Counter::default(),
+            finished_retrieves: Counter::default(),
+            chunks_loaded: Counter::default(),
+            store_throughput: throughput_buckets(),
+            load_throughput: throughput_buckets(),
             l1_used_bytes: Gauge::default(),
+            l1_usage_ratio: FloatGauge::default(),
+            l1_staging_bytes: Gauge::default(),
             l1_capacity_bytes: Gauge::default(),
+            kv_events_log_depth: Gauge::default(),
+            active_prefetch_jobs: Gauge::default(),
             active_sessions: Gauge::default(),
-            registry: Registry::default(),
+            process_resident_memory_bytes: Gauge::default(),
         };
-        registry.register("mp_requests", "MP requests handled", m.requests.clone());
-        registry.register(
-            "mp_request_errors",
-            "MP requests refused as malformed",
-            m.errors.clone(),
+        let mut r = Registry::default();
+        {
+            let mp = r.sub_registry_with_prefix("lmcache_mp");
+            mp.register("lookups_requests", "Completed lookups", m.lookups.clone());
+            mp.register(
+                "lookup_requested_tokens",
+                "Tokens submitted for lookup (whole chunks)",
+                m.lookup_requested_tokens.clone(),
+            );
+            mp.register(
+                "lookup_hit_tokens",
+                "Tokens found in L1+L2 during lookup (contiguous prefix)",
+                m.lookup_hit_tokens.clone(),
+            );
+            mp.register(
+                "lookup_hit_l1_tokens",
+                "Of lookup_hit: tokens L1 already held",
+                m.lookup_hit_l1_tokens.clone(),
+            );
+            mp.register(
+                "lookup_hit_l2_tokens",
+                "Of lookup_hit: tokens L2 added (no L2 tier yet)",
+                Counter::<u64>::default(),
+            );
+            mp.register(
+                "lookup_hit_l1_keys",
+                "Hit keys (per shard and chunk) that L1 already held",
+                m.lookup_hit_l1_keys.clone(),
+            );
+            mp.register("l1_write_chunks", "Total chunks written to L1", m.l1_write_chunks.clone());
+            mp.register("l1_read_chunks", "Total chunks read from L1", m.l1_read_chunks.clone());
+            mp.register(
+                "num_submitted_stores",
+                "Store transfers started",
+                m.submitted_stores.clone(),
+            );
+            mp.register(
+                "num_finished_stores",
+                "Store transfers finished",
+                m.finished_stores.clone(),
+            );
+            mp.register(
+                "num_submitted_retrieves",
+                "Retrieve transfers started",
+                m.submitted_retrieves.clone(),
+            );
+            mp.register(
+                "num_finished_retrieves",
+                "Retrieve transfers finished",
+                m.finished_retrieves.clone(),
+            );
+            mp.register("num_chunks_loaded", "Chunks loaded into engines", m.chunks_loaded.clone());
+            mp.register(
+                "l0_l1_store_throughput_GB_per_second",
+                "Server-side store copy throughput per request, GB/s",
+                m.store_throughput.clone(),
+            );
+            mp.register(
+                "l0_l1_load_throughput_GB_per_second",
+                "Server-side retrieve copy throughput per request, GB/s",
+                m.load_throughput.clone(),
+            );
+            mp.register(
+                "l1_memory_usage_bytes",
+                "Bytes currently held in L1 cache",
+                m.l1_used_bytes.clone(),
+            );
+            mp.register(
+                "l1_usage_ratio",
+                "L1 used/total ratio (0.0-1.0)",
+                m.l1_usage_ratio.clone(),
+            );
+            mp.register(
+                "l1_staging_bytes",
+                "Bytes held by L1 staging objects (write-reserved, not admitted)",
+                m.l1_staging_bytes.clone(),
+            );
+            mp.register(
+                "kv_events_log_depth",
+                "Cache-event records retained for subscribers and reconnects",
+                m.kv_events_log_depth.clone(),
+            );
+            mp.register(
+                "active_prefetch_jobs",
+                "Number of active prefetch jobs",
+                m.active_prefetch_jobs.clone(),
+            );
+        }
+        {
+            let rs = r.sub_registry_with_prefix("lmcache_rs");
+            rs.register("mp_requests", "MP requests handled, per operation", m.requests.clone());
+            rs.register(
+                "mp_request_errors",
+                "MP requests refused as malformed, per operation and kind",
+                m.errors.clone(),
+            );
+            rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());
+            rs.register("active_sessions", "Live request sessions", m.active_sessions.clone());
+        }
+        r.register(
+            "process_resident_memory_bytes",
+            "Resident memory size in bytes",
+            m.process_resident_memory_bytes.clone(),
         );
-        registry.register(
-            "lookup_hit_chunks",
-            "Chunks found by lookups",
-            m.lookup_hit_chunks.clone(),
-        );
-        registry.register("lookup_chunks", "Chunks looked up", m.lookup_chunks.clone());
-        registry.register("stored_chunks", "Chunks stored into L1", m.stored_chunks.clone());
-        registry.register(
-            "retrieved_chunks",
-            "Chunks retrieved from L1",
-            m.retrieved_chunks.clone(),
-        );
-        registry.register("l1_used_bytes", "L1 bytes in use", m.l1_used_bytes.clone());
-        registry.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());
-        registry.register("active_sessions", "Live request sessions", m.active_sessions.clone());
-        Self { registry, ..m }
+        Self { registry: r, ..m }
     }
 }
 
@@ -97,6 +234,13 @@ impl Metrics {
         self.errors.get_or_create(&ErrorLabel { op: op.to_owned(), kind: kind.to_owned() }).inc();
     }
 
+    /// Records a server-side copy of `bytes` that took `seconds`.
+    pub fn copy_throughput(h: &Histogram, bytes: u64, seconds: f64) {
+        if seconds > 0.0 && bytes > 0 {
+            h.observe(bytes as f64 / seconds / 1e9);
+        }
+    }
+
     /// Prometheus text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -104,4 +248,12 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+}
+
+/// Resident memory of this process, from /proc/self/statm.
+pub fn process_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| s.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()))
+        .map_or(0, |pages| pages * 4096)
 }

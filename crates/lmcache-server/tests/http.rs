@@ -131,3 +131,47 @@ fn status_has_the_fields_lmcache_describe_reads() {
         assert!(body.contains(field), "/status lacks {field}");
     }
 }
+
+/// LMCache 0.5.6 metric names (from its /metrics) that lmcache-rs serves with the same
+/// meaning. Dashboards built on LMCache keep working for these.
+const LMCACHE_METRICS: &[&str] = &[
+    "lmcache_mp_lookups_requests_total",
+    "lmcache_mp_lookup_requested_tokens_total",
+    "lmcache_mp_lookup_hit_tokens_total",
+    "lmcache_mp_lookup_hit_l1_tokens_total",
+    "lmcache_mp_lookup_hit_l2_tokens_total",
+    "lmcache_mp_lookup_hit_l1_keys_total",
+    "lmcache_mp_l1_write_chunks_total",
+    "lmcache_mp_l1_read_chunks_total",
+    "lmcache_mp_num_submitted_stores_total",
+    "lmcache_mp_num_finished_stores_total",
+    "lmcache_mp_num_submitted_retrieves_total",
+    "lmcache_mp_num_finished_retrieves_total",
+    "lmcache_mp_num_chunks_loaded_total",
+    "lmcache_mp_l0_l1_store_throughput_GB_per_second",
+    "lmcache_mp_l0_l1_load_throughput_GB_per_second",
+    "lmcache_mp_l1_memory_usage_bytes",
+    "lmcache_mp_l1_usage_ratio",
+    "lmcache_mp_l1_staging_bytes",
+    "lmcache_mp_kv_events_log_depth",
+    "lmcache_mp_active_prefetch_jobs",
+    "process_resident_memory_bytes",
+];
+
+#[test]
+fn metrics_use_lmcache_names() {
+    let s = server();
+    let (code, body) = http(&s, "GET", "/metrics", None);
+    assert_eq!(code, 200);
+    for name in LMCACHE_METRICS {
+        let sample = body.lines().any(|l| l.starts_with(name) && !l.starts_with('#'));
+        assert!(sample, "/metrics has no sample of {name}");
+    }
+    let rss = body
+        .lines()
+        .find(|l| l.starts_with("process_resident_memory_bytes "))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap();
+    assert!(rss > 1e6, "implausible RSS {rss}");
+}

@@ -109,6 +109,15 @@ fn engine_driven_round_trip_is_byte_exact() {
     }
     assert!(c.commit_retrieve(&key.for_worker(0), 9).unwrap());
     c.end_session("r").unwrap();
+    let m = s.state().metrics.encode();
+    for line in [
+        "lmcache_mp_l1_write_chunks_total 4",
+        "lmcache_mp_l1_read_chunks_total 4",
+        "lmcache_mp_lookup_hit_tokens_total 64",
+        "lmcache_mp_num_finished_stores_total 1",
+    ] {
+        assert!(m.lines().any(|l| l == line), "{line} missing in:\n{m}");
+    }
     // A prefix of the same tokens hits; a different prefix does not.
     let prefix = KeySpec::whole("m", "p", tokens(5, 32), CHUNK);
     assert_eq!(c.lookup(&prefix).unwrap(), 2);

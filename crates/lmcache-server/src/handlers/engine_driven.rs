@@ -120,6 +120,7 @@ fn slot(layout: &ObjectLayout, offset: u64, length: u64) -> SlotDesc {
 
 fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
     let inst = instance(state, id)?;
+    state.metrics.submitted_stores.inc();
     let size = inst.layout.bytes().unwrap_or(0);
     let (_, hashes) = state.range_hashes(key);
     let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
@@ -171,13 +172,15 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     let results = state.l1.commit_batch(writes);
     let committed: Vec<usize> =
         idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
-    state.metrics.stored_chunks.inc_by(committed.len() as u64);
+    state.metrics.l1_write_chunks.inc_by(committed.len() as u64);
+    state.metrics.finished_stores.inc();
     state.record_stored(key, first, &hashes, parent, &committed);
     committed.len() == expected
 }
 
 fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
     let inst = instance(state, id)?;
+    state.metrics.submitted_retrieves.inc();
     let (_, hashes) = state.range_hashes(key);
     let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
     let leases: Result<Vec<_>, _> = state.l1.read_lock(&keys, 1).into_iter().collect();
@@ -210,7 +213,9 @@ fn commit_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     match parked {
         Some((_, ids)) => {
             let n = ids.iter().filter_map(|i| state.l1.take_read(*i)).count();
-            state.metrics.retrieved_chunks.inc_by(n as u64);
+            state.metrics.l1_read_chunks.inc_by(n as u64);
+            state.metrics.chunks_loaded.inc_by(n as u64);
+            state.metrics.finished_retrieves.inc();
             true
         }
         None => false,

@@ -193,6 +193,7 @@ fn store(
     blocks: &[Vec<u64>],
 ) -> Result<bool, ProtocolError> {
     let t0 = Instant::now();
+    state.metrics.submitted_stores.inc();
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else { return Ok(false) };
     let Some(r) = resolve(&inst, state) else { return Ok(false) };
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
@@ -241,7 +242,13 @@ fn store(
     let results = state.l1.commit_batch(filled);
     let committed: Vec<usize> =
         filled_idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
-    state.metrics.stored_chunks.inc_by(committed.len() as u64);
+    state.metrics.l1_write_chunks.inc_by(committed.len() as u64);
+    state.metrics.finished_stores.inc();
+    crate::metrics::Metrics::copy_throughput(
+        &state.metrics.store_throughput,
+        committed.len() as u64 * size,
+        t_copy.as_secs_f64(),
+    );
     state.record_stored(key, first, &hashes, parent, &committed);
     tracing::debug!(
         chunks = committed.len(),
@@ -285,6 +292,9 @@ fn retrieve(
     let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
     let mut skip_blocks = (skip_tokens / r.transfer.geometry.block_size) as usize;
     let mut ok = true;
+    let mut copied = 0u64;
+    let t0 = Instant::now();
+    state.metrics.submitted_retrieves.inc();
     for (i, lease) in state.l1.read_lock(&keys, 1).into_iter().enumerate() {
         let Ok(lease) = lease else {
             ok = false;
@@ -298,8 +308,16 @@ fn retrieve(
             ok = false;
             break;
         }
-        state.metrics.retrieved_chunks.inc();
+        state.metrics.l1_read_chunks.inc();
+        state.metrics.chunks_loaded.inc();
+        copied += lease.len();
     }
+    state.metrics.finished_retrieves.inc();
+    crate::metrics::Metrics::copy_throughput(
+        &state.metrics.load_throughput,
+        copied,
+        t0.elapsed().as_secs_f64(),
+    );
     release();
     Ok(ok)
 }

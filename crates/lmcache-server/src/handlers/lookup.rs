@@ -71,7 +71,8 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         });
     }
     let chunks = key.end / state.chunk_size();
-    state.metrics.lookup_chunks.inc_by(chunks as u64);
+    state.metrics.lookups.inc();
+    state.metrics.lookup_requested_tokens.inc_by((chunks * state.chunk_size()) as u64);
     if chunks == 0 || !state.registry.has_model(&key.model_name, key.world_size) {
         state.sessions.with(&key.request_id, |s| {
             s.pending_hits = Some(0);
@@ -109,7 +110,10 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         s.lookup = LookupLocks { locks: per_shard };
         s.pending_hits = Some(hit);
         s.touched = touched;
-        state.metrics.lookup_hit_chunks.inc_by(hit as u64);
+        let hit_tokens = (hit * state.chunk_size()) as u64;
+        state.metrics.lookup_hit_tokens.inc_by(hit_tokens);
+        state.metrics.lookup_hit_l1_tokens.inc_by(hit_tokens);
+        state.metrics.lookup_hit_l1_keys.inc_by((hit * shards.len()) as u64);
         Ok(())
     })
 }
