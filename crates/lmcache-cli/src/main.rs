@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod ops;
 mod server;
 
 use clap::{Parser, Subcommand};
@@ -24,6 +25,28 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Check that a server answers (exit 1 if not).
+    Ping {
+        /// What to ping.
+        #[arg(value_enum)]
+        target: ops::Target,
+        #[command(flatten)]
+        common: ops::Common,
+    },
+    /// Show a server's health, L1 use, policy, sessions and registered workers.
+    Describe {
+        /// What to describe.
+        #[arg(value_enum)]
+        target: ops::Target,
+        #[command(flatten)]
+        common: ops::Common,
+    },
+    /// Cache operations.
+    #[command(subcommand)]
+    Kvcache(ops::KvcacheCommand),
+    /// Per-tenant (cache_salt) quotas; `_default` is the empty salt.
+    #[command(subcommand)]
+    Quota(ops::QuotaCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -32,7 +55,14 @@ enum BenchCommand {
     Server(bench::BenchArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("server") {
         server::refuse_unsupported(&args[2..])?;
@@ -40,9 +70,17 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse_from(args);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .init();
     match cli.command {
         Command::Server(args) => server::run(*args),
         Command::Bench(BenchCommand::Server(args)) => bench::run(args),
+        Command::Ping { target, common } => ops::ping(target, &common),
+        Command::Describe { target, common } => ops::describe(target, &common),
+        Command::Kvcache(cmd) => ops::kvcache(&cmd),
+        Command::Quota(cmd) => ops::quota(&cmd),
     }
 }

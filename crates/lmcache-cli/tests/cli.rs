@@ -101,3 +101,57 @@ fn bench_server_round_trips_against_a_real_server() {
         assert!(text.contains(field), "{field} missing in {text}");
     }
 }
+
+#[test]
+fn operator_commands_against_a_real_server() {
+    let (port, http) = (free_port(), free_port());
+    let name = format!("lmcache_rs_cli_ops_{}", std::process::id());
+    let mut server = bin()
+        .args(["server", "--port", &port.to_string(), "--http-port", &http.to_string()])
+        .args(["--shm-name", &name, "--l1-size-gb", "1"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{http}");
+    let run = |args: &[&str]| {
+        let out = bin().args(args).args(["--url", &url]).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // Wait for the server.
+    let started = Instant::now();
+    while run(&["ping", "kvcache", "-q"]).0 != Some(0) {
+        assert!(started.elapsed() < Duration::from_secs(10), "server never answered");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, out, _) = run(&["ping", "kvcache"]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("OK"), "{out}");
+    let (code, out, _) = run(&["describe", "kvcache", "--format", "json"]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("\"chunk_size\": 256") && out.contains("l1_manager"), "{out}");
+    let (_, out, _) = run(&["describe", "kvcache"]);
+    assert!(out.contains("Eviction policy") && out.contains("LRU"), "{out}");
+    assert_eq!(run(&["quota", "set", "team-a", "--limit-gb", "2"]).0, Some(0));
+    let (_, out, _) = run(&["quota", "list", "--format", "json"]);
+    assert!(out.contains("team-a") && out.contains("\"limit_gb\": 2.0"), "{out}");
+    let (_, out, _) = run(&["quota", "get", "team-a"]);
+    assert!(out.contains("true"), "{out}");
+    let (_, out, _) = run(&["quota", "delete", "team-a"]);
+    assert!(out.contains("removed"), "{out}");
+    let (code, _, err) = run(&["quota", "set", "a/b", "--limit-gb", "1"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("cache_salt"), "the refusal must name the field: {err}");
+    let (code, out, _) = run(&["kvcache", "clear"]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("ok"), "{out}");
+    nix_kill(server.id());
+    assert!(server.wait().unwrap().success());
+    // The server is gone: ping fails with exit code 1.
+    let (code, out, _) = run(&["ping", "kvcache"]);
+    assert_eq!(code, Some(1));
+    assert!(out.contains("FAIL"), "{out}");
+}

@@ -1,0 +1,344 @@
+//! Operator commands, as LMCache's CLI names them: `ping kvcache`, `describe kvcache`,
+//! `kvcache clear`, `quota set|get|list|delete`. Each talks to a server's HTTP API (ours or
+//! LMCache's), prints a human table or `--format json`, can write the result to `--output`,
+//! and exits non-zero when the server cannot be reached or refuses.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use serde_json::{Value, json};
+
+/// Output format.
+#[derive(Debug, Clone, Copy, ValueEnum, Default)]
+pub enum Format {
+    /// A human table.
+    #[default]
+    Terminal,
+    /// One JSON document.
+    Json,
+}
+
+/// Flags every operator command takes.
+#[derive(Debug, Clone, Args)]
+pub struct Common {
+    /// HTTP API of the cache server.
+    #[arg(long, default_value = "http://localhost:8080")]
+    pub url: String,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "terminal")]
+    pub format: Format,
+    /// Also write the JSON result to this file.
+    #[arg(long)]
+    pub output: Option<std::path::PathBuf>,
+    /// Print nothing; the exit code tells the result.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+/// What `ping` and `describe` talk to.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Target {
+    /// The KV cache server.
+    Kvcache,
+}
+
+/// `kvcache` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum KvcacheCommand {
+    /// Drop every unlocked object from L1 (`--force` drops locked ones too once released).
+    Clear {
+        /// Also unindex objects that are locked.
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+/// `quota` subcommands (`_default` names the empty cache_salt).
+#[derive(Debug, Subcommand)]
+pub enum QuotaCommand {
+    /// Set a tenant's limit.
+    Set {
+        /// The cache_salt.
+        salt: String,
+        /// Limit in GiB.
+        #[arg(long)]
+        limit_gb: f64,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Show a tenant's limit and usage.
+    Get {
+        /// The cache_salt.
+        salt: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// List every tenant with a limit.
+    List {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Remove a tenant's limit.
+    Delete {
+        /// The cache_salt.
+        salt: String,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+fn base(url: &str) -> String {
+    let url = if url.starts_with("http://") || url.starts_with("https://") {
+        url.to_owned()
+    } else {
+        format!("http://{url}")
+    };
+    url.trim_end_matches('/').to_owned()
+}
+
+/// Percent-encodes one path segment (RFC 3986 unreserved characters pass through).
+fn segment(raw: &str) -> String {
+    raw.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(10)))
+        .http_status_as_error(false)
+        .build()
+        .into()
+}
+
+/// Sends a request; returns the JSON body of a 2xx reply, or the server's error message.
+fn call(method: &str, url: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    let a = agent();
+    let resp = match (method, body) {
+        ("GET", _) => a.get(url).call(),
+        ("DELETE", _) => a.delete(url).call(),
+        ("PUT", Some(b)) => a.put(url).send_json(b),
+        ("POST", Some(b)) => a.post(url).send_json(b),
+        (m, _) => bail!("unsupported method {m}"),
+    }
+    .with_context(|| format!("cannot reach {url}"))?;
+    let status = resp.status();
+    let mut resp = resp;
+    let text = resp.body_mut().read_to_string().unwrap_or_default();
+    let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    if !status.is_success() {
+        let msg = ["detail", "error", "message"]
+            .iter()
+            .find_map(|k| v.get(k).map(|m| m.to_string()))
+            .unwrap_or_else(|| v.to_string());
+        bail!("HTTP {} from {url}: {msg}", status.as_u16());
+    }
+    Ok(v)
+}
+
+/// Prints `rows` as a two-column table under `title`, or `doc` as JSON.
+fn emit(
+    common: &Common,
+    title: &str,
+    rows: &[(String, String)],
+    doc: &Value,
+) -> anyhow::Result<()> {
+    if let Some(path) = &common.output {
+        std::fs::write(path, serde_json::to_string_pretty(doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if common.quiet {
+        return Ok(());
+    }
+    match common.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(doc)?),
+        Format::Terminal => {
+            let width = rows
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 4)
+                .max()
+                .unwrap_or(20)
+                .max(title.len() + 4);
+            println!("{:=^width$}", format!(" {title} "));
+            for (k, v) in rows {
+                println!("{k}:{v:>pad$}", pad = width - k.len() - 1);
+            }
+            println!("{}", "=".repeat(width));
+        }
+    }
+    Ok(())
+}
+
+fn gb(v: &Value) -> String {
+    v.as_f64().map_or("-".into(), |b| format!("{:.2}", b / (1u64 << 30) as f64))
+}
+
+fn s(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
+
+/// `ping kvcache`.
+pub fn ping(_target: Target, common: &Common) -> anyhow::Result<()> {
+    let url = format!("{}/healthcheck", base(&common.url));
+    let t = Instant::now();
+    let result = call("GET", &url, None);
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let ok = result.is_ok();
+    let doc = json!({"url": common.url, "status": if ok { "OK" } else { "FAIL" }, "round_trip_ms": ms,
+        "error": result.as_ref().err().map(|e| format!("{e:#}"))});
+    let mut rows = vec![
+        ("Status".to_owned(), s(&doc["status"])),
+        ("Round trip time (ms)".to_owned(), format!("{ms:.2}")),
+    ];
+    if let Err(e) = &result {
+        rows.push(("Error".into(), format!("{e:#}")));
+    }
+    emit(common, "Ping", &rows, &doc)?;
+    if !ok {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+/// `describe kvcache`.
+pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
+    let st = call("GET", &format!("{}/status", base(&common.url)), None)?;
+    let l1 = &st["storage_manager"]["l1_manager"];
+    let used = l1["memory_used_bytes"].as_f64().unwrap_or(0.0);
+    let ratio = l1["memory_usage_ratio"].as_f64().unwrap_or(0.0) * 100.0;
+    let mut rows = vec![
+        (
+            "Health".to_owned(),
+            if st["is_healthy"] == json!(true) { "OK".into() } else { "FAIL".into() },
+        ),
+        ("URL".into(), common.url.clone()),
+        ("Engine type".into(), s(&st["engine_type"])),
+        ("Chunk size".into(), s(&st["chunk_size"])),
+        ("L1 capacity (GB)".into(), gb(&l1["memory_total_bytes"])),
+        ("L1 used (GB)".into(), format!("{} ({ratio:.1}%)", gb(&json!(used)))),
+        (
+            "Eviction policy".into(),
+            s(&st["storage_manager"]["eviction_controller"]["eviction_policy"]),
+        ),
+        ("Cached objects".into(), s(&l1["total_object_count"])),
+        ("Active sessions".into(), s(&st["active_sessions"])),
+    ];
+    if let Some(list) = st["registered_instances"].as_array() {
+        for i in list {
+            rows.push((
+                format!("Worker {}", s(&i["instance_id"])),
+                format!(
+                    "{} (world size {}, {})",
+                    s(&i["model_name"]),
+                    s(&i["world_size"]),
+                    s(&i["transfer_mode"])
+                ),
+            ));
+        }
+    }
+    emit(common, "KV Cache Service", &rows, &st)
+}
+
+/// `kvcache clear`.
+pub fn kvcache(cmd: &KvcacheCommand) -> anyhow::Result<()> {
+    let KvcacheCommand::Clear { force, common } = cmd;
+    let r = call(
+        "POST",
+        &format!("{}/cache/clear", base(&common.url)),
+        Some(json!({"tier": "l1", "force": force})),
+    )?;
+    emit(common, "Clear", &[("Status".into(), s(&r["status"]))], &r)
+}
+
+/// `quota ...`.
+pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
+    match cmd {
+        QuotaCommand::Set { salt, limit_gb, common } => {
+            let r = call(
+                "PUT",
+                &format!("{}/quota/{}", base(&common.url), segment(salt)),
+                Some(json!({"limit_gb": limit_gb})),
+            )?;
+            emit(
+                common,
+                "Quota",
+                &[
+                    ("Cache salt".into(), s(&r["cache_salt"])),
+                    ("Limit (GB)".into(), s(&r["limit_gb"])),
+                    ("Status".into(), s(&r["status"])),
+                ],
+                &r,
+            )
+        }
+        QuotaCommand::Get { salt, common } => {
+            let r = call("GET", &format!("{}/quota/{}", base(&common.url), segment(salt)), None)?;
+            emit(
+                common,
+                "Quota",
+                &[
+                    ("Cache salt".into(), s(&r["cache_salt"])),
+                    ("Limit (GB)".into(), s(&r["limit_gb"])),
+                    ("Current usage (GB)".into(), s(&r["current_usage_gb"])),
+                    ("Exists".into(), s(&r["exists"])),
+                ],
+                &r,
+            )
+        }
+        QuotaCommand::List { common } => {
+            let r = call("GET", &format!("{}/quota", base(&common.url)), None)?;
+            let rows: Vec<(String, String)> = r["users"]
+                .as_object()
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| {
+                            (
+                                k.clone(),
+                                format!(
+                                    "{} GB limit, {} GB used",
+                                    s(&v["limit_gb"]),
+                                    s(&v["current_usage_gb"])
+                                ),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            emit(common, "Quotas", &rows, &r)
+        }
+        QuotaCommand::Delete { salt, common } => {
+            let r =
+                call("DELETE", &format!("{}/quota/{}", base(&common.url), segment(salt)), None)?;
+            emit(
+                common,
+                "Quota",
+                &[("Cache salt".into(), s(&r["cache_salt"])), ("Status".into(), s(&r["status"]))],
+                &r,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_and_urls_are_normalized() {
+        assert_eq!(segment("tenant-1_a.b~"), "tenant-1_a.b~");
+        assert_eq!(segment("a/b c"), "a%2Fb%20c");
+        assert_eq!(base("localhost:8080/"), "http://localhost:8080");
+        assert_eq!(base("https://h"), "https://h");
+    }
+}
