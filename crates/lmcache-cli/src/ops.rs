@@ -34,6 +34,9 @@ pub struct Common {
     /// Print nothing; the exit code tells the result.
     #[arg(short, long)]
     pub quiet: bool,
+    /// Bearer token of a server started with --http-auth-token.
+    #[arg(long, env = "LMCACHE_RS_HTTP_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
 }
 
 /// What `ping` and `describe` talk to.
@@ -120,13 +123,15 @@ fn agent() -> ureq::Agent {
 }
 
 /// Sends a request; returns the JSON body of a 2xx reply, or the server's error message.
-fn call(method: &str, url: &str, body: Option<Value>) -> anyhow::Result<Value> {
+fn call(common: &Common, method: &str, url: &str, body: Option<Value>) -> anyhow::Result<Value> {
     let a = agent();
+    let auth = common.token.as_ref().map(|t| format!("Bearer {t}"));
+    let auth = auth.as_deref().unwrap_or("");
     let resp = match (method, body) {
-        ("GET", _) => a.get(url).call(),
-        ("DELETE", _) => a.delete(url).call(),
-        ("PUT", Some(b)) => a.put(url).send_json(b),
-        ("POST", Some(b)) => a.post(url).send_json(b),
+        ("GET", _) => a.get(url).header("Authorization", auth).call(),
+        ("DELETE", _) => a.delete(url).header("Authorization", auth).call(),
+        ("PUT", Some(b)) => a.put(url).header("Authorization", auth).send_json(b),
+        ("POST", Some(b)) => a.post(url).header("Authorization", auth).send_json(b),
         (m, _) => bail!("unsupported method {m}"),
     }
     .with_context(|| format!("cannot reach {url}"))?;
@@ -193,7 +198,7 @@ fn s(v: &Value) -> String {
 pub fn ping(_target: Target, common: &Common) -> anyhow::Result<()> {
     let url = format!("{}/healthcheck", base(&common.url));
     let t = Instant::now();
-    let result = call("GET", &url, None);
+    let result = call(common, "GET", &url, None);
     let ms = t.elapsed().as_secs_f64() * 1e3;
     let ok = result.is_ok();
     let doc = json!({"url": common.url, "status": if ok { "OK" } else { "FAIL" }, "round_trip_ms": ms,
@@ -214,7 +219,7 @@ pub fn ping(_target: Target, common: &Common) -> anyhow::Result<()> {
 
 /// `describe kvcache`.
 pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
-    let st = call("GET", &format!("{}/status", base(&common.url)), None)?;
+    let st = call(common, "GET", &format!("{}/status", base(&common.url)), None)?;
     let l1 = &st["storage_manager"]["l1_manager"];
     let used = l1["memory_used_bytes"].as_f64().unwrap_or(0.0);
     let ratio = l1["memory_usage_ratio"].as_f64().unwrap_or(0.0) * 100.0;
@@ -255,6 +260,7 @@ pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
 pub fn kvcache(cmd: &KvcacheCommand) -> anyhow::Result<()> {
     let KvcacheCommand::Clear { force, common } = cmd;
     let r = call(
+        common,
         "POST",
         &format!("{}/cache/clear", base(&common.url)),
         Some(json!({"tier": "l1", "force": force})),
@@ -267,6 +273,7 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
     match cmd {
         QuotaCommand::Set { salt, limit_gb, common } => {
             let r = call(
+                common,
                 "PUT",
                 &format!("{}/quota/{}", base(&common.url), segment(salt)),
                 Some(json!({"limit_gb": limit_gb})),
@@ -283,7 +290,12 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
             )
         }
         QuotaCommand::Get { salt, common } => {
-            let r = call("GET", &format!("{}/quota/{}", base(&common.url), segment(salt)), None)?;
+            let r = call(
+                common,
+                "GET",
+                &format!("{}/quota/{}", base(&common.url), segment(salt)),
+                None,
+            )?;
             emit(
                 common,
                 "Quota",
@@ -297,7 +309,7 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
             )
         }
         QuotaCommand::List { common } => {
-            let r = call("GET", &format!("{}/quota", base(&common.url)), None)?;
+            let r = call(common, "GET", &format!("{}/quota", base(&common.url)), None)?;
             let rows: Vec<(String, String)> = r["users"]
                 .as_object()
                 .map(|m| {
@@ -318,8 +330,12 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
             emit(common, "Quotas", &rows, &r)
         }
         QuotaCommand::Delete { salt, common } => {
-            let r =
-                call("DELETE", &format!("{}/quota/{}", base(&common.url), segment(salt)), None)?;
+            let r = call(
+                common,
+                "DELETE",
+                &format!("{}/quota/{}", base(&common.url), segment(salt)),
+                None,
+            )?;
             emit(
                 common,
                 "Quota",

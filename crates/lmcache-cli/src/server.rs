@@ -26,6 +26,9 @@ pub struct ServerArgs {
     /// Port of the HTTP API.
     #[arg(long, default_value_t = 8080)]
     pub http_port: u16,
+    /// Require `Authorization: Bearer <token>` on every HTTP route but /healthcheck.
+    #[arg(long, env = "LMCACHE_RS_HTTP_TOKEN", hide_env_values = true)]
+    pub http_auth_token: Option<String>,
     /// Tokens per chunk.
     #[arg(long, default_value_t = lmcache_core::DEFAULT_CHUNK_SIZE)]
     pub chunk_size: usize,
@@ -161,6 +164,7 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         port: args.port,
         http_host: args.http_host.clone(),
         http_port: Some(args.http_port),
+        http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),
         chunk_size: args.chunk_size,
         max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),
         max_gpu_workers: args.max_gpu_workers.unwrap_or(args.max_workers).max(1),

@@ -155,3 +155,40 @@ fn operator_commands_against_a_real_server() {
     assert_eq!(code, Some(1));
     assert!(out.contains("FAIL"), "{out}");
 }
+
+#[test]
+fn operator_commands_send_the_bearer_token() {
+    let (port, http) = (free_port(), free_port());
+    let name = format!("lmcache_rs_cli_auth_{}", std::process::id());
+    let mut server = bin()
+        .args(["server", "--port", &port.to_string(), "--http-port", &http.to_string()])
+        .args(["--shm-name", &name, "--l1-size-gb", "1"])
+        .env("LMCACHE_RS_HTTP_TOKEN", "t0k")
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{http}");
+    let started = Instant::now();
+    while bin().args(["ping", "kvcache", "-q", "--url", &url]).status().unwrap().code() != Some(0) {
+        assert!(started.elapsed() < Duration::from_secs(10), "server never answered");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let no = bin()
+        .args(["describe", "kvcache", "--url", &url])
+        .env_remove("LMCACHE_RS_HTTP_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(no.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&no.stderr).contains("401"));
+    let yes =
+        bin().args(["describe", "kvcache", "--url", &url, "--token", "t0k"]).output().unwrap();
+    assert_eq!(yes.status.code(), Some(0), "{}", String::from_utf8_lossy(&yes.stderr));
+    let env = bin()
+        .args(["describe", "kvcache", "--url", &url])
+        .env("LMCACHE_RS_HTTP_TOKEN", "t0k")
+        .output()
+        .unwrap();
+    assert_eq!(env.status.code(), Some(0));
+    nix_kill(server.id());
+    assert!(server.wait().unwrap().success());
+}

@@ -16,6 +16,8 @@ pub struct ServerConfig {
     pub http_host: String,
     /// HTTP port (0: any free port); `None` disables the HTTP server.
     pub http_port: Option<u16>,
+    /// When set, every HTTP route but `/healthcheck` requires `Authorization: Bearer <token>`.
+    pub http_auth_token: Option<String>,
     /// Tokens per chunk.
     pub chunk_size: usize,
     /// Threads for lookups and management requests.
@@ -51,6 +53,7 @@ impl ServerConfig {
             port: 0,
             http_host: "127.0.0.1".into(),
             http_port: None,
+            http_auth_token: None,
             chunk_size: lmcache_core::DEFAULT_CHUNK_SIZE,
             max_cpu_workers: 1,
             max_gpu_workers: 1,

@@ -2,6 +2,9 @@
 //! `/metrics`; `POST /cache/clear`, `/cache/checksums`; `GET /quota`, `GET|PUT|DELETE
 //! /quota/{cache_salt}` (`_default` is the empty salt; limits apply to L1 here: admission and
 //! eviction per tenant). Errors are `{"detail": ...}` with a 4xx status naming what was wrong.
+//! With `--http-auth-token` (or `LMCACHE_RS_HTTP_TOKEN`) every route but `/healthcheck`
+//! requires `Authorization: Bearer <token>`; there is no route that dumps the environment or
+//! runs code.
 
 use std::sync::Arc;
 
@@ -20,8 +23,35 @@ use crate::transfer::{CpuTransfer, PagedGeometry, checksums, compress_ranges};
 
 type Shared = Arc<ServerState>;
 
+/// Constant-time comparison, so response timing does not leak the token.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Refuses requests without the configured bearer token (none configured: all pass).
+async fn auth(
+    State(s): State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(token) = &s.config.http_auth_token
+        && req.uri().path() != "/healthcheck"
+    {
+        let given = req
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same(g.as_bytes(), token.as_bytes())) {
+            return error(StatusCode::UNAUTHORIZED, "authorization: missing or wrong bearer token");
+        }
+    }
+    next.run(req).await
+}
+
 /// The router.
 pub fn router(state: Shared) -> Router {
+    let guard = axum::middleware::from_fn_with_state(state.clone(), auth);
     Router::new()
         .route("/", get(|| async { Json(json!({"status": "ok", "service": "LMCache HTTP API"})) }))
         .route("/healthcheck", get(|| async { Json(json!({"status": "healthy"})) }))
@@ -31,6 +61,7 @@ pub fn router(state: Shared) -> Router {
         .route("/cache/checksums", post(cache_checksums))
         .route("/quota", get(quota_list))
         .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
+        .layer(guard)
         .with_state(state)
 }
 

@@ -175,3 +175,33 @@ fn metrics_use_lmcache_names() {
         .unwrap();
     assert!(rss > 1e6, "implausible RSS {rss}");
 }
+
+#[test]
+fn bearer_token_guards_every_route_but_healthcheck() {
+    let arena = ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    let s = Server::start(ServerConfig {
+        http_port: Some(0),
+        http_auth_token: Some("s3cret".into()),
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
+    assert_eq!(http(&s, "GET", "/healthcheck", None).0, 200, "health must stay open");
+    for (method, path) in
+        [("GET", "/status"), ("GET", "/metrics"), ("POST", "/cache/clear"), ("GET", "/quota")]
+    {
+        let (code, body) = http(&s, method, path, None);
+        assert_eq!(code, 401, "{method} {path} open without a token");
+        assert!(body.contains("authorization"), "{body}");
+    }
+    let addr = s.http_addr().unwrap();
+    for (token, want) in [("s3cret", "200"), ("s3cres", "401"), ("s3cret2", "401")] {
+        let mut c = TcpStream::connect(addr).unwrap();
+        let req = format!(
+            "GET /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {token}\r\n\r\n"
+        );
+        c.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        assert_eq!(&out[9..12], want, "token {token}");
+    }
+}
