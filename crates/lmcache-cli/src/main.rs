@@ -14,6 +14,9 @@ struct Cli {
     /// Log level (error, warn, info, debug, trace); RUST_LOG overrides it.
     #[arg(long, global = true, default_value = "info")]
     log_level: String,
+    /// Log format: human text or one JSON object per line.
+    #[arg(long, global = true, value_parser = ["text", "json"], default_value = "text")]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -70,11 +73,15 @@ fn run() -> anyhow::Result<()> {
     let cli = Cli::parse_from(args);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    if cli.log_format == "json" {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
     match cli.command {
         Command::Server(args) => server::run(*args),
         Command::Bench(BenchCommand::Server(args)) => bench::run(args),

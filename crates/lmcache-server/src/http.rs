@@ -56,6 +56,16 @@ pub fn router(state: Shared) -> Router {
         .route("/", get(|| async { Json(json!({"status": "ok", "service": "LMCache HTTP API"})) }))
         .route("/healthcheck", get(|| async { Json(json!({"status": "healthy"})) }))
         .route("/status", get(status))
+        .route("/version", get(version))
+        .route("/lmc_version", get(version))
+        .route(
+            "/commit_id",
+            get(|| async {
+                Json(json!({"commit_id": option_env!("LMCACHE_RS_COMMIT").unwrap_or("unknown")}))
+            }),
+        )
+        .route("/config", get(config))
+        .route("/config/adapters", get(|| async { Json(json!({"adapters": []})) }))
         .route("/metrics", get(metrics))
         .route("/cache/clear", post(clear))
         .route("/cache/checksums", post(cache_checksums))
@@ -144,6 +154,40 @@ async fn status(State(s): State<Shared>) -> Json<Value> {
                 "evicted_objects": u.stats.evicted_objects,
             }
         }
+    }))
+}
+
+async fn version() -> Json<Value> {
+    Json(
+        json!({"version": env!("CARGO_PKG_VERSION"), "server": "lmcache-rs", "protocol": "lmcache-mp-0.5.6"}),
+    )
+}
+
+/// The effective configuration (the token itself is never shown).
+async fn config(State(s): State<Shared>) -> Json<Value> {
+    let c = &s.config;
+    let arena = s.l1.memory().arena();
+    Json(json!({
+        "mp": {
+            "host": c.host, "port": c.port, "chunk_size": c.chunk_size,
+            "max_cpu_workers": c.max_cpu_workers, "max_gpu_workers": c.max_gpu_workers,
+            "worker_reap_timeout_seconds": c.worker_reap_timeout.as_secs_f64(),
+            "worker_registration_grace_seconds": c.worker_registration_grace.as_secs_f64(),
+            "session_ttl_seconds": c.session_ttl.as_secs_f64(),
+            "null_block_id": c.null_block_id, "copy_threads": c.copy_threads,
+            "kv_event_log_size": c.kv_event_log_size, "hash_algorithm": "blake3",
+            "supported_transfer_modes": ["lmcache_driven", "engine_driven"],
+        },
+        "storage_manager": {
+            "l1_size_bytes": arena.len(), "l1_backing": arena.kind().as_str(),
+            "shm_name": arena.shm_name(), "l1_align_bytes": c.align, "l1_mlock": arena.is_locked(),
+            "eviction_policy": c.l1.eviction_policy.as_str(),
+            "eviction_trigger_watermark": c.l1.trigger_watermark, "eviction_ratio": c.l1.eviction_ratio,
+            "l1_read_ttl_seconds": c.l1.read_ttl.as_secs_f64(),
+            "l1_write_ttl_seconds": c.l1.write_ttl.as_secs_f64(),
+            "l2_adapters": [],
+        },
+        "http": {"http_host": c.http_host, "http_port": c.http_port, "auth": c.http_auth_token.is_some()},
     }))
 }
 

@@ -59,6 +59,15 @@ fn info_routes_answer_like_lmcache() {
     assert_eq!(code, 200);
     assert!(body.contains("lmcache_rs_l1_capacity_bytes"), "{body}");
     assert_eq!(http(&s, "GET", "/no/such/route", None).0, 404);
+    let (code, body) = http(&s, "GET", "/version", None);
+    assert_eq!(code, 200);
+    assert!(body.contains(env!("CARGO_PKG_VERSION")), "{body}");
+    let (_, body) = http(&s, "GET", "/config", None);
+    for field in ["chunk_size", "eviction_policy", "l1_size_bytes", "kv_event_log_size"] {
+        assert!(body.contains(field), "/config lacks {field}: {body}");
+    }
+    assert!(!body.contains("s3cret"), "a token must never be shown");
+    assert_eq!(http(&s, "GET", "/config/adapters", None).1, "{\"adapters\":[]}");
 }
 
 #[test]
