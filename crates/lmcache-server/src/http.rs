@@ -68,6 +68,7 @@ pub fn router(state: Shared) -> Router {
         .route("/config/adapters", get(|| async { Json(json!({"adapters": []})) }))
         .route("/metrics", get(metrics))
         .route("/cache/clear", post(clear))
+        .route("/cache/objects", get(objects_list).delete(objects_delete))
         .route("/cache/checksums", post(cache_checksums))
         .route("/quota", get(quota_list))
         .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
@@ -380,4 +381,142 @@ async fn quota_delete(State(s): State<Shared>, Path(raw): Path<String>) -> Respo
     s.l1.set_quota(&salt, None);
     let status = if existed { "removed" } else { "not_found" };
     Json(json!({"cache_salt": salt_name(&salt), "status": status})).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct ObjectsQuery {
+    #[serde(default)]
+    tier: Option<String>,
+    #[serde(default)]
+    model_name: Option<String>,
+    #[serde(default)]
+    page_size: Option<usize>,
+    #[serde(default)]
+    page_token: Option<String>,
+}
+
+fn check_tier(tier: Option<&str>) -> Result<(), Response> {
+    match tier.unwrap_or("l1") {
+        "l1" | "all" => Ok(()),
+        other => Err(error(
+            StatusCode::BAD_REQUEST,
+            format!("tier: {other:?} is not available (only l1 exists)"),
+        )),
+    }
+}
+
+fn encode_key(k: &lmcache_core::ObjectKey) -> Value {
+    json!({
+        "chunk_hash_hex": k.chunk_hash.to_hex(),
+        "model_name": k.model_name.as_str(),
+        "kv_rank": k.kv_rank.packed(),
+        "object_group_id": k.object_group_id,
+        "cache_salt": k.cache_salt.as_str(),
+    })
+}
+
+/// `GET /cache/objects`: resident L1 objects, paginated (`page_size` <= 5000, default 500).
+async fn objects_list(
+    State(s): State<Shared>,
+    axum::extract::Query(q): axum::extract::Query<ObjectsQuery>,
+) -> Response {
+    if let Err(r) = check_tier(q.tier.as_deref()) {
+        return r;
+    }
+    let size = q.page_size.unwrap_or(500);
+    if size == 0 || size > 5000 {
+        return error(StatusCode::BAD_REQUEST, format!("page_size: {size} is outside 1..=5000"));
+    }
+    let skip = match q.page_token.as_deref().map(str::parse::<usize>) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            return error(StatusCode::BAD_REQUEST, "page_token: not a token this server issued");
+        }
+    };
+    // Filter before paging so pages stay full.
+    let (all, _) = s.l1.list_keys(0, usize::MAX);
+    let matching: Vec<_> = all
+        .into_iter()
+        .filter(|(k, _)| q.model_name.as_deref().is_none_or(|m| k.model_name.as_str() == m))
+        .collect();
+    let total = matching.len();
+    let entries: Vec<Value> = matching
+        .iter()
+        .skip(skip)
+        .take(size)
+        .map(|(k, bytes)| {
+            let mut v = encode_key(k);
+            v["size_bytes"] = json!(bytes);
+            v
+        })
+        .collect();
+    let next = (skip + entries.len() < total).then(|| (skip + entries.len()).to_string());
+    Json(json!({"tier": "l1", "shared": false, "total": total, "entries": entries, "next_page_token": next}))
+        .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct DeleteKey {
+    chunk_hash_hex: String,
+    model_name: String,
+    kv_rank: u32,
+    #[serde(default)]
+    object_group_id: u32,
+    #[serde(default)]
+    cache_salt: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct DeleteBody {
+    keys: Vec<DeleteKey>,
+    #[serde(default)]
+    tier: Option<String>,
+    #[serde(default)]
+    force: bool,
+}
+
+/// `DELETE /cache/objects`: delete keys from L1 (`force` also drops locked ones once released).
+async fn objects_delete(State(s): State<Shared>, raw: axum::body::Bytes) -> Response {
+    let body: DeleteBody = match serde_json::from_slice(&raw) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    if let Err(r) = check_tier(body.tier.as_deref()) {
+        return r;
+    }
+    if body.keys.len() > 10_000 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("keys: {} keys, at most 10000", body.keys.len()),
+        );
+    }
+    let mut keys = Vec::with_capacity(body.keys.len());
+    for (i, k) in body.keys.iter().enumerate() {
+        let parsed = (|| -> Result<lmcache_core::ObjectKey, String> {
+            let raw = (0..k.chunk_hash_hex.len())
+                .step_by(2)
+                .map(|j| {
+                    k.chunk_hash_hex.get(j..j + 2).and_then(|h| u8::from_str_radix(h, 16).ok())
+                })
+                .collect::<Option<Vec<u8>>>()
+                .ok_or("chunk_hash_hex: not hex")?;
+            Ok(lmcache_core::ObjectKey {
+                chunk_hash: lmcache_core::ChunkHash::from_slice(&raw).map_err(|e| e.to_string())?,
+                model_name: lmcache_core::ModelName::new(&k.model_name)
+                    .map_err(|e| e.to_string())?,
+                kv_rank: lmcache_core::KvRank::from_packed(k.kv_rank).map_err(|e| e.to_string())?,
+                object_group_id: k.object_group_id,
+                cache_salt: CacheSalt::new(&k.cache_salt).map_err(|e| e.to_string())?,
+            })
+        })();
+        match parsed {
+            Ok(key) => keys.push(key),
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("keys[{i}]: {e}")),
+        }
+    }
+    let results = s.l1.delete(&keys, body.force);
+    let deleted = results.iter().filter(|r| r.is_ok()).count();
+    Json(json!({"deleted": deleted, "skipped": results.len() - deleted, "ok": true}))
+        .into_response()
 }

@@ -214,3 +214,47 @@ fn bearer_token_guards_every_route_but_healthcheck() {
         assert_eq!(&out[9..12], want, "token {token}");
     }
 }
+
+#[test]
+fn cache_objects_list_pages_and_deletes() {
+    let s = server();
+    let l1 = &s.state().l1;
+    for (i, model) in [(1u8, "m"), (2, "m"), (3, "other")] {
+        let key = lmcache_core::ObjectKey::new([i; 32], model, 1, 0, 0, "").unwrap();
+        let w =
+            l1.reserve_write(&[lmcache_l1::WriteRequest::new(key, 4096)]).pop().unwrap().unwrap();
+        w.commit().unwrap();
+    }
+    let (code, body) = http(&s, "GET", "/cache/objects?page_size=2", None);
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["entries"].as_array().unwrap().len(), 2);
+    assert_eq!(v["total"], 3);
+    let token = v["next_page_token"].as_str().unwrap().to_owned();
+    let (_, body) =
+        http(&s, "GET", &format!("/cache/objects?page_size=2&page_token={token}"), None);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["entries"].as_array().unwrap().len(), 1);
+    assert!(v["next_page_token"].is_null());
+    let (_, body) = http(&s, "GET", "/cache/objects?model_name=other", None);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["total"], 1);
+    let entry = v["entries"][0].clone();
+    assert_eq!(entry["chunk_hash_hex"], "03".repeat(32));
+    let del = serde_json::json!({"keys": [entry], "tier": "l1"}).to_string();
+    let (code, body) = http(&s, "DELETE", "/cache/objects", Some(&del));
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"deleted\":1"), "{body}");
+    assert_eq!(l1.usage().resident_objects, 2);
+    for (bad, field) in [
+        (r#"{"keys":[{"chunk_hash_hex":"zz","model_name":"m","kv_rank":16777472}]}"#, "keys[0]"),
+        (r#"{"keys":[],"tier":"l2"}"#, "tier"),
+        ("[]", "body"),
+    ] {
+        let (code, body) = http(&s, "DELETE", "/cache/objects", Some(bad));
+        assert_eq!(code, 400, "{bad}");
+        assert!(body.contains(field), "{body}");
+    }
+    assert_eq!(http(&s, "GET", "/cache/objects?page_size=0", None).0, 400);
+    assert_eq!(http(&s, "GET", "/cache/objects?page_token=abc", None).0, 400);
+}
