@@ -395,13 +395,10 @@ struct ObjectsQuery {
     page_token: Option<String>,
 }
 
-fn check_tier(tier: Option<&str>) -> Result<(), Response> {
+fn check_tier(tier: Option<&str>) -> Result<(), String> {
     match tier.unwrap_or("l1") {
         "l1" | "all" => Ok(()),
-        other => Err(error(
-            StatusCode::BAD_REQUEST,
-            format!("tier: {other:?} is not available (only l1 exists)"),
-        )),
+        other => Err(format!("tier: {other:?} is not available (only l1 exists)")),
     }
 }
 
@@ -420,8 +417,8 @@ async fn objects_list(
     State(s): State<Shared>,
     axum::extract::Query(q): axum::extract::Query<ObjectsQuery>,
 ) -> Response {
-    if let Err(r) = check_tier(q.tier.as_deref()) {
-        return r;
+    if let Err(msg) = check_tier(q.tier.as_deref()) {
+        return error(StatusCode::BAD_REQUEST, msg);
     }
     let size = q.page_size.unwrap_or(500);
     if size == 0 || size > 5000 {
@@ -482,8 +479,8 @@ async fn objects_delete(State(s): State<Shared>, raw: axum::body::Bytes) -> Resp
         Ok(b) => b,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
     };
-    if let Err(r) = check_tier(body.tier.as_deref()) {
-        return r;
+    if let Err(msg) = check_tier(body.tier.as_deref()) {
+        return error(StatusCode::BAD_REQUEST, msg);
     }
     if body.keys.len() > 10_000 {
         return error(
