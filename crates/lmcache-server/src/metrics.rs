@@ -36,6 +36,8 @@ pub struct Metrics {
     pub requests: Family<OpLabel, Counter>,
     /// Requests refused as malformed, per operation and kind.
     pub errors: Family<ErrorLabel, Counter>,
+    /// Handling time per operation, seconds (socket arrival to reply excluded: handler only).
+    pub latency: Family<OpLabel, Histogram>,
     /// Completed lookups.
     pub lookups: Counter,
     /// Tokens submitted for lookup (whole chunks).
@@ -92,6 +94,9 @@ impl Default for Metrics {
             registry: Registry::default(),
             requests: Family::default(),
             errors: Family::default(),
+            latency: Family::new_with_constructor(|| {
+                Histogram::new([1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0])
+            }),
             lookups: Counter::default(),
             lookup_requested_tokens: Counter::default(),
             lookup_hit_tokens: Counter::default(),
@@ -211,6 +216,7 @@ impl Default for Metrics {
                 "MP requests refused as malformed, per operation and kind",
                 m.errors.clone(),
             );
+            rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());
             rs.register("active_sessions", "Live request sessions", m.active_sessions.clone());
         }
@@ -227,6 +233,11 @@ impl Metrics {
     /// Counts a request.
     pub fn request(&self, op: &str) {
         self.requests.get_or_create(&OpLabel { op: op.to_owned() }).inc();
+    }
+
+    /// Records a handler's time.
+    pub fn observe(&self, op: &str, seconds: f64) {
+        self.latency.get_or_create(&OpLabel { op: op.to_owned() }).observe(seconds);
     }
 
     /// Counts a refused request.

@@ -167,12 +167,15 @@ const LMCACHE_METRICS: &[&str] = &[
     "process_resident_memory_bytes",
 ];
 
+/// Our own, beside LMCache's.
+const OWN_METRICS: &[&str] = &["lmcache_rs_l1_capacity_bytes", "lmcache_rs_active_sessions"];
+
 #[test]
 fn metrics_use_lmcache_names() {
     let s = server();
     let (code, body) = http(&s, "GET", "/metrics", None);
     assert_eq!(code, 200);
-    for name in LMCACHE_METRICS {
+    for name in LMCACHE_METRICS.iter().chain(OWN_METRICS) {
         let sample = body.lines().any(|l| l.starts_with(name) && !l.starts_with('#'));
         assert!(sample, "/metrics has no sample of {name}");
     }

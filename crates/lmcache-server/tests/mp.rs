@@ -184,7 +184,11 @@ fn malformed_requests_get_typed_failures_and_the_server_keeps_serving() {
     assert!(!c.commit_store(&key, 12345).unwrap());
     // Everything was counted, and the server still works.
     let metrics = s.state().metrics.encode();
-    assert!(metrics.contains("mp_request_errors"), "{metrics}");
+    assert!(
+        metrics.contains("lmcache_rs_mp_request_errors_total{op=\"store\",kind=\"wrong_type\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("lmcache_rs_mp_request_seconds_count{op=\"lookup\"}"), "{metrics}");
     assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64);
 }
 

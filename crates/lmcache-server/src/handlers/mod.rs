@@ -63,7 +63,10 @@ pub fn handle(state: &ServerState, req: Request) -> Reply {
     let op = req.op;
     state.metrics.request(op.name());
     let header = req.header.clone();
-    match dispatch(state, &req) {
+    let started = std::time::Instant::now();
+    let result = dispatch(state, &req);
+    state.metrics.observe(op.name(), started.elapsed().as_secs_f64());
+    match result {
         Ok(Some(v)) => Reply::value(header, &v),
         Ok(None) => Reply::void(header),
         Err(e) => {
