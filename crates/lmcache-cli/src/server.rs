@@ -59,6 +59,12 @@ pub struct ServerArgs {
     /// Threads per large server-side copy (lmcache-driven). On 2 cores, 1 measured fastest.
     #[arg(long, default_value_t = 1)]
     pub copy_threads: usize,
+    /// Queued events the event bus holds before it drops (and counts) new ones.
+    #[arg(long, default_value_t = 10_000)]
+    pub event_bus_queue_size: usize,
+    /// Turn off the event bus and the KV event stream.
+    #[arg(long)]
+    pub disable_observability: bool,
     /// KV event records kept for engines' `subscribe_kv_events` (0 disables the stream).
     #[arg(long, default_value_t = 32768)]
     pub kv_event_log_size: usize,
@@ -172,7 +178,12 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         worker_registration_grace: Duration::from_secs(args.worker_registration_grace_seconds),
         session_ttl: Duration::from_secs(args.session_ttl_seconds.max(1)),
         null_block_id: args.null_block_id,
-        kv_event_log_size: args.kv_event_log_size,
+        kv_event_log_size: if args.disable_observability { 0 } else { args.kv_event_log_size },
+        event_bus_queue_size: if args.disable_observability {
+            0
+        } else {
+            args.event_bus_queue_size
+        },
         copy_threads: args.copy_threads.max(1),
         l1: L1Config {
             eviction_policy: args.eviction_policy,

@@ -36,6 +36,8 @@ pub struct ServerConfig {
     pub copy_threads: usize,
     /// KV event records kept for `subscribe_kv_events` (0 disables the channel).
     pub kv_event_log_size: usize,
+    /// Queued events the event bus holds before it drops (0 disables the bus).
+    pub event_bus_queue_size: usize,
     /// The L1 index settings.
     pub l1: L1Config,
     /// The L1 arena.
@@ -63,6 +65,7 @@ impl ServerConfig {
             null_block_id: 0,
             copy_threads: 1,
             kv_event_log_size: 32768,
+            event_bus_queue_size: 10_000,
             l1: L1Config::default(),
             arena,
             align: lmcache_memory::DEFAULT_ALIGN,

@@ -201,6 +201,11 @@ async fn metrics(State(s): State<Shared>) -> Response {
     s.metrics.kv_events_log_depth.set(s.events.len() as i64);
     s.metrics.active_sessions.set(s.sessions.len() as i64);
     s.metrics.process_resident_memory_bytes.set(crate::metrics::process_rss_bytes() as i64);
+    s.metrics.event_bus_queue_depth.set(s.bus.depth());
+    let (dropped, seen) = (s.bus.dropped(), s.metrics.event_bus_dropped.get());
+    if dropped > seen {
+        s.metrics.event_bus_dropped.inc_by(dropped - seen);
+    }
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         s.metrics.encode(),

@@ -7,12 +7,14 @@
 //! - [`session`]: request sessions (hash chains, lookup locks).
 //! - [`registry`]: registered workers, their layouts and KV memory, liveness.
 //! - [`transfer`]: gather/scatter between paged KV and L1 objects (CPU backend).
+//! - [`event_bus`]: typed events to subscribers through a bounded, counted queue.
 //! - [`kv_events`]: the KV event log behind `subscribe_kv_events`.
 //! - [`http`]: the HTTP API (health, status, clear, checksums, metrics).
 //! - [`server`]: wiring, background reapers, shutdown.
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod event_bus;
 pub mod handlers;
 pub mod http;
 pub mod kv_events;

@@ -82,6 +82,10 @@ pub struct Metrics {
     pub active_sessions: Gauge,
     /// Resident memory of the process (set when scraped).
     pub process_resident_memory_bytes: Gauge,
+    /// Events queued on the bus (set when scraped).
+    pub event_bus_queue_depth: Gauge,
+    /// Events the bus dropped (advanced to the bus's count when scraped).
+    pub event_bus_dropped: Counter,
 }
 
 fn throughput_buckets() -> Histogram {
@@ -119,6 +123,8 @@ impl Default for Metrics {
             active_prefetch_jobs: Gauge::default(),
             active_sessions: Gauge::default(),
             process_resident_memory_bytes: Gauge::default(),
+            event_bus_queue_depth: Gauge::default(),
+            event_bus_dropped: Counter::default(),
         };
         let mut r = Registry::default();
         {
@@ -196,6 +202,16 @@ impl Default for Metrics {
                 "l1_staging_bytes",
                 "Bytes held by L1 staging objects (write-reserved, not admitted)",
                 m.l1_staging_bytes.clone(),
+            );
+            mp.register(
+                "event_bus_queue_depth",
+                "Events currently queued in the EventBus",
+                m.event_bus_queue_depth.clone(),
+            );
+            mp.register(
+                "event_bus_dropped_events",
+                "Cumulative events dropped because the EventBus queue was full",
+                m.event_bus_dropped.clone(),
             );
             mp.register(
                 "kv_events_log_depth",

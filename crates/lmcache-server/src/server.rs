@@ -94,7 +94,13 @@ impl Server {
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
         l1.set_listener(events.clone());
+        let bus = crate::event_bus::EventBus::start(
+            config.event_bus_queue_size,
+            vec![crate::event_bus::log_subscriber()],
+        )
+        .map_err(io("starting the event bus"))?;
         let state = Arc::new(ServerState {
+            bus,
             events,
             sessions: Sessions::new(hasher, config.session_ttl),
             hasher,

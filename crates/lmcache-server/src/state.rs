@@ -81,6 +81,8 @@ pub struct ServerState {
     pub metrics: Metrics,
     /// KV events for `subscribe_kv_events`.
     pub events: std::sync::Arc<KvEventLog>,
+    /// Typed events for subscribers (logging); never blocks a request.
+    pub bus: crate::event_bus::EventBus,
     /// Start time.
     pub started: Instant,
 }

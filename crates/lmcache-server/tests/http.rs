@@ -163,6 +163,8 @@ const LMCACHE_METRICS: &[&str] = &[
     "lmcache_mp_l1_usage_ratio",
     "lmcache_mp_l1_staging_bytes",
     "lmcache_mp_kv_events_log_depth",
+    "lmcache_mp_event_bus_queue_depth",
+    "lmcache_mp_event_bus_dropped_events_total",
     "lmcache_mp_active_prefetch_jobs",
     "process_resident_memory_bytes",
 ];

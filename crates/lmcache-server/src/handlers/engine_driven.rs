@@ -175,6 +175,11 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     state.metrics.l1_write_chunks.inc_by(committed.len() as u64);
     state.metrics.finished_stores.inc();
     state.record_stored(key, first, &hashes, parent, &committed);
+    state.bus.publish(crate::event_bus::Event::Stored {
+        request_id: key.request_id.clone(),
+        chunks: committed.len(),
+        bytes: 0,
+    });
     committed.len() == expected
 }
 
@@ -216,6 +221,10 @@ fn commit_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> bool {
             state.metrics.l1_read_chunks.inc_by(n as u64);
             state.metrics.chunks_loaded.inc_by(n as u64);
             state.metrics.finished_retrieves.inc();
+            state.bus.publish(crate::event_bus::Event::Retrieved {
+                request_id: key.request_id.clone(),
+                chunks: n,
+            });
             true
         }
         None => false,

@@ -250,6 +250,11 @@ fn store(
         t_copy.as_secs_f64(),
     );
     state.record_stored(key, first, &hashes, parent, &committed);
+    state.bus.publish(crate::event_bus::Event::Stored {
+        request_id: key.request_id.clone(),
+        chunks: committed.len(),
+        bytes: committed.len() as u64 * size,
+    });
     tracing::debug!(
         chunks = committed.len(),
         copy_ms = t_copy.as_secs_f64() * 1e3,
@@ -313,6 +318,10 @@ fn retrieve(
         copied += lease.len();
     }
     state.metrics.finished_retrieves.inc();
+    state.bus.publish(crate::event_bus::Event::Retrieved {
+        request_id: key.request_id.clone(),
+        chunks: (copied / inst.layout.bytes().unwrap_or(1).max(1)) as usize,
+    });
     crate::metrics::Metrics::copy_throughput(
         &state.metrics.load_throughput,
         copied,

@@ -47,6 +47,9 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             if let Some(session) = state.sessions.remove(id) {
                 state.l1.touch(&session.touched);
                 drop(session);
+                state
+                    .bus
+                    .publish(crate::event_bus::Event::SessionEnded { request_id: id.to_owned() });
             }
             Ok(None)
         }
@@ -109,6 +112,11 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         }
         s.lookup = LookupLocks { locks: per_shard };
         s.pending_hits = Some(hit);
+        state.bus.publish(crate::event_bus::Event::Lookup {
+            request_id: key.request_id.clone(),
+            chunks,
+            hits: hit,
+        });
         s.touched = touched;
         let hit_tokens = (hit * state.chunk_size()) as u64;
         state.metrics.lookup_hit_tokens.inc_by(hit_tokens);

@@ -72,6 +72,7 @@ pub fn handle(state: &ServerState, req: Request) -> Reply {
         Err(e) => {
             tracing::warn!(op = op.name(), error = %e, "refused request");
             state.metrics.error(op.name(), e.kind());
+            state.bus.publish(crate::event_bus::Event::Refused { op: op.name(), kind: e.kind() });
             failure_reply(header, Some(op))
         }
     }
