@@ -67,6 +67,12 @@ pub struct L1Stats {
     pub committed: u64,
     /// Reservations discarded (explicitly, dropped, or expired).
     pub discarded: u64,
+    /// Maintenance passes run (LMCache's eviction-loop ticks).
+    pub maintenance_passes: u64,
+    /// Parked read leases that expired (their client went silent).
+    pub expired_read_leases: u64,
+    /// Parked write reservations that expired.
+    pub expired_write_leases: u64,
 }
 
 /// A snapshot of L1 occupancy.
@@ -471,6 +477,10 @@ impl L1Cache {
         let now = Instant::now();
         report.expired_read_leases = self.leases.read.expire(now);
         report.expired_write_leases = self.leases.write.expire(now);
+        let mut st = self.shared.state.lock();
+        st.stats.maintenance_passes += 1;
+        st.stats.expired_read_leases += report.expired_read_leases as u64;
+        st.stats.expired_write_leases += report.expired_write_leases as u64;
         report
     }
 

@@ -292,6 +292,9 @@ fn parked_leases_expire_and_release_their_locks() {
     std::thread::sleep(Duration::from_millis(5));
     let r = c.run_maintenance();
     assert_eq!((r.expired_read_leases, r.expired_write_leases), (1, 1));
+    let stats = c.usage().stats;
+    assert_eq!((stats.expired_read_leases, stats.expired_write_leases), (1, 1));
+    assert_eq!(stats.maintenance_passes, 1);
     assert!(c.take_read(read_id).is_none() && c.take_write(write_id).is_none());
     assert_eq!(c.usage().locked_objects, 0);
     assert_eq!(c.usage().staged_objects, 0);

@@ -202,10 +202,18 @@ async fn metrics(State(s): State<Shared>) -> Response {
     s.metrics.active_sessions.set(s.sessions.len() as i64);
     s.metrics.process_resident_memory_bytes.set(crate::metrics::process_rss_bytes() as i64);
     s.metrics.event_bus_queue_depth.set(s.bus.depth());
-    let (dropped, seen) = (s.bus.dropped(), s.metrics.event_bus_dropped.get());
-    if dropped > seen {
-        s.metrics.event_bus_dropped.inc_by(dropped - seen);
-    }
+    use crate::metrics::advance;
+    let m = &s.metrics;
+    advance(&m.event_bus_dropped, s.bus.dropped());
+    let st = u.stats;
+    advance(&m.l1_eviction_loop_ticks, st.maintenance_passes);
+    advance(&m.l1_evicted_objects, st.evicted_objects);
+    advance(&m.l1_evicted_bytes, st.evicted_bytes);
+    advance(&m.l1_sync_evictions, st.sync_evictions);
+    advance(&m.l1_oom_rejections, st.oom_rejections);
+    advance(&m.l1_quota_rejections, st.quota_rejections);
+    advance(&m.l1_expired_read_leases, st.expired_read_leases);
+    advance(&m.l1_expired_write_leases, st.expired_write_leases);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         s.metrics.encode(),

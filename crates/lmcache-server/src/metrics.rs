@@ -86,6 +86,22 @@ pub struct Metrics {
     pub event_bus_queue_depth: Gauge,
     /// Events the bus dropped (advanced to the bus's count when scraped).
     pub event_bus_dropped: Counter,
+    /// L1 maintenance passes (LMCache's eviction-loop ticks).
+    pub l1_eviction_loop_ticks: Counter,
+    /// Objects evicted from L1.
+    pub l1_evicted_objects: Counter,
+    /// Bytes evicted from L1.
+    pub l1_evicted_bytes: Counter,
+    /// Allocations that had to evict synchronously.
+    pub l1_sync_evictions: Counter,
+    /// Write requests refused for lack of memory.
+    pub l1_oom_rejections: Counter,
+    /// Write requests refused by a quota.
+    pub l1_quota_rejections: Counter,
+    /// Read locks of silent clients released by their TTL.
+    pub l1_expired_read_leases: Counter,
+    /// Write reservations of silent clients dropped by their TTL.
+    pub l1_expired_write_leases: Counter,
 }
 
 fn throughput_buckets() -> Histogram {
@@ -125,6 +141,14 @@ impl Default for Metrics {
             process_resident_memory_bytes: Gauge::default(),
             event_bus_queue_depth: Gauge::default(),
             event_bus_dropped: Counter::default(),
+            l1_eviction_loop_ticks: Counter::default(),
+            l1_evicted_objects: Counter::default(),
+            l1_evicted_bytes: Counter::default(),
+            l1_sync_evictions: Counter::default(),
+            l1_oom_rejections: Counter::default(),
+            l1_quota_rejections: Counter::default(),
+            l1_expired_read_leases: Counter::default(),
+            l1_expired_write_leases: Counter::default(),
         };
         let mut r = Registry::default();
         {
@@ -225,6 +249,14 @@ impl Default for Metrics {
             );
         }
         {
+            let mp = r.sub_registry_with_prefix("lmcache_mp");
+            mp.register(
+                "l1_eviction_loop_ticks",
+                "L1 eviction-loop iterations (every cycle)",
+                m.l1_eviction_loop_ticks.clone(),
+            );
+        }
+        {
             let rs = r.sub_registry_with_prefix("lmcache_rs");
             rs.register("mp_requests", "MP requests handled, per operation", m.requests.clone());
             rs.register(
@@ -234,6 +266,37 @@ impl Default for Metrics {
             );
             rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());
+            rs.register(
+                "l1_evicted_objects",
+                "Objects evicted from L1",
+                m.l1_evicted_objects.clone(),
+            );
+            rs.register("l1_evicted_bytes", "Bytes evicted from L1", m.l1_evicted_bytes.clone());
+            rs.register(
+                "l1_sync_evictions",
+                "Allocations that evicted synchronously",
+                m.l1_sync_evictions.clone(),
+            );
+            rs.register(
+                "l1_oom_rejections",
+                "Write requests refused for lack of memory",
+                m.l1_oom_rejections.clone(),
+            );
+            rs.register(
+                "l1_quota_rejections",
+                "Write requests refused by a quota",
+                m.l1_quota_rejections.clone(),
+            );
+            rs.register(
+                "l1_expired_read_leases",
+                "Read locks of silent clients released by their TTL",
+                m.l1_expired_read_leases.clone(),
+            );
+            rs.register(
+                "l1_expired_write_leases",
+                "Write reservations of silent clients dropped by their TTL",
+                m.l1_expired_write_leases.clone(),
+            );
             rs.register("active_sessions", "Live request sessions", m.active_sessions.clone());
         }
         r.register(
@@ -274,6 +337,14 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// Moves a counter up to `value` (for counts kept elsewhere, read at scrape time).
+pub fn advance(c: &Counter, value: u64) {
+    let seen = c.get();
+    if value > seen {
+        c.inc_by(value - seen);
     }
 }
 

@@ -164,13 +164,21 @@ const LMCACHE_METRICS: &[&str] = &[
     "lmcache_mp_l1_staging_bytes",
     "lmcache_mp_kv_events_log_depth",
     "lmcache_mp_event_bus_queue_depth",
+    "lmcache_mp_l1_eviction_loop_ticks_total",
     "lmcache_mp_event_bus_dropped_events_total",
     "lmcache_mp_active_prefetch_jobs",
     "process_resident_memory_bytes",
 ];
 
 /// Our own, beside LMCache's.
-const OWN_METRICS: &[&str] = &["lmcache_rs_l1_capacity_bytes", "lmcache_rs_active_sessions"];
+const OWN_METRICS: &[&str] = &[
+    "lmcache_rs_l1_capacity_bytes",
+    "lmcache_rs_active_sessions",
+    "lmcache_rs_l1_evicted_objects_total",
+    "lmcache_rs_l1_sync_evictions_total",
+    "lmcache_rs_l1_expired_read_leases_total",
+    "lmcache_rs_l1_expired_write_leases_total",
+];
 
 #[test]
 fn metrics_use_lmcache_names() {
