@@ -114,6 +114,10 @@ fn segment(raw: &str) -> String {
         .collect()
 }
 
+fn quota_url(common: &Common, salt: &str) -> String {
+    format!("{}/quota/{}", base(&common.url), segment(salt))
+}
+
 fn agent() -> ureq::Agent {
     ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(10)))
@@ -272,12 +276,8 @@ pub fn kvcache(cmd: &KvcacheCommand) -> anyhow::Result<()> {
 pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
     match cmd {
         QuotaCommand::Set { salt, limit_gb, common } => {
-            let r = call(
-                common,
-                "PUT",
-                &format!("{}/quota/{}", base(&common.url), segment(salt)),
-                Some(json!({"limit_gb": limit_gb})),
-            )?;
+            let r =
+                call(common, "PUT", &quota_url(common, salt), Some(json!({"limit_gb": limit_gb})))?;
             emit(
                 common,
                 "Quota",
@@ -290,12 +290,7 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
             )
         }
         QuotaCommand::Get { salt, common } => {
-            let r = call(
-                common,
-                "GET",
-                &format!("{}/quota/{}", base(&common.url), segment(salt)),
-                None,
-            )?;
+            let r = call(common, "GET", &quota_url(common, salt), None)?;
             emit(
                 common,
                 "Quota",
@@ -330,12 +325,7 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
             emit(common, "Quotas", &rows, &r)
         }
         QuotaCommand::Delete { salt, common } => {
-            let r = call(
-                common,
-                "DELETE",
-                &format!("{}/quota/{}", base(&common.url), segment(salt)),
-                None,
-            )?;
+            let r = call(common, "DELETE", &quota_url(common, salt), None)?;
             emit(
                 common,
                 "Quota",

@@ -381,9 +381,9 @@ impl L1Cache {
         self.shared.state.lock().index.get(key).is_some_and(|s| s.resident)
     }
 
-    /// Resident keys in a stable order (model, rank, group, hash, salt), `limit` of them after
-    /// the first `skip`, and the total count. O(n log n): for operator listings, not hot paths.
-    pub fn list_keys(&self, skip: usize, limit: usize) -> (Vec<(ObjectKey, u64)>, usize) {
+    /// Every resident key with its bytes, in a stable order (model, rank, group, hash, salt).
+    /// O(n log n): for operator listings, not hot paths.
+    pub fn resident_keys(&self) -> Vec<(ObjectKey, u64)> {
         let mut keys: Vec<(ObjectKey, u64)> = {
             let st = self.shared.state.lock();
             st.index
@@ -392,18 +392,16 @@ impl L1Cache {
                 .filter_map(|(k, slot)| st.entries.get(slot.id).map(|e| (k.clone(), e.bytes)))
                 .collect()
         };
-        let total = keys.len();
-        keys.sort_by(|a, b| {
-            (&a.0.model_name, a.0.kv_rank, a.0.object_group_id, a.0.chunk_hash, &a.0.cache_salt)
-                .cmp(&(
-                    &b.0.model_name,
-                    b.0.kv_rank,
-                    b.0.object_group_id,
-                    b.0.chunk_hash,
-                    &b.0.cache_salt,
-                ))
+        keys.sort_by(|(a, _), (b, _)| {
+            (&a.model_name, a.kv_rank, a.object_group_id, a.chunk_hash, &a.cache_salt).cmp(&(
+                &b.model_name,
+                b.kv_rank,
+                b.object_group_id,
+                b.chunk_hash,
+                &b.cache_salt,
+            ))
         });
-        (keys.into_iter().skip(skip).take(limit).collect(), total)
+        keys
     }
 
     /// How many leading keys are resident.

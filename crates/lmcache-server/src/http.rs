@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 
 use crate::registry::Family;
 use crate::state::ServerState;
-use crate::transfer::{CpuTransfer, PagedGeometry, checksums, compress_ranges};
+use crate::transfer::{CpuTransfer, checksums, compress_ranges};
 
 type Shared = Arc<ServerState>;
 
@@ -276,19 +276,9 @@ async fn cache_checksums(State(s): State<Shared>, Json(b): Json<ChecksumBody>) -
     if b.chunk_size <= 0 {
         return error(StatusCode::BAD_REQUEST, "chunk_size must be positive");
     }
-    let crate::registry::Registration::LmcacheDriven { layers, block_size, num_blocks, .. } =
-        &inst.registration
-    else {
+    let Some(t) = CpuTransfer::for_instance(&inst, 1) else {
         return error(StatusCode::NOT_IMPLEMENTED, "checksum not supported for this registration");
     };
-    let geometry = PagedGeometry {
-        kv: inst.layout.kv,
-        num_blocks: *num_blocks,
-        block_size: *block_size,
-        hidden: inst.layout.hidden,
-        dtype: inst.layout.dtype,
-    };
-    let t = CpuTransfer { layers, geometry, threads: 1 };
     let sums = match checksums(&t, &b.block_ids, b.chunk_size as usize, b.layerwise) {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("block_ids: {e}")),
@@ -445,7 +435,7 @@ async fn objects_list(
         }
     };
     // Filter before paging so pages stay full.
-    let (all, _) = s.l1.list_keys(0, usize::MAX);
+    let all = s.l1.resident_keys();
     let matching: Vec<_> = all
         .into_iter()
         .filter(|(k, _)| q.model_name.as_deref().is_none_or(|m| k.model_name.as_str() == m))

@@ -153,6 +153,11 @@ impl Default for Metrics {
         let mut r = Registry::default();
         {
             let mp = r.sub_registry_with_prefix("lmcache_mp");
+            mp.register(
+                "l1_eviction_loop_ticks",
+                "L1 eviction-loop iterations (every cycle)",
+                m.l1_eviction_loop_ticks.clone(),
+            );
             mp.register("lookups_requests", "Completed lookups", m.lookups.clone());
             mp.register(
                 "lookup_requested_tokens",
@@ -246,14 +251,6 @@ impl Default for Metrics {
                 "active_prefetch_jobs",
                 "Number of active prefetch jobs",
                 m.active_prefetch_jobs.clone(),
-            );
-        }
-        {
-            let mp = r.sub_registry_with_prefix("lmcache_mp");
-            mp.register(
-                "l1_eviction_loop_ticks",
-                "L1 eviction-loop iterations (every cycle)",
-                m.l1_eviction_loop_ticks.clone(),
             );
         }
         {

@@ -135,7 +135,25 @@ pub struct CpuTransfer<'a> {
     pub threads: usize,
 }
 
-impl CpuTransfer<'_> {
+impl<'a> CpuTransfer<'a> {
+    /// The transfer over a worker's registered KV cache; `None` unless it registered for
+    /// lmcache-driven transfer.
+    pub fn for_instance(inst: &'a crate::registry::Instance, threads: usize) -> Option<Self> {
+        let crate::registry::Registration::LmcacheDriven { layers, block_size, num_blocks, .. } =
+            &inst.registration
+        else {
+            return None;
+        };
+        let geometry = PagedGeometry {
+            kv: inst.layout.kv,
+            num_blocks: *num_blocks,
+            block_size: *block_size,
+            hidden: inst.layout.hidden,
+            dtype: inst.layout.dtype,
+        };
+        Some(Self { layers, geometry, threads })
+    }
+
     /// Byte offset of block `b` of plane `p` in layer `l`'s segment.
     fn block_offset(&self, l: usize, p: u64, b: u64) -> Result<u64, TransferError> {
         let g = &self.geometry;

@@ -18,7 +18,7 @@ use rmpv::Value;
 
 use crate::registry::{Family, Instance, LayerTensor, ObjectLayout, Registration};
 use crate::state::ServerState;
-use crate::transfer::{CpuTransfer, KvTransfer, PagedGeometry, geometry};
+use crate::transfer::{CpuTransfer, KvTransfer, geometry};
 
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
     match req.op {
@@ -165,21 +165,9 @@ struct Resolved<'a> {
 }
 
 fn resolve<'a>(inst: &'a Instance, state: &ServerState) -> Option<Resolved<'a>> {
-    let Registration::LmcacheDriven { layers, block_size, num_blocks, .. } = &inst.registration
-    else {
-        return None;
-    };
-    let geometry = PagedGeometry {
-        kv: inst.layout.kv,
-        num_blocks: *num_blocks,
-        block_size: *block_size,
-        hidden: inst.layout.hidden,
-        dtype: inst.layout.dtype,
-    };
-    Some(Resolved {
-        transfer: CpuTransfer { layers, geometry, threads: state.config.copy_threads },
-        blocks_per_chunk: state.chunk_size() / *block_size as usize,
-    })
+    let transfer = CpuTransfer::for_instance(inst, state.config.copy_threads)?;
+    let blocks_per_chunk = state.chunk_size() / transfer.geometry.block_size as usize;
+    Some(Resolved { transfer, blocks_per_chunk })
 }
 
 fn chunk_blocks(blocks: &[Vec<u64>], i: usize, bpc: usize) -> Option<&[u64]> {
@@ -298,6 +286,7 @@ fn retrieve(
     let mut skip_blocks = (skip_tokens / r.transfer.geometry.block_size) as usize;
     let mut ok = true;
     let mut copied = 0u64;
+    let mut chunks = 0usize;
     let t0 = Instant::now();
     state.metrics.submitted_retrieves.inc();
     for (i, lease) in state.l1.read_lock(&keys, 1).into_iter().enumerate() {
@@ -316,12 +305,12 @@ fn retrieve(
         state.metrics.l1_read_chunks.inc();
         state.metrics.chunks_loaded.inc();
         copied += lease.len();
+        chunks += 1;
     }
     state.metrics.finished_retrieves.inc();
-    state.bus.publish(crate::event_bus::Event::Retrieved {
-        request_id: key.request_id.clone(),
-        chunks: (copied / inst.layout.bytes().unwrap_or(1).max(1)) as usize,
-    });
+    state
+        .bus
+        .publish(crate::event_bus::Event::Retrieved { request_id: key.request_id.clone(), chunks });
     crate::metrics::Metrics::copy_throughput(
         &state.metrics.load_throughput,
         copied,
