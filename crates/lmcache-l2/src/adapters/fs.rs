@@ -1,0 +1,417 @@
+//! `fs`: one file per key under `base_path`, in two levels of sharded directories.
+//!
+//! A store writes `<dir>/.<name>.<pid>.<n>.tmp` (or into `relative_tmp_dir`), optionally
+//! fsyncs it, then renames it over the final name, so a reader sees a whole blob or nothing;
+//! a crash leaves at most a temporary file, which start-up removes. Keys already on disk are
+//! skipped. Lookups are a `stat` per key, so files written by an earlier run (or another
+//! server sharing the directory) are found. With `use_odirect` the page cache is bypassed
+//! (writes are padded to the block size, then the file is truncated to its length).
+
+use std::collections::HashSet;
+use std::fs::{File, OpenOptions};
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use lmcache_core::ObjectKey;
+use parking_lot::Mutex;
+
+use super::blocking;
+use crate::adapter::{KeyPage, L2Adapter, Stored};
+use crate::blob::Blob;
+use crate::error::L2Error;
+use crate::wire_key;
+
+const ALIGN: usize = 4096;
+
+/// When stores call fsync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsyncMode {
+    /// Never (a process crash loses nothing; a power loss may).
+    Never,
+    /// The file before its rename.
+    File,
+    /// The file, and the directory after the rename.
+    FileAndDir,
+}
+
+/// Settings of the fs adapter.
+#[derive(Debug, Clone)]
+pub struct FsConfig {
+    /// Root directory (created).
+    pub base_path: PathBuf,
+    /// Where temporary files go, relative to `base_path`; beside the final file if `None`.
+    pub relative_tmp_dir: Option<PathBuf>,
+    /// Bypass the page cache.
+    pub use_odirect: bool,
+    /// Durability of stores.
+    pub fsync: FsyncMode,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: FsConfig,
+    odirect: bool,
+    made_dirs: Mutex<HashSet<PathBuf>>,
+    tmp_seq: AtomicU64,
+}
+
+/// The fs adapter.
+#[derive(Debug, Clone)]
+pub struct FsAdapter {
+    inner: Arc<Inner>,
+}
+
+/// File name of a key: its wire key with every byte outside `[A-Za-z0-9._@-]` percent-escaped.
+fn file_name(key: &ObjectKey) -> String {
+    let wk = wire_key::encode(key);
+    let mut s = String::with_capacity(wk.len() + 5);
+    for b in wk.bytes() {
+        if b.is_ascii_alphanumeric() || b"._@-".contains(&b) {
+            s.push(b as char);
+        } else {
+            s.push_str(&format!("%{b:02X}"));
+        }
+    }
+    s.push_str(".blob");
+    s
+}
+
+fn unescape(name: &str) -> Option<String> {
+    let stem = name.strip_suffix(".blob")?;
+    let b = stem.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            out.push(u8::from_str_radix(stem.get(i + 1..i + 3)?, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+impl FsAdapter {
+    /// Opens (creating) the directory, probes O_DIRECT support, and removes temporary files
+    /// left by a crash.
+    pub fn open(config: FsConfig) -> Result<Self, L2Error> {
+        std::fs::create_dir_all(&config.base_path)?;
+        if let Some(t) = &config.relative_tmp_dir {
+            std::fs::create_dir_all(config.base_path.join(t))?;
+        }
+        let odirect = config.use_odirect && probe_odirect(&config.base_path);
+        if config.use_odirect && !odirect {
+            tracing::warn!(path = %config.base_path.display(),
+                "fs L2: the file system refuses O_DIRECT; using buffered I/O");
+        }
+        let removed = remove_tmp_files(&config.base_path);
+        if removed > 0 {
+            tracing::info!(removed, "fs L2: removed temporary files of an interrupted run");
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config,
+                odirect,
+                made_dirs: Mutex::new(HashSet::new()),
+                tmp_seq: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The final path of `key`.
+    pub fn path_of(&self, key: &ObjectKey) -> PathBuf {
+        self.inner.path_of(key)
+    }
+}
+
+impl Inner {
+    fn dir_of(&self, key: &ObjectKey) -> PathBuf {
+        let h = key.chunk_hash.as_bytes();
+        self.config.base_path.join(format!("{:02x}", h[0])).join(format!("{:02x}", h[1]))
+    }
+
+    fn path_of(&self, key: &ObjectKey) -> PathBuf {
+        self.dir_of(key).join(file_name(key))
+    }
+
+    fn ensure_dir(&self, dir: &Path) -> std::io::Result<()> {
+        if self.made_dirs.lock().contains(dir) {
+            return Ok(());
+        }
+        std::fs::create_dir_all(dir)?;
+        self.made_dirs.lock().insert(dir.to_owned());
+        Ok(())
+    }
+
+    fn store_one(&self, key: &ObjectKey, blob: &Blob) -> Result<Stored, L2Error> {
+        let dir = self.dir_of(key);
+        let name = file_name(key);
+        let fin = dir.join(&name);
+        if fin.exists() {
+            return Ok(Stored::AlreadyPresent);
+        }
+        self.ensure_dir(&dir)?;
+        let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        let tmp_dir = match &self.config.relative_tmp_dir {
+            Some(t) => self.config.base_path.join(t),
+            None => dir.clone(),
+        };
+        let tmp = tmp_dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
+        let written = self.write_file(&tmp, blob).and_then(|()| {
+            std::fs::rename(&tmp, &fin)?;
+            if self.config.fsync == FsyncMode::FileAndDir {
+                File::open(&dir)?.sync_all()?;
+            }
+            Ok(())
+        });
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e.into());
+        }
+        Ok(Stored::Written(blob.len() as u64))
+    }
+
+    fn write_file(&self, path: &Path, blob: &Blob) -> std::io::Result<()> {
+        let mut opts = OpenOptions::new();
+        opts.write(true).create_new(true);
+        if self.odirect {
+            opts.custom_flags(libc::O_DIRECT);
+            let mut f = opts.open(path)?;
+            let len = blob.len();
+            let padded = len.div_ceil(ALIGN) * ALIGN;
+            let mut buf = AlignedBuf::new(padded);
+            let b = buf.as_mut_slice();
+            b[..blob.header.len()].copy_from_slice(&blob.header);
+            b[blob.header.len()..len].copy_from_slice(&blob.payload);
+            f.write_all(b)?;
+            f.set_len(len as u64)?;
+            if self.config.fsync != FsyncMode::Never {
+                f.sync_all()?;
+            }
+            return Ok(());
+        }
+        let mut f = opts.open(path)?;
+        let mut bufs = [IoSlice::new(&blob.header), IoSlice::new(&blob.payload)];
+        let mut slices: &mut [IoSlice<'_>] = &mut bufs;
+        while !slices.is_empty() {
+            let n = f.write_vectored(slices)?;
+            if n == 0 {
+                return Err(ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut slices, n);
+        }
+        if self.config.fsync != FsyncMode::Never {
+            f.sync_data()?;
+        }
+        Ok(())
+    }
+
+    fn load_one(&self, key: &ObjectKey) -> Result<Option<Bytes>, L2Error> {
+        let path = self.path_of(key);
+        let mut opts = OpenOptions::new();
+        opts.read(true);
+        if self.odirect {
+            opts.custom_flags(libc::O_DIRECT);
+        }
+        let mut f = match opts.open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let len = usize::try_from(f.metadata()?.len())
+            .map_err(|_| L2Error::Transient("file too large".into()))?;
+        if self.odirect {
+            let mut buf = AlignedBuf::new(len.div_ceil(ALIGN).max(1) * ALIGN);
+            let got = read_full(&mut f, buf.as_mut_slice())?;
+            return Ok(Some(Bytes::copy_from_slice(&buf.as_mut_slice()[..got.min(len)])));
+        }
+        // One read of the file's length, plus one to see that the file did not grow.
+        let mut v = Vec::with_capacity(len + 1);
+        f.read_to_end(&mut v)?;
+        Ok(Some(Bytes::from(v)))
+    }
+}
+
+fn read_full(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut got = 0;
+    while got < buf.len() {
+        match f.read(&mut buf[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(got)
+}
+
+/// A heap buffer whose usable slice starts at an [`ALIGN`]-aligned address (for O_DIRECT).
+struct AlignedBuf {
+    v: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    fn new(len: usize) -> Self {
+        let v = vec![0u8; len + ALIGN];
+        let start = v.as_ptr().align_offset(ALIGN).min(ALIGN);
+        Self { v, start, len }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.v[self.start..self.start + self.len]
+    }
+}
+
+fn probe_odirect(dir: &Path) -> bool {
+    let p = dir.join(format!(".odirect-probe.{}", std::process::id()));
+    let ok = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&p)
+        .and_then(|mut f| f.write_all(AlignedBuf::new(ALIGN).as_mut_slice()))
+        .is_ok();
+    let _ = std::fs::remove_file(&p);
+    ok
+}
+
+fn remove_tmp_files(base: &Path) -> usize {
+    let mut removed = 0;
+    let mut stack = vec![base.to_owned()];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                stack.push(p);
+            } else if e.file_name().to_string_lossy().ends_with(".tmp")
+                && std::fs::remove_file(&p).is_ok()
+            {
+                removed += 1;
+            }
+        }
+    }
+    removed
+}
+
+#[async_trait]
+impl L2Adapter for FsAdapter {
+    fn kind(&self) -> &'static str {
+        "fs"
+    }
+
+    async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
+        let n = items.len();
+        let inner = self.inner.clone();
+        blocking(move || items.iter().map(|(k, b)| inner.store_one(k, b)).collect())
+            .await
+            .unwrap_or_else(|e| {
+                let msg = e.to_string();
+                (0..n).map(|_| Err(L2Error::Transient(msg.clone()))).collect()
+            })
+    }
+
+    async fn lookup(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, L2Error> {
+        let inner = self.inner.clone();
+        let keys = keys.to_vec();
+        blocking(move || keys.iter().map(|k| inner.path_of(k).exists()).collect()).await
+    }
+
+    async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
+        let inner = self.inner.clone();
+        let owned = keys.to_vec();
+        blocking(move || owned.iter().map(|k| inner.load_one(k)).collect()).await.unwrap_or_else(
+            |e| {
+                let msg = e.to_string();
+                keys.iter().map(|_| Err(L2Error::Transient(msg.clone()))).collect()
+            },
+        )
+    }
+
+    async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
+        let inner = self.inner.clone();
+        let keys = keys.to_vec();
+        blocking(move || {
+            keys.iter().filter(|k| std::fs::remove_file(inner.path_of(k)).is_ok()).count() as u64
+        })
+        .await
+    }
+
+    async fn list(
+        &self,
+        model: Option<&str>,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<KeyPage, L2Error> {
+        let base = self.inner.config.base_path.clone();
+        let model = model.map(str::to_owned);
+        let cursor = cursor.map(str::to_owned);
+        blocking(move || {
+            let mut all = Vec::new();
+            for l1 in std::fs::read_dir(&base)?.flatten() {
+                let Ok(rd2) = std::fs::read_dir(l1.path()) else { continue };
+                for l2 in rd2.flatten() {
+                    let Ok(rd3) = std::fs::read_dir(l2.path()) else { continue };
+                    for f in rd3.flatten() {
+                        let name = f.file_name();
+                        let Some(wk) = unescape(&name.to_string_lossy()) else { continue };
+                        let Some(key) = wire_key::decode(&wk) else { continue };
+                        if model.as_deref().is_some_and(|m| key.model_name.as_str() != m) {
+                            continue;
+                        }
+                        let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+                        all.push((wk, key, size));
+                    }
+                }
+            }
+            all.sort_by(|a, b| a.0.cmp(&b.0));
+            Ok(crate::adapter::page_sorted(all, cursor.as_deref(), limit))
+        })
+        .await?
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let c = &self.inner.config;
+        serde_json::json!({
+            "type": "fs",
+            "base_path": c.base_path,
+            "relative_tmp_dir": c.relative_tmp_dir,
+            "use_odirect": c.use_odirect,
+            "odirect_active": self.inner.odirect,
+            "fsync": format!("{:?}", c.fsync).to_lowercase(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_names_escape_and_round_trip() {
+        let k = ObjectKey::new([0xcd; 32], "org/Model 7B", 1, 0, 0, "t").unwrap();
+        let n = file_name(&k);
+        assert!(!n.contains('/') && !n.contains(' '), "{n}");
+        assert_eq!(wire_key::decode(&unescape(&n).unwrap()), Some(k));
+    }
+
+    #[test]
+    fn aligned_buffers_are_aligned() {
+        for len in [1, 4096, 10_000] {
+            let mut b = AlignedBuf::new(len);
+            let s = b.as_mut_slice();
+            assert_eq!(s.len(), len);
+            assert_eq!(s.as_ptr() as usize % ALIGN, 0);
+        }
+    }
+}

@@ -1,0 +1,635 @@
+//! `raw_block`: fixed-size slots on a block device or a preallocated file, with the index
+//! kept durable by a checkpoint plus a journal.
+//!
+//! ```text
+//! [0, 4 KiB)                    superblock: magic, geometry, checksum
+//! [4 KiB, 4 KiB + J)            journal: 64-byte records (put/delete slot), each checksummed
+//! two checkpoint containers      header block (magic, sequence, length, checksum) + index
+//! [meta_total_bytes, ...)        slots of slot_bytes, each holding one blob
+//! ```
+//! A store writes the blob into a free slot, then appends a `put` record naming the slot and
+//! the blob's header checksum; only then does it report success. A delete (or the FIFO
+//! eviction of a full device) appends a `delete` record before the slot is reused. When the
+//! journal fills, the whole index is written to the older checkpoint container and the
+//! journal restarts under the new checkpoint's sequence number.
+//!
+//! Recovery reads the newest valid checkpoint and replays the journal records of its
+//! sequence, stopping at the first torn record; a `put` is accepted only when the slot's blob
+//! header carries the recorded checksum. A kill -9 therefore loses at most the stores still in
+//! flight, and every load re-verifies the whole blob, so a wrong or torn payload is a miss.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use lmcache_core::ObjectKey;
+use parking_lot::Mutex;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::blocking;
+use crate::adapter::{KeyPage, L2Adapter, Stored};
+use crate::blob::{self, Blob};
+use crate::error::L2Error;
+use crate::wire_key;
+
+const SUPER_MAGIC: &[u8; 8] = b"LMRSRBK1";
+const CKPT_MAGIC: &[u8; 8] = b"LMRSCKP1";
+const REC_MAGIC: u32 = 0x4a52_4e31;
+const REC: usize = 64;
+const OP_PUT: u8 = 1;
+const OP_DEL: u8 = 2;
+
+/// Settings of the raw_block adapter.
+#[derive(Debug, Clone)]
+pub struct RawBlockConfig {
+    /// Block device or file.
+    pub device_path: PathBuf,
+    /// Bytes per slot (a multiple of `block_align`).
+    pub slot_bytes: u64,
+    /// Bytes of the device used; 0 = the device's (or existing file's) size.
+    pub capacity_bytes: u64,
+    /// Bypass the page cache for slot I/O.
+    pub use_odirect: bool,
+    /// I/O alignment (power of two).
+    pub block_align: u64,
+    /// Bytes reserved for superblock, journal and checkpoints.
+    pub meta_total_bytes: u64,
+    /// fdatasync after each journal append (survives power loss, slower).
+    pub sync_journal: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Geometry {
+    align: u64,
+    slot: u64,
+    capacity: u64,
+    meta: u64,
+    journal_off: u64,
+    journal_len: u64,
+    ckpt_off: [u64; 2],
+    ckpt_len: u64,
+    slots: u64,
+}
+
+impl Geometry {
+    fn new(c: &RawBlockConfig, capacity: u64) -> Result<Self, String> {
+        let a = c.block_align;
+        if !a.is_power_of_two() || a < 512 {
+            return Err(format!("block_align {a} must be a power of two >= 512"));
+        }
+        if c.slot_bytes == 0 || c.slot_bytes % a != 0 {
+            return Err(format!("slot_bytes {} must be a positive multiple of {a}", c.slot_bytes));
+        }
+        if c.meta_total_bytes % a != 0 || c.meta_total_bytes < 16 * a {
+            return Err(format!(
+                "meta_total_bytes must be a multiple of {a} and at least {}",
+                16 * a
+            ));
+        }
+        let journal_off = a.max(4096);
+        let journal_len = (c.meta_total_bytes / 4) / a * a;
+        let ckpt_len = ((c.meta_total_bytes - journal_off - journal_len) / 2) / a * a;
+        let ckpt_off = [journal_off + journal_len, journal_off + journal_len + ckpt_len];
+        if capacity < c.meta_total_bytes + c.slot_bytes {
+            return Err(format!(
+                "capacity {capacity} cannot hold the {} metadata bytes and one slot",
+                c.meta_total_bytes
+            ));
+        }
+        let slots = (capacity - c.meta_total_bytes) / c.slot_bytes;
+        Ok(Self {
+            align: a,
+            slot: c.slot_bytes,
+            capacity,
+            meta: c.meta_total_bytes,
+            journal_off,
+            journal_len,
+            ckpt_off,
+            ckpt_len,
+            slots,
+        })
+    }
+
+    fn slot_offset(&self, slot: u64) -> u64 {
+        self.meta + slot * self.slot
+    }
+
+    fn superblock(&self) -> Vec<u8> {
+        let mut b = vec![0u8; 4096];
+        b[0..8].copy_from_slice(SUPER_MAGIC);
+        for (i, v) in [1, self.align, self.slot, self.capacity, self.meta].iter().enumerate() {
+            b[8 + i * 8..16 + i * 8].copy_from_slice(&v.to_le_bytes());
+        }
+        let sum = xxh3_64(&b[..48]);
+        b[48..56].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+}
+
+fn le64(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    slot: u64,
+    len: u64,
+    hdr_sum: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    index: HashMap<ObjectKey, Entry>,
+    by_slot: HashMap<u64, ObjectKey>,
+    free: Vec<u64>,
+    /// Slots in the order they were filled, for FIFO eviction when no slot is free.
+    order: VecDeque<u64>,
+    /// Sequence of the checkpoint the journal follows.
+    epoch: u64,
+    /// Next record number in the journal.
+    next_rec: u64,
+    /// Which container the next checkpoint goes to.
+    next_ckpt: usize,
+    evictions: u64,
+}
+
+/// What recovery found, for logs and benchmarks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Recovery {
+    /// Keys in the recovered index.
+    pub keys: usize,
+    /// Journal records replayed.
+    pub replayed: u64,
+    /// Journal `put`s refused because the slot did not hold the recorded blob.
+    pub refused: u64,
+    /// Time recovery took.
+    pub seconds: f64,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: RawBlockConfig,
+    geo: Geometry,
+    data: File,
+    meta: File,
+    state: Mutex<State>,
+    recovery: Recovery,
+}
+
+/// The raw_block adapter.
+#[derive(Debug, Clone)]
+pub struct RawBlockAdapter {
+    inner: Arc<Inner>,
+}
+
+/// A heap buffer whose slice starts aligned (for O_DIRECT).
+struct Aligned {
+    v: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize, align: usize) -> Self {
+        let v = vec![0u8; len + align];
+        let start = v.as_ptr().align_offset(align).min(align);
+        Self { v, start, len }
+    }
+    fn buf(&mut self) -> &mut [u8] {
+        &mut self.v[self.start..self.start + self.len]
+    }
+}
+
+impl RawBlockAdapter {
+    /// Opens (formatting when blank) and recovers the index.
+    pub fn open(config: RawBlockConfig) -> Result<Self, L2Error> {
+        let t0 = Instant::now();
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(true).create(true).truncate(false);
+        let meta = opts.open(&config.device_path)?;
+        let mut size = meta.metadata()?.len();
+        if size == 0 {
+            // A block device reports 0 here; ask it by seeking.
+            use std::io::Seek;
+            size = (&meta).seek(std::io::SeekFrom::End(0))?;
+        }
+        let capacity = if config.capacity_bytes > 0 { config.capacity_bytes } else { size };
+        if capacity > size {
+            meta.set_len(capacity)?;
+        }
+        let geo = Geometry::new(&config, capacity).map_err(L2Error::Full)?;
+        let mut dopts = OpenOptions::new();
+        dopts.read(true).write(true);
+        if config.use_odirect {
+            dopts.custom_flags(libc::O_DIRECT);
+        }
+        let data = match dopts.open(&config.device_path) {
+            Ok(f) => f,
+            Err(e) if config.use_odirect => {
+                tracing::warn!(error = %e, "raw_block: O_DIRECT refused; using buffered I/O");
+                OpenOptions::new().read(true).write(true).open(&config.device_path)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let mut inner = Inner {
+            config,
+            geo,
+            data,
+            meta,
+            state: Mutex::new(State::default()),
+            recovery: Recovery::default(),
+        };
+        inner.recovery = inner.recover()?;
+        inner.recovery.seconds = t0.elapsed().as_secs_f64();
+        tracing::info!(
+            keys = inner.recovery.keys,
+            replayed = inner.recovery.replayed,
+            refused = inner.recovery.refused,
+            seconds = inner.recovery.seconds,
+            "raw_block: index recovered"
+        );
+        Ok(Self { inner: Arc::new(inner) })
+    }
+
+    /// What recovery found at open.
+    pub fn recovery(&self) -> Recovery {
+        self.inner.recovery
+    }
+
+    /// Writes a checkpoint now (also done when the journal fills, and at close).
+    pub fn checkpoint(&self) -> Result<(), L2Error> {
+        let mut st = self.inner.state.lock();
+        self.inner.checkpoint(&mut st)
+    }
+}
+
+impl Inner {
+    fn recover(&self) -> Result<Recovery, L2Error> {
+        let g = self.geo;
+        let mut sb = vec![0u8; 4096];
+        self.meta.read_exact_at(&mut sb, 0)?;
+        let mut rec = Recovery::default();
+        let mut st = self.state.lock();
+        if sb.iter().all(|&b| b == 0) {
+            // Blank: format.
+            self.meta.write_all_at(&g.superblock(), 0)?;
+            self.meta.write_all_at(&vec![0u8; g.journal_len as usize], g.journal_off)?;
+            for off in g.ckpt_off {
+                self.meta.write_all_at(&[0u8; 4096], off)?;
+            }
+            st.free = (0..g.slots).rev().collect();
+            return Ok(rec);
+        }
+        if &sb[0..8] != SUPER_MAGIC || xxh3_64(&sb[..48]) != le64(&sb, 48) {
+            return Err(L2Error::Unavailable(format!(
+                "{}: not an lmcache-rs raw_block device (bad superblock); refusing to overwrite it",
+                self.config.device_path.display()
+            )));
+        }
+        if sb[..56] != g.superblock()[..56] {
+            return Err(L2Error::Unavailable(format!(
+                "{}: formatted with another geometry (slot_bytes, block_align, capacity or \
+                 meta_total_bytes differ)",
+                self.config.device_path.display()
+            )));
+        }
+        // Newest valid checkpoint.
+        let mut best: Option<(u64, usize, Vec<u8>)> = None;
+        for (i, &off) in g.ckpt_off.iter().enumerate() {
+            let mut h = [0u8; 4096];
+            self.meta.read_exact_at(&mut h, off)?;
+            if &h[0..8] != CKPT_MAGIC || xxh3_64(&h[..32]) != le64(&h, 32) {
+                continue;
+            }
+            let (seq, len, sum) = (le64(&h, 8), le64(&h, 16), le64(&h, 24));
+            if len > g.ckpt_len - 4096 {
+                continue;
+            }
+            let mut p = vec![0u8; len as usize];
+            self.meta.read_exact_at(&mut p, off + 4096)?;
+            if xxh3_64(&p) != sum {
+                continue;
+            }
+            if best.as_ref().is_none_or(|b| seq > b.0) {
+                best = Some((seq, i, p));
+            }
+        }
+        if let Some((seq, i, p)) = best {
+            st.epoch = seq;
+            st.next_ckpt = 1 - i;
+            let mut at = 0;
+            while at + 26 <= p.len() {
+                let (slot, len, sum) = (le64(&p, at), le64(&p, at + 8), le64(&p, at + 16));
+                let kl = u16::from_le_bytes([p[at + 24], p[at + 25]]) as usize;
+                let Some(kb) = p.get(at + 26..at + 26 + kl) else { break };
+                at += 26 + kl;
+                let Some(key) = std::str::from_utf8(kb).ok().and_then(wire_key::decode) else {
+                    continue;
+                };
+                if slot < g.slots {
+                    st.by_slot.insert(slot, key.clone());
+                    st.index.insert(key, Entry { slot, len, hdr_sum: sum });
+                    st.order.push_back(slot);
+                }
+            }
+        } else {
+            st.next_ckpt = 0;
+        }
+        // Replay the journal of this epoch.
+        let mut jr = vec![0u8; g.journal_len as usize];
+        self.meta.read_exact_at(&mut jr, g.journal_off)?;
+        let mut n = 0u64;
+        for r in jr.chunks_exact(REC) {
+            let ok = u32::from_le_bytes([r[0], r[1], r[2], r[3]]) == REC_MAGIC
+                && xxh3_64(&r[..56]) == le64(r, 56)
+                && le64(r, 8) == st.epoch
+                && le64(r, 16) == n;
+            if !ok {
+                break;
+            }
+            let (op, slot, len, sum) = (r[4], le64(r, 24), le64(r, 32), le64(r, 40));
+            n += 1;
+            rec.replayed += 1;
+            if slot >= g.slots {
+                continue;
+            }
+            if let Some(old) = st.by_slot.remove(&slot) {
+                st.index.remove(&old);
+                st.order.retain(|&s| s != slot);
+            }
+            if op == OP_PUT {
+                match self.read_header(slot) {
+                    Some(h) if h.1 == sum && h.0.blob_len() == len => {
+                        if let Some(key) = wire_key::decode(&h.0.wire_key) {
+                            if let Some(prev) =
+                                st.index.insert(key.clone(), Entry { slot, len, hdr_sum: sum })
+                            {
+                                st.by_slot.remove(&prev.slot);
+                                st.order.retain(|&s| s != prev.slot);
+                            }
+                            st.by_slot.insert(slot, key);
+                            st.order.push_back(slot);
+                        }
+                    }
+                    _ => rec.refused += 1,
+                }
+            }
+        }
+        st.next_rec = n;
+        let used: std::collections::HashSet<u64> = st.by_slot.keys().copied().collect();
+        st.free = (0..g.slots).rev().filter(|s| !used.contains(s)).collect();
+        rec.keys = st.index.len();
+        if n > 0 {
+            self.checkpoint(&mut st)?;
+        }
+        Ok(rec)
+    }
+
+    /// The blob header stored in `slot` and its header checksum.
+    fn read_header(&self, slot: u64) -> Option<(blob::Header, u64)> {
+        let a = self.geo.align as usize;
+        let mut buf = Aligned::new(a.max(4096), a);
+        self.data.read_exact_at(buf.buf(), self.geo.slot_offset(slot)).ok()?;
+        let b = buf.buf();
+        let h = blob::parse_header(b).ok()?;
+        Some((h, le64(b, 56)))
+    }
+
+    fn append(&self, st: &mut State, op: u8, slot: u64, len: u64, sum: u64) -> Result<(), L2Error> {
+        if (st.next_rec + 1) * REC as u64 > self.geo.journal_len {
+            self.checkpoint(st)?;
+        }
+        let mut r = [0u8; REC];
+        r[0..4].copy_from_slice(&REC_MAGIC.to_le_bytes());
+        r[4] = op;
+        for (i, v) in [st.epoch, st.next_rec, slot, len, sum].iter().enumerate() {
+            r[8 + i * 8..16 + i * 8].copy_from_slice(&v.to_le_bytes());
+        }
+        let s = xxh3_64(&r[..56]);
+        r[56..64].copy_from_slice(&s.to_le_bytes());
+        self.meta.write_all_at(&r, self.geo.journal_off + st.next_rec * REC as u64)?;
+        if self.config.sync_journal {
+            self.meta.sync_data()?;
+        }
+        st.next_rec += 1;
+        Ok(())
+    }
+
+    fn checkpoint(&self, st: &mut State) -> Result<(), L2Error> {
+        let g = self.geo;
+        let mut p = Vec::with_capacity(st.index.len() * 128);
+        for (k, e) in &st.index {
+            let wk = wire_key::encode(k);
+            p.extend_from_slice(&e.slot.to_le_bytes());
+            p.extend_from_slice(&e.len.to_le_bytes());
+            p.extend_from_slice(&e.hdr_sum.to_le_bytes());
+            p.extend_from_slice(&(wk.len() as u16).to_le_bytes());
+            p.extend_from_slice(wk.as_bytes());
+        }
+        if p.len() as u64 > g.ckpt_len - 4096 {
+            return Err(L2Error::Full(format!(
+                "index of {} bytes exceeds the checkpoint area; raise meta_total_bytes",
+                p.len()
+            )));
+        }
+        let seq = st.epoch + 1;
+        let mut h = vec![0u8; 4096];
+        h[0..8].copy_from_slice(CKPT_MAGIC);
+        h[8..16].copy_from_slice(&seq.to_le_bytes());
+        h[16..24].copy_from_slice(&(p.len() as u64).to_le_bytes());
+        h[24..32].copy_from_slice(&xxh3_64(&p).to_le_bytes());
+        let hs = xxh3_64(&h[..32]);
+        h[32..40].copy_from_slice(&hs.to_le_bytes());
+        let off = g.ckpt_off[st.next_ckpt];
+        // Payload first, header last: a torn pair fails its checksum and the other container
+        // (with the journal of its epoch, untouched until now) is used.
+        self.meta.write_all_at(&p, off + 4096)?;
+        self.meta.write_all_at(&h, off)?;
+        if self.config.sync_journal {
+            self.meta.sync_data()?;
+        }
+        st.epoch = seq;
+        st.next_rec = 0;
+        st.next_ckpt = 1 - st.next_ckpt;
+        Ok(())
+    }
+
+    fn store_one(&self, key: &ObjectKey, blob: &Blob) -> Result<Stored, L2Error> {
+        let g = self.geo;
+        let len = blob.len() as u64;
+        if len > g.slot {
+            return Err(L2Error::Full(format!(
+                "blob of {len} bytes exceeds slot_bytes {}",
+                g.slot
+            )));
+        }
+        let slot = {
+            let mut st = self.state.lock();
+            if st.index.contains_key(key) {
+                return Ok(Stored::AlreadyPresent);
+            }
+            match st.free.pop() {
+                Some(s) => s,
+                None => {
+                    // FIFO eviction: the oldest filled slot.
+                    let Some(victim) = st.order.pop_front() else {
+                        return Err(L2Error::Full("no slot free".into()));
+                    };
+                    self.append(&mut st, OP_DEL, victim, 0, 0)?;
+                    if let Some(k) = st.by_slot.remove(&victim) {
+                        st.index.remove(&k);
+                    }
+                    st.evictions += 1;
+                    victim
+                }
+            }
+        };
+        let written = {
+            let a = g.align as usize;
+            let padded = (len as usize).div_ceil(a) * a;
+            let mut buf = Aligned::new(padded, a);
+            let b = buf.buf();
+            b[..blob.header.len()].copy_from_slice(&blob.header);
+            b[blob.header.len()..len as usize].copy_from_slice(&blob.payload);
+            self.data.write_all_at(b, g.slot_offset(slot))
+        };
+        let mut st = self.state.lock();
+        if let Err(e) = written {
+            st.free.push(slot);
+            return Err(e.into());
+        }
+        let sum = le64(&blob.header, 56);
+        if let Err(e) = self.append(&mut st, OP_PUT, slot, len, sum) {
+            st.free.push(slot);
+            return Err(e);
+        }
+        if let Some(prev) = st.index.insert(key.clone(), Entry { slot, len, hdr_sum: sum }) {
+            // A concurrent store of the same key won the race; keep the newer slot.
+            st.by_slot.remove(&prev.slot);
+            st.order.retain(|&s| s != prev.slot);
+            st.free.push(prev.slot);
+        }
+        st.by_slot.insert(slot, key.clone());
+        st.order.push_back(slot);
+        Ok(Stored::Written(len))
+    }
+
+    fn load_one(&self, key: &ObjectKey) -> Result<Option<Bytes>, L2Error> {
+        let Some(e) = self.state.lock().index.get(key).cloned() else { return Ok(None) };
+        let a = self.geo.align as usize;
+        let padded = (e.len as usize).div_ceil(a) * a;
+        let mut buf = Aligned::new(padded, a);
+        self.data.read_exact_at(buf.buf(), self.geo.slot_offset(e.slot))?;
+        Ok(Some(Bytes::copy_from_slice(&buf.buf()[..e.len as usize])))
+    }
+
+    fn delete_one(&self, key: &ObjectKey) -> Result<bool, L2Error> {
+        let mut st = self.state.lock();
+        let Some(e) = st.index.get(key).cloned() else { return Ok(false) };
+        self.append(&mut st, OP_DEL, e.slot, 0, 0)?;
+        st.index.remove(key);
+        st.by_slot.remove(&e.slot);
+        st.order.retain(|&s| s != e.slot);
+        st.free.push(e.slot);
+        Ok(true)
+    }
+}
+
+#[async_trait]
+impl L2Adapter for RawBlockAdapter {
+    fn kind(&self) -> &'static str {
+        "raw_block"
+    }
+
+    async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
+        let n = items.len();
+        let inner = self.inner.clone();
+        blocking(move || items.iter().map(|(k, b)| inner.store_one(k, b)).collect())
+            .await
+            .unwrap_or_else(|e| {
+                let m = e.to_string();
+                (0..n).map(|_| Err(L2Error::Transient(m.clone()))).collect()
+            })
+    }
+
+    async fn lookup(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, L2Error> {
+        let st = self.inner.state.lock();
+        Ok(keys.iter().map(|k| st.index.contains_key(k)).collect())
+    }
+
+    async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
+        let inner = self.inner.clone();
+        let owned = keys.to_vec();
+        blocking(move || owned.iter().map(|k| inner.load_one(k)).collect()).await.unwrap_or_else(
+            |e| {
+                let m = e.to_string();
+                keys.iter().map(|_| Err(L2Error::Transient(m.clone()))).collect()
+            },
+        )
+    }
+
+    async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
+        let inner = self.inner.clone();
+        let keys = keys.to_vec();
+        blocking(move || {
+            let mut n = 0;
+            for k in &keys {
+                if inner.delete_one(k)? {
+                    n += 1;
+                }
+            }
+            Ok(n)
+        })
+        .await?
+    }
+
+    async fn list(
+        &self,
+        model: Option<&str>,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<KeyPage, L2Error> {
+        let st = self.inner.state.lock();
+        let mut all: Vec<(String, ObjectKey, u64)> = st
+            .index
+            .iter()
+            .filter(|(k, _)| model.is_none_or(|m| k.model_name.as_str() == m))
+            .map(|(k, e)| (wire_key::encode(k), k.clone(), e.len))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(crate::adapter::page_sorted(all, cursor, limit))
+    }
+
+    fn capacity(&self) -> Option<u64> {
+        Some(self.inner.geo.slots * self.inner.geo.slot)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let g = self.inner.geo;
+        let st = self.inner.state.lock();
+        serde_json::json!({
+            "type": "raw_block",
+            "device_path": self.inner.config.device_path,
+            "slot_bytes": g.slot,
+            "slots": g.slots,
+            "slots_used": st.index.len(),
+            "use_odirect": self.inner.config.use_odirect,
+            "evictions": st.evictions,
+            "recovery_seconds": self.inner.recovery.seconds,
+            "recovered_keys": self.inner.recovery.keys,
+        })
+    }
+
+    async fn close(&self) {
+        if let Err(e) = self.checkpoint() {
+            tracing::warn!(error = %e, "raw_block: final checkpoint failed");
+        }
+    }
+}

@@ -1,0 +1,291 @@
+//! `redis` (also `resp` and `valkey`): Redis or Valkey over RESP, single node or Redis Cluster.
+//!
+//! Object name: `[key_prefix@]<wire key>`, value: the blob. Stores use `SET NX` (with `EX`
+//! when `ttl_seconds` is set), so a key already present is neither re-sent twice nor replaced;
+//! lookups `EXISTS`, loads `GET`, deletes `DEL`. On a single node each batch is one pipeline
+//! on one connection of a small pool; on a cluster the commands of a batch go out concurrently
+//! on the cluster connection, which routes each key to its slot's node. Connections reconnect
+//! by themselves, so an outage shows as errors (misses) and ends when the server is back.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::future::join_all;
+use lmcache_core::ObjectKey;
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Value};
+
+use crate::adapter::{L2Adapter, Stored};
+use crate::blob::Blob;
+use crate::error::L2Error;
+use crate::wire_key;
+
+/// Settings of the redis adapter.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// `host:port` of each node (standalone uses the first).
+    pub nodes: Vec<String>,
+    /// Whether the nodes form a Redis Cluster.
+    pub cluster_mode: bool,
+    /// ACL user.
+    pub username: Option<String>,
+    /// Password.
+    pub password: Option<String>,
+    /// Connect with TLS (`rediss://`).
+    pub tls: bool,
+    /// Database number (standalone only).
+    pub database: i64,
+    /// Prefix of every object name.
+    pub key_prefix: String,
+    /// Connections in the pool (standalone).
+    pub num_workers: usize,
+    /// Expiry of stored objects.
+    pub ttl_seconds: Option<u64>,
+    /// Limit on one batch.
+    pub request_timeout: Duration,
+    /// Limit on connecting.
+    pub connection_timeout: Duration,
+}
+
+impl RedisConfig {
+    fn url(&self, node: &str) -> String {
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        let auth = match (&self.username, &self.password) {
+            (Some(u), Some(p)) => format!("{}:{}@", enc(u), enc(p)),
+            (None, Some(p)) => format!(":{}@", enc(p)),
+            (Some(u), None) => format!("{}@", enc(u)),
+            (None, None) => String::new(),
+        };
+        let db = if self.cluster_mode { String::new() } else { format!("/{}", self.database) };
+        format!("{scheme}://{auth}{node}{db}")
+    }
+}
+
+fn enc(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+enum Conns {
+    Single(Vec<ConnectionManager>),
+    Cluster(ClusterConnection),
+}
+
+/// The redis adapter.
+pub struct RedisAdapter {
+    config: RedisConfig,
+    conns: Conns,
+    next: AtomicUsize,
+}
+
+impl std::fmt::Debug for RedisAdapter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisAdapter")
+            .field("nodes", &self.config.nodes)
+            .field("cluster_mode", &self.config.cluster_mode)
+            .finish_non_exhaustive()
+    }
+}
+
+fn map_err(e: RedisError) -> L2Error {
+    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
+        L2Error::Unavailable(e.to_string())
+    } else {
+        L2Error::Transient(e.to_string())
+    }
+}
+
+impl RedisAdapter {
+    /// Connects; fails (naming the node) if the server cannot be reached in time.
+    pub async fn connect(config: RedisConfig) -> Result<Self, L2Error> {
+        let first = config
+            .nodes
+            .first()
+            .cloned()
+            .ok_or_else(|| L2Error::Unavailable("no node configured".into()))?;
+        let ct = config.connection_timeout;
+        let conns = if config.cluster_mode {
+            let urls: Vec<String> = config.nodes.iter().map(|n| config.url(n)).collect();
+            let client = redis::cluster::ClusterClient::builder(urls)
+                .connection_timeout(ct)
+                .response_timeout(config.request_timeout)
+                .build()
+                .map_err(map_err)?;
+            let c = tokio::time::timeout(ct, client.get_async_connection())
+                .await
+                .map_err(|_| L2Error::Unavailable(format!("cluster {first}: connect timed out")))?
+                .map_err(|e| L2Error::Unavailable(format!("cluster {first}: {e}")))?;
+            Conns::Cluster(c)
+        } else {
+            let client = redis::Client::open(config.url(&first)).map_err(map_err)?;
+            let mut pool = Vec::new();
+            for _ in 0..config.num_workers.max(1) {
+                let c = tokio::time::timeout(ct, client.get_connection_manager())
+                    .await
+                    .map_err(|_| L2Error::Unavailable(format!("{first}: connect timed out")))?
+                    .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
+                pool.push(c);
+            }
+            Conns::Single(pool)
+        };
+        let a = Self { config, conns, next: AtomicUsize::new(0) };
+        // One round trip now, so that a wrong password fails at start.
+        a.run(vec![redis::cmd("PING")])
+            .await
+            .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
+        Ok(a)
+    }
+
+    fn name(&self, key: &ObjectKey) -> String {
+        let wk = wire_key::encode(key);
+        if self.config.key_prefix.is_empty() {
+            wk
+        } else {
+            format!("{}@{wk}", self.config.key_prefix)
+        }
+    }
+
+    /// Runs commands: one pipeline on a pooled connection, or concurrently on the cluster.
+    /// The outer error is for the whole batch; inner per command.
+    async fn run(&self, cmds: Vec<redis::Cmd>) -> Result<Vec<Result<Value, L2Error>>, L2Error> {
+        let t = self.config.request_timeout;
+        let fut = async {
+            match &self.conns {
+                Conns::Single(pool) => {
+                    let i = self.next.fetch_add(1, Ordering::Relaxed) % pool.len();
+                    let mut c = pool[i].clone();
+                    let mut p = redis::pipe();
+                    for cmd in &cmds {
+                        p.add_command(cmd.clone());
+                    }
+                    let vals: Vec<Value> =
+                        c.req_packed_commands(&p, 0, cmds.len()).await.map_err(map_err)?;
+                    Ok(vals
+                        .into_iter()
+                        .map(|v| match v {
+                            Value::ServerError(e) => Err(L2Error::Transient(format!("{e:?}"))),
+                            v => Ok(v),
+                        })
+                        .collect())
+                }
+                Conns::Cluster(c) => {
+                    let futs = cmds.iter().map(|cmd| {
+                        let mut c = c.clone();
+                        async move { c.req_packed_command(cmd).await.map_err(map_err) }
+                    });
+                    Ok(join_all(futs).await)
+                }
+            }
+        };
+        tokio::time::timeout(t, fut)
+            .await
+            .map_err(|_| L2Error::Transient(format!("redis batch over {t:?}")))?
+    }
+}
+
+#[async_trait]
+impl L2Adapter for RedisAdapter {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
+        let cmds: Vec<redis::Cmd> = items
+            .iter()
+            .map(|(k, b)| {
+                let mut c = redis::cmd("SET");
+                c.arg(self.name(k)).arg(&b.to_contiguous()[..]).arg("NX");
+                if let Some(ttl) = self.config.ttl_seconds {
+                    c.arg("EX").arg(ttl);
+                }
+                c
+            })
+            .collect();
+        match self.run(cmds).await {
+            Err(e) => {
+                let msg = e.to_string();
+                let unavailable = matches!(e, L2Error::Unavailable(_));
+                items
+                    .iter()
+                    .map(|_| {
+                        Err(if unavailable {
+                            L2Error::Unavailable(msg.clone())
+                        } else {
+                            L2Error::Transient(msg.clone())
+                        })
+                    })
+                    .collect()
+            }
+            Ok(vals) => vals
+                .into_iter()
+                .zip(&items)
+                .map(|(v, (_, b))| match v? {
+                    Value::Nil => Ok(Stored::AlreadyPresent),
+                    _ => Ok(Stored::Written(b.len() as u64)),
+                })
+                .collect(),
+        }
+    }
+
+    async fn lookup(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, L2Error> {
+        let cmds = keys.iter().map(|k| redis::cmd("EXISTS").arg(self.name(k)).clone()).collect();
+        self.run(cmds)
+            .await?
+            .into_iter()
+            .map(|v| Ok(matches!(v?, Value::Int(n) if n > 0)))
+            .collect()
+    }
+
+    async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
+        let cmds = keys.iter().map(|k| redis::cmd("GET").arg(self.name(k)).clone()).collect();
+        match self.run(cmds).await {
+            Err(e) => {
+                let msg = e.to_string();
+                keys.iter().map(|_| Err(L2Error::Unavailable(msg.clone()))).collect()
+            }
+            Ok(vals) => vals
+                .into_iter()
+                .map(|v| match v? {
+                    Value::Nil => Ok(None),
+                    Value::BulkString(b) => Ok(Some(Bytes::from(b))),
+                    other => Err(L2Error::Transient(format!("unexpected GET reply {other:?}"))),
+                })
+                .collect(),
+        }
+    }
+
+    async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
+        let cmds = keys.iter().map(|k| redis::cmd("DEL").arg(self.name(k)).clone()).collect();
+        Ok(self
+            .run(cmds)
+            .await?
+            .into_iter()
+            .filter(|v| matches!(v, Ok(Value::Int(n)) if *n > 0))
+            .count() as u64)
+    }
+
+    fn describe(&self) -> serde_json::Value {
+        let c = &self.config;
+        serde_json::json!({
+            "type": "redis",
+            "nodes": c.nodes,
+            "cluster_mode": c.cluster_mode,
+            "tls_enable": c.tls,
+            "database_id": c.database,
+            "key_prefix": c.key_prefix,
+            "num_workers": c.num_workers,
+            "ttl_seconds": c.ttl_seconds,
+            "auth": c.password.is_some(),
+        })
+    }
+}

@@ -1,0 +1,281 @@
+//! The self-checking blob every byte-storing adapter writes.
+//!
+//! ```text
+//!  0  magic "LMRSBLB1"        8 bytes
+//!  8  version                 u16 (1)
+//! 10  codec id                u8
+//! 11  flags                   u8 (0)
+//! 12  key length              u16   (the wire key that follows the fixed part)
+//! 14  reserved                u16 (0)
+//! 16  payload length          u64   (encoded bytes after the header)
+//! 24  raw length              u64   (bytes after decoding)
+//! 32  payload checksum        u64   (xxh3-64 of the encoded payload)
+//! 40  reserved                16 bytes (0)
+//! 56  header checksum         u64   (xxh3-64 of bytes 0..56 and the key)
+//! 64  wire key                key length bytes
+//!     payload                 payload length bytes
+//! ```
+//! All integers are little-endian. A reader checks, in order: length, magic, version, header
+//! checksum, that the stored key is the key asked for, codec, payload length and payload
+//! checksum. Any mismatch is a [`BlobError`], which every caller turns into a miss.
+
+use bytes::{Bytes, BytesMut};
+use lmcache_core::ObjectKey;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+use crate::wire_key;
+
+/// The blob magic.
+pub const MAGIC: &[u8; 8] = b"LMRSBLB1";
+/// The blob format version.
+pub const VERSION: u16 = 1;
+/// Size of the fixed part of the header.
+pub const FIXED_HEADER: usize = 64;
+
+/// Why stored bytes were refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BlobError {
+    /// Fewer bytes than the header or the header's lengths say.
+    #[error("truncated: {got} bytes, {need} needed")]
+    Truncated {
+        /// Bytes present.
+        got: usize,
+        /// Bytes the header implies.
+        need: usize,
+    },
+    /// More bytes than the header says (a stale tail, or not our blob).
+    #[error("{extra} unexpected trailing bytes")]
+    Trailing {
+        /// Bytes beyond the payload.
+        extra: usize,
+    },
+    /// Not a blob of ours.
+    #[error("bad magic")]
+    Magic,
+    /// A format version this build does not read.
+    #[error("unsupported version {0}")]
+    Version(u16),
+    /// The header does not match its checksum.
+    #[error("header checksum mismatch")]
+    HeaderChecksum,
+    /// The blob belongs to another key (misplaced or a hash-slot collision).
+    #[error("blob is for key {found}, not the key asked for")]
+    WrongKey {
+        /// The key recorded in the blob.
+        found: String,
+    },
+    /// The payload does not match its checksum.
+    #[error("payload checksum mismatch")]
+    PayloadChecksum,
+    /// The blob was written with a codec this adapter is not configured for.
+    #[error("codec {found} in blob, adapter uses {expected}")]
+    Codec {
+        /// Codec id found.
+        found: u8,
+        /// Codec id expected.
+        expected: u8,
+    },
+    /// The codec could not decode the payload (includes failed authentication).
+    #[error("decode failed: {0}")]
+    Decode(String),
+    /// The decoded object is not the size the reader expects.
+    #[error("raw length {found}, expected {expected}")]
+    RawLength {
+        /// Length in the blob.
+        found: u64,
+        /// Length expected.
+        expected: u64,
+    },
+}
+
+/// An encoded object: the header (with the key) and the payload, kept apart so that a store
+/// can write the payload straight from L1 memory.
+#[derive(Debug, Clone)]
+pub struct Blob {
+    /// Header bytes, fixed part plus key.
+    pub header: Bytes,
+    /// Encoded payload.
+    pub payload: Bytes,
+}
+
+impl Blob {
+    /// Total stored length.
+    pub fn len(&self) -> usize {
+        self.header.len() + self.payload.len()
+    }
+
+    /// Whether the blob is empty (never true for a well-formed blob).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Header and payload in one buffer (one copy), for stores that need contiguous bytes.
+    pub fn to_contiguous(&self) -> Bytes {
+        let mut b = BytesMut::with_capacity(self.len());
+        b.extend_from_slice(&self.header);
+        b.extend_from_slice(&self.payload);
+        b.freeze()
+    }
+}
+
+/// The parsed, verified header of a blob.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// Codec id.
+    pub codec: u8,
+    /// Length of the header including the key.
+    pub header_len: usize,
+    /// Encoded payload length.
+    pub payload_len: u64,
+    /// Decoded length.
+    pub raw_len: u64,
+    /// xxh3-64 of the payload.
+    pub payload_checksum: u64,
+    /// The key the blob was written for.
+    pub wire_key: String,
+}
+
+impl Header {
+    /// Total blob length the header implies.
+    pub fn blob_len(&self) -> u64 {
+        self.header_len as u64 + self.payload_len
+    }
+}
+
+/// Builds the header of an encoded payload.
+pub fn header(key: &ObjectKey, codec: u8, payload: &[u8], raw_len: u64) -> Bytes {
+    let wk = wire_key::encode(key);
+    let key_len = u16::try_from(wk.len()).unwrap_or(u16::MAX);
+    let wk = &wk.as_bytes()[..key_len as usize];
+    let mut h = BytesMut::zeroed(FIXED_HEADER + wk.len());
+    h[0..8].copy_from_slice(MAGIC);
+    h[8..10].copy_from_slice(&VERSION.to_le_bytes());
+    h[10] = codec;
+    h[12..14].copy_from_slice(&key_len.to_le_bytes());
+    h[16..24].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    h[24..32].copy_from_slice(&raw_len.to_le_bytes());
+    h[32..40].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+    h[FIXED_HEADER..].copy_from_slice(wk);
+    let sum = header_checksum(&h[..56], wk);
+    h[56..64].copy_from_slice(&sum.to_le_bytes());
+    h.freeze()
+}
+
+fn header_checksum(fixed: &[u8], key: &[u8]) -> u64 {
+    let mut x = Xxh3::new();
+    x.update(fixed);
+    x.update(key);
+    x.digest()
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// Parses and checks a header at the start of `bytes` (which may hold only the header):
+/// magic, version and header checksum. The key is not compared here.
+pub fn parse_header(bytes: &[u8]) -> Result<Header, BlobError> {
+    if bytes.len() < FIXED_HEADER {
+        return Err(BlobError::Truncated { got: bytes.len(), need: FIXED_HEADER });
+    }
+    if &bytes[0..8] != MAGIC {
+        return Err(BlobError::Magic);
+    }
+    let version = u16::from_le_bytes([bytes[8], bytes[9]]);
+    if version != VERSION {
+        return Err(BlobError::Version(version));
+    }
+    let key_len = u16::from_le_bytes([bytes[12], bytes[13]]) as usize;
+    let header_len = FIXED_HEADER + key_len;
+    if bytes.len() < header_len {
+        return Err(BlobError::Truncated { got: bytes.len(), need: header_len });
+    }
+    let key = &bytes[FIXED_HEADER..header_len];
+    if header_checksum(&bytes[..56], key) != u64_at(bytes, 56) {
+        return Err(BlobError::HeaderChecksum);
+    }
+    Ok(Header {
+        codec: bytes[10],
+        header_len,
+        payload_len: u64_at(bytes, 16),
+        raw_len: u64_at(bytes, 24),
+        payload_checksum: u64_at(bytes, 32),
+        wire_key: String::from_utf8_lossy(key).into_owned(),
+    })
+}
+
+/// Verifies a whole blob read back for `key`; returns the header and the (still encoded)
+/// payload slice.
+pub fn verify<'a>(key: &ObjectKey, bytes: &'a [u8]) -> Result<(Header, &'a [u8]), BlobError> {
+    let h = parse_header(bytes)?;
+    let expected = wire_key::encode(key);
+    if h.wire_key.as_bytes() != &expected.as_bytes()[..expected.len().min(u16::MAX as usize)] {
+        return Err(BlobError::WrongKey { found: h.wire_key });
+    }
+    let need = usize::try_from(h.blob_len()).unwrap_or(usize::MAX);
+    if bytes.len() < need {
+        return Err(BlobError::Truncated { got: bytes.len(), need });
+    }
+    if bytes.len() > need {
+        return Err(BlobError::Trailing { extra: bytes.len() - need });
+    }
+    let payload = &bytes[h.header_len..];
+    if xxh3_64(payload) != h.payload_checksum {
+        return Err(BlobError::PayloadChecksum);
+    }
+    Ok((h, payload))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(salt: &str) -> ObjectKey {
+        ObjectKey::new([7; 32], "m", 1, 0, 0, salt).unwrap()
+    }
+
+    fn blob(k: &ObjectKey, payload: &[u8]) -> Vec<u8> {
+        let mut v = header(k, 0, payload, payload.len() as u64).to_vec();
+        v.extend_from_slice(payload);
+        v
+    }
+
+    #[test]
+    fn round_trip() {
+        let k = key("");
+        let b = blob(&k, b"hello kv");
+        let (h, p) = verify(&k, &b).unwrap();
+        assert_eq!(p, b"hello kv");
+        assert_eq!(h.raw_len, 8);
+        assert_eq!(h.blob_len() as usize, b.len());
+    }
+
+    #[test]
+    fn every_single_bit_flip_is_refused() {
+        let k = key("s");
+        let b = blob(&k, &[0x5a; 40]);
+        for i in 0..b.len() {
+            for bit in 0..8 {
+                let mut c = b.clone();
+                c[i] ^= 1 << bit;
+                assert!(verify(&k, &c).is_err(), "flip at byte {i} bit {bit} accepted");
+            }
+        }
+    }
+
+    #[test]
+    fn torn_stale_foreign_and_misplaced_are_refused() {
+        let k = key("");
+        let b = blob(&k, &[1; 100]);
+        for cut in [0, 10, 63, 64 + 10, b.len() - 1] {
+            assert!(matches!(verify(&k, &b[..cut]), Err(BlobError::Truncated { .. })), "{cut}");
+        }
+        let mut longer = b.clone();
+        longer.push(0);
+        assert_eq!(verify(&k, &longer).unwrap_err(), BlobError::Trailing { extra: 1 });
+        assert_eq!(verify(&k, &[0u8; 200]).unwrap_err(), BlobError::Magic);
+        assert!(matches!(verify(&key("other"), &b), Err(BlobError::WrongKey { .. })));
+    }
+}

@@ -1,0 +1,24 @@
+//! The L2 tier of lmcache-rs: storage below L1.
+//!
+//! - [`adapter`]: the async, batched [`L2Adapter`] trait every backend implements.
+//! - [`blob`]: the self-checking format of stored objects (magic, version, codec, the full key,
+//!   lengths, xxh3 checksums); a blob that fails any check is a miss.
+//! - [`codec`]: none, lz4, zstd, AES-256-GCM (per-salt keys, key as associated data), fp8.
+//! - [`adapters`]: `fs`, `raw_block`, `redis` (Redis/Valkey, single node or cluster), `s3`,
+//!   `mock` and `fault_inject`, one file each.
+//! - [`config`]: LMCache's `--l2-adapter` JSON (and TOML) to built adapters, field by field.
+//! - [`wire_key`]: LMCache's string form of an object key.
+
+pub mod adapter;
+pub mod adapters;
+pub mod blob;
+pub mod codec;
+pub mod config;
+pub mod error;
+pub mod wire_key;
+
+pub use adapter::{KeyPage, L2Adapter, Stored};
+pub use blob::{Blob, BlobError};
+pub use codec::Codec;
+pub use config::BuiltAdapter;
+pub use error::{ConfigError, L2Error};

@@ -1,0 +1,15 @@
+//! The storage controllers of lmcache-rs: the L2 tier joined to L1.
+//!
+//! - [`tier`]: [`L2Tier`], the ordered set of adapters (priority = order), their health and
+//!   byte accounting per cache_salt, runtime add and remove, and the runtime that drives them.
+//! - [`store`]: the write-behind store controller (L1 commit → every adapter), with a bounded
+//!   queue, duplicate skipping, retries with backoff and counted drops.
+//! - [`prefetch`]: the prefetch controller (lookup → L2 → L1), with an in-flight limit and a
+//!   deadline per request.
+
+pub mod prefetch;
+pub mod store;
+pub mod tier;
+
+pub use prefetch::{PrefetchOutcome, PrefetchRequest};
+pub use tier::{AdapterInfo, L2Tier, StorePolicy, TierConfig, TierStats};

@@ -1,0 +1,246 @@
+//! The prefetch controller: a lookup's chunks missing from L1 are looked up in every adapter
+//! (one batched call each, concurrently), the longest prefix servable from L1 ∪ L2 is planned
+//! (each chunk from the highest-priority adapter holding it), loaded, verified, decoded into
+//! L1, and read-locked for the reader like an L1 hit.
+//!
+//! Safety of buffers: adapters load into memory they own; only a verified, decoded blob is
+//! copied into an L1 write reservation, which is committed at once. An expired or abandoned
+//! request therefore never has an L1 buffer written after it was given up: dropping the
+//! request drops its reservations (RAII) and its in-flight adapter calls only fill their own
+//! buffers.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use futures_util::future::join_all;
+use lmcache_core::ObjectKey;
+use lmcache_l1::{L1Error, ReadLease, WriteRequest};
+
+use crate::tier::{AdapterSlot, L2Tier, Shared};
+
+/// One prefetch: the keys of chunks `[first, end)` of each shard, and how many read locks
+/// the reader needs on each served chunk.
+#[derive(Debug, Clone)]
+pub struct PrefetchRequest {
+    /// Per shard, the keys of the chunks to serve (the same count for every shard).
+    pub shards: Vec<Vec<ObjectKey>>,
+    /// Read locks per served object.
+    pub readers: u32,
+}
+
+/// The result: locked objects of the servable prefix.
+#[derive(Debug, Default)]
+pub struct PrefetchOutcome {
+    /// Per shard, leases on the first `hits` chunks.
+    pub leases: Vec<Vec<ReadLease>>,
+    /// Chunks servable on every shard.
+    pub hits: usize,
+    /// Objects loaded from L2 for this request.
+    pub loaded_keys: usize,
+    /// Bytes loaded from L2.
+    pub loaded_bytes: u64,
+    /// Whether the deadline cut the request short.
+    pub expired: bool,
+}
+
+impl L2Tier {
+    /// Starts a prefetch; `done` is called exactly once, from a tier thread.
+    pub fn prefetch(
+        &self,
+        req: PrefetchRequest,
+        done: impl FnOnce(PrefetchOutcome) + Send + 'static,
+    ) {
+        let shared = self.shared.clone();
+        self.rt.spawn(async move {
+            let outcome = run(&shared, req).await;
+            done(outcome);
+        });
+    }
+
+    /// Runs a prefetch to completion on the calling (non-async) thread.
+    pub fn prefetch_blocking(&self, req: PrefetchRequest) -> PrefetchOutcome {
+        let shared = self.shared.clone();
+        self.block_on(async move { run(&shared, req).await })
+    }
+}
+
+async fn run(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcome {
+    let stats = &shared.stats;
+    stats.prefetch_requests.fetch_add(1, Ordering::Relaxed);
+    let deadline = tokio::time::Instant::now() + shared.config.prefetch_deadline;
+    let mut out = PrefetchOutcome::default();
+    let permit =
+        tokio::time::timeout_at(deadline, shared.prefetch_slots.clone().acquire_owned()).await;
+    if let Ok(Ok(_permit)) = permit {
+        stats.prefetch_in_flight.fetch_add(1, Ordering::Relaxed);
+        let work = load_missing(shared, &req, &mut out);
+        if tokio::time::timeout_at(deadline, work).await.is_err() {
+            out.expired = true;
+        }
+        stats.prefetch_in_flight.fetch_sub(1, Ordering::Relaxed);
+    } else {
+        out.expired = true;
+    }
+    if out.expired {
+        stats.prefetch_expired.fetch_add(1, Ordering::Relaxed);
+    }
+    // Lock what L1 now holds, shard by shard, and keep the common prefix.
+    let mut leases: Vec<Vec<ReadLease>> = req
+        .shards
+        .iter()
+        .map(|keys| shared.l1.read_lock_prefix(keys, req.readers).unwrap_or_default())
+        .collect();
+    let hits = leases.iter().map(Vec::len).min().unwrap_or(0);
+    for l in &mut leases {
+        l.truncate(hits);
+    }
+    out.leases = leases;
+    out.hits = hits;
+    out
+}
+
+/// Looks up, plans and loads the chunks L1 lacks.
+async fn load_missing(shared: &Arc<Shared>, req: &PrefetchRequest, out: &mut PrefetchOutcome) {
+    let n = req.shards.iter().map(Vec::len).min().unwrap_or(0);
+    if n == 0 {
+        return;
+    }
+    // Which (shard, chunk) cells L1 lacks.
+    let mut missing: Vec<(usize, usize)> = Vec::new();
+    for (s, keys) in req.shards.iter().enumerate() {
+        for (c, k) in keys.iter().take(n).enumerate() {
+            if !shared.l1.contains(k) {
+                missing.push((s, c));
+            }
+        }
+    }
+    if missing.is_empty() {
+        return;
+    }
+    let adapters: Vec<Arc<AdapterSlot>> =
+        shared.adapters().into_iter().filter(|a| a.usable(shared.epoch)).collect();
+    if adapters.is_empty() {
+        return;
+    }
+    let keys: Vec<ObjectKey> = missing.iter().map(|&(s, c)| req.shards[s][c].clone()).collect();
+    // One batched lookup per adapter, all at once.
+    let found = join_all(adapters.iter().map(|a| {
+        let keys = &keys;
+        async move {
+            let r = a.built.adapter.lookup(keys).await;
+            a.stats.lookup_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
+            match r {
+                Ok(f) if f.len() == keys.len() => {
+                    a.ok();
+                    a.stats
+                        .lookup_hits
+                        .fetch_add(f.iter().filter(|x| **x).count() as u64, Ordering::Relaxed);
+                    f
+                }
+                Ok(_) => vec![false; keys.len()],
+                Err(e) => {
+                    a.failed(shared.epoch, &e);
+                    vec![false; keys.len()]
+                }
+            }
+        }
+    }))
+    .await;
+    // Plan: the first chunk some shard can get from nowhere ends the prefix.
+    let source = |m: usize| (0..adapters.len()).find(|&a| found[a][m]);
+    let mut limit = n;
+    for (m, &(_, c)) in missing.iter().enumerate() {
+        if c < limit && source(m).is_none() {
+            limit = c;
+        }
+    }
+    let mut plan: HashMap<usize, Vec<usize>> = HashMap::new();
+    for (m, &(_, c)) in missing.iter().enumerate() {
+        if c < limit
+            && let Some(a) = source(m)
+        {
+            plan.entry(a).or_default().push(m);
+        }
+    }
+    // Load from each adapter concurrently; decode into L1 as results arrive.
+    let loads = join_all(plan.into_iter().map(|(a, ms)| {
+        let slot = adapters[a].clone();
+        let ks: Vec<ObjectKey> = ms.iter().map(|&m| keys[m].clone()).collect();
+        async move {
+            let results = slot.built.adapter.load(&ks).await;
+            place(shared, &slot, &ks, results)
+        }
+    }))
+    .await;
+    for (k, b) in loads {
+        out.loaded_keys += k;
+        out.loaded_bytes += b;
+    }
+}
+
+/// Verifies, decodes and commits loaded blobs into L1. Returns (keys, bytes) placed.
+fn place(
+    shared: &Shared,
+    slot: &AdapterSlot,
+    keys: &[ObjectKey],
+    results: Vec<Result<Option<bytes::Bytes>, lmcache_l2::L2Error>>,
+) -> (usize, u64) {
+    let st = &slot.stats;
+    let mut placed = (0usize, 0u64);
+    let mut had_error = None;
+    for (key, r) in keys.iter().zip(results) {
+        let bytes = match r {
+            Ok(Some(b)) => b,
+            Ok(None) => {
+                st.load_failures.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Err(e) => {
+                st.load_failures.fetch_add(1, Ordering::Relaxed);
+                had_error = Some(e);
+                continue;
+            }
+        };
+        let codec = &slot.built.codec;
+        let (header, payload) = match codec.open(key, &bytes) {
+            Ok(x) => x,
+            Err(e) => {
+                st.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(key = %key, adapter = slot.id, error = %e,
+                    "L2 blob refused; treated as a miss");
+                continue;
+            }
+        };
+        let mut w = match shared
+            .l1
+            .reserve_write(&[WriteRequest::new(key.clone(), header.raw_len)])
+            .pop()
+        {
+            Some(Ok(w)) => w,
+            Some(Err(L1Error::NotWritable)) => continue, // already resident (or being written)
+            _ => {
+                shared.stats.prefetch_l1_refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        if let Err(e) = codec.decode_into(key, payload, w.as_mut_slice()) {
+            st.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(key = %key, adapter = slot.id, error = %e, "L2 blob failed to decode");
+            continue; // the reservation is discarded on drop
+        }
+        if w.commit().is_ok() {
+            placed.0 += 1;
+            placed.1 += header.raw_len;
+            st.loaded_keys.fetch_add(1, Ordering::Relaxed);
+            st.loaded_bytes.fetch_add(header.raw_len, Ordering::Relaxed);
+        }
+    }
+    match had_error {
+        Some(e) => slot.failed(shared.epoch, &e),
+        None => slot.ok(),
+    }
+    shared.stats.prefetch_loaded_keys.fetch_add(placed.0 as u64, Ordering::Relaxed);
+    shared.stats.prefetch_loaded_bytes.fetch_add(placed.1, Ordering::Relaxed);
+    placed
+}

@@ -1,0 +1,171 @@
+//! The write-behind store controller: L1 commits → every adapter.
+//!
+//! [`L2Tier::submit_store`] never blocks: keys go into a bounded queue and are dropped
+//! (counted) when it is full. The controller drains the queue in batches; per adapter it
+//! asks which keys are already stored (skipped), read-locks the rest in L1 just long enough
+//! to encode and write them (with no codec the write reads L1 memory directly, with no copy),
+//! and retries transient failures with exponential backoff.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use lmcache_core::ObjectKey;
+use lmcache_l1::ReadLease;
+use lmcache_l2::{Blob, L2Error, Stored};
+use tokio::sync::mpsc;
+
+use crate::tier::{AdapterSlot, L2Tier, Shared, StorePolicy};
+
+/// L1 bytes lent to a blob: the read lock is released when the last copy of the `Bytes` goes.
+struct LeaseBytes(ReadLease);
+
+impl AsRef<[u8]> for LeaseBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
+impl L2Tier {
+    /// Queues newly committed L1 keys for writing behind. Never blocks.
+    pub fn submit_store(&self, keys: impl IntoIterator<Item = ObjectKey>) {
+        if self.is_empty() {
+            return;
+        }
+        let st = &self.shared.stats;
+        for k in keys {
+            match self.store_tx.try_send(k) {
+                Ok(()) => st.store_enqueued.fetch_add(1, Ordering::Relaxed),
+                Err(_) => st.store_dropped.fetch_add(1, Ordering::Relaxed),
+            };
+        }
+    }
+}
+
+pub(crate) async fn run(shared: Arc<Shared>, mut rx: mpsc::Receiver<ObjectKey>) {
+    let batch = shared.config.store_batch.max(1);
+    let mut buf = Vec::with_capacity(batch);
+    loop {
+        buf.clear();
+        if rx.recv_many(&mut buf, batch).await == 0 {
+            return;
+        }
+        let Ok(permit) = shared.store_slots.clone().acquire_owned().await else { return };
+        let keys = std::mem::take(&mut buf);
+        let sh = shared.clone();
+        tokio::spawn(async move {
+            store_batch(&sh, keys).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn store_batch(shared: &Shared, keys: Vec<ObjectKey>) {
+    let adapters = shared.adapters();
+    let mut all_ok = vec![true; keys.len()];
+    for slot in &adapters {
+        if !slot.usable(shared.epoch) {
+            all_ok.iter_mut().for_each(|o| *o = false);
+            continue;
+        }
+        let ok = store_to(shared, slot, &keys).await;
+        for (a, o) in all_ok.iter_mut().zip(ok) {
+            *a &= o;
+        }
+    }
+    if shared.config.store_policy == StorePolicy::SkipL1 && !adapters.is_empty() {
+        let done: Vec<ObjectKey> =
+            keys.iter().zip(&all_ok).filter(|(_, ok)| **ok).map(|(k, _)| k.clone()).collect();
+        let n = shared.l1.delete(&done, false).iter().filter(|r| r.is_ok()).count();
+        shared.stats.l1_deleted_after_store.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+/// Writes `keys` to one adapter; returns per key whether the adapter holds it afterwards.
+async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Vec<bool> {
+    let stats = &slot.stats;
+    let adapter = &slot.built.adapter;
+    let mut held = vec![false; keys.len()];
+    // 1. Skip what the adapter already has.
+    let present = match adapter.lookup(keys).await {
+        Ok(p) => {
+            slot.ok();
+            p
+        }
+        Err(e) => {
+            slot.failed(shared.epoch, &e);
+            vec![false; keys.len()]
+        }
+    };
+    let mut todo: Vec<usize> = Vec::new();
+    for (i, p) in present.iter().enumerate() {
+        if *p {
+            held[i] = true;
+            stats.skipped_keys.fetch_add(1, Ordering::Relaxed);
+        } else {
+            todo.push(i);
+        }
+    }
+    // 2. Encode from L1 under a read lock each.
+    let leases = shared.l1.read_lock(&todo.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>(), 1);
+    let mut items: Vec<(usize, ObjectKey, Blob)> = Vec::new();
+    for (&i, lease) in todo.iter().zip(leases) {
+        let Ok(lease) = lease else {
+            shared.stats.store_vanished.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let raw = Bytes::from_owner(LeaseBytes(lease));
+        match slot.built.codec.encode(&keys[i], raw) {
+            Ok(blob) => items.push((i, keys[i].clone(), blob)),
+            Err(e) => {
+                tracing::warn!(key = %keys[i], error = %e, "L2 encode failed; key not stored");
+                stats.store_failures.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    // 3. Write, retrying transient failures.
+    let mut delay = shared.config.retry_backoff;
+    for attempt in 0..=shared.config.store_retries {
+        if items.is_empty() {
+            break;
+        }
+        let batch: Vec<(ObjectKey, Blob)> =
+            items.iter().map(|(_, k, b)| (k.clone(), b.clone())).collect();
+        let results = adapter.store(batch).await;
+        let mut retry = Vec::new();
+        let mut last_err: Option<L2Error> = None;
+        for ((i, k, b), r) in items.drain(..).zip(results) {
+            match r {
+                Ok(Stored::Written(n)) => {
+                    held[i] = true;
+                    stats.stored_keys.fetch_add(1, Ordering::Relaxed);
+                    stats.stored_bytes.fetch_add(n, Ordering::Relaxed);
+                    slot.account(&k.cache_salt, n as i64);
+                }
+                Ok(Stored::AlreadyPresent) => {
+                    held[i] = true;
+                    stats.skipped_keys.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) if e.is_transient() && attempt < shared.config.store_retries => {
+                    retry.push((i, k, b));
+                    last_err = Some(e);
+                }
+                Err(e) => {
+                    stats.store_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(key = %k, error = %e, "L2 store failed");
+                    last_err = Some(e);
+                }
+            }
+        }
+        match &last_err {
+            Some(e) => slot.failed(shared.epoch, e),
+            None => slot.ok(),
+        }
+        items = retry;
+        if !items.is_empty() {
+            tokio::time::sleep(delay).await;
+            delay *= 2;
+        }
+    }
+    held
+}

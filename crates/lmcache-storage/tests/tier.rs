@@ -1,0 +1,248 @@
+//! The L2 tier over a real L1: write-behind, prefetch back into L1, integrity and faults.
+#![allow(missing_docs, clippy::allow_attributes)]
+
+use std::time::{Duration, Instant};
+
+use lmcache_core::ObjectKey;
+use lmcache_l1::{L1Cache, L1Config, WriteRequest};
+use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+use lmcache_storage::{L2Tier, PrefetchRequest, TierConfig};
+use serde_json::{Value, json};
+
+const OBJ: u64 = 64 * 1024;
+
+fn l1(capacity: u64) -> L1Cache {
+    let arena = Arena::create(&ArenaConfig {
+        size: capacity,
+        backing: ArenaBacking::Anonymous,
+        mlock: false,
+    })
+    .unwrap();
+    L1Cache::new(L1Config::default(), ArenaAllocator::new(arena, 4096).unwrap()).unwrap()
+}
+
+fn key(i: u32) -> ObjectKey {
+    let mut h = [0u8; 32];
+    h[..4].copy_from_slice(&i.to_le_bytes());
+    ObjectKey::new(h, "test/model", 1, 0, 0, "").unwrap()
+}
+
+fn pattern(i: u32) -> Vec<u8> {
+    (0..OBJ as usize).map(|j| (j as u32).wrapping_mul(31).wrapping_add(i * 7) as u8).collect()
+}
+
+fn put(l1: &L1Cache, i: u32) {
+    let mut w = l1.reserve_write(&[WriteRequest::new(key(i), OBJ)]).pop().unwrap().unwrap();
+    w.as_mut_slice().copy_from_slice(&pattern(i));
+    w.commit().unwrap();
+}
+
+fn wait_stored(tier: &L2Tier, n: u64) {
+    let t0 = Instant::now();
+    loop {
+        let done: u64 = tier
+            .adapters()
+            .iter()
+            .map(|a| {
+                a.stats.stored_keys.load(std::sync::atomic::Ordering::Relaxed)
+                    + a.stats.skipped_keys.load(std::sync::atomic::Ordering::Relaxed)
+                    + a.stats.store_failures.load(std::sync::atomic::Ordering::Relaxed)
+            })
+            .min()
+            .unwrap_or(0);
+        if done >= n {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "stores did not finish: {done}/{n}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Stores `n` objects through L1, evicts them from L1, prefetches them back and checks bytes.
+fn round_trip(spec: Value, n: u32) -> (L2Tier, L1Cache) {
+    let l1 = l1(64 << 20);
+    let tier = L2Tier::start(l1.clone(), &[spec], TierConfig::default()).unwrap();
+    for i in 0..n {
+        put(&l1, i);
+    }
+    tier.submit_store((0..n).map(key));
+    wait_stored(&tier, n as u64);
+    l1.clear(true);
+    assert!(!l1.contains(&key(0)));
+    let out = tier
+        .prefetch_blocking(PrefetchRequest { shards: vec![(0..n).map(key).collect()], readers: 1 });
+    assert_eq!(out.hits, n as usize, "every chunk should come back from L2");
+    assert_eq!(out.loaded_keys, n as usize);
+    for (i, lease) in out.leases[0].iter().enumerate() {
+        assert_eq!(lease.bytes(), &pattern(i as u32)[..], "chunk {i} differs after L2 round trip");
+    }
+    (tier, l1)
+}
+
+#[test]
+fn mock_round_trip_with_every_lossless_codec() {
+    let dir = tempfile::tempdir().unwrap();
+    let kp = dir.path().join("k");
+    std::fs::write(&kp, [5u8; 32]).unwrap();
+    for serde in [
+        json!(null),
+        json!({"type": "lz4"}),
+        json!({"type": "zstd"}),
+        json!({"type": "aesgcm", "master_key_path": kp}),
+    ] {
+        let mut spec = json!({"type": "mock", "max_size_gb": 1});
+        if !serde.is_null() {
+            spec["serde"] = serde;
+        }
+        round_trip(spec, 8);
+    }
+}
+
+#[test]
+fn fs_round_trip_and_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = json!({"type": "fs", "base_path": dir.path()});
+    let (tier, _l1) = round_trip(spec.clone(), 16);
+    tier.shutdown();
+    drop(tier);
+    // A new tier over the same directory finds the keys again.
+    let l1b = l1(64 << 20);
+    let tier2 = L2Tier::start(l1b.clone(), &[spec], TierConfig::default()).unwrap();
+    let out = tier2.prefetch_blocking(PrefetchRequest {
+        shards: vec![(0..16).map(key).collect()],
+        readers: 1,
+    });
+    assert_eq!(out.hits, 16);
+    assert_eq!(out.leases[0][5].bytes(), &pattern(5)[..]);
+}
+
+#[test]
+fn raw_block_round_trip_and_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = dir.path().join("dev.img");
+    let spec = json!({"type": "raw_block", "device_path": dev, "slot_bytes": 128 * 1024,
+        "capacity_bytes": 32 << 20, "meta_total_bytes": 1 << 20, "use_odirect": false});
+    let (tier, _l1) = round_trip(spec.clone(), 16);
+    drop(tier); // no clean close: recovery must replay the journal
+    let l1b = l1(64 << 20);
+    let tier2 = L2Tier::start(l1b, &[spec], TierConfig::default()).unwrap();
+    let out = tier2.prefetch_blocking(PrefetchRequest {
+        shards: vec![(0..16).map(key).collect()],
+        readers: 1,
+    });
+    assert_eq!(out.hits, 16);
+    assert_eq!(out.leases[0][15].bytes(), &pattern(15)[..]);
+}
+
+#[test]
+fn prefix_stops_at_the_first_chunk_nowhere() {
+    let l1 = l1(64 << 20);
+    let tier = L2Tier::start(
+        l1.clone(),
+        &[json!({"type": "mock", "max_size_gb": 1})],
+        TierConfig::default(),
+    )
+    .unwrap();
+    for i in 0..6 {
+        put(&l1, i);
+    }
+    tier.submit_store([0, 1, 3, 4, 5].map(key)); // chunk 2 never reaches L2
+    wait_stored(&tier, 5);
+    l1.clear(true);
+    let out = tier
+        .prefetch_blocking(PrefetchRequest { shards: vec![(0..6).map(key).collect()], readers: 2 });
+    assert_eq!(out.hits, 2);
+    assert_eq!(out.loaded_keys, 2, "chunks after the gap are not loaded");
+    assert_eq!(out.leases[0][0].count(), 2);
+}
+
+#[test]
+fn corrupt_truncated_and_failing_loads_are_misses_never_wrong_bytes() {
+    for mode in ["corrupt", "truncate", "fail", "miss"] {
+        let l1 = l1(64 << 20);
+        let spec = json!({"type": "fault_inject", "rate": 1.0, "mode": mode, "ops": ["load"],
+            "inner": {"type": "mock", "max_size_gb": 1}});
+        let tier = L2Tier::start(l1.clone(), &[spec], TierConfig::default()).unwrap();
+        for i in 0..4 {
+            put(&l1, i);
+        }
+        tier.submit_store((0..4).map(key));
+        wait_stored(&tier, 4);
+        l1.clear(true);
+        let out = tier.prefetch_blocking(PrefetchRequest {
+            shards: vec![(0..4).map(key).collect()],
+            readers: 1,
+        });
+        assert_eq!(out.hits, 0, "{mode}: a faulted load must be a miss");
+        assert!(!l1.contains(&key(0)), "{mode}: nothing unverified may enter L1");
+        if mode == "corrupt" || mode == "truncate" {
+            let c =
+                tier.adapters()[0].stats.corrupt_blobs.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(c, 4, "{mode}: every refused blob is counted");
+        }
+    }
+}
+
+#[test]
+fn higher_priority_adapter_serves_and_lower_fills_gaps() {
+    let l1 = l1(64 << 20);
+    let specs =
+        [json!({"type": "mock", "max_size_gb": 1}), json!({"type": "mock", "max_size_gb": 1})];
+    let tier = L2Tier::start(l1.clone(), &specs, TierConfig::default()).unwrap();
+    for i in 0..4 {
+        put(&l1, i);
+    }
+    tier.submit_store((0..4).map(key));
+    wait_stored(&tier, 4);
+    // Drop chunk 1 from the first adapter only.
+    let first = tier.adapters()[0].built.adapter.clone();
+    tier.block_on(async move { first.delete(&[key(1)]).await.unwrap() });
+    l1.clear(true);
+    let out = tier
+        .prefetch_blocking(PrefetchRequest { shards: vec![(0..4).map(key).collect()], readers: 1 });
+    assert_eq!(out.hits, 4);
+    let loaded =
+        |i: usize| tier.adapters()[i].stats.loaded_keys.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!((loaded(0), loaded(1)), (3, 1));
+}
+
+#[test]
+fn slow_adapter_hits_the_deadline_without_hanging() {
+    let l1 = l1(64 << 20);
+    let spec = json!({"type": "fault_inject", "rate": 1.0, "mode": "delay", "delay_ms": 3000,
+        "ops": ["load"], "inner": {"type": "mock", "max_size_gb": 1}});
+    let cfg = TierConfig { prefetch_deadline: Duration::from_millis(200), ..TierConfig::default() };
+    let tier = L2Tier::start(l1.clone(), &[spec], cfg).unwrap();
+    put(&l1, 0);
+    tier.submit_store([key(0)]);
+    wait_stored(&tier, 1);
+    l1.clear(true);
+    let t0 = Instant::now();
+    let out = tier.prefetch_blocking(PrefetchRequest { shards: vec![vec![key(0)]], readers: 1 });
+    assert!(t0.elapsed() < Duration::from_secs(2), "deadline not honoured");
+    assert!(out.expired);
+    assert_eq!(out.hits, 0);
+}
+
+#[test]
+fn full_queue_drops_are_counted_and_engine_never_waits() {
+    let l1 = l1(64 << 20);
+    let spec = json!({"type": "mock", "max_size_gb": 1, "latency_ms": 50});
+    let cfg = TierConfig {
+        store_queue_keys: 4,
+        store_concurrency: 1,
+        store_batch: 1,
+        ..TierConfig::default()
+    };
+    let tier = L2Tier::start(l1.clone(), &[spec], cfg).unwrap();
+    for i in 0..64 {
+        put(&l1, i);
+    }
+    let t0 = Instant::now();
+    tier.submit_store((0..64).map(key));
+    assert!(t0.elapsed() < Duration::from_millis(50), "submit must not wait on L2");
+    let dropped = tier.stats().store_dropped.load(std::sync::atomic::Ordering::Relaxed);
+    let queued = tier.stats().store_enqueued.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(dropped > 0, "a 4-key queue cannot take 64 keys at once");
+    assert_eq!(dropped + queued, 64);
+}
