@@ -101,6 +101,31 @@ pub struct ServerArgs {
     /// A write reservation of a client that went silent is dropped after this many seconds.
     #[arg(long, default_value_t = 600)]
     pub l1_write_ttl_seconds: u64,
+    /// An L2 adapter as LMCache's JSON, e.g. '{"type": "fs", "base_path": "/var/cache/kv"}'.
+    /// Repeatable; the order is the priority. Types: fs, raw_block, redis (resp, valkey), s3,
+    /// mock, fault_inject; `"serde": {"type": "lz4"|"zstd"|"aesgcm"|"fp8"}` adds a codec.
+    #[arg(long = "l2-adapter", value_name = "JSON")]
+    pub l2_adapter: Vec<String>,
+    /// A TOML file of `[[l2_adapter]]` tables (same fields as --l2-adapter), added after them.
+    #[arg(long, value_name = "FILE")]
+    pub l2_config: Option<std::path::PathBuf>,
+    /// After an L2 write: `default` keeps the object in L1; `skip_l1` deletes it from L1
+    /// (L1 as a write buffer).
+    #[arg(long, default_value = "default", value_parser = ["default", "skip_l1"])]
+    pub l2_store_policy: String,
+    /// Prefetch plan: `default` and `retain` both serve the longest prefix from L1 then L2
+    /// (first adapter holding a chunk wins) and keep loaded objects in L1 under its eviction.
+    #[arg(long, default_value = "default", value_parser = ["default", "retain"])]
+    pub l2_prefetch_policy: String,
+    /// L2 prefetch requests in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub l2_prefetch_max_in_flight: usize,
+    /// A prefetch serves what it loaded by then and stops after this many seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub l2_prefetch_timeout_seconds: f64,
+    /// Objects the L2 write-behind queue holds; beyond it stores are dropped (and counted).
+    #[arg(long, default_value_t = 16384)]
+    pub l2_store_queue_size: usize,
     /// Exit after this many seconds (for tests and benchmarks); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
@@ -111,10 +136,6 @@ pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
     "--l1-manager",
     "--l1-devdax-path",
     "--gds-l1-path",
-    "--l2-adapter",
-    "--l2-store-policy",
-    "--l2-prefetch-policy",
-    "--l2-prefetch-max-in-flight",
     "--transport",
     "--engine-type",
     "--isolated-ipc",
@@ -165,7 +186,33 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
             if args.shm_name.is_empty() { default_shm_name() } else { args.shm_name.clone() };
         ArenaBacking::SharedMemory { name }
     };
+    let mut l2_adapters = Vec::new();
+    for (i, text) in args.l2_adapter.iter().enumerate() {
+        l2_adapters.push(
+            lmcache_l2::config::parse_json(text).with_context(|| format!("--l2-adapter #{i}"))?,
+        );
+    }
+    if let Some(path) = &args.l2_config {
+        l2_adapters.extend(lmcache_l2::config::parse_toml_file(path)?);
+    }
+    let t_prefetch = args.l2_prefetch_timeout_seconds;
+    if !(t_prefetch.is_finite() && t_prefetch > 0.0) {
+        bail!("--l2-prefetch-timeout-seconds must be a positive number, got {t_prefetch}");
+    }
+    let l2 = lmcache_storage::TierConfig {
+        max_in_flight: args.l2_prefetch_max_in_flight.max(1),
+        prefetch_deadline: Duration::from_secs_f64(t_prefetch),
+        store_queue_keys: args.l2_store_queue_size.max(1),
+        store_policy: if args.l2_store_policy == "skip_l1" {
+            lmcache_storage::StorePolicy::SkipL1
+        } else {
+            lmcache_storage::StorePolicy::Default
+        },
+        ..lmcache_storage::TierConfig::default()
+    };
     Ok(ServerConfig {
+        l2_adapters,
+        l2,
         host: args.host.clone(),
         port: args.port,
         http_host: args.http_host.clone(),

@@ -44,6 +44,10 @@ pub struct ServerConfig {
     pub arena: ArenaConfig,
     /// L1 object alignment.
     pub align: u64,
+    /// L2 adapters in priority order (LMCache's `--l2-adapter` JSON objects).
+    pub l2_adapters: Vec<serde_json::Value>,
+    /// Settings of the L2 store and prefetch controllers.
+    pub l2: lmcache_storage::TierConfig,
 }
 
 impl ServerConfig {
@@ -69,6 +73,8 @@ impl ServerConfig {
             l1: L1Config::default(),
             arena,
             align: lmcache_memory::DEFAULT_ALIGN,
+            l2_adapters: Vec::new(),
+            l2: lmcache_storage::TierConfig::default(),
         }
     }
 

@@ -65,7 +65,9 @@ pub fn router(state: Shared) -> Router {
             }),
         )
         .route("/config", get(config))
-        .route("/config/adapters", get(|| async { Json(json!({"adapters": []})) }))
+        .route("/config/adapters", get(config_adapters))
+        .route("/reconfigure/{backend}/l2/status", get(reconfigure_status))
+        .route("/reconfigure/{backend}/l2/{operation}", post(reconfigure))
         .route("/metrics", get(metrics))
         .route("/cache/clear", post(clear))
         .route("/cache/objects", get(objects_list).delete(objects_delete))
@@ -141,7 +143,7 @@ async fn status(State(s): State<Shared>) -> Json<Value> {
                 "total_object_count": u.resident_objects,
             },
             "eviction_controller": {"eviction_policy": s.l1.config().eviction_policy.as_str()},
-            "l2_adapters": [],
+            "l2_adapters": l2_status(&s),
             "l1": {
                 "capacity_bytes": u.capacity,
                 "used_bytes": u.used_bytes,
@@ -186,10 +188,120 @@ async fn config(State(s): State<Shared>) -> Json<Value> {
             "eviction_trigger_watermark": c.l1.trigger_watermark, "eviction_ratio": c.l1.eviction_ratio,
             "l1_read_ttl_seconds": c.l1.read_ttl.as_secs_f64(),
             "l1_write_ttl_seconds": c.l1.write_ttl.as_secs_f64(),
-            "l2_adapters": [],
+            "l2_adapters": l2_specs(&s),
         },
         "http": {"http_host": c.http_host, "http_port": c.http_port, "auth": c.http_auth_token.is_some()},
     }))
+}
+
+/// Each adapter's state for /status: LMCache's `type` and `is_healthy`, then our detail.
+fn l2_status(s: &ServerState) -> Vec<Value> {
+    let Some(t) = &s.l2 else { return Vec::new() };
+    t.describe()
+        .into_iter()
+        .map(|a| {
+            let mut d = a.detail;
+            d["is_healthy"] = json!(a.healthy);
+            d
+        })
+        .collect()
+}
+
+/// The adapters' configurations (secrets masked), for /config.
+fn l2_specs(s: &ServerState) -> Vec<Value> {
+    s.l2.as_ref()
+        .map_or_else(Vec::new, |t| t.adapters().iter().map(|a| a.built.spec.clone()).collect())
+}
+
+async fn config_adapters(State(s): State<Shared>) -> Json<Value> {
+    let list: Vec<Value> = s.l2.as_ref().map_or_else(Vec::new, |t| {
+        t.adapters()
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                json!({"index": a.id, "type_name": a.built.kind, "tier": "l2",
+                       "primary": i == 0, "reconfigurable": true})
+            })
+            .collect()
+    });
+    Json(json!({"adapters": list}))
+}
+
+async fn reconfigure_status(
+    State(s): State<Shared>,
+    axum::extract::Path(backend): axum::extract::Path<String>,
+) -> Json<Value> {
+    let adapters = l2_status(&s);
+    Json(json!({"enabled": s.l2.is_some(), "backend": backend,
+                "num_adapters": adapters.len(), "adapters": adapters}))
+}
+
+/// `POST /reconfigure/{backend}/l2/add` with an adapter spec (`{"spec": {...}}` or the spec
+/// itself), or `.../remove` with `{"adapter_index": id}`.
+async fn reconfigure(
+    State(s): State<Shared>,
+    axum::extract::Path((_backend, op)): axum::extract::Path<(String, String)>,
+    body: Option<Json<Value>>,
+) -> Response {
+    let Some(tier) = s.l2.clone() else {
+        return error(
+            StatusCode::CONFLICT,
+            "no L2 tier: start the server with at least one --l2-adapter to reconfigure L2",
+        );
+    };
+    let body = body.map(|Json(v)| v).unwrap_or(Value::Null);
+    match op.as_str() {
+        "add" => {
+            let spec = body.get("spec").cloned().unwrap_or(body);
+            match tokio::task::spawn_blocking(move || tier.add_adapter(&spec)).await {
+                Ok(Ok(id)) => Json(json!({"status": "ok", "adapter_index": id})).into_response(),
+                Ok(Err(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            }
+        }
+        "remove" => match body.get("adapter_index").and_then(Value::as_u64) {
+            None => error(StatusCode::BAD_REQUEST, "adapter_index: missing or not an integer"),
+            Some(id) if tier.remove_adapter(id) => {
+                Json(json!({"status": "ok", "removed": id})).into_response()
+            }
+            Some(id) => error(StatusCode::NOT_FOUND, format!("adapter_index: no adapter {id}")),
+        },
+        other => {
+            error(StatusCode::BAD_REQUEST, format!("operation: {other:?} is not add or remove"))
+        }
+    }
+}
+
+fn refresh_l2_metrics(s: &ServerState) {
+    use crate::metrics::{L2Label, StateLabel, advance};
+    use std::sync::atomic::Ordering::Relaxed;
+    let m = &s.metrics.l2;
+    let n = s.l2.as_ref().map_or(0, |t| t.len()) as i64;
+    let active = StateLabel { state: "active".into() };
+    m.store_adapters.get_or_create(&active).set(n);
+    m.prefetch_adapters.get_or_create(&active).set(n);
+    let Some(tier) = &s.l2 else { return };
+    let ts = tier.stats();
+    advance(&m.store_submitted_objects, ts.store_enqueued.load(Relaxed));
+    advance(&m.store_dropped_objects, ts.store_dropped.load(Relaxed));
+    advance(&m.prefetch_requests, ts.prefetch_requests.load(Relaxed));
+    advance(&m.prefetch_expired, ts.prefetch_expired.load(Relaxed));
+    s.metrics.active_prefetch_jobs.set(ts.prefetch_in_flight.load(Relaxed) as i64);
+    for a in tier.adapters() {
+        let l = L2Label { l2_name: a.built.kind.clone(), adapter_index: a.id.to_string() };
+        let st = &a.stats;
+        m.usage_bytes.get_or_create(&l).set(a.usage().iter().map(|(_, b)| *b).sum::<u64>() as i64);
+        m.healthy.get_or_create(&l).set(i64::from(a.healthy()));
+        advance(&m.store_completed_objects.get_or_create(&l), st.stored_keys.load(Relaxed));
+        advance(&m.stored_bytes.get_or_create(&l), st.stored_bytes.load(Relaxed));
+        advance(&m.store_skipped_objects.get_or_create(&l), st.skipped_keys.load(Relaxed));
+        advance(&m.store_failures.get_or_create(&l), st.store_failures.load(Relaxed));
+        advance(&m.loaded_objects.get_or_create(&l), st.loaded_keys.load(Relaxed));
+        advance(&m.loaded_bytes.get_or_create(&l), st.loaded_bytes.load(Relaxed));
+        advance(&m.load_failures.get_or_create(&l), st.load_failures.load(Relaxed));
+        advance(&m.corrupt_blobs.get_or_create(&l), st.corrupt_blobs.load(Relaxed));
+        advance(&m.errors.get_or_create(&l), st.errors.load(Relaxed));
+    }
 }
 
 async fn metrics(State(s): State<Shared>) -> Response {
@@ -214,6 +326,7 @@ async fn metrics(State(s): State<Shared>) -> Response {
     advance(&m.l1_quota_rejections, st.quota_rejections);
     advance(&m.l1_expired_read_leases, st.expired_read_leases);
     advance(&m.l1_expired_write_leases, st.expired_write_leases);
+    refresh_l2_metrics(&s);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         s.metrics.encode(),

@@ -26,7 +26,62 @@ pub struct ErrorLabel {
     pub kind: String,
 }
 
+/// Labels of per-adapter L2 metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct L2Label {
+    /// Adapter type.
+    pub l2_name: String,
+    /// Adapter id (priority order at start).
+    pub adapter_index: String,
+}
+
+/// Label of adapter-count gauges.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    /// `active` or `draining`.
+    pub state: String,
+}
+
 type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// L2 metrics, read from the tier's counters at scrape time.
+#[derive(Debug, Default)]
+pub struct L2Metrics {
+    /// Adapters attached to the store controller.
+    pub store_adapters: Family<StateLabel, Gauge>,
+    /// Adapters attached to the prefetch controller.
+    pub prefetch_adapters: Family<StateLabel, Gauge>,
+    /// Bytes this server wrote to each adapter.
+    pub usage_bytes: Family<L2Label, Gauge>,
+    /// Keys handed to the write-behind queue.
+    pub store_submitted_objects: Counter,
+    /// Keys written, per adapter.
+    pub store_completed_objects: Family<L2Label, Counter>,
+    /// Bytes written, per adapter.
+    pub stored_bytes: Family<L2Label, Counter>,
+    /// Keys not written because the adapter already held them.
+    pub store_skipped_objects: Family<L2Label, Counter>,
+    /// Keys whose write failed after retries.
+    pub store_failures: Family<L2Label, Counter>,
+    /// Keys dropped because the write-behind queue was full.
+    pub store_dropped_objects: Counter,
+    /// Keys loaded and verified, per adapter.
+    pub loaded_objects: Family<L2Label, Counter>,
+    /// Bytes loaded, per adapter.
+    pub loaded_bytes: Family<L2Label, Counter>,
+    /// Loads that failed or missed after a lookup hit.
+    pub load_failures: Family<L2Label, Counter>,
+    /// Blobs refused by verification.
+    pub corrupt_blobs: Family<L2Label, Counter>,
+    /// Backend errors.
+    pub errors: Family<L2Label, Counter>,
+    /// 1 when the adapter's last operation succeeded.
+    pub healthy: Family<L2Label, Gauge>,
+    /// Prefetch requests started.
+    pub prefetch_requests: Counter,
+    /// Prefetch requests cut by their deadline.
+    pub prefetch_expired: Counter,
+}
 
 /// The server's metrics.
 #[derive(Debug)]
@@ -48,6 +103,12 @@ pub struct Metrics {
     pub lookup_hit_l1_tokens: Counter,
     /// Hit keys (per shard and chunk) L1 held.
     pub lookup_hit_l1_keys: Counter,
+    /// Tokens L2 added beyond the L1 prefix.
+    pub lookup_hit_l2_tokens: Counter,
+    /// Hit keys loaded from L2 into L1.
+    pub lookup_hit_l2_keys: Counter,
+    /// The L2 tier.
+    pub l2: L2Metrics,
     /// Chunks written to L1.
     pub l1_write_chunks: Counter,
     /// Chunks read from L1.
@@ -122,6 +183,9 @@ impl Default for Metrics {
             lookup_hit_tokens: Counter::default(),
             lookup_hit_l1_tokens: Counter::default(),
             lookup_hit_l1_keys: Counter::default(),
+            lookup_hit_l2_tokens: Counter::default(),
+            lookup_hit_l2_keys: Counter::default(),
+            l2: L2Metrics::default(),
             l1_write_chunks: Counter::default(),
             l1_read_chunks: Counter::default(),
             submitted_stores: Counter::default(),
@@ -176,8 +240,39 @@ impl Default for Metrics {
             );
             mp.register(
                 "lookup_hit_l2_tokens",
-                "Of lookup_hit: tokens L2 added (no L2 tier yet)",
-                Counter::<u64>::default(),
+                "Of lookup_hit: tokens L2 added beyond the L1 prefix",
+                m.lookup_hit_l2_tokens.clone(),
+            );
+            mp.register(
+                "lookup_hit_l2_keys",
+                "Hit keys loaded from L2 into L1",
+                m.lookup_hit_l2_keys.clone(),
+            );
+            let l2 = &m.l2;
+            mp.register(
+                "l2_store_adapters",
+                "L2 adapters attached to the store controller, by state",
+                l2.store_adapters.clone(),
+            );
+            mp.register(
+                "l2_prefetch_adapters",
+                "L2 adapters attached to the prefetch controller, by state",
+                l2.prefetch_adapters.clone(),
+            );
+            mp.register(
+                "l2_usage_bytes",
+                "Bytes written to each L2 adapter",
+                l2.usage_bytes.clone(),
+            );
+            mp.register(
+                "l2_store_submitted_objects",
+                "Objects submitted for L2 store",
+                l2.store_submitted_objects.clone(),
+            );
+            mp.register(
+                "l2_store_completed_objects",
+                "Objects written to L2",
+                l2.store_completed_objects.clone(),
             );
             mp.register(
                 "lookup_hit_l1_keys",
@@ -295,6 +390,47 @@ impl Default for Metrics {
                 m.l1_expired_write_leases.clone(),
             );
             rs.register("active_sessions", "Live request sessions", m.active_sessions.clone());
+            let l2 = &m.l2;
+            rs.register("l2_stored_bytes", "Bytes written to L2", l2.stored_bytes.clone());
+            rs.register(
+                "l2_store_skipped_objects",
+                "Objects not written because the adapter held them",
+                l2.store_skipped_objects.clone(),
+            );
+            rs.register(
+                "l2_store_failures",
+                "Objects whose L2 write failed after retries",
+                l2.store_failures.clone(),
+            );
+            rs.register(
+                "l2_store_dropped_objects",
+                "Objects dropped because the write-behind queue was full",
+                l2.store_dropped_objects.clone(),
+            );
+            rs.register("l2_loaded_objects", "Objects loaded from L2", l2.loaded_objects.clone());
+            rs.register("l2_loaded_bytes", "Bytes loaded from L2", l2.loaded_bytes.clone());
+            rs.register(
+                "l2_load_failures",
+                "L2 loads that failed or missed after a lookup hit",
+                l2.load_failures.clone(),
+            );
+            rs.register(
+                "l2_corrupt_blobs",
+                "L2 blobs refused by verification (served as misses)",
+                l2.corrupt_blobs.clone(),
+            );
+            rs.register("l2_errors", "L2 backend errors", l2.errors.clone());
+            rs.register("l2_healthy", "1 when the adapter answers", l2.healthy.clone());
+            rs.register(
+                "l2_prefetch_requests",
+                "L2 prefetch requests started",
+                l2.prefetch_requests.clone(),
+            );
+            rs.register(
+                "l2_prefetch_expired",
+                "L2 prefetch requests cut short by their deadline",
+                l2.prefetch_expired.clone(),
+            );
         }
         r.register(
             "process_resident_memory_bytes",

@@ -39,6 +39,9 @@ pub enum ServerError {
     /// ZMQ failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// An L2 adapter could not be built (the message names the adapter and field).
+    #[error(transparent)]
+    L2(#[from] lmcache_l2::ConfigError),
     /// HTTP bind or thread start failed.
     #[error("{what}: {source}")]
     Io {
@@ -90,6 +93,16 @@ impl Server {
             memory.spawn_prefaulter(PREFAULT_AHEAD).map_err(io("starting the L1 prefaulter"))?;
         let l1 = L1Cache::new(config.l1.clone(), memory)?;
         let maintenance = Maintenance::spawn(l1.clone()).map_err(io("starting L1 maintenance"))?;
+        let l2 = if config.l2_adapters.is_empty() {
+            None
+        } else {
+            let tier =
+                lmcache_storage::L2Tier::start(l1.clone(), &config.l2_adapters, config.l2.clone())?;
+            for a in tier.describe() {
+                tracing::info!(id = a.id, kind = %a.kind, "L2 adapter ready");
+            }
+            Some(tier)
+        };
         let transport = Transport::bind(&config.endpoint())?;
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
@@ -99,7 +112,9 @@ impl Server {
             vec![crate::event_bus::log_subscriber()],
         )
         .map_err(io("starting the event bus"))?;
-        let state = Arc::new(ServerState {
+        let state = Arc::new_cyclic(|me| ServerState {
+            me: me.clone(),
+            l2,
             bus,
             events,
             sessions: Sessions::new(hasher, config.session_ttl),
@@ -181,6 +196,9 @@ impl Server {
         if let Some((tx, j)) = self.reaper.take() {
             drop(tx);
             let _ = j.join();
+        }
+        if let Some(l2) = &self.state.l2 {
+            l2.shutdown();
         }
         self.maintenance.take();
         self.prefaulter.take();

@@ -52,6 +52,9 @@ pub struct Session {
     tokens: Vec<u32>,
     /// The hit count of the last lookup, until `query_prefetch_status` takes it.
     pub pending_hits: Option<usize>,
+    /// While an L2 prefetch of the last lookup runs: its generation (a later lookup of the
+    /// same request starts a new one and the old result is dropped).
+    pub prefetching: Option<u64>,
     /// The last lookup's read locks.
     pub lookup: LookupLocks,
     /// Keys the request touched (for the LRU touch at `end_session`).
@@ -66,6 +69,7 @@ impl Session {
             hasher: hasher.prefix_hasher(),
             tokens: Vec::new(),
             pending_hits: None,
+            prefetching: None,
             lookup: LookupLocks::default(),
             touched: Vec::new(),
         }

@@ -85,6 +85,10 @@ pub struct ServerState {
     pub bus: crate::event_bus::EventBus,
     /// Start time.
     pub started: Instant,
+    /// The L2 tier, when adapters are configured.
+    pub l2: Option<lmcache_storage::L2Tier>,
+    /// This state itself, for work that completes on other threads (prefetches).
+    pub me: std::sync::Weak<ServerState>,
 }
 
 impl ServerState {
@@ -146,6 +150,15 @@ impl ServerState {
         parent: Option<ChunkHash>,
         committed: &[usize],
     ) {
+        if let Some(l2) = &self.l2
+            && !committed.is_empty()
+        {
+            let picked: Vec<ChunkHash> =
+                committed.iter().filter_map(|&j| hashes.get(j).copied()).collect();
+            if let Ok(keys) = self.object_keys(key, key.worker_id.unwrap_or(0), &picked) {
+                l2.submit_store(keys);
+            }
+        }
         if key.worker_id.unwrap_or(0) != 0 || !self.events.enabled() {
             return;
         }

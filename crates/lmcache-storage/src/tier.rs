@@ -223,11 +223,32 @@ impl Shared {
     }
 }
 
+/// The controllers' runtime. Dropped without blocking, so that the last owner may let go of
+/// it anywhere, even on one of its own threads.
+#[derive(Debug)]
+pub(crate) struct Rt(Option<Runtime>);
+
+impl std::ops::Deref for Rt {
+    type Target = Runtime;
+    fn deref(&self) -> &Runtime {
+        // Only Drop takes the runtime out.
+        self.0.as_ref().unwrap_or_else(|| unreachable!("runtime used after drop"))
+    }
+}
+
+impl Drop for Rt {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 /// The L2 tier under one L1. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct L2Tier {
     pub(crate) shared: Arc<Shared>,
-    pub(crate) rt: Arc<Runtime>,
+    pub(crate) rt: Arc<Rt>,
     pub(crate) store_tx: mpsc::Sender<ObjectKey>,
 }
 
@@ -263,7 +284,7 @@ impl L2Tier {
             shared.adapters.write().push(Arc::new(AdapterSlot::new(id, b)));
         }
         rt.spawn(crate::store::run(shared.clone(), rx));
-        Ok(Self { shared, rt: Arc::new(rt), store_tx: tx })
+        Ok(Self { shared, rt: Arc::new(Rt(Some(rt))), store_tx: tx })
     }
 
     /// Whether any adapter is attached.

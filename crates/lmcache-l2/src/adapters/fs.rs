@@ -82,20 +82,7 @@ fn file_name(key: &ObjectKey) -> String {
 }
 
 fn unescape(name: &str) -> Option<String> {
-    let stem = name.strip_suffix(".blob")?;
-    let b = stem.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            out.push(u8::from_str_radix(stem.get(i + 1..i + 3)?, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+    wire_key::percent_decode(name.strip_suffix(".blob")?)
 }
 
 impl FsAdapter {

@@ -199,12 +199,14 @@ impl L2Adapter for S3Adapter {
         let mut all = Vec::new();
         while let Some(m) = stream.next().await {
             let m = m.map_err(map_err)?;
-            let Some(name) = m.location.filename() else { continue };
-            let Some(k) = wire_key::decode(name) else { continue };
+            let Some(name) = m.location.filename().and_then(wire_key::percent_decode) else {
+                continue;
+            };
+            let Some(k) = wire_key::decode(&name) else { continue };
             if model.is_some_and(|want| k.model_name.as_str() != want) {
                 continue;
             }
-            all.push((name.to_owned(), k, m.size));
+            all.push((name, k, m.size));
         }
         all.sort_by(|a, b| a.0.cmp(&b.0));
         Ok(crate::adapter::page_sorted(all, None, limit))

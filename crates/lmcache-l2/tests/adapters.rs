@@ -1,0 +1,315 @@
+//! Every adapter against its real backend: the same conformance checks for fs, raw_block,
+//! mock, Redis (single node and cluster) and S3. Redis and S3 need servers on loopback, which
+//! `scripts/test` starts and names in `LMCACHE_RS_TEST_REDIS`, `LMCACHE_RS_TEST_REDIS_CLUSTER`
+//! and `LMCACHE_RS_TEST_S3`; without them those tests say so and pass.
+#![allow(missing_docs, clippy::allow_attributes)]
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use lmcache_core::ObjectKey;
+use lmcache_l2::config::{self, BuiltAdapter};
+use lmcache_l2::{L2Adapter, Stored};
+use serde_json::{Value, json};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+fn key(i: u32, salt: &str) -> ObjectKey {
+    let mut h = [0u8; 32];
+    h[..4].copy_from_slice(&i.to_le_bytes());
+    h[31] = 0x5a;
+    ObjectKey::new(h, "org/model-7b", 2, 1, 0, salt).unwrap()
+}
+
+fn payload(i: u32, len: usize) -> Vec<u8> {
+    (0..len).map(|j| (j as u32 ^ i.wrapping_mul(2654435761)) as u8).collect()
+}
+
+fn external(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ => {
+            eprintln!("{var} not set: skipping (scripts/test starts the server and sets it)");
+            None
+        }
+    }
+}
+
+async fn build(spec: Value) -> BuiltAdapter {
+    config::build(0, &spec).await.unwrap_or_else(|e| panic!("{spec}: {e}"))
+}
+
+/// The checks every adapter must pass.
+async fn conformance(b: &BuiltAdapter, sizes: &[usize]) {
+    let a: &Arc<dyn L2Adapter> = &b.adapter;
+    let n = sizes.len() as u32;
+    let keys: Vec<ObjectKey> =
+        (0..n).map(|i| key(i, if i % 2 == 0 { "" } else { "tenant" })).collect();
+    let _ = a.delete(&keys).await; // a shared backend may hold keys of an earlier run
+    assert_eq!(
+        a.lookup(&keys).await.unwrap(),
+        vec![false; keys.len()],
+        "{}: fresh keys found",
+        a.kind()
+    );
+    let items: Vec<(ObjectKey, lmcache_l2::Blob)> = keys
+        .iter()
+        .zip(sizes)
+        .enumerate()
+        .map(|(i, (k, &len))| {
+            (k.clone(), b.codec.encode(k, Bytes::from(payload(i as u32, len))).unwrap())
+        })
+        .collect();
+    for r in a.store(items.clone()).await {
+        assert!(matches!(r, Ok(Stored::Written(_))), "{}: store failed: {r:?}", a.kind());
+    }
+    assert_eq!(
+        a.lookup(&keys).await.unwrap(),
+        vec![true; keys.len()],
+        "{}: stored keys missing",
+        a.kind()
+    );
+    for (i, (k, r)) in keys.iter().zip(a.load(&keys).await).enumerate() {
+        let bytes = r.unwrap().unwrap_or_else(|| panic!("{}: key {i} not loaded", a.kind()));
+        assert_eq!(
+            b.codec.decode(k, &bytes).unwrap(),
+            payload(i as u32, sizes[i]),
+            "{}: key {i}",
+            a.kind()
+        );
+    }
+    // A blob loaded for the wrong key is refused.
+    let other = a.load(&keys[..1]).await.pop().unwrap().unwrap().unwrap();
+    assert!(b.codec.decode(&keys[1], &other).is_err(), "{}: misplaced blob accepted", a.kind());
+    // Storing again never duplicates or corrupts.
+    for r in a.store(items[..2].to_vec()).await {
+        assert!(r.is_ok(), "{}: re-store failed: {r:?}", a.kind());
+    }
+    // Delete half; the rest stays.
+    let half: Vec<ObjectKey> = keys.iter().step_by(2).cloned().collect();
+    assert_eq!(a.delete(&half).await.unwrap(), half.len() as u64, "{}: delete count", a.kind());
+    let found = a.lookup(&keys).await.unwrap();
+    for (i, f) in found.iter().enumerate() {
+        assert_eq!(*f, i % 2 == 1, "{}: key {i} after delete", a.kind());
+    }
+    assert!(
+        a.load(&half).await.into_iter().all(|r| matches!(r, Ok(None))),
+        "{}: deleted key loaded",
+        a.kind()
+    );
+    match a.list(Some("org/model-7b"), None, 1000).await {
+        Ok(page) => {
+            let listed: Vec<&ObjectKey> = page.keys.iter().map(|(k, _)| k).collect();
+            for k in keys.iter().skip(1).step_by(2) {
+                assert!(listed.contains(&k), "{}: {k} not listed", a.kind());
+            }
+        }
+        Err(lmcache_l2::L2Error::Unsupported(_)) => {}
+        Err(e) => panic!("{}: list: {e}", a.kind()),
+    }
+    let _ = a.delete(&keys).await;
+}
+
+const SIZES: &[usize] = &[0, 1, 4096, 256 * 1024, 1 << 20, 300_001];
+
+#[test]
+fn mock_conforms() {
+    rt().block_on(async {
+        conformance(&build(json!({"type": "mock", "max_size_gb": 1})).await, SIZES).await
+    });
+}
+
+#[test]
+fn fs_conforms_with_each_codec_and_odirect() {
+    let dir = tempfile::tempdir().unwrap();
+    let kp = dir.path().join("master.key");
+    std::fs::write(&kp, "ab".repeat(32)).unwrap();
+    rt().block_on(async {
+        for (i, serde) in [json!(null), json!({"type": "lz4"}), json!({"type": "zstd", "level": 3}),
+                           json!({"type": "aesgcm", "master_key_path": kp})].into_iter().enumerate() {
+            let mut spec = json!({"type": "fs", "base_path": dir.path().join(format!("c{i}")), "fsync": "file"});
+            if !serde.is_null() {
+                spec["serde"] = serde;
+            }
+            conformance(&build(spec).await, SIZES).await;
+        }
+        let spec = json!({"type": "fs", "base_path": dir.path().join("odirect"), "use_odirect": true});
+        conformance(&build(spec).await, SIZES).await;
+    });
+}
+
+#[test]
+fn fs_refuses_torn_files_and_cleans_temporaries() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = json!({"type": "fs", "base_path": dir.path()});
+    rt().block_on(async {
+        let b = build(spec.clone()).await;
+        let k = key(1, "");
+        let blob = b.codec.encode(&k, Bytes::from(payload(1, 100_000))).unwrap();
+        b.adapter.store(vec![(k.clone(), blob)]).await;
+        let fs = lmcache_l2::adapters::fs::FsAdapter::open(lmcache_l2::adapters::fs::FsConfig {
+            base_path: dir.path().into(),
+            relative_tmp_dir: None,
+            use_odirect: false,
+            fsync: lmcache_l2::adapters::fs::FsyncMode::Never,
+        })
+        .unwrap();
+        let path = fs.path_of(&k);
+        // A torn file (as a crash of a non-atomic writer would leave) is refused.
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(50_000).unwrap();
+        let bytes = b.adapter.load(std::slice::from_ref(&k)).await.pop().unwrap().unwrap().unwrap();
+        assert!(b.codec.decode(&k, &bytes).is_err(), "torn blob accepted");
+        // Temporary files of an interrupted store are removed at open.
+        let tmp = path.with_file_name(".x.blob.1.1.tmp");
+        std::fs::write(&tmp, b"partial").unwrap();
+        build(spec).await;
+        assert!(!tmp.exists(), "stale temporary file left behind");
+    });
+}
+
+#[test]
+fn raw_block_conforms_with_and_without_odirect() {
+    let dir = tempfile::tempdir().unwrap();
+    rt().block_on(async {
+        for odirect in [false, true] {
+            let spec = json!({"type": "raw_block", "device_path": dir.path().join(format!("dev{odirect}")),
+                "slot_bytes": 2 << 20, "capacity_bytes": 64 << 20, "meta_total_bytes": 1 << 20,
+                "use_odirect": odirect});
+            conformance(&build(spec).await, SIZES).await;
+        }
+    });
+}
+
+#[test]
+fn raw_block_evicts_oldest_when_full_and_refuses_foreign_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = dir.path().join("dev");
+    let spec = json!({"type": "raw_block", "device_path": dev, "slot_bytes": 64 * 1024,
+        "capacity_bytes": (1 << 20) + 4 * 64 * 1024, "meta_total_bytes": 1 << 20, "use_odirect": false});
+    rt().block_on(async {
+        let b = build(spec.clone()).await;
+        let keys: Vec<ObjectKey> = (0..6).map(|i| key(i, "")).collect();
+        for (i, k) in keys.iter().enumerate() {
+            let blob = b.codec.encode(k, Bytes::from(payload(i as u32, 1000))).unwrap();
+            assert!(b.adapter.store(vec![(k.clone(), blob)]).await[0].is_ok());
+        }
+        assert_eq!(
+            b.adapter.lookup(&keys).await.unwrap(),
+            vec![false, false, true, true, true, true]
+        );
+        // Another geometry on the same device is refused rather than overwriting it.
+        let mut other = spec.clone();
+        other["slot_bytes"] = json!(128 * 1024);
+        let e = config::build(0, &other).await.unwrap_err();
+        assert_eq!(e.field, "device_path", "{e}");
+        std::fs::write(dir.path().join("foreign"), vec![7u8; 2 << 20]).unwrap();
+        let mut foreign = spec;
+        foreign["device_path"] = json!(dir.path().join("foreign"));
+        let e = config::build(0, &foreign).await.unwrap_err();
+        assert!(e.to_string().contains("not an lmcache-rs raw_block device"), "{e}");
+    });
+}
+
+#[test]
+fn redis_single_node_conforms() {
+    let Some(addr) = external("LMCACHE_RS_TEST_REDIS") else { return };
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    rt().block_on(async {
+        let spec = json!({"type": "redis", "host": host, "port": port.parse::<u16>().unwrap(),
+            "key_prefix": "conformance", "serde": {"type": "lz4"}});
+        conformance(&build(spec).await, SIZES).await;
+        let spec = json!({"type": "valkey", "startup_nodes": addr, "num_workers": 2});
+        conformance(&build(spec).await, SIZES).await;
+    });
+}
+
+#[test]
+fn redis_cluster_conforms() {
+    let Some(nodes) = external("LMCACHE_RS_TEST_REDIS_CLUSTER") else { return };
+    rt().block_on(async {
+        let spec = json!({"type": "valkey", "startup_nodes": nodes, "cluster_mode": true});
+        let b = build(spec).await;
+        conformance(&b, SIZES).await;
+        // Keys spread over every node's slots.
+        let many: Vec<ObjectKey> = (100..164).map(|i| key(i, "")).collect();
+        let items = many
+            .iter()
+            .map(|k| (k.clone(), b.codec.encode(k, Bytes::from_static(b"x")).unwrap()))
+            .collect();
+        assert!(b.adapter.store(items).await.iter().all(Result::is_ok));
+        assert_eq!(b.adapter.lookup(&many).await.unwrap(), vec![true; 64]);
+        b.adapter.delete(&many).await.unwrap();
+    });
+}
+
+#[test]
+fn bad_redis_and_s3_endpoints_fail_at_start_naming_the_field() {
+    rt().block_on(async {
+        let e = config::build(
+            3,
+            &json!({"type": "redis", "host": "127.0.0.1", "port": 1,
+            "connection_timeout": 1}),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!((e.index, e.field.as_str()), (3, "host"), "{e}");
+        assert!(e.to_string().contains("127.0.0.1:1"), "{e}");
+        let e = config::build(
+            0,
+            &json!({"type": "s3", "endpoint_url": "http://127.0.0.1:1",
+            "bucket": "b", "connection_timeout": 1, "max_retries": 0}),
+        )
+        .await
+        .unwrap_err();
+        assert_eq!(e.field, "bucket", "{e}");
+        for (spec, field) in [
+            (json!({}), "type"),
+            (json!({"type": "nfs"}), "type"),
+            (json!({"type": "fs"}), "base_path"),
+            (json!({"type": "fs", "base_path": "/tmp/x", "basepath": 1}), "basepath"),
+            (json!({"type": "raw_block", "device_path": "/tmp/x"}), "slot_bytes"),
+            (json!({"type": "mock"}), "max_size_gb"),
+            (json!({"type": "fault_inject", "inner": {"type": "mock"}}), "inner.max_size_gb"),
+            (json!({"type": "redis", "port": 6379}), "host"),
+        ] {
+            let e = config::build(0, &spec).await.unwrap_err();
+            assert_eq!(e.field, field, "{spec}: {e}");
+        }
+    });
+}
+
+#[test]
+fn s3_conforms_including_multipart_and_listing() {
+    let Some(endpoint) = external("LMCACHE_RS_TEST_S3") else { return };
+    rt().block_on(async {
+        let spec = json!({"type": "s3", "endpoint_url": endpoint, "bucket": "lmcache-rs-test",
+            "aws_access_key_id": "test", "aws_secret_access_key": "test",
+            "multipart_threshold_bytes": 6 << 20, "part_size_bytes": 5 << 20});
+        let b = build(spec).await;
+        let mut sizes = SIZES.to_vec();
+        sizes.push(12 << 20); // multipart: three parts
+        conformance(&b, &sizes).await;
+        // Listing pages.
+        let keys: Vec<ObjectKey> = (200..230).map(|i| key(i, "")).collect();
+        let items = keys
+            .iter()
+            .map(|k| (k.clone(), b.codec.encode(k, Bytes::from_static(b"kv")).unwrap()))
+            .collect();
+        assert!(b.adapter.store(items).await.iter().all(Result::is_ok));
+        let mut seen = 0;
+        let mut cursor: Option<String> = None;
+        loop {
+            let page = b.adapter.list(None, cursor.as_deref(), 7).await.unwrap();
+            seen += page.keys.len();
+            match page.next {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+        }
+        assert!(seen >= 30, "listed {seen}");
+        b.adapter.delete(&keys).await.unwrap();
+    });
+}
