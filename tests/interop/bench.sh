@@ -105,5 +105,36 @@ for mode in engine_driven lmcache_driven; do
   fi
 done
 
+# L2 through vLLM's adapters: an L1 of 2 MB under a working set of 24 chunks (6 MB), with the
+# fs adapter in both transfer modes and Redis (when scripts/test started one) in one.
+L2_CASES=("fs engine_driven" "fs lmcache_driven")
+[ -n "${LMCACHE_RS_TEST_REDIS:-}" ] && L2_CASES+=("redis lmcache_driven")
+for case in "${L2_CASES[@]}"; do
+  read -r kind mode <<< "$case"
+  port=$(free_port); http=$(free_port)
+  if [ "$kind" = fs ]; then
+    spec="{\"type\": \"fs\", \"base_path\": \"$WORK/l2-$mode\"}"
+  else
+    spec="{\"type\": \"redis\", \"host\": \"${LMCACHE_RS_TEST_REDIS%:*}\", \"port\": ${LMCACHE_RS_TEST_REDIS##*:}, \"key_prefix\": \"interop-$$\"}"
+  fi
+  "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 0.002 \
+      --shm-name "lmcache_rs_l2_$$_${kind}_$mode" --max-workers 2 --log-level info \
+      --l2-adapter "$spec" > "$WORK/l2-$kind-$mode.server.log" 2>&1 &
+  pid=$!
+  rc=0
+  LMCACHE_MP_TRANSFER_MODE=$mode timeout 300 "$VENV/bin/python" tests/interop/l2_offload.py \
+      "tcp://127.0.0.1:$port" "http://127.0.0.1:$http" > "$WORK/l2-$kind-$mode.log" 2>&1 || rc=$?
+  kill -TERM "$pid"; wait "$pid" || rc=$?
+  if [ "$rc" -eq 0 ] && grep -q "bytes equal" "$WORK/l2-$kind-$mode.log"; then
+    echo "interop L2 $kind $mode: ok ($(grep -o '[0-9]* sequences stored.*' "$WORK/l2-$kind-$mode.log"))"
+    passed=$((passed + 1))
+  else
+    echo "interop L2 $kind $mode: FAILED"
+    grep -v INFO "$WORK/l2-$kind-$mode.log" | tail -20 | sed 's/^/    /'
+    tail -10 "$WORK/l2-$kind-$mode.server.log" | sed 's/^/    /'
+    failed=$((failed + 1))
+  fi
+done
+
 echo "interop: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod bench;
+mod bench_l2;
 mod ops;
 mod server;
 
@@ -56,6 +57,8 @@ enum Command {
 enum BenchCommand {
     /// Drive an MP server (ours or LMCache's) like engines do: cold store, warm retrieve.
     Server(bench::BenchArgs),
+    /// Store, lookup and load throughput of one L2 adapter (as `lmcache bench l2`).
+    L2(bench_l2::BenchL2Args),
 }
 
 fn main() {
@@ -85,6 +88,7 @@ fn run() -> anyhow::Result<()> {
     match cli.command {
         Command::Server(args) => server::run(*args),
         Command::Bench(BenchCommand::Server(args)) => bench::run(args),
+        Command::Bench(BenchCommand::L2(args)) => bench_l2::run(args),
         Command::Ping { target, common } => ops::ping(target, &common),
         Command::Describe { target, common } => ops::describe(target, &common),
         Command::Kvcache(cmd) => ops::kvcache(&cmd),

@@ -217,7 +217,7 @@ impl Inner {
         if self.odirect {
             let mut buf = AlignedBuf::new(len.div_ceil(ALIGN).max(1) * ALIGN);
             let got = read_full(&mut f, buf.as_mut_slice())?;
-            return Ok(Some(Bytes::copy_from_slice(&buf.as_mut_slice()[..got.min(len)])));
+            return Ok(Some(buf.into_bytes(got.min(len))));
         }
         // One read of the file's length, plus one to see that the file did not grow.
         let mut v = Vec::with_capacity(len + 1);
@@ -255,6 +255,11 @@ impl AlignedBuf {
 
     fn as_mut_slice(&mut self) -> &mut [u8] {
         &mut self.v[self.start..self.start + self.len]
+    }
+
+    /// The first `n` bytes of the aligned slice, without copying.
+    fn into_bytes(self, n: usize) -> Bytes {
+        Bytes::from(self.v).slice(self.start..self.start + n.min(self.len))
     }
 }
 

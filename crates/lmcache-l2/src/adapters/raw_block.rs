@@ -205,6 +205,10 @@ impl Aligned {
     fn buf(&mut self) -> &mut [u8] {
         &mut self.v[self.start..self.start + self.len]
     }
+    /// The first `n` bytes of the aligned slice, without copying.
+    fn into_bytes(self, n: usize) -> Bytes {
+        Bytes::from(self.v).slice(self.start..self.start + n.min(self.len))
+    }
 }
 
 impl RawBlockAdapter {
@@ -527,7 +531,7 @@ impl Inner {
         let padded = (e.len as usize).div_ceil(a) * a;
         let mut buf = Aligned::new(padded, a);
         self.data.read_exact_at(buf.buf(), self.geo.slot_offset(e.slot))?;
-        Ok(Some(Bytes::copy_from_slice(&buf.buf()[..e.len as usize])))
+        Ok(Some(buf.into_bytes(e.len as usize)))
     }
 
     fn delete_one(&self, key: &ObjectKey) -> Result<bool, L2Error> {

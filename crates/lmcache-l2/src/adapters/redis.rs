@@ -76,6 +76,23 @@ fn enc(s: &str) -> String {
         .collect()
 }
 
+/// A blob as one RESP argument, header and payload written straight into the command buffer
+/// (no intermediate contiguous copy).
+struct BlobArg<'a>(&'a Blob);
+
+impl redis::ToRedisArgs for BlobArg<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        use std::io::Write;
+        let mut w = out.writer_for_next_arg();
+        // Writing into the command's Vec cannot fail.
+        let _ = w.write_all(&self.0.header);
+        let _ = w.write_all(&self.0.payload);
+    }
+}
+
 enum Conns {
     Single(Vec<ConnectionManager>),
     Cluster(ClusterConnection),
@@ -204,7 +221,7 @@ impl L2Adapter for RedisAdapter {
             .iter()
             .map(|(k, b)| {
                 let mut c = redis::cmd("SET");
-                c.arg(self.name(k)).arg(&b.to_contiguous()[..]).arg("NX");
+                c.arg(self.name(k)).arg(BlobArg(b)).arg("NX");
                 if let Some(ttl) = self.config.ttl_seconds {
                     c.arg("EX").arg(ttl);
                 }

@@ -1,0 +1,351 @@
+//! `lmcache-rs bench l2`: store, lookup and load throughput of one L2 adapter, with the flags
+//! of `lmcache bench l2`. Objects come from memory (as from L1); stores include encoding (blob
+//! header, checksum, codec) and loads include verification and decoding into a destination
+//! buffer, so the figures are what the tier gets, not the bare backend.
+
+use std::io::Write;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Args;
+use lmcache_core::ObjectKey;
+use lmcache_l2::config::BuiltAdapter;
+use serde_json::{Value, json};
+
+use crate::bench::Format;
+
+/// Flags of `lmcache-rs bench l2` (named as `lmcache bench l2`'s).
+#[derive(Debug, Clone, Args)]
+pub struct BenchL2Args {
+    /// Adapter spec JSON, e.g. '{"type":"fs","base_path":"/tmp/bench"}' (else $L2_ADAPTER_JSON).
+    #[arg(long = "l2-adapter", value_name = "JSON", env = "L2_ADAPTER_JSON")]
+    pub l2_adapter: String,
+    /// Keys per submit.
+    #[arg(long, default_value_t = 32)]
+    pub num_keys: usize,
+    /// Submits in flight at once.
+    #[arg(long, default_value_t = 4)]
+    pub in_flight: usize,
+    /// Object size in KiB.
+    #[arg(long, default_value_t = 256)]
+    pub data_size_kb: usize,
+    /// Measured rounds per operation.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
+    /// Unmeasured rounds first.
+    #[arg(long, default_value_t = 1)]
+    pub warmup_rounds: usize,
+    /// Fraction of looked-up keys that may exist (the rest surely do not).
+    #[arg(long, default_value_t = 0.0)]
+    pub lookup_max_hit_rate: f64,
+    /// Skip checking loaded bytes against what was stored (checked by default here; the
+    /// verify-by-checksum of every blob happens either way).
+    #[arg(long)]
+    pub skip_verify: bool,
+    /// Run only one operation.
+    #[arg(long, value_parser = ["lookup", "store", "load"])]
+    pub only: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "terminal")]
+    pub format: Format,
+    /// Also write the JSON result here.
+    #[arg(long)]
+    pub output: Option<std::path::PathBuf>,
+    /// No output; the exit code tells.
+    #[arg(short, long)]
+    pub quiet: bool,
+}
+
+fn key(run: u64, i: usize) -> ObjectKey {
+    let mut h = [0u8; 32];
+    h[..8].copy_from_slice(&run.to_le_bytes());
+    h[8..16].copy_from_slice(&(i as u64).to_le_bytes());
+    ObjectKey { chunk_hash: lmcache_core::ChunkHash(h), ..base_key() }
+}
+
+fn base_key() -> ObjectKey {
+    // Constant, valid parts: cannot fail.
+    ObjectKey::new([0; 32], "bench-model", 1, 0, 0, "").unwrap_or_else(|_| unreachable!())
+}
+
+/// Source objects, made before any timing: object `i` of every round has these bytes.
+fn make_data(n: usize, len: usize) -> Vec<Bytes> {
+    (0..n)
+        .map(|i| {
+            let seed = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            Bytes::from(
+                (0..len).map(|j| (seed >> (j % 8 * 8)) as u8 ^ j as u8).collect::<Vec<u8>>(),
+            )
+        })
+        .collect()
+}
+
+#[derive(Default)]
+struct Phase {
+    ms: Vec<f64>,
+    keys: usize,
+    bytes: u64,
+    seconds: f64,
+    failures: usize,
+}
+
+impl Phase {
+    fn report(&mut self) -> Value {
+        self.ms.sort_by(f64::total_cmp);
+        let p = |q: f64| {
+            if self.ms.is_empty() {
+                0.0
+            } else {
+                self.ms[((self.ms.len() - 1) as f64 * q).round() as usize]
+            }
+        };
+        json!({
+            "keys": self.keys, "bytes": self.bytes, "seconds": self.seconds,
+            "mib_per_s": if self.seconds > 0.0 { self.bytes as f64 / self.seconds / (1 << 20) as f64 } else { 0.0 },
+            "ops_per_s": if self.seconds > 0.0 { self.keys as f64 / self.seconds } else { 0.0 },
+            "submit_p50_ms": p(0.5), "submit_p99_ms": p(0.99), "failures": self.failures,
+        })
+    }
+}
+
+/// Runs one round: `in_flight` submits of `num_keys` keys at once.
+async fn store_round(
+    b: &BuiltAdapter,
+    a: &BenchL2Args,
+    src: &[Bytes],
+    run: u64,
+    ph: &mut Phase,
+) -> anyhow::Result<()> {
+    let len = a.data_size_kb * 1024;
+    let t0 = Instant::now();
+    let subs = (0..a.in_flight).map(|s| async move {
+        let t = Instant::now();
+        let mut items = Vec::with_capacity(a.num_keys);
+        for j in 0..a.num_keys {
+            let i = s * a.num_keys + j;
+            let k = key(run, i);
+            let blob =
+                b.codec.encode(&k, src[i].clone()).map_err(|e| anyhow::anyhow!("encode: {e}"))?;
+            items.push((k, blob));
+        }
+        let res = b.adapter.store(items).await;
+        let failed = res.iter().filter(|r| r.is_err()).count();
+        anyhow::Ok((t.elapsed().as_secs_f64() * 1e3, failed))
+    });
+    for r in futures_join(subs).await {
+        let (ms, failed) = r?;
+        ph.ms.push(ms);
+        ph.failures += failed;
+    }
+    ph.seconds += t0.elapsed().as_secs_f64();
+    ph.keys += a.in_flight * a.num_keys;
+    ph.bytes += (a.in_flight * a.num_keys * len) as u64;
+    Ok(())
+}
+
+/// Loads, verifies and decodes into `dest` (one buffer per key, as L1 would be); compares
+/// with the source only after the clock stops.
+async fn load_round(
+    b: &BuiltAdapter,
+    a: &BenchL2Args,
+    src: &[Bytes],
+    dest: &mut [Vec<u8>],
+    run: u64,
+    ph: &mut Phase,
+) -> usize {
+    let len = a.data_size_kb * 1024;
+    let t0 = Instant::now();
+    let subs = dest.chunks_mut(a.num_keys).enumerate().map(|(s, dests)| async move {
+        let t = Instant::now();
+        let keys: Vec<ObjectKey> = (0..a.num_keys).map(|j| key(run, s * a.num_keys + j)).collect();
+        let loaded = b.adapter.load(&keys).await;
+        let mut failed = 0;
+        for ((k, r), d) in keys.iter().zip(loaded).zip(dests.iter_mut()) {
+            let ok = match r {
+                Ok(Some(bytes)) => match b.codec.open(k, &bytes) {
+                    Ok((h, payload)) if h.raw_len as usize == len => {
+                        b.codec.decode_into(k, payload, d).is_ok()
+                    }
+                    _ => false,
+                },
+                _ => false,
+            };
+            if !ok {
+                failed += 1;
+            }
+        }
+        (t.elapsed().as_secs_f64() * 1e3, failed)
+    });
+    for (ms, failed) in futures_join(subs).await {
+        ph.ms.push(ms);
+        ph.failures += failed;
+    }
+    ph.seconds += t0.elapsed().as_secs_f64();
+    ph.keys += a.in_flight * a.num_keys;
+    ph.bytes += (a.in_flight * a.num_keys * len) as u64;
+    if a.skip_verify {
+        return 0;
+    }
+    dest.iter().zip(src).filter(|(d, s)| d[..] != s[..]).count()
+}
+
+async fn lookup_round(b: &BuiltAdapter, a: &BenchL2Args, run: u64, ph: &mut Phase) -> usize {
+    let t0 = Instant::now();
+    let hit_keys = ((a.num_keys as f64) * a.lookup_max_hit_rate.clamp(0.0, 1.0)).floor() as usize;
+    let subs = (0..a.in_flight).map(|s| async move {
+        let t = Instant::now();
+        let keys: Vec<ObjectKey> =
+            (0..a.num_keys)
+                .map(|j| {
+                    if j < hit_keys { key(run, s * a.num_keys + j) } else { key(u64::MAX - run, j) }
+                })
+                .collect();
+        let found = b.adapter.lookup(&keys).await.map(|f| f.iter().filter(|x| **x).count());
+        (t.elapsed().as_secs_f64() * 1e3, found)
+    });
+    let mut hits = 0;
+    for (ms, found) in futures_join(subs).await {
+        ph.ms.push(ms);
+        match found {
+            Ok(n) => hits += n,
+            Err(_) => ph.failures += a.num_keys,
+        }
+    }
+    ph.seconds += t0.elapsed().as_secs_f64();
+    ph.keys += a.in_flight * a.num_keys;
+    hits
+}
+
+async fn futures_join<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F::Output> {
+    futures_util::future::join_all(fs).await
+}
+
+/// Runs the benchmark.
+pub fn run(a: BenchL2Args) -> anyhow::Result<()> {
+    if a.num_keys == 0 || a.in_flight == 0 || a.data_size_kb == 0 || a.rounds == 0 {
+        bail!("--num-keys, --in-flight, --data-size-kb and --rounds must be at least 1");
+    }
+    let spec = lmcache_l2::config::parse_json(&a.l2_adapter)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let b = rt.block_on(lmcache_l2::config::build(0, &spec)).context("building the adapter")?;
+    let say = |m: &str| {
+        if !a.quiet && matches!(a.format, Format::Terminal) {
+            eprintln!("  {m}");
+        }
+    };
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let only = a.only.as_deref();
+    let total_rounds = a.warmup_rounds + a.rounds;
+    let (mut store, mut load, mut lookup) = (Phase::default(), Phase::default(), Phase::default());
+    let n = a.in_flight * a.num_keys;
+    let src = make_data(n, a.data_size_kb * 1024);
+    let mut dest: Vec<Vec<u8>> = (0..n).map(|_| vec![0u8; a.data_size_kb * 1024]).collect();
+    let mut wrong = 0;
+    let mut hits = 0;
+    rt.block_on(async {
+        // Stores (also the data later phases read).
+        for r in 0..total_rounds {
+            let mut scratch = Phase::default();
+            let ph = if r < a.warmup_rounds || only.is_some_and(|o| o != "store") {
+                &mut scratch
+            } else {
+                &mut store
+            };
+            store_round(&b, &a, &src, run_id + r as u64, ph).await?;
+            say(&format!("store round {}/{total_rounds}", r + 1));
+        }
+        if only.is_none_or(|o| o == "lookup") {
+            for r in 0..total_rounds {
+                let mut scratch = Phase::default();
+                let ph = if r < a.warmup_rounds { &mut scratch } else { &mut lookup };
+                hits += lookup_round(&b, &a, run_id + r as u64, ph).await;
+            }
+            say("lookups done");
+        }
+        if only.is_none_or(|o| o == "load") {
+            for r in 0..total_rounds {
+                let mut scratch = Phase::default();
+                let ph = if r < a.warmup_rounds { &mut scratch } else { &mut load };
+                wrong += load_round(&b, &a, &src, &mut dest, run_id + r as u64, ph).await;
+                say(&format!("load round {}/{total_rounds}", r + 1));
+            }
+        }
+        // Leave the backend as found.
+        for r in 0..total_rounds {
+            let keys: Vec<ObjectKey> =
+                (0..a.in_flight * a.num_keys).map(|i| key(run_id + r as u64, i)).collect();
+            let _ = b.adapter.delete(&keys).await;
+        }
+        b.adapter.close().await;
+        anyhow::Ok(())
+    })?;
+    let doc = json!({
+        "adapter": b.adapter.describe(),
+        "codec": b.codec.name(),
+        "num_keys": a.num_keys, "in_flight": a.in_flight, "data_size_kb": a.data_size_kb,
+        "rounds": a.rounds, "warmup_rounds": a.warmup_rounds,
+        "store": if only.is_none_or(|o| o == "store") { store.report() } else { Value::Null },
+        "lookup": if only.is_none_or(|o| o == "lookup") { let mut v = lookup.report(); v["hits"] = json!(hits); v } else { Value::Null },
+        "load": if only.is_none_or(|o| o == "load") { load.report() } else { Value::Null },
+        "verify": if a.skip_verify { json!("skipped") } else { json!({"wrong_payloads": wrong}) },
+    });
+    if let Some(path) = &a.output {
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !a.quiet {
+        match a.format {
+            Format::Json => println!("{}", serde_json::to_string_pretty(&doc)?),
+            Format::Terminal => {
+                let mut out = std::io::stdout().lock();
+                writeln!(
+                    out,
+                    "{} (codec {}), {} KiB objects, {} keys x {} in flight, {} rounds",
+                    b.adapter.kind(),
+                    b.codec.name(),
+                    a.data_size_kb,
+                    a.num_keys,
+                    a.in_flight,
+                    a.rounds
+                )?;
+                writeln!(
+                    out,
+                    "{:<8}{:>12}{:>12}{:>12}{:>12}{:>10}",
+                    "op", "MiB/s", "ops/s", "p50 ms", "p99 ms", "failed"
+                )?;
+                for op in ["store", "lookup", "load"] {
+                    let o = &doc[op];
+                    if o.is_null() {
+                        continue;
+                    }
+                    let f = |k: &str| o[k].as_f64().unwrap_or(0.0);
+                    let mib = if op == "lookup" {
+                        "-".to_owned()
+                    } else {
+                        format!("{:.0}", f("mib_per_s"))
+                    };
+                    writeln!(
+                        out,
+                        "{op:<8}{mib:>12}{:>12.0}{:>12.3}{:>12.3}{:>10}",
+                        f("ops_per_s"),
+                        f("submit_p50_ms"),
+                        f("submit_p99_ms"),
+                        o["failures"].as_u64().unwrap_or(0)
+                    )?;
+                }
+                if !a.skip_verify {
+                    writeln!(out, "verify: {wrong} wrong payloads")?;
+                }
+            }
+        }
+    }
+    let failed: u64 =
+        ["store", "load"].iter().map(|k| doc[k]["failures"].as_u64().unwrap_or(0)).sum();
+    if wrong > 0 || failed > 0 {
+        bail!("{failed} failed operations, {wrong} wrong payloads");
+    }
+    Ok(())
+}
