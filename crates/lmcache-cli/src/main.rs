@@ -4,9 +4,12 @@
 mod bench;
 mod bench_l2;
 mod ops;
+mod otel;
 mod server;
 
 use clap::{Parser, Subcommand};
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 /// lmcache-rs: a KV-cache layer for LLM inference engines, compatible with LMCache.
 #[derive(Debug, Parser)]
@@ -76,16 +79,38 @@ fn run() -> anyhow::Result<()> {
     let cli = Cli::parse_from(args);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log_level));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_target(false)
-        .with_writer(std::io::stderr);
+    let otlp = match &cli.command {
+        Command::Server(a) => a.otlp_endpoint.clone(),
+        _ => None,
+    };
+    let (otel_layer, provider) = match otlp.as_deref() {
+        Some(ep) => {
+            let (layer, provider) = otel::layer(ep)?;
+            (Some(layer), Some(provider))
+        }
+        None => (None, None),
+    };
+    let fmt = tracing_subscriber::fmt::layer().with_target(false).with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(filter).with(otel_layer);
     if cli.log_format == "json" {
-        logs.json().init();
+        registry.with(fmt.json()).init();
     } else {
-        logs.init();
+        registry.with(fmt).init();
     }
-    match cli.command {
+    if let Some(ep) = &otlp {
+        tracing::info!(endpoint = %ep, "exporting spans over OTLP/HTTP");
+    }
+    let result = dispatch(cli.command);
+    if let Some(p) = provider
+        && let Err(e) = p.shutdown()
+    {
+        eprintln!("warning: flushing OTLP spans failed: {e}");
+    }
+    result
+}
+
+fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Server(args) => server::run(*args),
         Command::Bench(BenchCommand::Server(args)) => bench::run(args),
         Command::Bench(BenchCommand::L2(args)) => bench_l2::run(args),

@@ -126,6 +126,13 @@ pub struct ServerArgs {
     /// Objects the L2 write-behind queue holds; beyond it stores are dropped (and counted).
     #[arg(long, default_value_t = 16384)]
     pub l2_store_queue_size: usize,
+    /// Export tracing spans (one per MP request, L2 prefetches and store batches) over OTLP/HTTP
+    /// (protobuf) to this collector, e.g. http://127.0.0.1:4318 (`/v1/traces` is appended).
+    #[arg(long, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
+    /// Accepted for LMCache compatibility: tracing is on when --otlp-endpoint is given.
+    #[arg(long)]
+    pub enable_tracing: bool,
     /// Exit after this many seconds (for tests and benchmarks); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
@@ -148,8 +155,6 @@ pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
     "--p2p-advertise-url",
     "--p2p-listen-url",
     "--coordinator-url",
-    "--enable-tracing",
-    "--otlp-endpoint",
     "--run-script-api-enabled",
 ];
 

@@ -29,7 +29,22 @@ fn bad_flags_are_refused_with_their_name() {
     let out = bin().args(["server", "--l2-adapter", "{}"]).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--l2-adapter") && err.contains("not support"), "{err}");
+    assert!(err.contains("L2 adapter #0") && err.contains("type: missing"), "{err}");
+    let out = bin()
+        .args(["server", "--l2-adapter", r#"{"type":"fs","base_path":"/tmp/x","bogus":1}"#])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("bogus: unknown field"), "{err}");
+    let out = bin().args(["server", "--l2-adapter", "not json"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--l2-adapter #0"), "{err}");
+    let out = bin().args(["server", "--transport", "grpc"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--transport") && err.contains("not support"),
+        "{err}"
+    );
     let out = bin().args(["server", "--worker-reap-timeout-seconds", "5"]).output().unwrap();
     assert!(!out.status.success());
     let out = bin().args(["server", "--no-such-flag"]).output().unwrap();
@@ -191,4 +206,78 @@ fn operator_commands_send_the_bearer_token() {
     assert_eq!(env.status.code(), Some(0));
     nix_kill(server.id());
     assert!(server.wait().unwrap().success());
+}
+
+/// A minimal OTLP/HTTP receiver: answers every request 200 and keeps the bodies.
+fn otlp_receiver() -> (u16, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = got.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 65536];
+            // Read the head, then Content-Length bytes of body.
+            let body_len = loop {
+                let Ok(n) = c.read(&mut chunk) else { break None };
+                if n == 0 {
+                    break None;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(p) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&buf[..p]).to_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| {
+                            l.strip_prefix("content-length:")
+                                .map(|v| v.trim().parse::<usize>().unwrap_or(0))
+                        })
+                        .unwrap_or(0);
+                    break Some((p + 4, len));
+                }
+            };
+            let Some((start, len)) = body_len else { continue };
+            while buf.len() < start + len {
+                match c.read(&mut chunk) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
+            sink.lock().unwrap().extend_from_slice(&buf);
+            let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-protobuf\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        }
+    });
+    (port, got)
+}
+
+#[test]
+fn spans_are_exported_over_otlp() {
+    let (otlp, got) = otlp_receiver();
+    let port = free_port();
+    let name = format!("lmcache_rs_cli_otlp_{}", std::process::id());
+    let mut server = bin()
+        .args(["server", "--port", &port.to_string(), "--http-port", "0", "--shm-name", &name])
+        .args(["--l1-size-gb", "0.1", "--otlp-endpoint", &format!("http://127.0.0.1:{otlp}")])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let out = bin()
+        .args(["bench", "server", "--rpc-url", &url, "--end", "2", "--format", "json"])
+        .args(["--num-layers", "2", "--hidden-dim", "64"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    nix_kill(server.id()); // shutdown flushes the batch exporter
+    assert!(server.wait().unwrap().success());
+    let body = got.lock().unwrap().clone();
+    let has = |s: &str| body.windows(s.len()).any(|w| w == s.as_bytes());
+    assert!(has("POST /v1/traces"), "no OTLP export arrived");
+    for s in ["mp_request", "lookup", "req-0-cold", "lmcache-rs"] {
+        assert!(has(s), "exported spans lack {s:?}");
+    }
 }

@@ -69,6 +69,9 @@ pub fn router(state: Shared) -> Router {
         .route("/reconfigure/{backend}/l2/status", get(reconfigure_status))
         .route("/reconfigure/{backend}/l2/{operation}", post(reconfigure))
         .route("/metrics", get(metrics))
+        .route("/metrics/reset", post(metrics_reset))
+        .route("/cache/prefetches", post(prefetch_submit))
+        .route("/cache/prefetches/{request_id}", get(prefetch_status))
         .route("/cache/clear", post(clear))
         .route("/cache/objects", get(objects_list).delete(objects_delete))
         .route("/cache/checksums", post(cache_checksums))
@@ -268,6 +271,119 @@ async fn reconfigure(
         },
         other => {
             error(StatusCode::BAD_REQUEST, format!("operation: {other:?} is not add or remove"))
+        }
+    }
+}
+
+/// `POST /metrics/reset`: clears the per-operation request, refusal and latency series (the
+/// lmcache_mp counters are cumulative, as Prometheus expects, and are not reset).
+async fn metrics_reset(State(s): State<Shared>) -> Json<Value> {
+    s.metrics.requests.clear();
+    s.metrics.errors.clear();
+    s.metrics.latency.clear();
+    Json(json!({"status": "ok"}))
+}
+
+#[derive(Debug, Deserialize)]
+struct PrefetchBody {
+    model_name: String,
+    #[serde(default = "one")]
+    world_size: u32,
+    token_ids: Vec<i64>,
+    #[serde(default)]
+    cache_salt: String,
+    #[serde(default)]
+    source_tier: Option<String>,
+    #[serde(default)]
+    target_tier: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+static HTTP_PREFETCH_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// `POST /cache/prefetches`: warm L1 from L2 for a prompt, ahead of the request (202).
+async fn prefetch_submit(State(s): State<Shared>, raw: axum::body::Bytes) -> Response {
+    let b: PrefetchBody = match serde_json::from_slice(&raw) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    if b.source_tier.as_deref().is_some_and(|t| t != "l2") {
+        return error(StatusCode::BAD_REQUEST, "source_tier: only l2 is supported");
+    }
+    if b.target_tier.as_deref().is_some_and(|t| t != "l1") {
+        return error(StatusCode::BAD_REQUEST, "target_tier: only l1 is supported");
+    }
+    let Some(tier) = s.l2.clone() else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "no L2 tier (start with --l2-adapter)");
+    };
+    let tokens = match lmcache_core::hashing::tokens_from_i64(&b.token_ids) {
+        Ok(t) => t,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("token_ids: {e}")),
+    };
+    let hashes = s.hasher.hash_tokens(&tokens);
+    if hashes.is_empty() {
+        return (StatusCode::ACCEPTED, Json(json!({"chunks": 0, "status": "noop"})))
+            .into_response();
+    }
+    let mut shards = Vec::new();
+    for w in 0..b.world_size {
+        let keys: Result<Vec<lmcache_core::ObjectKey>, _> = hashes
+            .iter()
+            .map(|h| {
+                lmcache_core::ObjectKey::new(
+                    *h.as_bytes(),
+                    &b.model_name,
+                    b.world_size,
+                    w,
+                    0,
+                    &b.cache_salt,
+                )
+            })
+            .collect();
+        match keys {
+            Ok(k) => shards.push(k),
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("key: {e}")),
+        }
+    }
+    let total = shards.iter().map(Vec::len).sum::<usize>();
+    let id = format!(
+        "prefetch-{}",
+        HTTP_PREFETCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    {
+        let mut jobs = s.http_prefetches.lock();
+        if jobs.len() >= 10_000 {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "too many unpolled prefetches");
+        }
+        jobs.insert(id.clone(), None);
+    }
+    let (me, rid, chunks) = (s.clone(), id.clone(), hashes.len());
+    tier.prefetch(lmcache_storage::PrefetchRequest { shards, readers: 1 }, move |out| {
+        // The leases drop here: loaded objects stay in L1 under its eviction policy.
+        let found = out.hits * out.leases.len();
+        me.http_prefetches.lock().insert(rid, Some((found, total)));
+    });
+    (StatusCode::ACCEPTED, Json(json!({"request_id": id, "chunks": chunks, "status": "submitted"})))
+        .into_response()
+}
+
+/// `GET /cache/prefetches/{request_id}`: pending, or completed once (then forgotten).
+async fn prefetch_status(
+    State(s): State<Shared>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let mut jobs = s.http_prefetches.lock();
+    match jobs.get(&id).copied() {
+        None => error(StatusCode::NOT_FOUND, format!("request_id: no prefetch {id:?}")),
+        Some(None) => Json(json!({"request_id": id, "status": "pending"})).into_response(),
+        Some(Some((found, total))) => {
+            jobs.remove(&id);
+            Json(json!({"request_id": id, "status": "completed", "found_keys": found,
+                        "total_keys": total}))
+            .into_response()
         }
     }
 }
@@ -504,6 +620,8 @@ struct ObjectsQuery {
     #[serde(default)]
     tier: Option<String>,
     #[serde(default)]
+    adapter: Option<u64>,
+    #[serde(default)]
     model_name: Option<String>,
     #[serde(default)]
     page_size: Option<usize>,
@@ -511,11 +629,29 @@ struct ObjectsQuery {
     page_token: Option<String>,
 }
 
-fn check_tier(tier: Option<&str>) -> Result<(), String> {
+fn check_tier(s: &ServerState, tier: Option<&str>) -> Result<(), String> {
     match tier.unwrap_or("l1") {
         "l1" | "all" => Ok(()),
-        other => Err(format!("tier: {other:?} is not available (only l1 exists)")),
+        "l2" if s.l2.is_some() => Ok(()),
+        "l2" => Err("tier: l2 is not configured (start the server with --l2-adapter)".into()),
+        other => Err(format!("tier: {other:?} is not l1, l2 or all")),
     }
+}
+
+/// The adapter a request names (`adapter` = its index), or the first.
+fn pick_adapter(
+    s: &ServerState,
+    index: Option<u64>,
+) -> Result<std::sync::Arc<lmcache_storage::tier::AdapterSlot>, (StatusCode, String)> {
+    let Some(tier) = &s.l2 else {
+        return Err((StatusCode::BAD_REQUEST, "tier: l2 is not configured".into()));
+    };
+    let all = tier.adapters();
+    match index {
+        None => all.first().cloned(),
+        Some(i) => all.iter().find(|a| a.id == i).cloned(),
+    }
+    .ok_or_else(|| (StatusCode::NOT_FOUND, format!("adapter: no L2 adapter {index:?}")))
 }
 
 fn encode_key(k: &lmcache_core::ObjectKey) -> Value {
@@ -533,12 +669,15 @@ async fn objects_list(
     State(s): State<Shared>,
     axum::extract::Query(q): axum::extract::Query<ObjectsQuery>,
 ) -> Response {
-    if let Err(msg) = check_tier(q.tier.as_deref()) {
+    if let Err(msg) = check_tier(&s, q.tier.as_deref()) {
         return error(StatusCode::BAD_REQUEST, msg);
     }
     let size = q.page_size.unwrap_or(500);
     if size == 0 || size > 5000 {
         return error(StatusCode::BAD_REQUEST, format!("page_size: {size} is outside 1..=5000"));
+    }
+    if q.tier.as_deref() == Some("l2") {
+        return l2_objects_list(&s, q, size).await;
     }
     let skip = match q.page_token.as_deref().map(str::parse::<usize>) {
         None => 0,
@@ -586,6 +725,8 @@ struct DeleteBody {
     #[serde(default)]
     tier: Option<String>,
     #[serde(default)]
+    adapter: Option<u64>,
+    #[serde(default)]
     force: bool,
 }
 
@@ -595,7 +736,7 @@ async fn objects_delete(State(s): State<Shared>, raw: axum::body::Bytes) -> Resp
         Ok(b) => b,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
     };
-    if let Err(msg) = check_tier(body.tier.as_deref()) {
+    if let Err(msg) = check_tier(&s, body.tier.as_deref()) {
         return error(StatusCode::BAD_REQUEST, msg);
     }
     if body.keys.len() > 10_000 {
@@ -628,8 +769,79 @@ async fn objects_delete(State(s): State<Shared>, raw: axum::body::Bytes) -> Resp
             Err(e) => return error(StatusCode::BAD_REQUEST, format!("keys[{i}]: {e}")),
         }
     }
-    let results = s.l1.delete(&keys, body.force);
-    let deleted = results.iter().filter(|r| r.is_ok()).count();
-    Json(json!({"deleted": deleted, "skipped": results.len() - deleted, "ok": true}))
-        .into_response()
+    let tier = body.tier.as_deref().unwrap_or("l1");
+    let mut deleted = 0usize;
+    let mut skipped = 0usize;
+    if tier != "l2" {
+        let results = s.l1.delete(&keys, body.force);
+        deleted += results.iter().filter(|r| r.is_ok()).count();
+        skipped += results.iter().filter(|r| r.is_err()).count();
+    }
+    if tier != "l1"
+        && let Some(t) = s.l2.clone()
+    {
+        let targets: Vec<_> =
+            t.adapters().into_iter().filter(|a| body.adapter.is_none_or(|i| a.id == i)).collect();
+        let n = keys.len();
+        let r = tokio::task::spawn_blocking(move || {
+            t.block_on(async move {
+                let mut total = 0u64;
+                for a in targets {
+                    total += a.built.adapter.delete(&keys).await?;
+                }
+                Ok::<u64, lmcache_l2::L2Error>(total)
+            })
+        })
+        .await;
+        match r {
+            Ok(Ok(d)) => {
+                deleted += d as usize;
+                skipped += n.saturating_sub(d as usize);
+            }
+            Ok(Err(e)) => {
+                return Json(json!({"deleted": deleted, "skipped": skipped, "ok": false,
+                                   "error": format!("L2 delete failed: {e}")}))
+                .into_response();
+            }
+            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        }
+    }
+    Json(json!({"deleted": deleted, "skipped": skipped, "ok": true})).into_response()
+}
+
+/// `GET /cache/objects?tier=l2[&adapter=N]`: one adapter's keys, a page at a time.
+async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usize) -> Response {
+    let slot = match pick_adapter(s, q.adapter) {
+        Ok(a) => a,
+        Err((code, msg)) => return error(code, msg),
+    };
+    let Some(tier) = s.l2.clone() else { return error(StatusCode::BAD_REQUEST, "no L2") };
+    let (model, token) = (q.model_name.clone(), q.page_token.clone());
+    let ad = slot.built.adapter.clone();
+    let page = tokio::task::spawn_blocking(move || {
+        tier.block_on(async move { ad.list(model.as_deref(), token.as_deref(), size).await })
+    })
+    .await;
+    match page {
+        Ok(Ok(p)) => {
+            let entries: Vec<Value> = p
+                .keys
+                .iter()
+                .map(|(k, n)| {
+                    let mut v = encode_key(k);
+                    v["size_bytes"] = json!(n);
+                    v
+                })
+                .collect();
+            Json(json!({"tier": "l2", "adapter": slot.id, "type": slot.built.kind,
+                        "shared": false, "entries": entries, "next_page_token": p.next}))
+            .into_response()
+        }
+        Ok(Err(lmcache_l2::L2Error::Unsupported(what))) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("adapter {} ({}) does not support {what}", slot.id, slot.built.kind),
+        ),
+        Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("adapter {}: {e}", slot.id)),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
 }

@@ -114,6 +114,7 @@ impl Server {
         .map_err(io("starting the event bus"))?;
         let state = Arc::new_cyclic(|me| ServerState {
             me: me.clone(),
+            http_prefetches: parking_lot::Mutex::default(),
             l2,
             bus,
             events,

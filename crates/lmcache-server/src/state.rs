@@ -89,6 +89,9 @@ pub struct ServerState {
     pub l2: Option<lmcache_storage::L2Tier>,
     /// This state itself, for work that completes on other threads (prefetches).
     pub me: std::sync::Weak<ServerState>,
+    /// Prefetches asked over HTTP: request id → `None` while running, then
+    /// `(found_keys, total_keys)` until polled once.
+    pub http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
 }
 
 impl ServerState {
@@ -150,6 +153,9 @@ impl ServerState {
         parent: Option<ChunkHash>,
         committed: &[usize],
     ) {
+        let span = tracing::Span::current();
+        span.record("request_id", key.request_id.as_str());
+        span.record("chunks", committed.len());
         if let Some(l2) = &self.l2
             && !committed.is_empty()
         {

@@ -16,6 +16,7 @@ use std::sync::atomic::Ordering;
 use futures_util::future::join_all;
 use lmcache_core::ObjectKey;
 use lmcache_l1::{L1Error, ReadLease, WriteRequest};
+use tracing::Instrument;
 
 use crate::tier::{AdapterSlot, L2Tier, Shared};
 
@@ -66,6 +67,24 @@ impl L2Tier {
 }
 
 async fn run(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcome {
+    let span = tracing::info_span!(
+        "l2_prefetch",
+        shards = req.shards.len(),
+        chunks = req.shards.first().map_or(0, Vec::len),
+        loaded_keys = tracing::field::Empty,
+        loaded_bytes = tracing::field::Empty,
+        hits = tracing::field::Empty,
+        expired = tracing::field::Empty,
+    );
+    let out = run_inner(shared, req).instrument(span.clone()).await;
+    span.record("loaded_keys", out.loaded_keys);
+    span.record("loaded_bytes", out.loaded_bytes);
+    span.record("hits", out.hits);
+    span.record("expired", out.expired);
+    out
+}
+
+async fn run_inner(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcome {
     let stats = &shared.stats;
     stats.prefetch_requests.fetch_add(1, Ordering::Relaxed);
     let deadline = tokio::time::Instant::now() + shared.config.prefetch_deadline;

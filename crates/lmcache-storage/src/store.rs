@@ -14,6 +14,7 @@ use lmcache_core::ObjectKey;
 use lmcache_l1::ReadLease;
 use lmcache_l2::{Blob, L2Error, Stored};
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use crate::tier::{AdapterSlot, L2Tier, Shared, StorePolicy};
 
@@ -53,10 +54,14 @@ pub(crate) async fn run(shared: Arc<Shared>, mut rx: mpsc::Receiver<ObjectKey>) 
         let Ok(permit) = shared.store_slots.clone().acquire_owned().await else { return };
         let keys = std::mem::take(&mut buf);
         let sh = shared.clone();
-        tokio::spawn(async move {
-            store_batch(&sh, keys).await;
-            drop(permit);
-        });
+        let span = tracing::info_span!("l2_store_batch", keys = keys.len());
+        tokio::spawn(
+            async move {
+                store_batch(&sh, keys).await;
+                drop(permit);
+            }
+            .instrument(span),
+        );
     }
 }
 

@@ -102,6 +102,9 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         });
     }
     let chunks = key.end / state.chunk_size();
+    let span = tracing::Span::current();
+    span.record("request_id", key.request_id.as_str());
+    span.record("chunks", chunks);
     state.metrics.lookups.inc();
     state.metrics.lookup_requested_tokens.inc_by((chunks * state.chunk_size()) as u64);
     if chunks == 0 || !state.registry.has_model(&key.model_name, key.world_size) {
@@ -141,6 +144,7 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         }
         s.lookup = LookupLocks { locks: per_shard };
         s.touched = touched;
+        tracing::Span::current().record("hits", hit);
         let hit_tokens = (hit * state.chunk_size()) as u64;
         state.metrics.lookup_hit_tokens.inc_by(hit_tokens);
         state.metrics.lookup_hit_l1_tokens.inc_by(hit_tokens);

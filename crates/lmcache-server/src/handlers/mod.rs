@@ -64,6 +64,17 @@ pub fn handle(state: &ServerState, req: Request) -> Reply {
     state.metrics.request(op.name());
     let header = req.header.clone();
     let started = std::time::Instant::now();
+    // One span per request (exported with --otlp-endpoint); handlers record what they know.
+    let span = tracing::info_span!(
+        "mp_request",
+        op = op.name(),
+        uid = header.uid,
+        request_id = tracing::field::Empty,
+        chunks = tracing::field::Empty,
+        hits = tracing::field::Empty,
+        bytes = tracing::field::Empty,
+    );
+    let _entered = span.enter();
     let result = dispatch(state, &req);
     state.metrics.observe(op.name(), started.elapsed().as_secs_f64());
     match result {

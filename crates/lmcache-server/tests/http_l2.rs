@@ -1,0 +1,168 @@
+//! The HTTP API of the L2 tier: adapters in /status and /config, L2 listing and deletes,
+//! prefetches, runtime add/remove of adapters, L2 metrics, /metrics/reset.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use lmcache_core::ObjectKey;
+use lmcache_l1::WriteRequest;
+use lmcache_memory::{ArenaBacking, ArenaConfig};
+use lmcache_server::{Server, ServerConfig};
+use serde_json::{Value, json};
+
+fn server(dir: &std::path::Path) -> Server {
+    let arena = ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    Server::start(ServerConfig {
+        http_port: Some(0),
+        l2_adapters: vec![json!({"type": "fs", "base_path": dir})],
+        ..ServerConfig::local(arena)
+    })
+    .unwrap()
+}
+
+fn http(s: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
+    let mut c = TcpStream::connect(s.http_addr().unwrap()).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let body = body.unwrap_or("");
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    c.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    c.read_to_string(&mut out).unwrap();
+    let status = out[9..12].parse().unwrap();
+    let text = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+fn key(i: u8) -> ObjectKey {
+    ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap()
+}
+
+/// Puts objects into L1 and waits until the write-behind has them in L2.
+fn store(s: &Server, keys: &[ObjectKey]) {
+    let st = s.state();
+    for k in keys {
+        let mut w =
+            st.l1.reserve_write(&[WriteRequest::new(k.clone(), 4096)]).pop().unwrap().unwrap();
+        w.as_mut_slice().fill(7);
+        w.commit().unwrap();
+    }
+    let l2 = st.l2.as_ref().unwrap();
+    l2.submit_store(keys.to_vec());
+    let t0 = Instant::now();
+    while l2.adapters()[0].stats.stored_keys.load(std::sync::atomic::Ordering::Relaxed)
+        < keys.len() as u64
+    {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn adapters_show_in_status_config_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let (code, st) = http(&s, "GET", "/status", None);
+    assert_eq!(code, 200);
+    let a = &st["storage_manager"]["l2_adapters"][0];
+    assert_eq!((a["type"].as_str(), a["is_healthy"].as_bool()), (Some("fs"), Some(true)), "{st}");
+    let (_, cfg) = http(&s, "GET", "/config/adapters", None);
+    assert_eq!(cfg["adapters"][0]["type_name"], "fs");
+    assert_eq!(cfg["adapters"][0]["tier"], "l2");
+    store(&s, &[key(1), key(2)]);
+    let (_, m) = http(&s, "GET", "/metrics", None);
+    let m = m.as_str().unwrap().to_owned();
+    for name in [
+        "lmcache_mp_l2_store_adapters{state=\"active\"} 1",
+        "lmcache_mp_l2_store_completed_objects_total{l2_name=\"fs\",adapter_index=\"0\"} 2",
+        "lmcache_rs_l2_healthy{l2_name=\"fs\",adapter_index=\"0\"} 1",
+        "lmcache_mp_lookup_hit_l2_tokens_total",
+    ] {
+        assert!(m.contains(name), "metrics lack {name}");
+    }
+}
+
+#[test]
+fn l2_objects_list_delete_and_prefetch() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let keys: Vec<ObjectKey> = (1..=3).map(key).collect();
+    store(&s, &keys);
+    let (code, page) = http(&s, "GET", "/cache/objects?tier=l2&page_size=2", None);
+    assert_eq!(code, 200, "{page}");
+    assert_eq!(page["entries"].as_array().unwrap().len(), 2);
+    let token = page["next_page_token"].as_str().unwrap().to_owned();
+    let (_, page2) =
+        http(&s, "GET", &format!("/cache/objects?tier=l2&page_size=2&page_token={token}"), None);
+    assert_eq!(page2["entries"].as_array().unwrap().len(), 1);
+    assert!(page2["next_page_token"].is_null());
+    assert_eq!(http(&s, "GET", "/cache/objects?tier=l2&adapter=9", None).0, 404);
+    assert_eq!(http(&s, "GET", "/cache/objects?tier=l3", None).0, 400);
+
+    // Prefetch: evict from L1, warm it back over HTTP. The token ids hash to other keys than
+    // the ones stored above, so first a miss...
+    let body =
+        json!({"model_name": "m", "world_size": 1, "token_ids": (0..256).collect::<Vec<i64>>()});
+    let (code, r) = http(&s, "POST", "/cache/prefetches", Some(&body.to_string()));
+    assert_eq!(code, 202, "{r}");
+    let id = r["request_id"].as_str().unwrap().to_owned();
+    let t0 = Instant::now();
+    let done = loop {
+        let (code, st) = http(&s, "GET", &format!("/cache/prefetches/{id}"), None);
+        assert_eq!(code, 200);
+        if st["status"] == "completed" {
+            break st;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!((done["found_keys"].as_u64(), done["total_keys"].as_u64()), (Some(0), Some(1)));
+    assert_eq!(http(&s, "GET", &format!("/cache/prefetches/{id}"), None).0, 404, "polled once");
+    assert_eq!(http(&s, "POST", "/cache/prefetches", Some("{\"model_name\": 1}")).0, 400);
+    let short = json!({"model_name": "m", "token_ids": [1, 2, 3]}).to_string();
+    assert_eq!(http(&s, "POST", "/cache/prefetches", Some(&short)).1["status"], "noop");
+
+    // Delete from L2 only.
+    let del = json!({"keys": [{"chunk_hash_hex": "01".repeat(32), "model_name": "m", "kv_rank": 0x0100_0100u32}],
+                     "tier": "l2"});
+    let (code, r) = http(&s, "DELETE", "/cache/objects", Some(&del.to_string()));
+    assert_eq!((code, r["deleted"].as_u64(), r["ok"].as_bool()), (200, Some(1), Some(true)), "{r}");
+    let (_, page) = http(&s, "GET", "/cache/objects?tier=l2", None);
+    assert_eq!(page["entries"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn adapters_are_added_and_removed_at_run_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let add = json!({"spec": {"type": "mock", "max_size_gb": 0.1}}).to_string();
+    let (code, r) = http(&s, "POST", "/reconfigure/generic/l2/add", Some(&add));
+    assert_eq!(code, 200, "{r}");
+    let id = r["adapter_index"].as_u64().unwrap();
+    let (_, st) = http(&s, "GET", "/reconfigure/generic/l2/status", None);
+    assert_eq!(st["num_adapters"], 2);
+    let bad = json!({"spec": {"type": "mock"}}).to_string();
+    let (code, r) = http(&s, "POST", "/reconfigure/generic/l2/add", Some(&bad));
+    assert_eq!(code, 400);
+    assert!(r["detail"].as_str().unwrap().contains("max_size_gb"), "{r}");
+    let rm = json!({"adapter_index": id}).to_string();
+    assert_eq!(http(&s, "POST", "/reconfigure/generic/l2/remove", Some(&rm)).0, 200);
+    assert_eq!(http(&s, "POST", "/reconfigure/generic/l2/remove", Some(&rm)).0, 404);
+    assert_eq!(http(&s, "POST", "/reconfigure/generic/l2/resize", Some("{}")).0, 400);
+    assert_eq!(http(&s, "GET", "/reconfigure/generic/l2/status", None).1["num_adapters"], 1);
+}
+
+#[test]
+fn metrics_reset_clears_per_operation_series() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    s.state().metrics.request("lookup");
+    let (_, m) = http(&s, "GET", "/metrics", None);
+    assert!(m.as_str().unwrap().contains("lmcache_rs_mp_requests_total{op=\"lookup\"} 1"));
+    assert_eq!(http(&s, "POST", "/metrics/reset", None).1["status"], "ok");
+    let (_, m) = http(&s, "GET", "/metrics", None);
+    assert!(!m.as_str().unwrap().contains("lmcache_rs_mp_requests_total{op=\"lookup\"}"));
+}
