@@ -313,3 +313,24 @@ fn s3_conforms_including_multipart_and_listing() {
         b.adapter.delete(&keys).await.unwrap();
     });
 }
+
+#[test]
+fn redis_with_a_password() {
+    let Some(addr) = external("LMCACHE_RS_TEST_REDIS_AUTH") else { return };
+    let pw = std::env::var("LMCACHE_RS_TEST_REDIS_PASSWORD").unwrap();
+    let (host, port) = addr.rsplit_once(':').unwrap();
+    let port: u16 = port.parse().unwrap();
+    rt().block_on(async {
+        let spec = json!({"type": "redis", "host": host, "port": port, "password": pw});
+        let b = build(spec.clone()).await;
+        assert_eq!(b.spec["password"], "***", "the password must not be shown");
+        conformance(&b, SIZES).await;
+        for bad in [
+            json!({"type": "redis", "host": host, "port": port}),
+            json!({"type": "redis", "host": host, "port": port, "password": "wrong"}),
+        ] {
+            let e = config::build(0, &bad).await.unwrap_err();
+            assert_eq!(e.field, "host", "{e}");
+        }
+    });
+}

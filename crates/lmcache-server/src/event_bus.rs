@@ -44,6 +44,19 @@ pub enum Event {
         /// The request.
         request_id: String,
     },
+    /// A write-behind batch to one L2 adapter ended.
+    L2Stored(lmcache_storage::StoreReport),
+    /// An L2 prefetch ended.
+    L2Prefetched(lmcache_storage::PrefetchReport),
+    /// A blob loaded from L2 failed verification (served as a miss).
+    L2BlobRefused {
+        /// Adapter id.
+        adapter: u64,
+        /// The key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
     /// A request was refused as malformed.
     Refused {
         /// Operation.
@@ -203,5 +216,33 @@ mod tests {
         bus.publish(Event::SessionEnded { request_id: "x".into() });
         assert!(!bus.enabled());
         assert_eq!((bus.published(), bus.dropped()), (0, 0));
+    }
+}
+
+/// Forwards the L2 tier's reports to the server's bus.
+#[derive(Debug)]
+pub struct TierEvents(pub std::sync::Weak<crate::state::ServerState>);
+
+impl TierEvents {
+    fn publish(&self, e: Event) {
+        if let Some(s) = self.0.upgrade() {
+            s.bus.publish(e);
+        }
+    }
+}
+
+impl lmcache_storage::TierObserver for TierEvents {
+    fn stored(&self, r: &lmcache_storage::StoreReport) {
+        self.publish(Event::L2Stored(r.clone()));
+    }
+    fn prefetched(&self, r: &lmcache_storage::PrefetchReport) {
+        self.publish(Event::L2Prefetched(r.clone()));
+    }
+    fn blob_refused(&self, adapter: u64, key: &lmcache_core::ObjectKey, reason: &str) {
+        self.publish(Event::L2BlobRefused {
+            adapter,
+            key: key.to_string(),
+            reason: reason.to_owned(),
+        });
     }
 }

@@ -127,6 +127,9 @@ impl Server {
             started,
             config,
         });
+        if let Some(l2) = &state.l2 {
+            l2.set_observer(Arc::new(crate::event_bus::TierEvents(Arc::downgrade(&state))));
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let http = match state.config.http_port {
             None => None,

@@ -12,4 +12,7 @@ pub mod store;
 pub mod tier;
 
 pub use prefetch::{PrefetchOutcome, PrefetchRequest};
-pub use tier::{AdapterInfo, L2Tier, StorePolicy, TierConfig, TierStats};
+pub use tier::{
+    AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig, TierObserver,
+    TierStats,
+};

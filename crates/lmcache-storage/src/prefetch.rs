@@ -67,6 +67,7 @@ impl L2Tier {
 }
 
 async fn run(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcome {
+    let chunks = req.shards.first().map_or(0, Vec::len);
     let span = tracing::info_span!(
         "l2_prefetch",
         shards = req.shards.len(),
@@ -81,6 +82,14 @@ async fn run(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcome {
     span.record("loaded_bytes", out.loaded_bytes);
     span.record("hits", out.hits);
     span.record("expired", out.expired);
+    let report = crate::tier::PrefetchReport {
+        chunks,
+        hits: out.hits,
+        loaded_keys: out.loaded_keys,
+        loaded_bytes: out.loaded_bytes,
+        expired: out.expired,
+    };
+    shared.observe(|o| o.prefetched(&report));
     out
 }
 
@@ -228,6 +237,7 @@ fn place(
                 st.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(key = %key, adapter = slot.id, error = %e,
                     "L2 blob refused; treated as a miss");
+                shared.observe(|o| o.blob_refused(slot.id, key, &e.to_string()));
                 continue;
             }
         };

@@ -91,6 +91,14 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
     let stats = &slot.stats;
     let adapter = &slot.built.adapter;
     let mut held = vec![false; keys.len()];
+    let mut report = crate::tier::StoreReport {
+        adapter: slot.id,
+        kind: slot.built.kind.clone(),
+        written: 0,
+        skipped: 0,
+        failed: 0,
+        bytes: 0,
+    };
     // 1. Skip what the adapter already has.
     let present = match adapter.lookup(keys).await {
         Ok(p) => {
@@ -106,6 +114,7 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
     for (i, p) in present.iter().enumerate() {
         if *p {
             held[i] = true;
+            report.skipped += 1;
             stats.skipped_keys.fetch_add(1, Ordering::Relaxed);
         } else {
             todo.push(i);
@@ -124,6 +133,7 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
             Ok(blob) => items.push((i, keys[i].clone(), blob)),
             Err(e) => {
                 tracing::warn!(key = %keys[i], error = %e, "L2 encode failed; key not stored");
+                report.failed += 1;
                 stats.store_failures.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -143,12 +153,15 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
             match r {
                 Ok(Stored::Written(n)) => {
                     held[i] = true;
+                    report.written += 1;
+                    report.bytes += n;
                     stats.stored_keys.fetch_add(1, Ordering::Relaxed);
                     stats.stored_bytes.fetch_add(n, Ordering::Relaxed);
                     slot.account(&k.cache_salt, n as i64);
                 }
                 Ok(Stored::AlreadyPresent) => {
                     held[i] = true;
+                    report.skipped += 1;
                     stats.skipped_keys.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(e) if e.is_transient() && attempt < shared.config.store_retries => {
@@ -156,6 +169,7 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
                     last_err = Some(e);
                 }
                 Err(e) => {
+                    report.failed += 1;
                     stats.store_failures.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(key = %k, error = %e, "L2 store failed");
                     last_err = Some(e);
@@ -172,5 +186,6 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
             delay *= 2;
         }
     }
+    shared.observe(|o| o.stored(&report));
     held
 }

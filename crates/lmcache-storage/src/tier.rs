@@ -190,6 +190,49 @@ pub struct TierStats {
     pub prefetch_l1_refused: AtomicU64,
 }
 
+/// Told when the controllers finish work, for event buses and logs. Called on the tier's
+/// threads: implementations must be quick and must not block.
+pub trait TierObserver: Send + Sync + std::fmt::Debug {
+    /// A store batch to one adapter ended.
+    fn stored(&self, _report: &StoreReport) {}
+    /// A prefetch ended.
+    fn prefetched(&self, _report: &PrefetchReport) {}
+    /// A loaded blob failed verification and was treated as a miss.
+    fn blob_refused(&self, _adapter: u64, _key: &ObjectKey, _reason: &str) {}
+}
+
+/// One store batch to one adapter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreReport {
+    /// Adapter id.
+    pub adapter: u64,
+    /// Adapter type.
+    pub kind: String,
+    /// Keys written.
+    pub written: usize,
+    /// Keys the adapter already held.
+    pub skipped: usize,
+    /// Keys that failed (after retries).
+    pub failed: usize,
+    /// Bytes written.
+    pub bytes: u64,
+}
+
+/// One finished prefetch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefetchReport {
+    /// Chunks asked for (per shard).
+    pub chunks: usize,
+    /// Chunks servable on every shard afterwards.
+    pub hits: usize,
+    /// Objects loaded from L2.
+    pub loaded_keys: usize,
+    /// Bytes loaded from L2.
+    pub loaded_bytes: u64,
+    /// Whether the deadline cut it short.
+    pub expired: bool,
+}
+
 /// A view of one adapter for /status and metrics.
 #[derive(Debug, Clone)]
 pub struct AdapterInfo {
@@ -213,7 +256,16 @@ pub(crate) struct Shared {
     pub(crate) epoch: Instant,
     pub(crate) prefetch_slots: Arc<Semaphore>,
     pub(crate) store_slots: Arc<Semaphore>,
+    pub(crate) observer: RwLock<Option<Arc<dyn TierObserver>>>,
     next_id: AtomicU64,
+}
+
+impl Shared {
+    pub(crate) fn observe(&self, f: impl FnOnce(&dyn TierObserver)) {
+        if let Some(o) = self.observer.read().as_ref() {
+            f(o.as_ref());
+        }
+    }
 }
 
 impl Shared {
@@ -277,6 +329,7 @@ impl L2Tier {
             config,
             stats: TierStats::default(),
             epoch: Instant::now(),
+            observer: RwLock::new(None),
             next_id: AtomicU64::new(0),
         });
         for b in built {
@@ -285,6 +338,11 @@ impl L2Tier {
         }
         rt.spawn(crate::store::run(shared.clone(), rx));
         Ok(Self { shared, rt: Arc::new(Rt(Some(rt))), store_tx: tx })
+    }
+
+    /// Installs the observer told of finished stores and prefetches.
+    pub fn set_observer(&self, observer: Arc<dyn TierObserver>) {
+        *self.shared.observer.write() = Some(observer);
     }
 
     /// Whether any adapter is attached.

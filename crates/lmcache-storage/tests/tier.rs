@@ -246,3 +246,45 @@ fn full_queue_drops_are_counted_and_engine_never_waits() {
     assert!(dropped > 0, "a 4-key queue cannot take 64 keys at once");
     assert_eq!(dropped + queued, 64);
 }
+
+#[derive(Debug, Default)]
+struct Seen {
+    stored: std::sync::Mutex<Vec<lmcache_storage::StoreReport>>,
+    prefetched: std::sync::Mutex<Vec<lmcache_storage::PrefetchReport>>,
+    refused: std::sync::atomic::AtomicUsize,
+}
+
+impl lmcache_storage::TierObserver for Seen {
+    fn stored(&self, r: &lmcache_storage::StoreReport) {
+        self.stored.lock().unwrap().push(r.clone());
+    }
+    fn prefetched(&self, r: &lmcache_storage::PrefetchReport) {
+        self.prefetched.lock().unwrap().push(r.clone());
+    }
+    fn blob_refused(&self, _: u64, _: &ObjectKey, _: &str) {
+        self.refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn observer_hears_stores_prefetches_and_refusals() {
+    let l1 = l1(64 << 20);
+    let spec = json!({"type": "fault_inject", "rate": 1.0, "mode": "corrupt", "ops": ["load"],
+        "inner": {"type": "mock", "max_size_gb": 1}});
+    let tier = L2Tier::start(l1.clone(), &[spec], TierConfig::default()).unwrap();
+    let seen = std::sync::Arc::new(Seen::default());
+    tier.set_observer(seen.clone());
+    for i in 0..3 {
+        put(&l1, i);
+    }
+    tier.submit_store((0..3).map(key));
+    wait_stored(&tier, 3);
+    let written: usize = seen.stored.lock().unwrap().iter().map(|r| r.written).sum();
+    assert_eq!(written, 3);
+    l1.clear(true);
+    tier.prefetch_blocking(PrefetchRequest { shards: vec![(0..3).map(key).collect()], readers: 1 });
+    let p = seen.prefetched.lock().unwrap().clone();
+    assert_eq!(p.len(), 1);
+    assert_eq!((p[0].chunks, p[0].hits, p[0].loaded_keys), (3, 0, 0));
+    assert_eq!(seen.refused.load(std::sync::atomic::Ordering::Relaxed), 3);
+}
