@@ -57,10 +57,18 @@ pub struct BenchL2Args {
     pub quiet: bool,
 }
 
+/// Key `i` of round `run`: its hash bytes are scrambled (splitmix64), like real chunk hashes,
+/// so that adapters sharding by hash see a realistic spread.
 fn key(run: u64, i: usize) -> ObjectKey {
+    let mut x = run.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (i as u64);
     let mut h = [0u8; 32];
-    h[..8].copy_from_slice(&run.to_le_bytes());
-    h[8..16].copy_from_slice(&(i as u64).to_le_bytes());
+    for part in h.chunks_mut(8) {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        part.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
     ObjectKey { chunk_hash: lmcache_core::ChunkHash(h), ..base_key() }
 }
 
