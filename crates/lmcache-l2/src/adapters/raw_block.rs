@@ -226,7 +226,12 @@ impl RawBlockAdapter {
         }
         let capacity = if config.capacity_bytes > 0 { config.capacity_bytes } else { size };
         if capacity > size {
-            meta.set_len(capacity)?;
+            // Allocate the blocks now (not a sparse file): writes into holes cost an
+            // allocation each, and the device may fill up later instead of now.
+            if let Err(e) = nix::fcntl::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&meta), 0, capacity as i64) {
+                tracing::warn!(error = %e, "raw_block: cannot preallocate; using a sparse file");
+                meta.set_len(capacity)?;
+            }
         }
         let geo = Geometry::new(&config, capacity).map_err(L2Error::Full)?;
         let mut dopts = OpenOptions::new();
