@@ -31,6 +31,31 @@ pub struct KeyPage {
     pub next: Option<String>,
 }
 
+/// Memory a blob's payload is read straight into (an L1 write reservation, a buffer).
+pub trait PayloadSink: Send + 'static {
+    /// The destination; its length is the payload length expected.
+    fn payload_mut(&mut self) -> &mut [u8];
+    /// The sink as `Any`, so that its owner can take its own type back.
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
+impl PayloadSink for Vec<u8> {
+    fn payload_mut(&mut self) -> &mut [u8] {
+        self
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+/// One direct load: the key, the blob header length expected (see
+/// [`crate::blob::header_len`]), and where the payload goes.
+pub type DirectItem = (ObjectKey, usize, Box<dyn PayloadSink>);
+
+/// The result of one direct load: the sink back, and the header bytes read (`None` = miss,
+/// including a stored blob of another length).
+pub type DirectResult = (Box<dyn PayloadSink>, Result<Option<Vec<u8>>, L2Error>);
+
 /// Storage below L1.
 #[async_trait]
 pub trait L2Adapter: Send + Sync + std::fmt::Debug {
@@ -45,6 +70,40 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
 
     /// The stored bytes of each key, `None` for a miss. The caller verifies them.
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>>;
+
+    /// Which of `keys` the backend holds, with each stored blob's length, for adapters that
+    /// know lengths as cheaply as presence. Default: [`L2Error::Unsupported`].
+    async fn lookup_sized(&self, _keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
+        Err(L2Error::Unsupported("sized lookup"))
+    }
+
+    /// Loads blobs whose length is known: the header into a new buffer, the payload straight
+    /// into each sink (no intermediate copy where the backend allows). A stored blob of another
+    /// length is a miss, or [`L2Error::Corrupt`] when the adapter sees it is torn. The caller
+    /// verifies header and payload. Default: [`Self::load`] and a copy.
+    async fn load_direct(&self, items: Vec<DirectItem>) -> Vec<DirectResult> {
+        let keys: Vec<ObjectKey> = items.iter().map(|(k, _, _)| k.clone()).collect();
+        let loaded = self.load(&keys).await;
+        items
+            .into_iter()
+            .zip(loaded)
+            .map(|((_, hlen, mut sink), r)| {
+                let r = r.and_then(|found| {
+                    let Some(b) = found else { return Ok(None) };
+                    let dest = sink.payload_mut();
+                    if b.len() != hlen + dest.len() {
+                        return Err(L2Error::Corrupt(crate::blob::BlobError::Truncated {
+                            got: b.len(),
+                            need: hlen + dest.len(),
+                        }));
+                    }
+                    dest.copy_from_slice(&b[hlen..]);
+                    Ok(Some(b[..hlen].to_vec()))
+                });
+                (sink, r)
+            })
+            .collect()
+    }
 
     /// Deletes `keys`; returns how many were present.
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error>;

@@ -206,6 +206,31 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header, BlobError> {
     })
 }
 
+/// Length of the header of any blob for `key` (the fixed part plus the wire key).
+pub fn header_len(key: &ObjectKey) -> usize {
+    FIXED_HEADER + wire_key::encode(key).len().min(u16::MAX as usize)
+}
+
+/// Verifies a blob read back in two parts (header, payload) for `key`: the same checks as
+/// [`verify`].
+pub fn verify_parts(key: &ObjectKey, header: &[u8], payload: &[u8]) -> Result<Header, BlobError> {
+    let h = parse_header(header)?;
+    let expected = wire_key::encode(key);
+    if h.wire_key.as_bytes() != &expected.as_bytes()[..expected.len().min(u16::MAX as usize)] {
+        return Err(BlobError::WrongKey { found: h.wire_key });
+    }
+    if header.len() != h.header_len {
+        return Err(BlobError::Truncated { got: header.len(), need: h.header_len });
+    }
+    if payload.len() as u64 != h.payload_len {
+        return Err(BlobError::RawLength { found: payload.len() as u64, expected: h.payload_len });
+    }
+    if xxh3_64(payload) != h.payload_checksum {
+        return Err(BlobError::PayloadChecksum);
+    }
+    Ok(h)
+}
+
 /// Verifies a whole blob read back for `key`; returns the header and the (still encoded)
 /// payload slice.
 pub fn verify<'a>(key: &ObjectKey, bytes: &'a [u8]) -> Result<(Header, &'a [u8]), BlobError> {
@@ -263,6 +288,21 @@ mod tests {
                 assert!(verify(&k, &c).is_err(), "flip at byte {i} bit {bit} accepted");
             }
         }
+    }
+
+    #[test]
+    fn split_verification_matches_whole_verification() {
+        let k = key("t");
+        let b = blob(&k, &[3; 500]);
+        let hl = header_len(&k);
+        assert!(verify_parts(&k, &b[..hl], &b[hl..]).is_ok());
+        for i in 0..b.len() {
+            let mut c = b.clone();
+            c[i] ^= 0x40;
+            assert!(verify_parts(&k, &c[..hl], &c[hl..]).is_err(), "flip at {i} accepted");
+        }
+        assert!(verify_parts(&k, &b[..hl], &b[hl..b.len() - 1]).is_err());
+        assert!(verify_parts(&key("u"), &b[..hl], &b[hl..]).is_err());
     }
 
     #[test]

@@ -17,7 +17,7 @@ pub mod config;
 pub mod error;
 pub mod wire_key;
 
-pub use adapter::{KeyPage, L2Adapter, Stored};
+pub use adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, PayloadSink, Stored};
 pub use blob::{Blob, BlobError};
 pub use codec::Codec;
 pub use config::BuiltAdapter;

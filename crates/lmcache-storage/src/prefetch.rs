@@ -15,7 +15,8 @@ use std::sync::atomic::Ordering;
 
 use futures_util::future::join_all;
 use lmcache_core::ObjectKey;
-use lmcache_l1::{L1Error, ReadLease, WriteRequest};
+use lmcache_l1::{L1Error, ReadLease, WriteRequest, WriteReservation};
+use lmcache_l2::{Codec, PayloadSink};
 use tracing::Instrument;
 
 use crate::tier::{AdapterSlot, L2Tier, Shared};
@@ -152,31 +153,40 @@ async fn load_missing(shared: &Arc<Shared>, req: &PrefetchRequest, out: &mut Pre
         return;
     }
     let keys: Vec<ObjectKey> = missing.iter().map(|&(s, c)| req.shards[s][c].clone()).collect();
-    // One batched lookup per adapter, all at once.
-    let found = join_all(adapters.iter().map(|a| {
+    // One batched lookup per adapter, all at once; with stored sizes where the adapter knows
+    // them (they let a load go straight into L1).
+    let found: Vec<Vec<Option<Option<u64>>>> = join_all(adapters.iter().map(|a| {
         let keys = &keys;
         async move {
-            let r = a.built.adapter.lookup(keys).await;
+            let r = match a.built.adapter.lookup_sized(keys).await {
+                Ok(sizes) => Ok(sizes.into_iter().map(|s| s.map(Some)).collect::<Vec<_>>()),
+                Err(lmcache_l2::L2Error::Unsupported(_)) => a
+                    .built
+                    .adapter
+                    .lookup(keys)
+                    .await
+                    .map(|f| f.into_iter().map(|x| x.then_some(None)).collect()),
+                Err(e) => Err(e),
+            };
             a.stats.lookup_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
             match r {
                 Ok(f) if f.len() == keys.len() => {
                     a.ok();
-                    a.stats
-                        .lookup_hits
-                        .fetch_add(f.iter().filter(|x| **x).count() as u64, Ordering::Relaxed);
+                    let hits = f.iter().filter(|x| x.is_some()).count() as u64;
+                    a.stats.lookup_hits.fetch_add(hits, Ordering::Relaxed);
                     f
                 }
-                Ok(_) => vec![false; keys.len()],
+                Ok(_) => vec![None; keys.len()],
                 Err(e) => {
                     a.failed(shared.epoch, &e);
-                    vec![false; keys.len()]
+                    vec![None; keys.len()]
                 }
             }
         }
     }))
     .await;
     // Plan: the first chunk some shard can get from nowhere ends the prefix.
-    let source = |m: usize| (0..adapters.len()).find(|&a| found[a][m]);
+    let source = |m: usize| (0..adapters.len()).find(|&a| found[a][m].is_some());
     let mut limit = n;
     for (m, &(_, c)) in missing.iter().enumerate() {
         if c < limit && source(m).is_none() {
@@ -191,20 +201,120 @@ async fn load_missing(shared: &Arc<Shared>, req: &PrefetchRequest, out: &mut Pre
             plan.entry(a).or_default().push(m);
         }
     }
-    // Load from each adapter concurrently; decode into L1 as results arrive.
+    // Load from each adapter concurrently.
     let loads = join_all(plan.into_iter().map(|(a, ms)| {
         let slot = adapters[a].clone();
+        let sizes: Vec<Option<u64>> = ms.iter().map(|&m| found[a][m].flatten()).collect();
         let ks: Vec<ObjectKey> = ms.iter().map(|&m| keys[m].clone()).collect();
-        async move {
-            let results = slot.built.adapter.load(&ks).await;
-            place(shared, &slot, &ks, results)
-        }
+        async move { load_from(shared, &slot, ks, sizes).await }
     }))
     .await;
     for (k, b) in loads {
         out.loaded_keys += k;
         out.loaded_bytes += b;
     }
+}
+
+/// An L1 write reservation as the target of a direct load.
+struct L1Sink(WriteReservation);
+
+impl PayloadSink for L1Sink {
+    fn payload_mut(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
+
+/// Loads `keys` from one adapter into L1: straight into L1 reservations when the codec is
+/// `none` and the stored length is known, through a buffer and the codec otherwise.
+async fn load_from(
+    shared: &Shared,
+    slot: &AdapterSlot,
+    keys: Vec<ObjectKey>,
+    sizes: Vec<Option<u64>>,
+) -> (usize, u64) {
+    let direct_ok = matches!(*slot.built.codec, Codec::None);
+    let mut direct: Vec<(ObjectKey, usize, u64)> = Vec::new();
+    let mut buffered: Vec<ObjectKey> = Vec::new();
+    for (k, size) in keys.into_iter().zip(sizes) {
+        let hlen = lmcache_l2::blob::header_len(&k);
+        match size {
+            Some(sz) if direct_ok && sz >= hlen as u64 => direct.push((k, hlen, sz - hlen as u64)),
+            _ => buffered.push(k),
+        }
+    }
+    let mut placed = (0usize, 0u64);
+    if !direct.is_empty() {
+        let reqs: Vec<WriteRequest> =
+            direct.iter().map(|(k, _, raw)| WriteRequest::new(k.clone(), *raw)).collect();
+        let mut items: Vec<lmcache_l2::DirectItem> = Vec::new();
+        for ((k, hlen, _), r) in direct.iter().zip(shared.l1.reserve_write(&reqs)) {
+            match r {
+                Ok(w) => items.push((k.clone(), *hlen, Box::new(L1Sink(w)))),
+                Err(L1Error::NotWritable) => {}
+                Err(_) => {
+                    shared.stats.prefetch_l1_refused.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        let item_keys: Vec<ObjectKey> = items.iter().map(|(k, _, _)| k.clone()).collect();
+        let results = slot.built.adapter.load_direct(items).await;
+        let mut had_error = None;
+        for (key, (sink, r)) in item_keys.iter().zip(results) {
+            let Ok(w) = sink.into_any().downcast::<L1Sink>() else { continue };
+            let w = w.0;
+            match r {
+                Ok(Some(header)) => {
+                    match lmcache_l2::blob::verify_parts(key, &header, w.as_slice()) {
+                        Ok(h) if h.codec == slot.built.codec.id() => {
+                            if w.commit().is_ok() {
+                                placed.0 += 1;
+                                placed.1 += h.raw_len;
+                            }
+                        }
+                        Ok(_) | Err(_) => {
+                            slot.stats.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(key = %key, adapter = slot.id,
+                                "L2 blob refused; treated as a miss");
+                            shared.observe(|o| o.blob_refused(slot.id, key, "verification failed"));
+                        }
+                    }
+                }
+                Ok(None) => {
+                    slot.stats.load_failures.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(lmcache_l2::L2Error::Corrupt(e)) => {
+                    slot.stats.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(key = %key, adapter = slot.id, error = %e,
+                        "L2 blob refused; treated as a miss");
+                    shared.observe(|o| o.blob_refused(slot.id, key, &e.to_string()));
+                }
+                Err(e) => {
+                    slot.stats.load_failures.fetch_add(1, Ordering::Relaxed);
+                    had_error = Some(e);
+                }
+            }
+            // A reservation not committed is discarded here, when `w` drops.
+        }
+        match had_error {
+            Some(e) => slot.failed(shared.epoch, &e),
+            None => slot.ok(),
+        }
+        let st = &slot.stats;
+        st.loaded_keys.fetch_add(placed.0 as u64, Ordering::Relaxed);
+        st.loaded_bytes.fetch_add(placed.1, Ordering::Relaxed);
+        shared.stats.prefetch_loaded_keys.fetch_add(placed.0 as u64, Ordering::Relaxed);
+        shared.stats.prefetch_loaded_bytes.fetch_add(placed.1, Ordering::Relaxed);
+    }
+    if !buffered.is_empty() {
+        let results = slot.built.adapter.load(&buffered).await;
+        let (k, b) = place(shared, slot, &buffered, results);
+        placed.0 += k;
+        placed.1 += b;
+    }
+    placed
 }
 
 /// Verifies, decodes and commits loaded blobs into L1. Returns (keys, bytes) placed.

@@ -288,3 +288,47 @@ fn observer_hears_stores_prefetches_and_refusals() {
     assert_eq!((p[0].chunks, p[0].hits, p[0].loaded_keys), (3, 0, 0));
     assert_eq!(seen.refused.load(std::sync::atomic::Ordering::Relaxed), 3);
 }
+
+#[test]
+fn fs_direct_loads_refuse_a_flipped_byte_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let l1 = l1(64 << 20);
+    let spec = json!({"type": "fs", "base_path": dir.path()});
+    let tier = L2Tier::start(l1.clone(), &[spec], TierConfig::default()).unwrap();
+    for i in 0..2 {
+        put(&l1, i);
+    }
+    tier.submit_store((0..2).map(key));
+    wait_stored(&tier, 2);
+    // Flip one payload byte of chunk 1's file (same length: only the checksum can tell).
+    let mut files = Vec::new();
+    let mut stack = vec![dir.path().to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(d).unwrap().flatten() {
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            } else {
+                files.push(e.path());
+            }
+        }
+    }
+    assert_eq!(files.len(), 2);
+    let target = files.iter().find(|p| {
+        let b = std::fs::read(p).unwrap();
+        lmcache_l2::Codec::None.decode(&key(1), &b).is_ok()
+    });
+    let target = target.unwrap();
+    let mut b = std::fs::read(target).unwrap();
+    let n = b.len();
+    b[n - 100] ^= 0x01;
+    std::fs::write(target, b).unwrap();
+    l1.clear(true);
+    let out = tier
+        .prefetch_blocking(PrefetchRequest { shards: vec![(0..2).map(key).collect()], readers: 1 });
+    assert_eq!(out.hits, 1, "chunk 0 is intact, chunk 1 must be a miss");
+    assert!(!l1.contains(&key(1)), "a corrupt payload must never become resident");
+    assert_eq!(
+        tier.adapters()[0].stats.corrupt_blobs.load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}

@@ -187,6 +187,15 @@ impl L2Adapter for FaultInjectAdapter {
         self.inner.delete(keys).await
     }
 
+    async fn lookup_sized(&self, keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
+        // Only through `lookup`, so that lookup faults apply; sizes come from the inner store.
+        let found = self.lookup(keys).await?;
+        match self.inner.lookup_sized(keys).await {
+            Ok(sizes) => Ok(sizes.into_iter().zip(found).map(|(s, f)| s.filter(|_| f)).collect()),
+            Err(e) => Err(e),
+        }
+    }
+
     async fn list(
         &self,
         model: Option<&str>,

@@ -1,4 +1,6 @@
-//! `fs`: one file per key under `base_path`, in two levels of sharded directories.
+//! `fs`: one file per key under `base_path`, in 256 directories named by the first byte of the
+//! chunk hash (directory operations of concurrent stores rarely contend; ext4's hashed
+//! directories keep lookups fast at millions of files).
 //!
 //! A store writes `<dir>/.<name>.<pid>.<n>.tmp` (or into `relative_tmp_dir`), optionally
 //! fsyncs it, then renames it over the final name, so a reader sees a whole blob or nothing;
@@ -21,7 +23,7 @@ use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 
 use super::blocking;
-use crate::adapter::{KeyPage, L2Adapter, Stored};
+use crate::adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
 use crate::error::L2Error;
 use crate::wire_key;
@@ -120,8 +122,7 @@ impl FsAdapter {
 
 impl Inner {
     fn dir_of(&self, key: &ObjectKey) -> PathBuf {
-        let h = key.chunk_hash.as_bytes();
-        self.config.base_path.join(format!("{:02x}", h[0])).join(format!("{:02x}", h[1]))
+        self.config.base_path.join(format!("{:02x}", key.chunk_hash.as_bytes()[0]))
     }
 
     fn path_of(&self, key: &ObjectKey) -> PathBuf {
@@ -198,6 +199,45 @@ impl Inner {
             f.sync_data()?;
         }
         Ok(())
+    }
+
+    /// Reads the header into a new buffer and the payload straight into `dest`, when the file
+    /// is exactly `hlen + dest.len()` bytes (`None` otherwise, or when absent).
+    fn load_direct_one(
+        &self,
+        key: &ObjectKey,
+        hlen: usize,
+        dest: &mut [u8],
+    ) -> Result<Option<Vec<u8>>, L2Error> {
+        if self.odirect {
+            // O_DIRECT needs aligned buffers; the payload is not aligned in the file.
+            let Some(b) = self.load_one(key)? else { return Ok(None) };
+            if b.len() != hlen + dest.len() {
+                return Ok(None);
+            }
+            dest.copy_from_slice(&b[hlen..]);
+            return Ok(Some(b[..hlen].to_vec()));
+        }
+        let mut f = match File::open(self.path_of(key)) {
+            Ok(f) => f,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        if f.metadata()?.len() != (hlen + dest.len()) as u64 {
+            return Ok(None);
+        }
+        let mut header = vec![0u8; hlen];
+        let mut bufs = [std::io::IoSliceMut::new(&mut header), std::io::IoSliceMut::new(dest)];
+        let mut slices: &mut [std::io::IoSliceMut<'_>] = &mut bufs;
+        while !slices.is_empty() {
+            match f.read_vectored(slices) {
+                Ok(0) => return Ok(None), // shrank under us
+                Ok(n) => std::io::IoSliceMut::advance_slices(&mut slices, n),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(Some(header))
     }
 
     fn load_one(&self, key: &ObjectKey) -> Result<Option<Bytes>, L2Error> {
@@ -339,6 +379,33 @@ impl L2Adapter for FsAdapter {
         .await
     }
 
+    async fn lookup_sized(&self, keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
+        let inner = self.inner.clone();
+        let keys = keys.to_vec();
+        blocking(move || {
+            keys.iter().map(|k| std::fs::metadata(inner.path_of(k)).ok().map(|m| m.len())).collect()
+        })
+        .await
+    }
+
+    /// Header and payload in one `readv` per file, the payload straight into the sink. If the
+    /// I/O task itself fails, the sinks are dropped (an L1 reservation is then discarded) and
+    /// fewer results than items come back: every missing one is a miss.
+    async fn load_direct(&self, items: Vec<DirectItem>) -> Vec<DirectResult> {
+        let inner = self.inner.clone();
+        blocking(move || {
+            items
+                .into_iter()
+                .map(|(k, hlen, mut sink)| {
+                    let r = inner.load_direct_one(&k, hlen, sink.payload_mut());
+                    (sink, r)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default()
+    }
+
     async fn list(
         &self,
         model: Option<&str>,
@@ -350,20 +417,17 @@ impl L2Adapter for FsAdapter {
         let cursor = cursor.map(str::to_owned);
         blocking(move || {
             let mut all = Vec::new();
-            for l1 in std::fs::read_dir(&base)?.flatten() {
-                let Ok(rd2) = std::fs::read_dir(l1.path()) else { continue };
-                for l2 in rd2.flatten() {
-                    let Ok(rd3) = std::fs::read_dir(l2.path()) else { continue };
-                    for f in rd3.flatten() {
-                        let name = f.file_name();
-                        let Some(wk) = unescape(&name.to_string_lossy()) else { continue };
-                        let Some(key) = wire_key::decode(&wk) else { continue };
-                        if model.as_deref().is_some_and(|m| key.model_name.as_str() != m) {
-                            continue;
-                        }
-                        let size = f.metadata().map(|m| m.len()).unwrap_or(0);
-                        all.push((wk, key, size));
+            for shard in std::fs::read_dir(&base)?.flatten() {
+                let Ok(files) = std::fs::read_dir(shard.path()) else { continue };
+                for f in files.flatten() {
+                    let name = f.file_name();
+                    let Some(wk) = unescape(&name.to_string_lossy()) else { continue };
+                    let Some(key) = wire_key::decode(&wk) else { continue };
+                    if model.as_deref().is_some_and(|m| key.model_name.as_str() != m) {
+                        continue;
                     }
+                    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
+                    all.push((wk, key, size));
                 }
             }
             all.sort_by(|a, b| a.0.cmp(&b.0));

@@ -92,6 +92,12 @@ impl L2Adapter for MockAdapter {
         Ok(keys.iter().map(|k| g.0.contains_key(k)).collect())
     }
 
+    async fn lookup_sized(&self, keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
+        self.delay(0).await;
+        let g = self.objects.lock();
+        Ok(keys.iter().map(|k| g.0.get(k).map(|b| b.len() as u64)).collect())
+    }
+
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
         let found: Vec<Option<Bytes>> = {
             let g = self.objects.lock();

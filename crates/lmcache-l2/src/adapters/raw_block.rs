@@ -228,7 +228,11 @@ impl RawBlockAdapter {
         if capacity > size {
             // Allocate the blocks now (not a sparse file): writes into holes cost an
             // allocation each, and the device may fill up later instead of now.
-            if let Err(e) = nix::fcntl::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&meta), 0, capacity as i64) {
+            if let Err(e) = nix::fcntl::posix_fallocate(
+                std::os::fd::AsRawFd::as_raw_fd(&meta),
+                0,
+                capacity as i64,
+            ) {
                 tracing::warn!(error = %e, "raw_block: cannot preallocate; using a sparse file");
                 meta.set_len(capacity)?;
             }
@@ -571,6 +575,11 @@ impl L2Adapter for RawBlockAdapter {
     async fn lookup(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, L2Error> {
         let st = self.inner.state.lock();
         Ok(keys.iter().map(|k| st.index.contains_key(k)).collect())
+    }
+
+    async fn lookup_sized(&self, keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
+        let st = self.inner.state.lock();
+        Ok(keys.iter().map(|k| st.index.get(k).map(|e| e.len)).collect())
     }
 
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
