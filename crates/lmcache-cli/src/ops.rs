@@ -244,6 +244,16 @@ pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
         ("Cached objects".into(), s(&l1["total_object_count"])),
         ("Active sessions".into(), s(&st["active_sessions"])),
     ];
+    if let Some(list) = st["storage_manager"]["l2_adapters"].as_array() {
+        for (n, a) in list.iter().enumerate() {
+            let health = if a["is_healthy"] == json!(false) { "DOWN" } else { "healthy" };
+            let mut line = format!("{} ({health})", s(&a["type"]));
+            if let Some(k) = a["stored_keys"].as_u64() {
+                line.push_str(&format!(", {k} stored, {} loaded", s(&a["loaded_keys"])));
+            }
+            rows.push((format!("L2 adapter {n}"), line));
+        }
+    }
     if let Some(list) = st["registered_instances"].as_array() {
         for i in list {
             rows.push((

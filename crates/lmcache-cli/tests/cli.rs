@@ -124,6 +124,7 @@ fn operator_commands_against_a_real_server() {
     let mut server = bin()
         .args(["server", "--port", &port.to_string(), "--http-port", &http.to_string()])
         .args(["--shm-name", &name, "--l1-size-gb", "1"])
+        .args(["--l2-adapter", r#"{"type": "mock", "max_size_gb": 0.1}"#])
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
@@ -150,6 +151,7 @@ fn operator_commands_against_a_real_server() {
     assert!(out.contains("\"chunk_size\": 256") && out.contains("l1_manager"), "{out}");
     let (_, out, _) = run(&["describe", "kvcache"]);
     assert!(out.contains("Eviction policy") && out.contains("LRU"), "{out}");
+    assert!(out.contains("L2 adapter 0") && out.contains("mock (healthy)"), "{out}");
     assert_eq!(run(&["quota", "set", "team-a", "--limit-gb", "2"]).0, Some(0));
     let (_, out, _) = run(&["quota", "list", "--format", "json"]);
     assert!(out.contains("team-a") && out.contains("\"limit_gb\": 2.0"), "{out}");

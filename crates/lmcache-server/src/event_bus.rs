@@ -44,6 +44,20 @@ pub enum Event {
         /// The request.
         request_id: String,
     },
+    /// An object left L1 (evicted, deleted or cleared).
+    L1Removed {
+        /// Its model.
+        model: String,
+        /// Its chunk hash, hex.
+        chunk_hash: String,
+    },
+    /// L1 refused to admit a chunk (out of memory, over quota, invalid size).
+    L1WriteRefused {
+        /// The request.
+        request_id: String,
+        /// Why (the L1 error).
+        reason: String,
+    },
     /// A write-behind batch to one L2 adapter ended.
     L2Stored(lmcache_storage::StoreReport),
     /// An L2 prefetch ended.
@@ -244,5 +258,26 @@ impl lmcache_storage::TierObserver for TierEvents {
             key: key.to_string(),
             reason: reason.to_owned(),
         });
+    }
+}
+
+/// L1 removals to the KV event log and the bus.
+#[derive(Debug)]
+pub struct L1Events {
+    /// The KV event log (engines' `subscribe_kv_events`).
+    pub kv: Arc<crate::kv_events::KvEventLog>,
+    /// The server, for its bus.
+    pub state: std::sync::Weak<crate::state::ServerState>,
+}
+
+impl lmcache_l1::L1Listener for L1Events {
+    fn removed(&self, key: &lmcache_core::ObjectKey) {
+        lmcache_l1::L1Listener::removed(self.kv.as_ref(), key);
+        if let Some(s) = self.state.upgrade() {
+            s.bus.publish(Event::L1Removed {
+                model: key.model_name.as_str().to_owned(),
+                chunk_hash: key.chunk_hash.to_hex(),
+            });
+        }
     }
 }

@@ -130,6 +130,10 @@ impl Server {
         if let Some(l2) = &state.l2 {
             l2.set_observer(Arc::new(crate::event_bus::TierEvents(Arc::downgrade(&state))));
         }
+        state.l1.set_listener(Arc::new(crate::event_bus::L1Events {
+            kv: state.events.clone(),
+            state: Arc::downgrade(&state),
+        }));
         let stop = Arc::new(AtomicBool::new(false));
         let http = match state.config.http_port {
             None => None,

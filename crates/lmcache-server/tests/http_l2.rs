@@ -166,3 +166,15 @@ fn metrics_reset_clears_per_operation_series() {
     let (_, m) = http(&s, "GET", "/metrics", None);
     assert!(!m.as_str().unwrap().contains("lmcache_rs_mp_requests_total{op=\"lookup\"}"));
 }
+
+#[test]
+fn l1_removals_and_l2_batches_reach_the_event_bus() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    let before = s.state().bus.published();
+    store(&s, &[key(7), key(8)]);
+    let after_store = s.state().bus.published();
+    assert!(after_store > before, "the L2 store batch was not published");
+    s.state().l1.clear(true);
+    assert!(s.state().bus.published() >= after_store + 2, "L1 removals were not published");
+}

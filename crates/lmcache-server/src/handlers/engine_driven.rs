@@ -138,7 +138,13 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
                 leases.push(state.l1.park_write(w));
             }
             Err(L1Error::NotWritable) => {}
-            Err(e) => tracing::debug!(error = %e, "chunk not stored"),
+            Err(e) => {
+                tracing::debug!(error = %e, "chunk not stored");
+                state.bus.publish(crate::event_bus::Event::L1WriteRefused {
+                    request_id: key.request_id.clone(),
+                    reason: e.to_string(),
+                });
+            }
         }
     }
     if !leases.is_empty() {

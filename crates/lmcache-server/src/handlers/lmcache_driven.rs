@@ -223,7 +223,13 @@ fn store(
                 }
             }
             Err(L1Error::NotWritable) => {}
-            Err(e) => tracing::debug!(error = %e, "chunk not stored"),
+            Err(e) => {
+                tracing::debug!(error = %e, "chunk not stored");
+                state.bus.publish(crate::event_bus::Event::L1WriteRefused {
+                    request_id: key.request_id.clone(),
+                    reason: e.to_string(),
+                });
+            }
         }
     }
     let t_copy = t0.elapsed();
