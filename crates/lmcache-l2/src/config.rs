@@ -452,3 +452,30 @@ fn build_inner(
         Ok(BuiltAdapter { adapter, codec, kind, spec: masked(spec) })
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_file_lists_adapters_in_order_and_refuses_unknown_tables() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("l2.toml");
+        std::fs::write(
+            &p,
+            "[[l2_adapter]]\ntype = \"fs\"\nbase_path = \"/tmp/a\"\n\n\
+             [[l2_adapter]]\ntype = \"redis\"\nhost = \"h\"\nport = 6379\npassword = \"pw\"\n",
+        )
+        .unwrap();
+        let specs = parse_toml_file(&p).unwrap();
+        assert_eq!(specs.len(), 2);
+        assert_eq!(specs[0]["type"], "fs");
+        assert_eq!(specs[1]["port"], 6379);
+        assert_eq!(masked(&specs[1])["password"], "***");
+        std::fs::write(&p, "[server]\nport = 1\n").unwrap();
+        assert_eq!(parse_toml_file(&p).unwrap_err().field, "l2-config.server");
+        std::fs::write(&p, "not toml [").unwrap();
+        assert_eq!(parse_toml_file(&p).unwrap_err().field, "l2-config");
+        assert_eq!(parse_json("[1]").unwrap_err().field, "l2-adapter");
+    }
+}
