@@ -156,10 +156,14 @@ impl RedisAdapter {
             Conns::Single(pool)
         };
         let a = Self { config, conns, next: AtomicUsize::new(0) };
-        // One round trip now, so that a wrong password fails at start.
-        a.run(vec![redis::cmd("PING")])
+        // One round trip now, so that a missing or wrong password fails at start.
+        let ping = a
+            .run(vec![redis::cmd("PING")])
             .await
             .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
+        if let Some(Err(e)) = ping.into_iter().next() {
+            return Err(L2Error::Unavailable(format!("{first}: PING refused: {e}")));
+        }
         Ok(a)
     }
 
