@@ -22,7 +22,7 @@ use bytes::Bytes;
 use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 
-use super::blocking;
+use super::{blocking, blocking_each};
 use crate::adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
 use crate::error::L2Error;
@@ -343,14 +343,8 @@ impl L2Adapter for FsAdapter {
     }
 
     async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
-        let n = items.len();
         let inner = self.inner.clone();
-        blocking(move || items.iter().map(|(k, b)| inner.store_one(k, b)).collect())
-            .await
-            .unwrap_or_else(|e| {
-                let msg = e.to_string();
-                (0..n).map(|_| Err(L2Error::Transient(msg.clone()))).collect()
-            })
+        blocking_each(items, move |(k, b)| inner.store_one(k, b)).await
     }
 
     async fn lookup(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, L2Error> {
@@ -361,13 +355,7 @@ impl L2Adapter for FsAdapter {
 
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
         let inner = self.inner.clone();
-        let owned = keys.to_vec();
-        blocking(move || owned.iter().map(|k| inner.load_one(k)).collect()).await.unwrap_or_else(
-            |e| {
-                let msg = e.to_string();
-                keys.iter().map(|_| Err(L2Error::Transient(msg.clone()))).collect()
-            },
-        )
+        blocking_each(keys.to_vec(), move |k| inner.load_one(k)).await
     }
 
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {

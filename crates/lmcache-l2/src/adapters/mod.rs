@@ -15,3 +15,18 @@ pub(crate) async fn blocking<T: Send + 'static>(
 ) -> Result<T, L2Error> {
     tokio::task::spawn_blocking(f).await.map_err(|e| L2Error::Transient(format!("i/o task: {e}")))
 }
+
+/// Runs `f` on every item on the blocking pool, in order. If the blocking task itself fails,
+/// every item gets that failure (as transient).
+pub(crate) async fn blocking_each<I, T, F>(items: Vec<I>, f: F) -> Vec<Result<T, L2Error>>
+where
+    I: Send + 'static,
+    T: Send + 'static,
+    F: Fn(&I) -> Result<T, L2Error> + Send + 'static,
+{
+    let n = items.len();
+    blocking(move || items.iter().map(&f).collect()).await.unwrap_or_else(|e| {
+        let msg = e.to_string();
+        (0..n).map(|_| Err(L2Error::Transient(msg.clone()))).collect()
+    })
+}

@@ -31,7 +31,7 @@ use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
 
-use super::blocking;
+use super::{blocking, blocking_each};
 use crate::adapter::{KeyPage, L2Adapter, Stored};
 use crate::blob::{self, Blob};
 use crate::error::L2Error;
@@ -562,14 +562,8 @@ impl L2Adapter for RawBlockAdapter {
     }
 
     async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
-        let n = items.len();
         let inner = self.inner.clone();
-        blocking(move || items.iter().map(|(k, b)| inner.store_one(k, b)).collect())
-            .await
-            .unwrap_or_else(|e| {
-                let m = e.to_string();
-                (0..n).map(|_| Err(L2Error::Transient(m.clone()))).collect()
-            })
+        blocking_each(items, move |(k, b)| inner.store_one(k, b)).await
     }
 
     async fn lookup(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, L2Error> {
@@ -584,13 +578,7 @@ impl L2Adapter for RawBlockAdapter {
 
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
         let inner = self.inner.clone();
-        let owned = keys.to_vec();
-        blocking(move || owned.iter().map(|k| inner.load_one(k)).collect()).await.unwrap_or_else(
-            |e| {
-                let m = e.to_string();
-                keys.iter().map(|_| Err(L2Error::Transient(m.clone()))).collect()
-            },
-        )
+        blocking_each(keys.to_vec(), move |k| inner.load_one(k)).await
     }
 
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
