@@ -3,6 +3,7 @@
 
 mod bench;
 mod bench_l2;
+mod config_file;
 mod ops;
 mod otel;
 mod server;
@@ -78,8 +79,10 @@ fn main() {
 }
 
 fn run() -> anyhow::Result<()> {
-    let args: Vec<String> = std::env::args().collect();
+    let mut args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("server") {
+        let rest = config_file::expand(args.split_off(2))?;
+        args.extend(rest);
         server::refuse_unsupported(&args[2..])?;
     }
     let cli = Cli::parse_from(args);

@@ -14,6 +14,10 @@ use nix::sys::signal::{SigSet, Signal};
 /// Flags of `lmcache-rs server`, named and defaulted as `lmcache server`'s.
 #[derive(Debug, Clone, Args)]
 pub struct ServerArgs {
+    /// Read flags from a TOML file (keys are flag names, `[[l2_adapter]]` tables are
+    /// adapters); flags on the command line win.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
     /// Host of the ZMQ endpoint engines connect to (or a full tcp:// or ipc:// URL).
     #[arg(long, default_value = "localhost")]
     pub host: String,

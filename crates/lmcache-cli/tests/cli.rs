@@ -39,6 +39,16 @@ fn bad_flags_are_refused_with_their_name() {
     let out = bin().args(["server", "--l2-adapter", "not json"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--l2-adapter #0"), "{err}");
+    let cfg = std::env::temp_dir().join(format!("lmcache-rs-bad-{}.toml", std::process::id()));
+    std::fs::write(&cfg, "l1_size_gb = 1\nbogus_key = 3\n").unwrap();
+    let out = bin().args(["server", "--config", cfg.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--bogus-key"), "{err}");
+    std::fs::write(&cfg, "[[l2_adapter]]\ntype = \"fs\"\n").unwrap();
+    let out = bin().args(["server", "--config", cfg.to_str().unwrap()]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("base_path: missing"), "{err}");
+    let _ = std::fs::remove_file(&cfg);
     let out = bin().args(["server", "--transport", "grpc"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
