@@ -3,11 +3,12 @@
 //! (each chunk from the highest-priority adapter holding it), loaded, verified, decoded into
 //! L1, and read-locked for the reader like an L1 hit.
 //!
-//! Safety of buffers: adapters load into memory they own; only a verified, decoded blob is
-//! copied into an L1 write reservation, which is committed at once. An expired or abandoned
-//! request therefore never has an L1 buffer written after it was given up: dropping the
-//! request drops its reservations (RAII) and its in-flight adapter calls only fill their own
-//! buffers.
+//! Safety of buffers: a load either fills memory the adapter owns (then a verified, decoded
+//! blob is copied into an L1 write reservation), or, for a direct load, fills an L1 write
+//! reservation that is *moved into* the load: the I/O task owns it until it hands it back.
+//! An expired or abandoned request drops its future, never the memory under a load in
+//! flight: a moved reservation lives until its I/O task ends and is then discarded (RAII),
+//! uncommitted, so nothing half-written ever becomes visible.
 
 use std::collections::HashMap;
 use std::sync::Arc;
