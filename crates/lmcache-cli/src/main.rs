@@ -9,12 +9,6 @@ mod otel;
 mod server;
 
 use clap::{Parser, Subcommand};
-
-/// mimalloc keeps freed blocks for reuse: the L2 paths allocate and free object-sized buffers
-/// (hundreds of KiB) at high rates, which glibc serves with a fresh mmap, page faults and
-/// munmap each time (measured: 20-40 % of fs load throughput).
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use tracing_subscriber::layer::SubscriberExt as _;
 use tracing_subscriber::util::SubscriberInitExt as _;
 
