@@ -205,6 +205,19 @@ impl Aligned {
     fn buf(&mut self) -> &mut [u8] {
         &mut self.v[self.start..self.start + self.len]
     }
+    /// An aligned buffer of `len` bytes holding `parts` then zeros, written once (no zeroing
+    /// pass over the part that is copied in).
+    fn filled(parts: &[&[u8]], len: usize, align: usize) -> Self {
+        let mut v: Vec<u8> = Vec::with_capacity(len + align);
+        let start = v.as_ptr().align_offset(align).min(align);
+        v.resize(start, 0);
+        for p in parts {
+            v.extend_from_slice(p);
+        }
+        v.resize(start + len, 0);
+        Self { v, start, len }
+    }
+
     /// The first `n` bytes of the aligned slice, without copying.
     fn into_bytes(self, n: usize) -> Bytes {
         Bytes::from(self.v).slice(self.start..self.start + n.min(self.len))
@@ -507,11 +520,8 @@ impl Inner {
         let written = {
             let a = g.align as usize;
             let padded = (len as usize).div_ceil(a) * a;
-            let mut buf = Aligned::new(padded, a);
-            let b = buf.buf();
-            b[..blob.header.len()].copy_from_slice(&blob.header);
-            b[blob.header.len()..len as usize].copy_from_slice(&blob.payload);
-            self.data.write_all_at(b, g.slot_offset(slot))
+            let mut buf = Aligned::filled(&[&blob.header, &blob.payload], padded, a);
+            self.data.write_all_at(buf.buf(), g.slot_offset(slot))
         };
         let mut st = self.state.lock();
         if let Err(e) = written {
