@@ -22,6 +22,7 @@ use bytes::Bytes;
 use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 
+use super::aligned::AlignedBuf;
 use super::{blocking, blocking_each};
 use crate::adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
@@ -174,11 +175,8 @@ impl Inner {
             let mut f = opts.open(path)?;
             let len = blob.len();
             let padded = len.div_ceil(ALIGN) * ALIGN;
-            let mut buf = AlignedBuf::new(padded);
-            let b = buf.as_mut_slice();
-            b[..blob.header.len()].copy_from_slice(&blob.header);
-            b[blob.header.len()..len].copy_from_slice(&blob.payload);
-            f.write_all(b)?;
+            let mut buf = AlignedBuf::filled(&[&blob.header, &blob.payload], padded, ALIGN);
+            f.write_all(buf.as_mut_slice())?;
             f.set_len(len as u64)?;
             if self.config.fsync != FsyncMode::Never {
                 f.sync_all()?;
@@ -255,7 +253,7 @@ impl Inner {
         let len = usize::try_from(f.metadata()?.len())
             .map_err(|_| L2Error::Transient("file too large".into()))?;
         if self.odirect {
-            let mut buf = AlignedBuf::new(len.div_ceil(ALIGN).max(1) * ALIGN);
+            let mut buf = AlignedBuf::new(len.div_ceil(ALIGN).max(1) * ALIGN, ALIGN);
             let got = read_full(&mut f, buf.as_mut_slice())?;
             return Ok(Some(buf.into_bytes(got.min(len))));
         }
@@ -279,30 +277,6 @@ fn read_full(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(got)
 }
 
-/// A heap buffer whose usable slice starts at an [`ALIGN`]-aligned address (for O_DIRECT).
-struct AlignedBuf {
-    v: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl AlignedBuf {
-    fn new(len: usize) -> Self {
-        let v = vec![0u8; len + ALIGN];
-        let start = v.as_ptr().align_offset(ALIGN).min(ALIGN);
-        Self { v, start, len }
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.v[self.start..self.start + self.len]
-    }
-
-    /// The first `n` bytes of the aligned slice, without copying.
-    fn into_bytes(self, n: usize) -> Bytes {
-        Bytes::from(self.v).slice(self.start..self.start + n.min(self.len))
-    }
-}
-
 fn probe_odirect(dir: &Path) -> bool {
     let p = dir.join(format!(".odirect-probe.{}", std::process::id()));
     let ok = OpenOptions::new()
@@ -311,7 +285,7 @@ fn probe_odirect(dir: &Path) -> bool {
         .truncate(true)
         .custom_flags(libc::O_DIRECT)
         .open(&p)
-        .and_then(|mut f| f.write_all(AlignedBuf::new(ALIGN).as_mut_slice()))
+        .and_then(|mut f| f.write_all(AlignedBuf::new(ALIGN, ALIGN).as_mut_slice()))
         .is_ok();
     let _ = std::fs::remove_file(&p);
     ok
@@ -447,15 +421,5 @@ mod tests {
         let n = file_name(&k);
         assert!(!n.contains('/') && !n.contains(' '), "{n}");
         assert_eq!(wire_key::decode(&unescape(&n).unwrap()), Some(k));
-    }
-
-    #[test]
-    fn aligned_buffers_are_aligned() {
-        for len in [1, 4096, 10_000] {
-            let mut b = AlignedBuf::new(len);
-            let s = b.as_mut_slice();
-            assert_eq!(s.len(), len);
-            assert_eq!(s.as_ptr() as usize % ALIGN, 0);
-        }
     }
 }

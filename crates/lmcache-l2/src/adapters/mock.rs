@@ -45,15 +45,6 @@ impl MockAdapter {
             tokio::time::sleep(d).await;
         }
     }
-
-    /// Replaces the stored bytes of `key` (tests use it to plant corrupt blobs).
-    pub fn put_raw(&self, key: ObjectKey, bytes: Bytes) {
-        let mut g = self.objects.lock();
-        g.1 += bytes.len() as u64;
-        if let Some(old) = g.0.insert(key, bytes) {
-            g.1 -= old.len() as u64;
-        }
-    }
 }
 
 #[async_trait]

@@ -1,5 +1,6 @@
 //! The adapters, one file each.
 
+mod aligned;
 pub mod fault_inject;
 pub mod fs;
 pub mod mock;

@@ -31,6 +31,7 @@ use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
 
+use super::aligned::AlignedBuf;
 use super::{blocking, blocking_each};
 use crate::adapter::{KeyPage, L2Adapter, Stored};
 use crate::blob::{self, Blob};
@@ -187,41 +188,6 @@ struct Inner {
 #[derive(Debug, Clone)]
 pub struct RawBlockAdapter {
     inner: Arc<Inner>,
-}
-
-/// A heap buffer whose slice starts aligned (for O_DIRECT).
-struct Aligned {
-    v: Vec<u8>,
-    start: usize,
-    len: usize,
-}
-
-impl Aligned {
-    fn new(len: usize, align: usize) -> Self {
-        let v = vec![0u8; len + align];
-        let start = v.as_ptr().align_offset(align).min(align);
-        Self { v, start, len }
-    }
-    fn buf(&mut self) -> &mut [u8] {
-        &mut self.v[self.start..self.start + self.len]
-    }
-    /// An aligned buffer of `len` bytes holding `parts` then zeros, written once (no zeroing
-    /// pass over the part that is copied in).
-    fn filled(parts: &[&[u8]], len: usize, align: usize) -> Self {
-        let mut v: Vec<u8> = Vec::with_capacity(len + align);
-        let start = v.as_ptr().align_offset(align).min(align);
-        v.resize(start, 0);
-        for p in parts {
-            v.extend_from_slice(p);
-        }
-        v.resize(start + len, 0);
-        Self { v, start, len }
-    }
-
-    /// The first `n` bytes of the aligned slice, without copying.
-    fn into_bytes(self, n: usize) -> Bytes {
-        Bytes::from(self.v).slice(self.start..self.start + n.min(self.len))
-    }
 }
 
 impl RawBlockAdapter {
@@ -421,9 +387,9 @@ impl Inner {
     /// The blob header stored in `slot` and its header checksum.
     fn read_header(&self, slot: u64) -> Option<(blob::Header, u64)> {
         let a = self.geo.align as usize;
-        let mut buf = Aligned::new(a.max(4096), a);
-        self.data.read_exact_at(buf.buf(), self.geo.slot_offset(slot)).ok()?;
-        let b = buf.buf();
+        let mut buf = AlignedBuf::new(a.max(4096), a);
+        self.data.read_exact_at(buf.as_mut_slice(), self.geo.slot_offset(slot)).ok()?;
+        let b = buf.as_mut_slice();
         let h = blob::parse_header(b).ok()?;
         Some((h, le64(b, 56)))
     }
@@ -520,8 +486,8 @@ impl Inner {
         let written = {
             let a = g.align as usize;
             let padded = (len as usize).div_ceil(a) * a;
-            let mut buf = Aligned::filled(&[&blob.header, &blob.payload], padded, a);
-            self.data.write_all_at(buf.buf(), g.slot_offset(slot))
+            let mut buf = AlignedBuf::filled(&[&blob.header, &blob.payload], padded, a);
+            self.data.write_all_at(buf.as_mut_slice(), g.slot_offset(slot))
         };
         let mut st = self.state.lock();
         if let Err(e) = written {
@@ -548,8 +514,8 @@ impl Inner {
         let Some(e) = self.state.lock().index.get(key).cloned() else { return Ok(None) };
         let a = self.geo.align as usize;
         let padded = (e.len as usize).div_ceil(a) * a;
-        let mut buf = Aligned::new(padded, a);
-        self.data.read_exact_at(buf.buf(), self.geo.slot_offset(e.slot))?;
+        let mut buf = AlignedBuf::new(padded, a);
+        self.data.read_exact_at(buf.as_mut_slice(), self.geo.slot_offset(e.slot))?;
         Ok(Some(buf.into_bytes(e.len as usize)))
     }
 
