@@ -228,6 +228,76 @@ impl PayloadSink for L1Sink {
     }
 }
 
+/// What loading from one adapter came to: counted into the adapter's and the tier's stats
+/// once, by [`Tally::finish`], whichever path (direct or buffered) the keys took.
+struct Tally<'a> {
+    shared: &'a Shared,
+    slot: &'a AdapterSlot,
+    keys: usize,
+    bytes: u64,
+    error: Option<lmcache_l2::L2Error>,
+}
+
+impl<'a> Tally<'a> {
+    fn new(shared: &'a Shared, slot: &'a AdapterSlot) -> Self {
+        Self { shared, slot, keys: 0, bytes: 0, error: None }
+    }
+
+    /// A key committed to L1.
+    fn placed(&mut self, raw_len: u64) {
+        self.keys += 1;
+        self.bytes += raw_len;
+    }
+
+    /// A key the adapter did not return (absent, or the load failed).
+    fn missed(&mut self, error: Option<lmcache_l2::L2Error>) {
+        self.slot.stats.load_failures.fetch_add(1, Ordering::Relaxed);
+        if error.is_some() {
+            self.error = error;
+        }
+    }
+
+    /// A blob that failed verification or decoding: a miss, counted and reported.
+    fn refused(&mut self, key: &ObjectKey, reason: &str) {
+        let slot = self.slot;
+        slot.stats.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(key = %key, adapter = slot.id, reason, "L2 blob refused; treated as a miss");
+        self.shared.observe(|o| o.blob_refused(slot.id, key, reason));
+    }
+
+    /// L1 reservations for loaded keys, in one batch; `None` where the key is already
+    /// resident or there is no room (counted).
+    fn reserve(&self, reqs: &[WriteRequest]) -> Vec<Option<WriteReservation>> {
+        let refused = &self.shared.stats.prefetch_l1_refused;
+        self.shared
+            .l1
+            .reserve_write(reqs)
+            .into_iter()
+            .map(|r| match r {
+                Ok(w) => Some(w),
+                Err(L1Error::NotWritable) => None, // already resident (or being written)
+                Err(_) => {
+                    refused.fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+            })
+            .collect()
+    }
+
+    fn finish(self) -> (usize, u64) {
+        let (slot, shared) = (self.slot, self.shared);
+        match &self.error {
+            Some(e) => slot.failed(shared.epoch, e),
+            None => slot.ok(),
+        }
+        slot.stats.loaded_keys.fetch_add(self.keys as u64, Ordering::Relaxed);
+        slot.stats.loaded_bytes.fetch_add(self.bytes, Ordering::Relaxed);
+        shared.stats.prefetch_loaded_keys.fetch_add(self.keys as u64, Ordering::Relaxed);
+        shared.stats.prefetch_loaded_bytes.fetch_add(self.bytes, Ordering::Relaxed);
+        (self.keys, self.bytes)
+    }
+}
+
 /// Loads `keys` from one adapter into L1: straight into L1 reservations when the codec is
 /// `none` and the stored length is known, through a buffer and the codec otherwise.
 async fn load_from(
@@ -237,33 +307,30 @@ async fn load_from(
     sizes: Vec<Option<u64>>,
 ) -> (usize, u64) {
     let direct_ok = matches!(*slot.built.codec, Codec::None);
-    let mut direct: Vec<(ObjectKey, usize, u64)> = Vec::new();
+    let mut tally = Tally::new(shared, slot);
+    let mut sized: Vec<(usize, WriteRequest)> = Vec::new();
     let mut buffered: Vec<ObjectKey> = Vec::new();
     for (k, size) in keys.into_iter().zip(sizes) {
         let hlen = lmcache_l2::blob::header_len(&k);
         match size {
-            Some(sz) if direct_ok && sz >= hlen as u64 => direct.push((k, hlen, sz - hlen as u64)),
+            Some(sz) if direct_ok && sz >= hlen as u64 => {
+                sized.push((hlen, WriteRequest::new(k, sz - hlen as u64)));
+            }
             _ => buffered.push(k),
         }
     }
-    let mut placed = (0usize, 0u64);
+    let reqs: Vec<WriteRequest> = sized.iter().map(|(_, r)| r.clone()).collect();
+    let direct: Vec<lmcache_l2::DirectItem> = sized
+        .into_iter()
+        .zip(tally.reserve(&reqs))
+        .filter_map(|((hlen, req), w)| {
+            let sink: Box<dyn PayloadSink> = Box::new(L1Sink(w?));
+            Some((req.key, hlen, sink))
+        })
+        .collect();
     if !direct.is_empty() {
-        let reqs: Vec<WriteRequest> =
-            direct.iter().map(|(k, _, raw)| WriteRequest::new(k.clone(), *raw)).collect();
-        let mut items: Vec<lmcache_l2::DirectItem> = Vec::new();
-        for ((k, hlen, _), r) in direct.iter().zip(shared.l1.reserve_write(&reqs)) {
-            match r {
-                Ok(w) => items.push((k.clone(), *hlen, Box::new(L1Sink(w)))),
-                Err(L1Error::NotWritable) => {}
-                Err(_) => {
-                    shared.stats.prefetch_l1_refused.fetch_add(1, Ordering::Relaxed);
-                }
-            }
-        }
-        let item_keys: Vec<ObjectKey> = items.iter().map(|(k, _, _)| k.clone()).collect();
-        let results = slot.built.adapter.load_direct(items).await;
-        let mut had_error = None;
-        for (key, (sink, r)) in item_keys.iter().zip(results) {
+        let item_keys: Vec<ObjectKey> = direct.iter().map(|(k, _, _)| k.clone()).collect();
+        for (key, (sink, r)) in item_keys.iter().zip(slot.built.adapter.load_direct(direct).await) {
             let Ok(w) = sink.into_any().downcast::<L1Sink>() else { continue };
             let w = w.0;
             match r {
@@ -271,116 +338,61 @@ async fn load_from(
                     match lmcache_l2::blob::verify_parts(key, &header, w.as_slice()) {
                         Ok(h) if h.codec == slot.built.codec.id() => {
                             if w.commit().is_ok() {
-                                placed.0 += 1;
-                                placed.1 += h.raw_len;
+                                tally.placed(h.raw_len);
                             }
                         }
-                        Ok(_) | Err(_) => {
-                            slot.stats.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(key = %key, adapter = slot.id,
-                                "L2 blob refused; treated as a miss");
-                            shared.observe(|o| o.blob_refused(slot.id, key, "verification failed"));
-                        }
+                        Ok(h) => tally.refused(key, &format!("codec {} in blob", h.codec)),
+                        Err(e) => tally.refused(key, &e.to_string()),
                     }
                 }
-                Ok(None) => {
-                    slot.stats.load_failures.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(lmcache_l2::L2Error::Corrupt(e)) => {
-                    slot.stats.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(key = %key, adapter = slot.id, error = %e,
-                        "L2 blob refused; treated as a miss");
-                    shared.observe(|o| o.blob_refused(slot.id, key, &e.to_string()));
-                }
-                Err(e) => {
-                    slot.stats.load_failures.fetch_add(1, Ordering::Relaxed);
-                    had_error = Some(e);
-                }
+                Ok(None) => tally.missed(None),
+                Err(lmcache_l2::L2Error::Corrupt(e)) => tally.refused(key, &e.to_string()),
+                Err(e) => tally.missed(Some(e)),
             }
             // A reservation not committed is discarded here, when `w` drops.
         }
-        match had_error {
-            Some(e) => slot.failed(shared.epoch, &e),
-            None => slot.ok(),
-        }
-        let st = &slot.stats;
-        st.loaded_keys.fetch_add(placed.0 as u64, Ordering::Relaxed);
-        st.loaded_bytes.fetch_add(placed.1, Ordering::Relaxed);
-        shared.stats.prefetch_loaded_keys.fetch_add(placed.0 as u64, Ordering::Relaxed);
-        shared.stats.prefetch_loaded_bytes.fetch_add(placed.1, Ordering::Relaxed);
     }
     if !buffered.is_empty() {
         let results = slot.built.adapter.load(&buffered).await;
-        let (k, b) = place(shared, slot, &buffered, results);
-        placed.0 += k;
-        placed.1 += b;
+        place(&mut tally, &buffered, results);
     }
-    placed
+    tally.finish()
 }
 
-/// Verifies, decodes and commits loaded blobs into L1. Returns (keys, bytes) placed.
+/// Verifies, decodes and commits loaded blobs into L1.
 fn place(
-    shared: &Shared,
-    slot: &AdapterSlot,
+    tally: &mut Tally<'_>,
     keys: &[ObjectKey],
     results: Vec<Result<Option<bytes::Bytes>, lmcache_l2::L2Error>>,
-) -> (usize, u64) {
-    let st = &slot.stats;
-    let mut placed = (0usize, 0u64);
-    let mut had_error = None;
+) {
+    let codec = &tally.slot.built.codec;
     for (key, r) in keys.iter().zip(results) {
         let bytes = match r {
             Ok(Some(b)) => b,
             Ok(None) => {
-                st.load_failures.fetch_add(1, Ordering::Relaxed);
+                tally.missed(None);
                 continue;
             }
             Err(e) => {
-                st.load_failures.fetch_add(1, Ordering::Relaxed);
-                had_error = Some(e);
+                tally.missed(Some(e));
                 continue;
             }
         };
-        let codec = &slot.built.codec;
         let (header, payload) = match codec.open(key, &bytes) {
             Ok(x) => x,
             Err(e) => {
-                st.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(key = %key, adapter = slot.id, error = %e,
-                    "L2 blob refused; treated as a miss");
-                shared.observe(|o| o.blob_refused(slot.id, key, &e.to_string()));
+                tally.refused(key, &e.to_string());
                 continue;
             }
         };
-        let mut w = match shared
-            .l1
-            .reserve_write(&[WriteRequest::new(key.clone(), header.raw_len)])
-            .pop()
-        {
-            Some(Ok(w)) => w,
-            Some(Err(L1Error::NotWritable)) => continue, // already resident (or being written)
-            _ => {
-                shared.stats.prefetch_l1_refused.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-        };
+        let req = WriteRequest::new(key.clone(), header.raw_len);
+        let Some(Some(mut w)) = tally.reserve(&[req]).pop() else { continue };
         if let Err(e) = codec.decode_into(key, payload, w.as_mut_slice()) {
-            st.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(key = %key, adapter = slot.id, error = %e, "L2 blob failed to decode");
+            tally.refused(key, &e.to_string());
             continue; // the reservation is discarded on drop
         }
         if w.commit().is_ok() {
-            placed.0 += 1;
-            placed.1 += header.raw_len;
-            st.loaded_keys.fetch_add(1, Ordering::Relaxed);
-            st.loaded_bytes.fetch_add(header.raw_len, Ordering::Relaxed);
+            tally.placed(header.raw_len);
         }
     }
-    match had_error {
-        Some(e) => slot.failed(shared.epoch, &e),
-        None => slot.ok(),
-    }
-    shared.stats.prefetch_loaded_keys.fetch_add(placed.0 as u64, Ordering::Relaxed);
-    shared.stats.prefetch_loaded_bytes.fetch_add(placed.1, Ordering::Relaxed);
-    placed
 }
