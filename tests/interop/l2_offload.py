@@ -11,7 +11,6 @@ Usage: python l2_offload.py tcp://127.0.0.1:PORT http://127.0.0.1:HTTP
 import os
 import re
 import sys
-import time
 import urllib.request
 
 import torch
@@ -23,22 +22,14 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
     ParallelStrategy,
 )
 
+from vllm_adapters import wait_for  # beside this file
+
 BS, LAYERS, HEADS, HEAD = 16, 4, 2, 64
 CHUNK_TOKENS = 256
 SEQS = int(os.environ.get("L2_SEQS", "12"))
 BLOCKS_PER_SEQ = 2 * CHUNK_TOKENS // BS
 NB = (SEQS + 1) * BLOCKS_PER_SEQ
 TIMEOUT = 30.0
-
-
-def wait_for(what, fn):
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        v = fn()
-        if v is not None:
-            return v
-        time.sleep(0.01)
-    raise TimeoutError(what)
 
 
 def metric(http, name):

@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Args;
+use futures_util::future::join_all;
 use lmcache_core::ObjectKey;
 use lmcache_l2::config::BuiltAdapter;
 use serde_json::{Value, json};
@@ -141,7 +142,7 @@ async fn store_round(
         let failed = res.iter().filter(|r| r.is_err()).count();
         anyhow::Ok((t.elapsed().as_secs_f64() * 1e3, failed))
     });
-    for r in futures_join(subs).await {
+    for r in join_all(subs).await {
         let (ms, failed) = r?;
         ph.ms.push(ms);
         ph.failures += failed;
@@ -211,7 +212,7 @@ async fn load_round(
         }
         (t.elapsed().as_secs_f64() * 1e3, failed)
     });
-    for (ms, failed) in futures_join(subs).await {
+    for (ms, failed) in join_all(subs).await {
         ph.ms.push(ms);
         ph.failures += failed;
     }
@@ -239,7 +240,7 @@ async fn lookup_round(b: &BuiltAdapter, a: &BenchL2Args, run: u64, ph: &mut Phas
         (t.elapsed().as_secs_f64() * 1e3, found)
     });
     let mut hits = 0;
-    for (ms, found) in futures_join(subs).await {
+    for (ms, found) in join_all(subs).await {
         ph.ms.push(ms);
         match found {
             Ok(n) => hits += n,
@@ -249,10 +250,6 @@ async fn lookup_round(b: &BuiltAdapter, a: &BenchL2Args, run: u64, ph: &mut Phas
     ph.seconds += t0.elapsed().as_secs_f64();
     ph.keys += a.in_flight * a.num_keys;
     hits
-}
-
-async fn futures_join<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F::Output> {
-    futures_util::future::join_all(fs).await
 }
 
 /// Runs the benchmark.

@@ -7,6 +7,8 @@ use std::time::Duration;
 use lmcache_memory::{ArenaBacking, ArenaConfig};
 use lmcache_server::{Server, ServerConfig};
 
+mod common;
+
 fn server() -> Server {
     let arena = ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
     Server::start(ServerConfig {
@@ -19,20 +21,7 @@ fn server() -> Server {
 
 /// One request; returns (status, body).
 fn http(s: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let addr = s.http_addr().unwrap();
-    let mut c = TcpStream::connect(addr).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let body = body.unwrap_or("");
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    c.write_all(req.as_bytes()).unwrap();
-    let mut out = String::new();
-    c.read_to_string(&mut out).unwrap();
-    let status = out[9..12].parse().unwrap();
-    let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    (status, body)
+    common::http_raw(s, method, path, body, Duration::from_secs(5))
 }
 
 #[test]

@@ -1,8 +1,6 @@
 //! The HTTP API of the L2 tier: adapters in /status and /config, L2 listing and deletes,
 //! prefetches, runtime add/remove of adapters, L2 metrics, /metrics/reset.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
@@ -10,6 +8,8 @@ use lmcache_l1::WriteRequest;
 use lmcache_memory::{ArenaBacking, ArenaConfig};
 use lmcache_server::{Server, ServerConfig};
 use serde_json::{Value, json};
+
+mod common;
 
 fn server(dir: &std::path::Path) -> Server {
     let arena = ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
@@ -22,18 +22,7 @@ fn server(dir: &std::path::Path) -> Server {
 }
 
 fn http(s: &Server, method: &str, path: &str, body: Option<&str>) -> (u16, Value) {
-    let mut c = TcpStream::connect(s.http_addr().unwrap()).unwrap();
-    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    let body = body.unwrap_or("");
-    let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    c.write_all(req.as_bytes()).unwrap();
-    let mut out = String::new();
-    c.read_to_string(&mut out).unwrap();
-    let status = out[9..12].parse().unwrap();
-    let text = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let (status, text) = common::http_raw(s, method, path, body, Duration::from_secs(10));
     (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
 }
 
