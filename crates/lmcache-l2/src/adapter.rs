@@ -13,6 +13,16 @@ use lmcache_core::ObjectKey;
 use crate::blob::Blob;
 use crate::error::L2Error;
 
+/// The slowest transfer rate a healthy backend is allowed, in bytes per second: time limits
+/// grow by the bytes in flight at this rate, so a batch of 32 MiB objects is never cut off by a
+/// limit sized for small values.
+pub const FLOOR_BANDWIDTH: u64 = 100_000_000;
+
+/// The time limit of an operation moving `bytes`: `base` plus `bytes` at [`FLOOR_BANDWIDTH`].
+pub fn time_budget(base: std::time::Duration, bytes: u64) -> std::time::Duration {
+    base + std::time::Duration::from_secs_f64(bytes as f64 / FLOOR_BANDWIDTH as f64)
+}
+
 /// What happened to one stored key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stored {
@@ -116,6 +126,30 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
         _limit: usize,
     ) -> Result<KeyPage, L2Error> {
         Err(L2Error::Unsupported("listing"))
+    }
+
+    /// One cheap round trip to the backend, for health checks: the tier marks an adapter
+    /// down only after repeated failures, and up again when this answers. Default: an empty
+    /// lookup.
+    async fn ping(&self) -> Result<(), L2Error> {
+        self.lookup(&[]).await.map(|_| ())
+    }
+
+    /// Every stored key with its stored size, at most `limit` of them, for seeding the usage
+    /// ledger at start. Default: pages through [`Self::list`].
+    async fn scan(&self, limit: usize) -> Result<Vec<(ObjectKey, u64)>, L2Error> {
+        let mut out: Vec<(ObjectKey, u64)> = Vec::new();
+        let mut cursor: Option<String> = None;
+        while out.len() < limit {
+            let page = self.list(None, cursor.as_deref(), (limit - out.len()).min(1000)).await?;
+            out.extend(page.keys);
+            match page.next {
+                Some(c) => cursor = Some(c),
+                None => break,
+            }
+        }
+        out.truncate(limit);
+        Ok(out)
     }
 
     /// Bytes the backend can hold, if bounded.

@@ -25,7 +25,87 @@ use crate::error::ConfigError;
 pub const ADAPTER_TYPES: &[&str] =
     &["fs", "fs_native", "raw_block", "redis", "resp", "valkey", "s3", "mock", "fault_inject"];
 
-const COMMON: &[&str] = &["type", "serde", "affinity_tag", "shared", "persist_enabled", "eviction"];
+const COMMON: &[&str] =
+    &["type", "serde", "affinity_tag", "shared", "persist_enabled", "eviction", "max_capacity_gb"];
+
+/// The eviction policies LMCache accepts in an adapter's `eviction` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum L2EvictionPolicy {
+    /// Least recently stored or loaded first.
+    Lru,
+    /// Adaptive replacement (recency and frequency).
+    Arc,
+    /// One LRU per cache_salt; a salt over its quota is evicted first, and a salt without a
+    /// quota has none (LMCache's allowlist semantics).
+    IsolatedLru,
+    /// Never evicts (the capacity still bounds admission).
+    Noop,
+}
+
+impl L2EvictionPolicy {
+    /// LMCache's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Lru => "LRU",
+            Self::Arc => "ARC",
+            Self::IsolatedLru => "IsolatedLRU",
+            Self::Noop => "noop",
+        }
+    }
+}
+
+/// LMCache's `eviction` block: `{"eviction_policy": "LRU", "trigger_watermark": 0.8,
+/// "eviction_ratio": 0.2}`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvictionSpec {
+    /// The policy.
+    pub policy: L2EvictionPolicy,
+    /// Eviction starts when usage reaches this fraction of the capacity (0 < w ≤ 1).
+    pub trigger_watermark: f64,
+    /// Fraction of the used bytes one eviction pass frees (0 < r ≤ 1).
+    pub eviction_ratio: f64,
+}
+
+fn eviction_spec(v: Option<&Value>) -> Result<Option<EvictionSpec>, ConfigError> {
+    let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(None) };
+    let obj = v.as_object().ok_or_else(|| ConfigError::field("eviction", "must be an object"))?;
+    for k in obj.keys() {
+        if !["eviction_policy", "trigger_watermark", "eviction_ratio"].contains(&k.as_str()) {
+            return Err(ConfigError::field(
+                format!("eviction.{k}"),
+                "unknown field (known: eviction_policy, eviction_ratio, trigger_watermark)",
+            ));
+        }
+    }
+    let policy = match obj.get("eviction_policy").and_then(Value::as_str) {
+        Some(p) => match p.to_ascii_lowercase().replace(['-', '_'], "").as_str() {
+            "lru" => L2EvictionPolicy::Lru,
+            "arc" => L2EvictionPolicy::Arc,
+            "isolatedlru" => L2EvictionPolicy::IsolatedLru,
+            "noop" | "none" => L2EvictionPolicy::Noop,
+            _ => {
+                return Err(ConfigError::field(
+                    "eviction.eviction_policy",
+                    format!("{p:?}: LRU|ARC|IsolatedLRU|noop"),
+                ));
+            }
+        },
+        None => return Err(ConfigError::field("eviction.eviction_policy", "missing")),
+    };
+    let frac = |k: &str, d: f64| -> Result<f64, ConfigError> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(d),
+            Some(v) => v.as_f64().filter(|x| *x > 0.0 && *x <= 1.0).ok_or_else(|| {
+                ConfigError::field(format!("eviction.{k}"), "must be a number in (0, 1]")
+            }),
+        }
+    };
+    Ok(Some(EvictionSpec {
+        policy,
+        trigger_watermark: frac("trigger_watermark", 0.8)?,
+        eviction_ratio: frac("eviction_ratio", 0.2)?,
+    }))
+}
 
 /// A built adapter with its codec.
 #[derive(Debug, Clone)]
@@ -38,6 +118,11 @@ pub struct BuiltAdapter {
     pub kind: String,
     /// The configuration as given (secrets masked), for /config.
     pub spec: Value,
+    /// Bytes the tier may keep in it: `max_capacity_gb`, else what the backend declares
+    /// (raw_block's slots, mock's size). `None`: unbounded.
+    pub capacity: Option<u64>,
+    /// The `eviction` block, if any.
+    pub eviction: Option<EvictionSpec>,
 }
 
 /// Parses JSON text of one adapter.
@@ -177,6 +262,12 @@ fn build_inner(
             ConfigError::field("type", format!("missing (one of {})", ADAPTER_TYPES.join(", ")))
         })?;
         let codec = Arc::new(Codec::from_spec(obj.get("serde"))?);
+        let max_capacity = match f.f64_opt("max_capacity_gb")? {
+            Some(x) if x > 0.0 => Some(gib(x)),
+            Some(_) => return Err(ConfigError::field("max_capacity_gb", "must be > 0")),
+            None => None,
+        };
+        let eviction = eviction_spec(obj.get("eviction"))?;
         let adapter: Arc<dyn L2Adapter> = match kind.as_str() {
             "fs" | "fs_native" => {
                 f.check_known(&[
@@ -186,7 +277,6 @@ fn build_inner(
                     "fsync",
                     "read_ahead_size",
                     "num_workers",
-                    "max_capacity_gb",
                 ])?;
                 let base = PathBuf::from(f.str_req("base_path")?);
                 let tmp =
@@ -269,7 +359,6 @@ fn build_inner(
                     "ttl_seconds",
                     "request_timeout",
                     "connection_timeout",
-                    "max_capacity_gb",
                 ])?;
                 let env = |k: &str| std::env::var(k).ok().filter(|s| !s.is_empty());
                 let nodes: Vec<String> = match (f.str_opt("startup_nodes")?, f.str_opt("host")?) {
@@ -337,7 +426,6 @@ fn build_inner(
                     "s3_num_io_threads",
                     "s3_prefer_http2",
                     "s3_enable_s3express",
-                    "max_capacity_gb",
                 ])?;
                 let region = f.str_opt("s3_region")?.unwrap_or_else(|| "us-east-1".into());
                 let disable_tls = f.bool_or("disable_tls", false)?;
@@ -440,6 +528,8 @@ fn build_inner(
                     codec: if obj.contains_key("serde") { codec } else { inner.codec },
                     kind,
                     spec: masked(spec),
+                    capacity: max_capacity.or(inner.capacity),
+                    eviction: eviction.or(inner.eviction),
                 });
             }
             other => {
@@ -449,7 +539,8 @@ fn build_inner(
                 ));
             }
         };
-        Ok(BuiltAdapter { adapter, codec, kind, spec: masked(spec) })
+        let capacity = max_capacity.or_else(|| adapter.capacity());
+        Ok(BuiltAdapter { adapter, codec, kind, spec: masked(spec), capacity, eviction })
     })
 }
 

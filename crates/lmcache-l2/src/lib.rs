@@ -17,7 +17,9 @@ pub mod config;
 pub mod error;
 pub mod wire_key;
 
-pub use adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, PayloadSink, Stored};
+pub use adapter::{
+    DirectItem, DirectResult, FLOOR_BANDWIDTH, KeyPage, L2Adapter, PayloadSink, Stored, time_budget,
+};
 pub use blob::{Blob, BlobError};
 pub use codec::Codec;
 pub use config::BuiltAdapter;

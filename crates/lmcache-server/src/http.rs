@@ -1,7 +1,7 @@
 //! The HTTP API (axum), LMCache's routes and JSON shapes: `GET /`, `/healthcheck`, `/status`,
 //! `/metrics`; `POST /cache/clear`, `/cache/checksums`; `GET /quota`, `GET|PUT|DELETE
-//! /quota/{cache_salt}` (`_default` is the empty salt; limits apply to L1 here: admission and
-//! eviction per tenant). Errors are `{"detail": ...}` with a 4xx status naming what was wrong.
+//! /quota/{cache_salt}` (`_default` is the empty salt; `?tier=l1`, the default, limits L1:
+//! admission and eviction per tenant; `?tier=l2` limits every L2 adapter the same way). Errors are `{"detail": ...}` with a 4xx status naming what was wrong.
 //! With `--http-auth-token` (or `LMCACHE_RS_HTTP_TOKEN`) every route but `/healthcheck`
 //! requires `Authorization: Bearer <token>`; there is no route that dumps the environment or
 //! runs code.
@@ -406,7 +406,14 @@ fn refresh_l2_metrics(s: &ServerState) {
     for a in tier.adapters() {
         let l = L2Label { l2_name: a.built.kind.clone(), adapter_index: a.id.to_string() };
         let st = &a.stats;
-        m.usage_bytes.get_or_create(&l).set(a.usage().iter().map(|(_, b)| *b).sum::<u64>() as i64);
+        let u = a.usage();
+        m.usage_bytes.get_or_create(&l).set(u.used as i64);
+        m.capacity_bytes.get_or_create(&l).set(a.ledger.capacity().map_or(-1, |c| c as i64));
+        m.keys.get_or_create(&l).set(u.keys as i64);
+        advance(&m.evicted_objects.get_or_create(&l), st.evicted_keys.load(Relaxed));
+        advance(&m.evicted_bytes.get_or_create(&l), st.evicted_bytes.load(Relaxed));
+        advance(&m.quota_rejections.get_or_create(&l), st.quota_rejections.load(Relaxed));
+        advance(&m.capacity_rejections.get_or_create(&l), st.capacity_rejections.load(Relaxed));
         m.healthy.get_or_create(&l).set(i64::from(a.healthy()));
         advance(&m.store_completed_objects.get_or_create(&l), st.stored_keys.load(Relaxed));
         advance(&m.stored_bytes.get_or_create(&l), st.stored_bytes.load(Relaxed));
@@ -543,31 +550,105 @@ fn salt_name(salt: &CacheSalt) -> String {
     if salt.is_empty() { "_default".into() } else { salt.as_str().to_owned() }
 }
 
-async fn quota_list(State(s): State<Shared>) -> Json<Value> {
-    let users: serde_json::Map<String, Value> =
-        s.l1.quotas()
-            .into_iter()
-            .map(|(salt, limit)| {
-                let usage = s.l1.usage_of(&salt);
-                (
-                    salt_name(&salt),
-                    json!({"limit_gb": limit as f64 / GB, "current_usage_gb": usage as f64 / GB}),
-                )
-            })
-            .collect();
-    Json(json!({"users": users}))
+#[derive(Debug, Deserialize)]
+struct QuotaQuery {
+    #[serde(default)]
+    tier: Option<String>,
 }
 
-async fn quota_get(State(s): State<Shared>, Path(raw): Path<String>) -> Response {
+/// Which tier's quotas a request is about: `?tier=l1` (the default) or `?tier=l2`.
+enum QuotaTier {
+    L1,
+    L2(lmcache_storage::L2Tier),
+}
+
+impl QuotaTier {
+    fn of(s: &ServerState, q: &QuotaQuery) -> Result<Self, String> {
+        match q.tier.as_deref().unwrap_or("l1") {
+            "l1" => Ok(Self::L1),
+            "l2" => s.l2.clone().map(Self::L2).ok_or_else(|| {
+                "tier: l2 is not configured (start the server with --l2-adapter)".to_owned()
+            }),
+            other => Err(format!("tier: {other:?} is not l1 or l2")),
+        }
+    }
+    fn name(&self) -> &'static str {
+        match self {
+            Self::L1 => "l1",
+            Self::L2(_) => "l2",
+        }
+    }
+    fn quotas(&self, s: &ServerState) -> Vec<(CacheSalt, u64)> {
+        match self {
+            Self::L1 => s.l1.quotas(),
+            Self::L2(t) => t.quotas(),
+        }
+    }
+    fn quota(&self, s: &ServerState, salt: &CacheSalt) -> Option<u64> {
+        match self {
+            Self::L1 => s.l1.quota(salt),
+            Self::L2(t) => t.quota(salt),
+        }
+    }
+    fn usage_of(&self, s: &ServerState, salt: &CacheSalt) -> u64 {
+        match self {
+            Self::L1 => s.l1.usage_of(salt),
+            Self::L2(t) => t.usage_of(salt),
+        }
+    }
+    fn set(&self, s: &ServerState, salt: &CacheSalt, limit: Option<u64>) {
+        match self {
+            Self::L1 => {
+                s.l1.set_quota(salt, limit);
+                // Enforce now rather than at the next maintenance pass.
+                s.l1.run_maintenance();
+            }
+            Self::L2(t) => t.set_quota(salt, limit),
+        }
+    }
+}
+
+async fn quota_list(
+    State(s): State<Shared>,
+    axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
+) -> Response {
+    let tier = match QuotaTier::of(&s, &q) {
+        Ok(t) => t,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
+    };
+    let users: serde_json::Map<String, Value> = tier
+        .quotas(&s)
+        .into_iter()
+        .map(|(salt, limit)| {
+            let usage = tier.usage_of(&s, &salt);
+            (
+                salt_name(&salt),
+                json!({"limit_gb": limit as f64 / GB, "current_usage_gb": usage as f64 / GB}),
+            )
+        })
+        .collect();
+    Json(json!({"tier": tier.name(), "users": users})).into_response()
+}
+
+async fn quota_get(
+    State(s): State<Shared>,
+    Path(raw): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
+) -> Response {
+    let tier = match QuotaTier::of(&s, &q) {
+        Ok(t) => t,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
+    };
     let salt = match salt_from_path(&raw) {
         Ok(salt) => salt,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
-    let limit = s.l1.quota(&salt);
+    let limit = tier.quota(&s, &salt);
     Json(json!({
         "cache_salt": salt_name(&salt),
+        "tier": tier.name(),
         "limit_gb": limit.map_or(0.0, |l| l as f64 / GB),
-        "current_usage_gb": s.l1.usage_of(&salt) as f64 / GB,
+        "current_usage_gb": tier.usage_of(&s, &salt) as f64 / GB,
         "exists": limit.is_some(),
     }))
     .into_response()
@@ -581,8 +662,13 @@ struct QuotaBody {
 async fn quota_put(
     State(s): State<Shared>,
     Path(raw): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
     body: axum::body::Bytes,
 ) -> Response {
+    let tier = match QuotaTier::of(&s, &q) {
+        Ok(t) => t,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
+    };
     let salt = match salt_from_path(&raw) {
         Ok(salt) => salt,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
@@ -597,22 +683,30 @@ async fn quota_put(
             format!("limit_gb: {} is not a finite size >= 0", body.limit_gb),
         );
     };
-    s.l1.set_quota(&salt, Some(bytes));
-    // Enforce now rather than at the next maintenance pass.
-    s.l1.run_maintenance();
-    Json(json!({"cache_salt": salt_name(&salt), "limit_gb": body.limit_gb, "status": "ok"}))
-        .into_response()
+    tier.set(&s, &salt, Some(bytes));
+    Json(json!({"cache_salt": salt_name(&salt), "tier": tier.name(), "limit_gb": body.limit_gb,
+                "status": "ok"}))
+    .into_response()
 }
 
-async fn quota_delete(State(s): State<Shared>, Path(raw): Path<String>) -> Response {
+async fn quota_delete(
+    State(s): State<Shared>,
+    Path(raw): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
+) -> Response {
+    let tier = match QuotaTier::of(&s, &q) {
+        Ok(t) => t,
+        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
+    };
     let salt = match salt_from_path(&raw) {
         Ok(salt) => salt,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
-    let existed = s.l1.quota(&salt).is_some();
-    s.l1.set_quota(&salt, None);
+    let existed = tier.quota(&s, &salt).is_some();
+    tier.set(&s, &salt, None);
     let status = if existed { "removed" } else { "not_found" };
-    Json(json!({"cache_salt": salt_name(&salt), "status": status})).into_response()
+    Json(json!({"cache_salt": salt_name(&salt), "tier": tier.name(), "status": status}))
+        .into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -780,30 +874,17 @@ async fn objects_delete(State(s): State<Shared>, raw: axum::body::Bytes) -> Resp
     if tier != "l1"
         && let Some(t) = s.l2.clone()
     {
-        let targets: Vec<_> =
-            t.adapters().into_iter().filter(|a| body.adapter.is_none_or(|i| a.id == i)).collect();
         let n = keys.len();
-        let r = tokio::task::spawn_blocking(move || {
-            t.block_on(async move {
-                let mut total = 0u64;
-                for a in targets {
-                    total += a.built.adapter.delete(&keys).await?;
-                }
-                Ok::<u64, lmcache_l2::L2Error>(total)
-            })
-        })
-        .await;
-        match r {
-            Ok(Ok(d)) => {
+        match t.delete(body.adapter, keys).await {
+            Ok(d) => {
                 deleted += d as usize;
                 skipped += n.saturating_sub(d as usize);
             }
-            Ok(Err(e)) => {
+            Err(e) => {
                 return Json(json!({"deleted": deleted, "skipped": skipped, "ok": false,
                                    "error": format!("L2 delete failed: {e}")}))
                 .into_response();
             }
-            Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
         }
     }
     Json(json!({"deleted": deleted, "skipped": skipped, "ok": true})).into_response()
@@ -817,13 +898,11 @@ async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usize) -> Respo
     };
     let Some(tier) = s.l2.clone() else { return error(StatusCode::BAD_REQUEST, "no L2") };
     let (model, token) = (q.model_name.clone(), q.page_token.clone());
-    let ad = slot.built.adapter.clone();
-    let page = tokio::task::spawn_blocking(move || {
-        tier.block_on(async move { ad.list(model.as_deref(), token.as_deref(), size).await })
-    })
-    .await;
+    let Some(page) = tier.list(slot.id, model, token, size).await else {
+        return error(StatusCode::NOT_FOUND, format!("adapter: no L2 adapter {}", slot.id));
+    };
     match page {
-        Ok(Ok(p)) => {
+        Ok(p) => {
             let entries: Vec<Value> = p
                 .keys
                 .iter()
@@ -837,11 +916,10 @@ async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usize) -> Respo
                         "shared": false, "entries": entries, "next_page_token": p.next}))
             .into_response()
         }
-        Ok(Err(lmcache_l2::L2Error::Unsupported(what))) => error(
+        Err(lmcache_l2::L2Error::Unsupported(what)) => error(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("adapter {} ({}) does not support {what}", slot.id, slot.built.kind),
         ),
-        Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, format!("adapter {}: {e}", slot.id)),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, format!("adapter {}: {e}", slot.id)),
     }
 }

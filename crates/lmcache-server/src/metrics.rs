@@ -51,8 +51,21 @@ pub struct L2Metrics {
     pub store_adapters: Family<StateLabel, Gauge>,
     /// Adapters attached to the prefetch controller.
     pub prefetch_adapters: Family<StateLabel, Gauge>,
-    /// Bytes this server wrote to each adapter.
+    /// Bytes each adapter holds, as its ledger counts them (seeded at start, down on deletes
+    /// and evictions).
     pub usage_bytes: Family<L2Label, Gauge>,
+    /// Each adapter's capacity in bytes (-1: unbounded).
+    pub capacity_bytes: Family<L2Label, Gauge>,
+    /// Keys each adapter holds.
+    pub keys: Family<L2Label, Gauge>,
+    /// Keys evicted from each adapter.
+    pub evicted_objects: Family<L2Label, Counter>,
+    /// Bytes evicted from each adapter.
+    pub evicted_bytes: Family<L2Label, Counter>,
+    /// Writes refused because a cache_salt's L2 quota could not make room.
+    pub quota_rejections: Family<L2Label, Counter>,
+    /// Writes refused because the capacity could not make room.
+    pub capacity_rejections: Family<L2Label, Counter>,
     /// Keys handed to the write-behind queue.
     pub store_submitted_objects: Counter,
     /// Keys written, per adapter.
@@ -420,6 +433,28 @@ impl Default for Metrics {
                 l2.corrupt_blobs.clone(),
             );
             rs.register("l2_errors", "L2 backend errors", l2.errors.clone());
+            rs.register(
+                "l2_capacity_bytes",
+                "Bytes the adapter may hold (-1: unbounded)",
+                l2.capacity_bytes.clone(),
+            );
+            rs.register("l2_keys", "Keys the adapter holds", l2.keys.clone());
+            rs.register(
+                "l2_evicted_objects",
+                "Objects evicted from L2",
+                l2.evicted_objects.clone(),
+            );
+            rs.register("l2_evicted_bytes", "Bytes evicted from L2", l2.evicted_bytes.clone());
+            rs.register(
+                "l2_quota_rejections",
+                "L2 writes refused because the cache_salt's quota could not make room",
+                l2.quota_rejections.clone(),
+            );
+            rs.register(
+                "l2_capacity_rejections",
+                "L2 writes refused because the capacity could not make room",
+                l2.capacity_rejections.clone(),
+            );
             rs.register("l2_healthy", "1 when the adapter answers", l2.healthy.clone());
             rs.register(
                 "l2_prefetch_requests",

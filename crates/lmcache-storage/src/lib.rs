@@ -1,5 +1,7 @@
 //! The storage controllers of lmcache-rs: the L2 tier joined to L1.
 //!
+//! - [`ledger`]: per adapter, the keys and bytes held per cache_salt, the eviction order,
+//!   admission against capacity and quotas, and pins that keep loads from being evicted.
 //! - [`tier`]: [`L2Tier`], the ordered set of adapters (priority = order), their health and
 //!   byte accounting per cache_salt, runtime add and remove, and the runtime that drives them.
 //! - [`store`]: the write-behind store controller (L1 commit → every adapter), with a bounded
@@ -7,6 +9,7 @@
 //! - [`prefetch`]: the prefetch controller (lookup → L2 → L1), with an in-flight limit and a
 //!   deadline per request.
 
+pub mod ledger;
 pub mod prefetch;
 pub mod store;
 pub mod tier;

@@ -20,6 +20,7 @@ use lmcache_l1::{L1Error, ReadLease, WriteRequest, WriteReservation};
 use lmcache_l2::{Codec, PayloadSink};
 use tracing::Instrument;
 
+use crate::ledger::Pins;
 use crate::tier::{AdapterSlot, L2Tier, Shared};
 
 /// One prefetch: the keys of chunks `[first, end)` of each shard, and how many read locks
@@ -104,8 +105,7 @@ async fn run_inner(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcom
         tokio::time::timeout_at(deadline, shared.prefetch_slots.clone().acquire_owned()).await;
     if let Ok(Ok(_permit)) = permit {
         stats.prefetch_in_flight.fetch_add(1, Ordering::Relaxed);
-        let work = load_missing(shared, &req, &mut out);
-        if tokio::time::timeout_at(deadline, work).await.is_err() {
+        if !load_missing(shared, &req, &mut out, deadline).await {
             out.expired = true;
         }
         stats.prefetch_in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -130,11 +130,19 @@ async fn run_inner(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcom
     out
 }
 
-/// Looks up, plans and loads the chunks L1 lacks.
-async fn load_missing(shared: &Arc<Shared>, req: &PrefetchRequest, out: &mut PrefetchOutcome) {
+/// Looks up, plans and loads the chunks L1 lacks. The lookups must end by `deadline`; the
+/// loads get `deadline` plus their planned bytes at [`lmcache_l2::FLOOR_BANDWIDTH`], so a
+/// request of large chunks is not cut off by a limit sized for small ones. Returns false if a
+/// time limit cut it short.
+async fn load_missing(
+    shared: &Arc<Shared>,
+    req: &PrefetchRequest,
+    out: &mut PrefetchOutcome,
+    deadline: tokio::time::Instant,
+) -> bool {
     let n = req.shards.iter().map(Vec::len).min().unwrap_or(0);
     if n == 0 {
-        return;
+        return true;
     }
     // Which (shard, chunk) cells L1 lacks.
     let mut missing: Vec<(usize, usize)> = Vec::new();
@@ -146,17 +154,20 @@ async fn load_missing(shared: &Arc<Shared>, req: &PrefetchRequest, out: &mut Pre
         }
     }
     if missing.is_empty() {
-        return;
+        return true;
     }
     let adapters: Vec<Arc<AdapterSlot>> =
         shared.adapters().into_iter().filter(|a| a.usable(shared.epoch)).collect();
     if adapters.is_empty() {
-        return;
+        return true;
     }
     let keys: Vec<ObjectKey> = missing.iter().map(|&(s, c)| req.shards[s][c].clone()).collect();
+    // Pinned from before the lookups to the end of the loads: eviction never deletes a key
+    // this request is reading. A key already being evicted is a miss.
+    let pins: Vec<(Pins, Vec<bool>)> = adapters.iter().map(|a| a.ledger.pin(&keys)).collect();
     // One batched lookup per adapter, all at once; with stored sizes where the adapter knows
     // them (they let a load go straight into L1).
-    let found: Vec<Vec<Option<Option<u64>>>> = join_all(adapters.iter().map(|a| {
+    let lookups = join_all(adapters.iter().map(|a| {
         let keys = &keys;
         async move {
             let r = match a.built.adapter.lookup_sized(keys).await {
@@ -184,8 +195,15 @@ async fn load_missing(shared: &Arc<Shared>, req: &PrefetchRequest, out: &mut Pre
                 }
             }
         }
-    }))
-    .await;
+    }));
+    let Ok(mut found) = tokio::time::timeout_at(deadline, lookups).await else { return false };
+    for (a, (_, doomed)) in pins.iter().enumerate() {
+        for (m, d) in doomed.iter().enumerate() {
+            if *d {
+                found[a][m] = None;
+            }
+        }
+    }
     // Plan: the first chunk some shard can get from nowhere ends the prefix.
     let source = |m: usize| (0..adapters.len()).find(|&a| found[a][m].is_some());
     let mut limit = n;
@@ -202,18 +220,25 @@ async fn load_missing(shared: &Arc<Shared>, req: &PrefetchRequest, out: &mut Pre
             plan.entry(a).or_default().push(m);
         }
     }
-    // Load from each adapter concurrently.
+    // Load from each adapter concurrently, within a limit grown by the bytes planned.
+    let planned: u64 = plan
+        .iter()
+        .flat_map(|(a, ms)| ms.iter().map(|&m| found[*a][m].flatten().unwrap_or(0)))
+        .sum();
+    let load_deadline = deadline + lmcache_l2::time_budget(std::time::Duration::ZERO, planned);
     let loads = join_all(plan.into_iter().map(|(a, ms)| {
         let slot = adapters[a].clone();
         let sizes: Vec<Option<u64>> = ms.iter().map(|&m| found[a][m].flatten()).collect();
         let ks: Vec<ObjectKey> = ms.iter().map(|&m| keys[m].clone()).collect();
         async move { load_from(shared, &slot, ks, sizes).await }
-    }))
-    .await;
+    }));
+    let Ok(loads) = tokio::time::timeout_at(load_deadline, loads).await else { return false };
     for (k, b) in loads {
         out.loaded_keys += k;
         out.loaded_bytes += b;
     }
+    drop(pins);
+    true
 }
 
 /// An L1 write reservation as the target of a direct load.
@@ -236,17 +261,19 @@ struct Tally<'a> {
     keys: usize,
     bytes: u64,
     error: Option<lmcache_l2::L2Error>,
+    placed: Vec<ObjectKey>,
 }
 
 impl<'a> Tally<'a> {
     fn new(shared: &'a Shared, slot: &'a AdapterSlot) -> Self {
-        Self { shared, slot, keys: 0, bytes: 0, error: None }
+        Self { shared, slot, keys: 0, bytes: 0, error: None, placed: Vec::new() }
     }
 
     /// A key committed to L1.
-    fn placed(&mut self, raw_len: u64) {
+    fn placed(&mut self, key: &ObjectKey, raw_len: u64) {
         self.keys += 1;
         self.bytes += raw_len;
+        self.placed.push(key.clone());
     }
 
     /// A key the adapter did not return (absent, or the load failed).
@@ -290,6 +317,7 @@ impl<'a> Tally<'a> {
             Some(e) => slot.failed(shared.epoch, e),
             None => slot.ok(),
         }
+        slot.ledger.touch(&self.placed);
         slot.stats.loaded_keys.fetch_add(self.keys as u64, Ordering::Relaxed);
         slot.stats.loaded_bytes.fetch_add(self.bytes, Ordering::Relaxed);
         shared.stats.prefetch_loaded_keys.fetch_add(self.keys as u64, Ordering::Relaxed);
@@ -338,7 +366,7 @@ async fn load_from(
                     match lmcache_l2::blob::verify_parts(key, &header, w.as_slice()) {
                         Ok(h) if h.codec == slot.built.codec.id() => {
                             if w.commit().is_ok() {
-                                tally.placed(h.raw_len);
+                                tally.placed(key, h.raw_len);
                             }
                         }
                         Ok(h) => tally.refused(key, &format!("codec {} in blob", h.codec)),
@@ -392,7 +420,7 @@ fn place(
             continue; // the reservation is discarded on drop
         }
         if w.commit().is_ok() {
-            tally.placed(header.raw_len);
+            tally.placed(key, header.raw_len);
         }
     }
 }

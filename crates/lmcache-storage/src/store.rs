@@ -5,6 +5,10 @@
 //! asks which keys are already stored (skipped), read-locks the rest in L1 just long enough
 //! to encode and write them (with no codec the write reads L1 memory directly, with no copy),
 //! and retries transient failures with exponential backoff.
+//!
+//! Each write is admitted by the adapter's [`crate::ledger::Ledger`] first: if it would not
+//! fit under the capacity or its cache_salt's quota, victims are evicted before it is written,
+//! and what cannot fit is refused (counted). Crossing the watermark wakes the eviction task.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -16,6 +20,7 @@ use lmcache_l2::{Blob, L2Error, Stored};
 use tokio::sync::mpsc;
 use tracing::Instrument;
 
+use crate::ledger::Refusal;
 use crate::tier::{AdapterSlot, L2Tier, Shared, StorePolicy};
 
 /// L1 bytes lent to a blob: the read lock is released when the last copy of the `Bytes` goes.
@@ -122,7 +127,7 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
     }
     // 2. Encode from L1 under a read lock each.
     let leases = shared.l1.read_lock(&todo.iter().map(|&i| keys[i].clone()).collect::<Vec<_>>(), 1);
-    let mut items: Vec<(usize, ObjectKey, Blob)> = Vec::new();
+    let mut encoded: Vec<(usize, ObjectKey, Blob)> = Vec::new();
     for (&i, lease) in todo.iter().zip(leases) {
         let Ok(lease) = lease else {
             shared.stats.store_vanished.fetch_add(1, Ordering::Relaxed);
@@ -130,7 +135,7 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
         };
         let raw = Bytes::from_owner(LeaseBytes(lease));
         match slot.built.codec.encode(&keys[i], raw) {
-            Ok(blob) => items.push((i, keys[i].clone(), blob)),
+            Ok(blob) => encoded.push((i, keys[i].clone(), blob)),
             Err(e) => {
                 tracing::warn!(key = %keys[i], error = %e, "L2 encode failed; key not stored");
                 report.failed += 1;
@@ -138,18 +143,39 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
             }
         }
     }
-    // 3. Write, retrying transient failures.
+    // 3. Admit each write against capacity and quota, evicting first where needed.
+    let mut items = Vec::with_capacity(encoded.len());
+    let mut victims = Vec::new();
+    for (i, k, b) in encoded {
+        match slot.ledger.admit(&k.cache_salt, b.len() as u64, shared.quota(&k.cache_salt)) {
+            Ok((adm, v)) => {
+                victims.extend(v);
+                items.push((i, k, b, adm));
+            }
+            Err(r) => {
+                let c = match r {
+                    Refusal::Quota => &stats.quota_rejections,
+                    Refusal::Capacity => &stats.capacity_rejections,
+                };
+                c.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(key = %k, reason = ?r, "L2 write refused admission");
+                report.failed += 1;
+            }
+        }
+    }
+    shared.delete_victims(slot, victims).await;
+    // 4. Write, retrying transient failures.
     let mut delay = shared.config.retry_backoff;
     for attempt in 0..=shared.config.store_retries {
         if items.is_empty() {
             break;
         }
         let batch: Vec<(ObjectKey, Blob)> =
-            items.iter().map(|(_, k, b)| (k.clone(), b.clone())).collect();
+            items.iter().map(|(_, k, b, _)| (k.clone(), b.clone())).collect();
         let results = adapter.store(batch).await;
         let mut retry = Vec::new();
         let mut last_err: Option<L2Error> = None;
-        for ((i, k, b), r) in items.drain(..).zip(results) {
+        for ((i, k, b, adm), r) in items.drain(..).zip(results) {
             match r {
                 Ok(Stored::Written(n)) => {
                     held[i] = true;
@@ -157,15 +183,16 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
                     report.bytes += n;
                     stats.stored_keys.fetch_add(1, Ordering::Relaxed);
                     stats.stored_bytes.fetch_add(n, Ordering::Relaxed);
-                    slot.account(&k.cache_salt, n as i64);
+                    adm.commit(&k, n);
                 }
                 Ok(Stored::AlreadyPresent) => {
                     held[i] = true;
                     report.skipped += 1;
                     stats.skipped_keys.fetch_add(1, Ordering::Relaxed);
+                    adm.commit(&k, b.len() as u64);
                 }
                 Err(e) if e.is_transient() && attempt < shared.config.store_retries => {
-                    retry.push((i, k, b));
+                    retry.push((i, k, b, adm));
                     last_err = Some(e);
                 }
                 Err(e) => {
@@ -176,15 +203,22 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
                 }
             }
         }
-        match &last_err {
-            Some(e) => slot.failed(shared.epoch, e),
-            None => slot.ok(),
+        // Health hears the batch once, by its final attempt: retries of one slow or failed
+        // batch never add up to marking a healthy adapter down.
+        if retry.is_empty() || attempt == shared.config.store_retries {
+            match &last_err {
+                Some(e) => slot.failed(shared.epoch, e),
+                None => slot.ok(),
+            }
         }
         items = retry;
         if !items.is_empty() {
             tokio::time::sleep(delay).await;
             delay *= 2;
         }
+    }
+    if slot.ledger.over_watermark() {
+        shared.evict_now.notify_one();
     }
     shared.observe(|o| o.stored(&report));
     held

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lmcache_core::{CacheSalt, ObjectKey};
@@ -12,7 +12,9 @@ use lmcache_l2::{ConfigError, L2Error};
 use parking_lot::{Mutex, RwLock};
 use serde_json::{Value, json};
 use tokio::runtime::Runtime;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Notify, Semaphore, mpsc};
+
+use crate::ledger::{Ledger, Usage, Victim};
 
 /// What the store controller does after a successful L2 write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -88,6 +90,20 @@ pub struct AdapterStats {
     pub corrupt_blobs: AtomicU64,
     /// Operations that failed at the backend.
     pub errors: AtomicU64,
+    /// Keys evicted (watermark passes and admissions).
+    pub evicted_keys: AtomicU64,
+    /// Bytes evicted.
+    pub evicted_bytes: AtomicU64,
+    /// Writes refused because their cache_salt's quota could not make room.
+    pub quota_rejections: AtomicU64,
+    /// Writes refused because the capacity could not make room.
+    pub capacity_rejections: AtomicU64,
+    /// Keys found in the backend at start (or when attached) and added to the ledger.
+    pub seeded_keys: AtomicU64,
+    /// Health pings that failed.
+    pub ping_failures: AtomicU64,
+    /// Times the adapter was marked down.
+    pub marked_down: AtomicU64,
 }
 
 /// One attached adapter.
@@ -99,25 +115,86 @@ pub struct AdapterSlot {
     pub built: BuiltAdapter,
     /// Counters.
     pub stats: AdapterStats,
+    /// What the tier knows the adapter holds: bytes per salt, eviction order, pins.
+    pub ledger: Arc<Ledger>,
     healthy: AtomicBool,
+    /// Operations failed in a row (reset by any success).
+    op_failures: AtomicU32,
+    /// Pings failed in a row.
+    ping_failures: AtomicU32,
     /// Milliseconds since the tier started, of the last failure.
     last_failure_ms: AtomicU64,
     last_error: Mutex<Option<String>>,
-    usage: Mutex<HashMap<CacheSalt, u64>>,
+    /// Whether the start-up scan has filled the ledger.
+    seeded: AtomicBool,
 }
 
+/// While an adapter is down, one operation is let through this often (besides the pings).
 const PROBE_EVERY: Duration = Duration::from_secs(1);
+/// Operations failed in a row that mark an adapter down: one slow or failed batch never does.
+pub const OP_FAILURES_DOWN: u32 = 5;
+/// Pings failed in a row that mark an adapter down.
+pub const PING_FAILURES_DOWN: u32 = 2;
+/// How often every adapter is pinged.
+pub const PING_EVERY: Duration = Duration::from_secs(1);
+/// Keys read from a backend at start to seed its ledger, at most.
+pub const SEED_LIMIT: usize = 4_000_000;
+/// Time limit of the start-up scan of one backend.
+pub const SEED_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl AdapterSlot {
     fn new(id: u64, built: BuiltAdapter) -> Self {
+        let ledger = Arc::new(Ledger::new(built.capacity, built.eviction));
         Self {
             id,
             built,
             stats: AdapterStats::default(),
+            ledger,
             healthy: AtomicBool::new(true),
+            op_failures: AtomicU32::new(0),
+            ping_failures: AtomicU32::new(0),
             last_failure_ms: AtomicU64::new(0),
             last_error: Mutex::new(None),
-            usage: Mutex::new(HashMap::new()),
+            seeded: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether the start-up scan of the backend has filled the ledger.
+    pub fn seeded(&self) -> bool {
+        self.seeded.load(Ordering::Relaxed)
+    }
+
+    fn mark_up(&self, why: &str) {
+        if !self.healthy.swap(true, Ordering::Relaxed) {
+            tracing::info!(adapter = self.id, kind = %self.built.kind, why, "L2 adapter is back");
+        }
+    }
+
+    fn mark_down(&self, epoch: Instant, e: &L2Error, why: &str) {
+        self.last_failure_ms.store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
+        if self.healthy.swap(false, Ordering::Relaxed) {
+            self.stats.marked_down.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(adapter = self.id, kind = %self.built.kind, error = %e, why,
+                "L2 adapter down; its keys are misses until it answers again");
+        }
+    }
+
+    /// A health ping answered.
+    pub(crate) fn ping_ok(&self) {
+        self.ping_failures.store(0, Ordering::Relaxed);
+        if !self.healthy() {
+            self.op_failures.store(0, Ordering::Relaxed);
+            self.mark_up("ping answered");
+        }
+    }
+
+    /// A health ping failed.
+    pub(crate) fn ping_failed(&self, epoch: Instant, e: &L2Error) {
+        self.stats.ping_failures.fetch_add(1, Ordering::Relaxed);
+        *self.last_error.lock() = Some(format!("ping: {e}"));
+        let n = self.ping_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= PING_FAILURES_DOWN {
+            self.mark_down(epoch, e, "pings failed");
         }
     }
 
@@ -133,35 +210,28 @@ impl AdapterSlot {
                 >= self.last_failure_ms.load(Ordering::Relaxed) + PROBE_EVERY.as_millis() as u64
     }
 
+    /// An operation succeeded.
     pub(crate) fn ok(&self) {
-        if !self.healthy.swap(true, Ordering::Relaxed) {
-            tracing::info!(adapter = self.id, kind = %self.built.kind, "L2 adapter is back");
-        }
+        self.op_failures.store(0, Ordering::Relaxed);
+        self.mark_up("operation succeeded");
     }
 
+    /// An operation failed. Backend failures count towards [`OP_FAILURES_DOWN`]; one slow
+    /// or failed batch never takes a healthy adapter out.
     pub(crate) fn failed(&self, epoch: Instant, e: &L2Error) {
         self.stats.errors.fetch_add(1, Ordering::Relaxed);
         if matches!(e, L2Error::Unavailable(_) | L2Error::Io(_) | L2Error::Transient(_)) {
-            self.last_failure_ms.store(epoch.elapsed().as_millis() as u64, Ordering::Relaxed);
-            if self.healthy.swap(false, Ordering::Relaxed) {
-                tracing::warn!(adapter = self.id, kind = %self.built.kind, error = %e,
-                    "L2 adapter failing; its keys are misses until it answers again");
+            let n = self.op_failures.fetch_add(1, Ordering::Relaxed) + 1;
+            if n >= OP_FAILURES_DOWN || !self.healthy() {
+                self.mark_down(epoch, e, "operations failed");
             }
         }
         *self.last_error.lock() = Some(e.to_string());
     }
 
-    pub(crate) fn account(&self, salt: &CacheSalt, bytes: i64) {
-        let mut u = self.usage.lock();
-        let e = u.entry(salt.clone()).or_insert(0);
-        *e = e.saturating_add_signed(bytes);
-    }
-
-    /// Bytes this server wrote, per cache_salt.
-    pub fn usage(&self) -> Vec<(CacheSalt, u64)> {
-        let mut v: Vec<_> = self.usage.lock().iter().map(|(k, v)| (k.clone(), *v)).collect();
-        v.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
-        v
+    /// What the ledger holds: bytes, keys, bytes per cache_salt.
+    pub fn usage(&self) -> Usage {
+        self.ledger.usage()
     }
 }
 
@@ -199,6 +269,8 @@ pub trait TierObserver: Send + Sync + std::fmt::Debug {
     fn prefetched(&self, _report: &PrefetchReport) {}
     /// A loaded blob failed verification and was treated as a miss.
     fn blob_refused(&self, _adapter: u64, _key: &ObjectKey, _reason: &str) {}
+    /// Keys were evicted from an adapter (capacity, watermark or quota).
+    fn evicted(&self, _adapter: u64, _keys: &[ObjectKey], _bytes: u64) {}
 }
 
 /// One store batch to one adapter.
@@ -257,6 +329,10 @@ pub(crate) struct Shared {
     pub(crate) prefetch_slots: Arc<Semaphore>,
     pub(crate) store_slots: Arc<Semaphore>,
     pub(crate) observer: RwLock<Option<Arc<dyn TierObserver>>>,
+    /// L2 quotas per cache_salt, in bytes.
+    pub(crate) quotas: RwLock<HashMap<CacheSalt, u64>>,
+    /// Wakes the eviction task as soon as an adapter crosses its watermark.
+    pub(crate) evict_now: Notify,
     next_id: AtomicU64,
 }
 
@@ -273,6 +349,98 @@ impl Shared {
     pub(crate) fn adapters(&self) -> Vec<Arc<AdapterSlot>> {
         self.adapters.read().clone()
     }
+
+    /// The L2 quota of `salt`, if one is set.
+    pub(crate) fn quota(&self, salt: &CacheSalt) -> Option<u64> {
+        self.quotas.read().get(salt).copied()
+    }
+
+    /// Deletes eviction victims from one adapter and settles them in its ledger (put back
+    /// if the delete failed).
+    pub(crate) async fn delete_victims(&self, slot: &AdapterSlot, victims: Vec<Victim>) {
+        if victims.is_empty() {
+            return;
+        }
+        let keys: Vec<ObjectKey> = victims.iter().map(|v| v.key.clone()).collect();
+        match slot.built.adapter.delete(&keys).await {
+            Ok(_) => {
+                slot.ok();
+                slot.ledger.evicted(&victims, true);
+                let bytes: u64 = victims.iter().map(|v| v.bytes).sum();
+                slot.stats.evicted_keys.fetch_add(keys.len() as u64, Ordering::Relaxed);
+                slot.stats.evicted_bytes.fetch_add(bytes, Ordering::Relaxed);
+                tracing::debug!(adapter = slot.id, keys = keys.len(), bytes, "L2 eviction");
+                self.observe(|o| o.evicted(slot.id, &keys, bytes));
+            }
+            Err(e) => {
+                tracing::warn!(adapter = slot.id, error = %e, keys = keys.len(),
+                    "L2 eviction failed; the keys stay in the ledger");
+                slot.failed(self.epoch, &e);
+                slot.ledger.evicted(&victims, false);
+            }
+        }
+    }
+
+    /// One watermark and quota pass over every adapter.
+    async fn evict_pass(&self) {
+        let quotas = self.quotas.read().clone();
+        for slot in self.adapters() {
+            let victims = slot.ledger.pass(&quotas);
+            self.delete_victims(&slot, victims).await;
+        }
+    }
+}
+
+/// Evicts when an adapter crosses its watermark (woken by the store path) and once a second
+/// (quota changes, seeded ledgers).
+async fn evict_loop(shared: Arc<Shared>) {
+    loop {
+        tokio::select! {
+            () = shared.evict_now.notified() => {}
+            () = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+        shared.evict_pass().await;
+    }
+}
+
+/// Pings every adapter once a second: health comes from pings and repeated failures, never
+/// from one slow batch.
+async fn health_loop(shared: Arc<Shared>) {
+    loop {
+        tokio::time::sleep(PING_EVERY).await;
+        for slot in shared.adapters() {
+            let r = tokio::time::timeout(PING_EVERY * 2, slot.built.adapter.ping()).await;
+            match r {
+                Ok(Ok(())) => slot.ping_ok(),
+                Ok(Err(e)) => slot.ping_failed(shared.epoch, &e),
+                Err(_) => slot.ping_failed(
+                    shared.epoch,
+                    &L2Error::Transient(format!("ping over {:?}", PING_EVERY * 2)),
+                ),
+            }
+        }
+    }
+}
+
+/// Fills an adapter's ledger from what its backend already holds (bounded in keys and time).
+async fn seed(shared: Arc<Shared>, slot: Arc<AdapterSlot>) {
+    let started = Instant::now();
+    match tokio::time::timeout(SEED_TIMEOUT, slot.built.adapter.scan(SEED_LIMIT)).await {
+        Ok(Ok(items)) => {
+            let n = slot.ledger.seed(&items);
+            slot.stats.seeded_keys.fetch_add(n as u64, Ordering::Relaxed);
+            let u = slot.ledger.usage();
+            tracing::info!(adapter = slot.id, kind = %slot.built.kind, keys = n, bytes = u.used,
+                capped = items.len() >= SEED_LIMIT, secs = started.elapsed().as_secs_f64(),
+                "L2 ledger seeded from the backend");
+            shared.evict_now.notify_one();
+        }
+        Ok(Err(L2Error::Unsupported(_))) => {}
+        Ok(Err(e)) => tracing::warn!(adapter = slot.id, error = %e,
+            "L2 start-up scan failed; usage counts only what this server writes"),
+        Err(_) => tracing::warn!(adapter = slot.id, "L2 start-up scan timed out"),
+    }
+    slot.seeded.store(true, Ordering::Relaxed);
 }
 
 /// The controllers' runtime. Dropped without blocking, so that the last owner may let go of
@@ -330,13 +498,20 @@ impl L2Tier {
             stats: TierStats::default(),
             epoch: Instant::now(),
             observer: RwLock::new(None),
+            quotas: RwLock::new(HashMap::new()),
+            evict_now: Notify::new(),
             next_id: AtomicU64::new(0),
         });
         for b in built {
             let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
-            shared.adapters.write().push(Arc::new(AdapterSlot::new(id, b)));
+            let slot = Arc::new(AdapterSlot::new(id, b));
+            warn_isolated(&slot);
+            shared.adapters.write().push(slot.clone());
+            rt.spawn(seed(shared.clone(), slot));
         }
         rt.spawn(crate::store::run(shared.clone(), rx));
+        rt.spawn(evict_loop(shared.clone()));
+        rt.spawn(health_loop(shared.clone()));
         Ok(Self { shared, rt: Arc::new(Rt(Some(rt))), store_tx: tx })
     }
 
@@ -377,7 +552,10 @@ impl L2Tier {
             std::thread::scope(|s| s.spawn(|| self.rt.block_on(config::build(index, spec))).join())
                 .map_err(|_| ConfigError::field("l2-adapter", "adapter construction panicked"))??;
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-        self.shared.adapters.write().push(Arc::new(AdapterSlot::new(id, built)));
+        let slot = Arc::new(AdapterSlot::new(id, built));
+        warn_isolated(&slot);
+        self.shared.adapters.write().push(slot.clone());
+        self.rt.spawn(seed(self.shared.clone(), slot));
         tracing::info!(id, "L2 adapter added");
         Ok(id)
     }
@@ -399,6 +577,89 @@ impl L2Tier {
             }
             None => false,
         }
+    }
+
+    /// Sets (or with `None` removes) the L2 quota of `salt`, in bytes, for every adapter.
+    /// It applies at the next admission and within a second to what is already stored.
+    pub fn set_quota(&self, salt: &CacheSalt, limit: Option<u64>) {
+        {
+            let mut q = self.shared.quotas.write();
+            match limit {
+                Some(l) => q.insert(salt.clone(), l),
+                None => q.remove(salt),
+            };
+        }
+        self.shared.evict_now.notify_one();
+    }
+
+    /// The L2 quota of `salt`, if set.
+    pub fn quota(&self, salt: &CacheSalt) -> Option<u64> {
+        self.shared.quota(salt)
+    }
+
+    /// Every L2 quota, sorted by salt.
+    pub fn quotas(&self) -> Vec<(CacheSalt, u64)> {
+        let mut v: Vec<_> =
+            self.shared.quotas.read().iter().map(|(k, v)| (k.clone(), *v)).collect();
+        v.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+        v
+    }
+
+    /// Bytes held under `salt` across adapters.
+    pub fn usage_of(&self, salt: &CacheSalt) -> u64 {
+        self.adapters()
+            .iter()
+            .map(|a| a.usage().by_salt.iter().find(|(s, _)| s == salt).map_or(0, |(_, b)| *b))
+            .sum()
+    }
+
+    fn slot(&self, id: u64) -> Option<Arc<AdapterSlot>> {
+        self.adapters().into_iter().find(|a| a.id == id)
+    }
+
+    /// Runs `fut` on the tier's runtime and awaits it from any runtime (one hop).
+    async fn on_tier<T: Send + 'static>(
+        &self,
+        fut: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Result<T, L2Error> {
+        self.rt.spawn(fut).await.map_err(|e| L2Error::Transient(format!("L2 task: {e}")))
+    }
+
+    /// Deletes `keys` from adapter `id` (every adapter if `None`) and from its ledger;
+    /// returns how many were held. Callable from any async runtime.
+    pub async fn delete(&self, id: Option<u64>, keys: Vec<ObjectKey>) -> Result<u64, L2Error> {
+        let slots: Vec<_> =
+            self.adapters().into_iter().filter(|a| id.is_none_or(|i| a.id == i)).collect();
+        self.on_tier(async move {
+            let mut total = 0;
+            for slot in slots {
+                total += slot.built.adapter.delete(&keys).await?;
+                slot.ledger.forget(&keys);
+            }
+            Ok(total)
+        })
+        .await?
+    }
+
+    /// One page of adapter `id`'s keys (optionally of one model), or `None` if there is no
+    /// such adapter. Callable from any async runtime.
+    pub async fn list(
+        &self,
+        id: u64,
+        model: Option<String>,
+        cursor: Option<String>,
+        limit: usize,
+    ) -> Option<Result<lmcache_l2::KeyPage, L2Error>> {
+        let slot = self.slot(id)?;
+        let page = self.on_tier(async move {
+            slot.built.adapter.list(model.as_deref(), cursor.as_deref(), limit).await
+        });
+        Some(page.await.and_then(|r| r))
+    }
+
+    /// Runs one eviction pass now (tests, and after bulk changes).
+    pub async fn evict_now(&self) {
+        self.shared.evict_pass().await;
     }
 
     /// One adapter's view, or all.
@@ -427,12 +688,23 @@ impl L2Tier {
     }
 }
 
+fn warn_isolated(slot: &AdapterSlot) {
+    if slot.ledger.quota_required() {
+        tracing::warn!(
+            adapter = slot.id,
+            "IsolatedLRU: a cache_salt without an L2 quota keeps nothing in this adapter \
+             (LMCache's allowlist); set quotas with PUT /quota/{{salt}}?tier=l2"
+        );
+    }
+}
+
 fn describe_slot(s: &AdapterSlot) -> AdapterInfo {
     let st = &s.stats;
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let usage: serde_json::Map<String, Value> = s
-        .usage()
-        .into_iter()
+    let u = s.usage();
+    let usage: serde_json::Map<String, Value> = u
+        .by_salt
+        .iter()
         .map(|(k, v)| {
             (if k.is_empty() { "_default".into() } else { k.as_str().to_owned() }, json!(v))
         })
@@ -449,8 +721,22 @@ fn describe_slot(s: &AdapterSlot) -> AdapterInfo {
             "codec": s.built.codec.name(),
             "config": s.built.spec,
             "adapter": s.built.adapter.describe(),
-            "capacity_bytes": s.built.adapter.capacity(),
+            "capacity_bytes": s.ledger.capacity(),
+            "used_bytes": u.used,
+            "reserved_bytes": u.reserved,
+            "keys": u.keys,
+            "usage_fraction": s.ledger.capacity().map(|c| u.used as f64 / c.max(1) as f64),
             "usage_bytes_by_salt": usage,
+            "usage_seeded": s.seeded(),
+            "eviction": s.ledger.eviction().map(|e| json!({
+                "eviction_policy": e.policy.as_str(),
+                "trigger_watermark": e.trigger_watermark,
+                "eviction_ratio": e.eviction_ratio,
+            })),
+            "evicted_keys": g(&st.evicted_keys),
+            "evicted_bytes": g(&st.evicted_bytes),
+            "quota_rejections": g(&st.quota_rejections),
+            "capacity_rejections": g(&st.capacity_rejections),
             "stored_keys": g(&st.stored_keys),
             "stored_bytes": g(&st.stored_bytes),
             "skipped_keys": g(&st.skipped_keys),
@@ -462,6 +748,8 @@ fn describe_slot(s: &AdapterSlot) -> AdapterInfo {
             "load_failures": g(&st.load_failures),
             "corrupt_blobs": g(&st.corrupt_blobs),
             "errors": g(&st.errors),
+            "ping_failures": g(&st.ping_failures),
+            "marked_down": g(&st.marked_down),
         }),
     }
 }

@@ -206,6 +206,16 @@ impl L2Adapter for FaultInjectAdapter {
         self.inner.list(model, cursor, limit).await
     }
 
+    async fn ping(&self) -> Result<(), L2Error> {
+        self.check_up()?;
+        self.inner.ping().await
+    }
+
+    async fn scan(&self, limit: usize) -> Result<Vec<(ObjectKey, u64)>, L2Error> {
+        self.check_up()?;
+        self.inner.scan(limit).await
+    }
+
     fn capacity(&self) -> Option<u64> {
         self.inner.capacity()
     }

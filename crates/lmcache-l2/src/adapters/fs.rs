@@ -368,6 +368,34 @@ impl L2Adapter for FsAdapter {
         .unwrap_or_default()
     }
 
+    async fn ping(&self) -> Result<(), L2Error> {
+        let base = self.inner.config.base_path.clone();
+        blocking(move || std::fs::metadata(&base).map(|_| ()).map_err(L2Error::Io)).await?
+    }
+
+    /// One walk of the shard directories (no sorting), keeping names that parse as wire keys.
+    async fn scan(&self, limit: usize) -> Result<Vec<(ObjectKey, u64)>, L2Error> {
+        let base = self.inner.config.base_path.clone();
+        blocking(move || {
+            let mut out = Vec::new();
+            for shard in std::fs::read_dir(&base)?.flatten() {
+                let Ok(files) = std::fs::read_dir(shard.path()) else { continue };
+                for f in files.flatten() {
+                    let name = f.file_name();
+                    let Some(wk) = unescape(&name.to_string_lossy()) else { continue };
+                    let Some(key) = wire_key::decode(&wk) else { continue };
+                    let Ok(meta) = f.metadata() else { continue };
+                    out.push((key, meta.len()));
+                    if out.len() >= limit {
+                        return Ok(out);
+                    }
+                }
+            }
+            Ok(out)
+        })
+        .await?
+    }
+
     async fn list(
         &self,
         model: Option<&str>,

@@ -6,19 +6,25 @@
 //! on one connection of a small pool; on a cluster the commands of a batch go out concurrently
 //! on the cluster connection, which routes each key to its slot's node. Connections reconnect
 //! by themselves, so an outage shows as errors (misses) and ends when the server is back.
+//!
+//! Time limits: the client library's own per-reply timeout (500 ms by default, which a 32 MiB
+//! value over loopback can exceed) is switched off; each batch instead gets
+//! [`crate::adapter::time_budget`]: `request_timeout` plus its bytes at a floor bandwidth. For
+//! loads the bytes are the sizes `lookup_sized` (`STRLEN`) reported, or the largest object this
+//! adapter has seen, per key.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::future::join_all;
 use lmcache_core::ObjectKey;
-use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Value};
 
-use crate::adapter::{L2Adapter, Stored};
+use crate::adapter::{KeyPage, L2Adapter, Stored, time_budget};
 use crate::blob::Blob;
 use crate::error::L2Error;
 use crate::wire_key;
@@ -44,7 +50,7 @@ pub struct RedisConfig {
     pub num_workers: usize,
     /// Expiry of stored objects.
     pub ttl_seconds: Option<u64>,
-    /// Limit on one batch.
+    /// Limit on one batch of small values; large batches get more (see the module docs).
     pub request_timeout: Duration,
     /// Limit on connecting.
     pub connection_timeout: Duration,
@@ -103,6 +109,9 @@ pub struct RedisAdapter {
     config: RedisConfig,
     conns: Conns,
     next: AtomicUsize,
+    /// The largest object stored, loaded or sized so far: the per-key allowance of a load
+    /// whose sizes are unknown.
+    largest: AtomicU64,
 }
 
 impl std::fmt::Debug for RedisAdapter {
@@ -133,9 +142,9 @@ impl RedisAdapter {
         let ct = config.connection_timeout;
         let conns = if config.cluster_mode {
             let urls: Vec<String> = config.nodes.iter().map(|n| config.url(n)).collect();
+            // No per-command response timeout: every batch runs under our own, sized limit.
             let client = redis::cluster::ClusterClient::builder(urls)
                 .connection_timeout(ct)
-                .response_timeout(config.request_timeout)
                 .build()
                 .map_err(map_err)?;
             let c = tokio::time::timeout(ct, client.get_async_connection())
@@ -145,20 +154,28 @@ impl RedisAdapter {
             Conns::Cluster(c)
         } else {
             let client = redis::Client::open(config.url(&first)).map_err(map_err)?;
+            // The library's default response timeout (500 ms) cuts off large values; every
+            // batch runs under our own limit, sized by its bytes, instead.
+            let mgr = ConnectionManagerConfig::new()
+                .set_response_timeout(None)
+                .set_connection_timeout(Some(ct));
             let mut pool = Vec::new();
             for _ in 0..config.num_workers.max(1) {
-                let c = tokio::time::timeout(ct, client.get_connection_manager())
-                    .await
-                    .map_err(|_| L2Error::Unavailable(format!("{first}: connect timed out")))?
-                    .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
+                let c = tokio::time::timeout(
+                    ct,
+                    client.get_connection_manager_with_config(mgr.clone()),
+                )
+                .await
+                .map_err(|_| L2Error::Unavailable(format!("{first}: connect timed out")))?
+                .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
                 pool.push(c);
             }
             Conns::Single(pool)
         };
-        let a = Self { config, conns, next: AtomicUsize::new(0) };
+        let a = Self { config, conns, next: AtomicUsize::new(0), largest: AtomicU64::new(0) };
         // One round trip now, so that a missing or wrong password fails at start.
         let ping = a
-            .run(vec![redis::cmd("PING")])
+            .run(vec![redis::cmd("PING")], 0)
             .await
             .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
         if let Some(Err(e)) = ping.into_iter().next() {
@@ -176,10 +193,19 @@ impl RedisAdapter {
         }
     }
 
-    /// Runs commands: one pipeline on a pooled connection, or concurrently on the cluster.
-    /// The outer error is for the whole batch; inner per command.
-    async fn run(&self, cmds: Vec<redis::Cmd>) -> Result<Vec<Result<Value, L2Error>>, L2Error> {
-        let t = self.config.request_timeout;
+    fn saw(&self, bytes: u64) {
+        self.largest.fetch_max(bytes, Ordering::Relaxed);
+    }
+
+    /// Runs commands: one pipeline on a pooled connection, or concurrently on the cluster,
+    /// within `request_timeout` plus `bytes` at the floor bandwidth. The outer error is for the
+    /// whole batch; inner per command.
+    async fn run(
+        &self,
+        cmds: Vec<redis::Cmd>,
+        bytes: u64,
+    ) -> Result<Vec<Result<Value, L2Error>>, L2Error> {
+        let t = time_budget(self.config.request_timeout, bytes);
         let fut = async {
             match &self.conns {
                 Conns::Single(pool) => {
@@ -232,7 +258,11 @@ impl L2Adapter for RedisAdapter {
                 c
             })
             .collect();
-        match self.run(cmds).await {
+        let bytes: u64 = items.iter().map(|(_, b)| b.len() as u64).sum();
+        if let Some(m) = items.iter().map(|(_, b)| b.len() as u64).max() {
+            self.saw(m);
+        }
+        match self.run(cmds, bytes).await {
             Err(e) => {
                 let msg = e.to_string();
                 let unavailable = matches!(e, L2Error::Unavailable(_));
@@ -260,16 +290,119 @@ impl L2Adapter for RedisAdapter {
 
     async fn lookup(&self, keys: &[ObjectKey]) -> Result<Vec<bool>, L2Error> {
         let cmds = keys.iter().map(|k| redis::cmd("EXISTS").arg(self.name(k)).clone()).collect();
-        self.run(cmds)
+        self.run(cmds, 0)
             .await?
             .into_iter()
             .map(|v| Ok(matches!(v?, Value::Int(n) if n > 0)))
             .collect()
     }
 
+    /// `STRLEN` per key: 0 means absent (a stored blob is never empty).
+    async fn lookup_sized(&self, keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
+        let cmds = keys.iter().map(|k| redis::cmd("STRLEN").arg(self.name(k)).clone()).collect();
+        let sizes: Vec<Option<u64>> = self
+            .run(cmds, 0)
+            .await?
+            .into_iter()
+            .map(|v| match v? {
+                Value::Int(n) if n > 0 => Ok(Some(n as u64)),
+                _ => Ok(None),
+            })
+            .collect::<Result<_, L2Error>>()?;
+        if let Some(m) = sizes.iter().flatten().max() {
+            self.saw(*m);
+        }
+        Ok(sizes)
+    }
+
+    async fn ping(&self) -> Result<(), L2Error> {
+        match self.run(vec![redis::cmd("PING")], 0).await?.into_iter().next() {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(e),
+            None => Err(L2Error::Transient("PING: no reply".into())),
+        }
+    }
+
+    /// `SCAN` over this adapter's names (`key_prefix@*`, or every name that parses as a wire
+    /// key), with `STRLEN` for sizes. On a cluster, each master is scanned.
+    async fn scan(&self, limit: usize) -> Result<Vec<(ObjectKey, u64)>, L2Error> {
+        let pattern = if self.config.key_prefix.is_empty() {
+            "*".to_owned()
+        } else {
+            format!("{}@*", self.config.key_prefix)
+        };
+        let names: Vec<String> = match &self.conns {
+            Conns::Single(pool) => {
+                let mut c = pool[0].clone();
+                scan_node(&mut c, &pattern, limit).await?
+            }
+            Conns::Cluster(_) => {
+                // Each startup node answers for its own slots (replicas repeat their master's
+                // names, hence the dedup).
+                let mut names = Vec::new();
+                for node in &self.config.nodes {
+                    let client = redis::Client::open(self.config.url(node)).map_err(map_err)?;
+                    let mut nc = tokio::time::timeout(
+                        self.config.connection_timeout,
+                        client.get_multiplexed_async_connection(),
+                    )
+                    .await
+                    .map_err(|_| L2Error::Unavailable(format!("{node}: connect timed out")))?
+                    .map_err(map_err)?;
+                    names.extend(scan_node(&mut nc, &pattern, limit - names.len()).await?);
+                    if names.len() >= limit {
+                        break;
+                    }
+                }
+                names.sort_unstable();
+                names.dedup();
+                names
+            }
+        };
+        let keys: Vec<ObjectKey> = names
+            .iter()
+            .filter_map(|n| {
+                let wk = if self.config.key_prefix.is_empty() {
+                    n.as_str()
+                } else {
+                    n.strip_prefix(&self.config.key_prefix)?.strip_prefix('@')?
+                };
+                wire_key::decode(wk)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(1000) {
+            for (k, s) in chunk.iter().zip(self.lookup_sized(chunk).await?) {
+                if let Some(s) = s {
+                    out.push((k.clone(), s));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn list(
+        &self,
+        model: Option<&str>,
+        cursor: Option<&str>,
+        limit: usize,
+    ) -> Result<KeyPage, L2Error> {
+        let mut all: Vec<(String, ObjectKey, u64)> = self
+            .scan(1 << 20)
+            .await?
+            .into_iter()
+            .filter(|(k, _)| model.is_none_or(|m| k.model_name.as_str() == m))
+            .map(|(k, s)| (wire_key::encode(&k), k, s))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(crate::adapter::page_sorted(all, cursor, limit))
+    }
+
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
         let cmds = keys.iter().map(|k| redis::cmd("GET").arg(self.name(k)).clone()).collect();
-        match self.run(cmds).await {
+        // Sizes are unknown here: allow the largest object seen (at least 1 MiB) per key.
+        let per_key = self.largest.load(Ordering::Relaxed).max(1 << 20);
+        match self.run(cmds, per_key.saturating_mul(keys.len() as u64)).await {
             Err(e) => {
                 let msg = e.to_string();
                 keys.iter().map(|_| Err(L2Error::Unavailable(msg.clone()))).collect()
@@ -278,7 +411,10 @@ impl L2Adapter for RedisAdapter {
                 .into_iter()
                 .map(|v| match v? {
                     Value::Nil => Ok(None),
-                    Value::BulkString(b) => Ok(Some(Bytes::from(b))),
+                    Value::BulkString(b) => {
+                        self.saw(b.len() as u64);
+                        Ok(Some(Bytes::from(b)))
+                    }
                     other => Err(L2Error::Transient(format!("unexpected GET reply {other:?}"))),
                 })
                 .collect(),
@@ -288,7 +424,7 @@ impl L2Adapter for RedisAdapter {
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
         let cmds = keys.iter().map(|k| redis::cmd("DEL").arg(self.name(k)).clone()).collect();
         Ok(self
-            .run(cmds)
+            .run(cmds, 0)
             .await?
             .into_iter()
             .filter(|v| matches!(v, Ok(Value::Int(n)) if *n > 0))
@@ -308,5 +444,32 @@ impl L2Adapter for RedisAdapter {
             "ttl_seconds": c.ttl_seconds,
             "auth": c.password.is_some(),
         })
+    }
+}
+
+/// `SCAN` one node for names matching `pattern`, at most `limit`.
+async fn scan_node<C: ConnectionLike + Send>(
+    c: &mut C,
+    pattern: &str,
+    limit: usize,
+) -> Result<Vec<String>, L2Error> {
+    let mut names = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(c)
+            .await
+            .map_err(map_err)?;
+        names.extend(batch);
+        if next == 0 || names.len() >= limit {
+            names.truncate(limit);
+            return Ok(names);
+        }
+        cursor = next;
     }
 }

@@ -160,6 +160,48 @@ impl L2Adapter for S3Adapter {
         heads.into_iter().collect()
     }
 
+    /// `HEAD` per key, with the stored size (lets a prefetch load straight into L1 and size its
+    /// time limit).
+    async fn lookup_sized(&self, keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
+        let heads = join_all(keys.iter().map(|k| async move {
+            match self.store.head(&self.path(k)).await {
+                Ok(m) => Ok((m.size > 0).then_some(m.size)),
+                Err(object_store::Error::NotFound { .. }) => Ok(None),
+                Err(e) => Err(map_err(e)),
+            }
+        }))
+        .await;
+        heads.into_iter().collect()
+    }
+
+    async fn ping(&self) -> Result<(), L2Error> {
+        match self.store.head(&self.path_str(".lmcache-rs-probe")).await {
+            Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(map_err(e)),
+        }
+    }
+
+    /// One listing of the prefix (every page), keeping names that parse as wire keys.
+    async fn scan(&self, limit: usize) -> Result<Vec<(ObjectKey, u64)>, L2Error> {
+        let prefix =
+            (!self.config.prefix.is_empty()).then(|| Path::from(self.config.prefix.as_str()));
+        let mut stream = self.store.list(prefix.as_ref());
+        let mut out = Vec::new();
+        while let Some(m) = stream.next().await {
+            let m = m.map_err(map_err)?;
+            let Some(name) = m.location.filename().and_then(wire_key::percent_decode) else {
+                continue;
+            };
+            if let Some(k) = wire_key::decode(&name) {
+                out.push((k, m.size));
+                if out.len() >= limit {
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
         join_all(keys.iter().map(|k| async move {
             match self.store.get(&self.path(k)).await {
