@@ -1,7 +1,8 @@
 //! Every adapter against its real backend: the same conformance checks for fs, raw_block,
 //! mock, Redis (single node and cluster) and S3. Redis and S3 need servers on loopback, which
 //! `scripts/test` starts and names in `LMCACHE_RS_TEST_REDIS`, `LMCACHE_RS_TEST_REDIS_CLUSTER`
-//! and `LMCACHE_RS_TEST_S3`; without them those tests say so and pass.
+//! and `LMCACHE_RS_TEST_S3`; without them those tests say so and pass, unless
+//! `LMCACHE_RS_REQUIRE_SERVICES=1` (set by scripts/test), which makes a missing one a failure.
 #![allow(missing_docs, clippy::allow_attributes)]
 
 use std::sync::Arc;
@@ -30,6 +31,11 @@ fn payload(i: u32, len: usize) -> Vec<u8> {
 fn external(var: &str) -> Option<String> {
     match std::env::var(var) {
         Ok(v) if !v.is_empty() => Some(v),
+        _ if std::env::var("LMCACHE_RS_REQUIRE_SERVICES").is_ok_and(|v| v == "1") => {
+            panic!(
+                "{var} is not set, but LMCACHE_RS_REQUIRE_SERVICES=1: start scripts/test-services"
+            )
+        }
         _ => {
             eprintln!("{var} not set: skipping (scripts/test starts the server and sets it)");
             None

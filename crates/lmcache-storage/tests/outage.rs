@@ -81,6 +81,10 @@ fn wait(what: &str, mut f: impl FnMut() -> bool) {
 #[test]
 fn redis_outage_degrades_to_misses_and_recovers() {
     let Ok(bin) = std::env::var("LMCACHE_RS_REDIS_SERVER") else {
+        assert!(
+            std::env::var("LMCACHE_RS_REQUIRE_SERVICES").is_err(),
+            "LMCACHE_RS_REDIS_SERVER is not set, but LMCACHE_RS_REQUIRE_SERVICES is"
+        );
         eprintln!("LMCACHE_RS_REDIS_SERVER not set: skipping (scripts/test sets it)");
         return;
     };
