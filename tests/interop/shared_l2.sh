@@ -33,18 +33,18 @@ text = urllib.request.urlopen(f"{sys.argv[1]}/metrics", timeout=5).read().decode
 print(int(sum(float(m.group(1)) for m in re.finditer(rf"^{sys.argv[2]}(?:{{[^}}]*}})? (\S+)$", text, re.M))))
 PY
 }
-start_server() { # name spec -> prints "port http"
-  local name=$1 spec=$2 port http
+start_server() { # name spec -> sets $port and $http (not in a subshell: $pids must see it)
+  local name=$1 spec=$2
   port=$(free_port); http=$(free_port)
+  # --exit-after-seconds: the server stops by itself even if this script is killed.
   "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
       --shm-name "lmcache_rs_shared_$$_$name" --max-workers 2 --log-level info \
-      --l2-adapter "$spec" > "$WORK/$name.server.log" 2>&1 &
+      --exit-after-seconds 900 --l2-adapter "$spec" > "$WORK/$name.server.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do
     python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
     sleep 0.1
   done
-  echo "$port $http"
 }
 bench() { # port http output
   timeout 600 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$1" \
@@ -64,8 +64,8 @@ for case in "${CASES[@]}"; do
   kind=${case%% *}; spec=${case#* }
   [ -n "${SHARED_L2_ONLY:-}" ] && [ "$kind" != "$SHARED_L2_ONLY" ] && continue
   rc=0
-  read -r pa ha <<< "$(start_server "$kind-a" "$spec")"
-  read -r pb hb <<< "$(start_server "$kind-b" "$spec")"
+  start_server "$kind-a" "$spec"; pa=$port; ha=$http
+  start_server "$kind-b" "$spec"; pb=$port; hb=$http
   bench "$pa" "$ha" "$kind-a" || rc=$?
   # Wait for A's write-behind to put every chunk in L2.
   for _ in $(seq 600); do

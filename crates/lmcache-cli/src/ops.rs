@@ -59,6 +59,14 @@ pub enum KvcacheCommand {
     },
 }
 
+/// Which tier a quota applies to.
+#[derive(Debug, Clone, clap::Args)]
+pub struct QuotaTier {
+    /// The tier: l1 (CPU memory) or l2 (every L2 adapter).
+    #[arg(long, default_value = "l1", value_parser = ["l1", "l2"])]
+    pub tier: String,
+}
+
 /// `quota` subcommands (`_default` names the empty cache_salt).
 #[derive(Debug, Subcommand)]
 pub enum QuotaCommand {
@@ -70,6 +78,8 @@ pub enum QuotaCommand {
         #[arg(long)]
         limit_gb: f64,
         #[command(flatten)]
+        tier: QuotaTier,
+        #[command(flatten)]
         common: Common,
     },
     /// Show a tenant's limit and usage.
@@ -77,10 +87,14 @@ pub enum QuotaCommand {
         /// The cache_salt.
         salt: String,
         #[command(flatten)]
+        tier: QuotaTier,
+        #[command(flatten)]
         common: Common,
     },
     /// List every tenant with a limit.
     List {
+        #[command(flatten)]
+        tier: QuotaTier,
         #[command(flatten)]
         common: Common,
     },
@@ -88,6 +102,8 @@ pub enum QuotaCommand {
     Delete {
         /// The cache_salt.
         salt: String,
+        #[command(flatten)]
+        tier: QuotaTier,
         #[command(flatten)]
         common: Common,
     },
@@ -114,8 +130,8 @@ fn segment(raw: &str) -> String {
         .collect()
 }
 
-fn quota_url(common: &Common, salt: &str) -> String {
-    format!("{}/quota/{}", base(&common.url), segment(salt))
+fn quota_url(common: &Common, salt: &str, tier: &QuotaTier) -> String {
+    format!("{}/quota/{}?tier={}", base(&common.url), segment(salt), tier.tier)
 }
 
 fn agent() -> ureq::Agent {
@@ -248,6 +264,13 @@ pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
         for (n, a) in list.iter().enumerate() {
             let health = if a["is_healthy"] == json!(false) { "DOWN" } else { "healthy" };
             let mut line = format!("{} ({health})", s(&a["type"]));
+            if let Some(used) = a["used_bytes"].as_u64() {
+                let g = |b: u64| format!("{:.2}", b as f64 / (1u64 << 30) as f64);
+                match a["capacity_bytes"].as_u64() {
+                    Some(cap) => line.push_str(&format!(", {} / {} GB used", g(used), g(cap))),
+                    None => line.push_str(&format!(", {} GB used", g(used))),
+                }
+            }
             if let Some(k) = a["stored_keys"].as_u64() {
                 line.push_str(&format!(", {k} stored, {} loaded", s(&a["loaded_keys"])));
             }
@@ -285,9 +308,9 @@ pub fn kvcache(cmd: &KvcacheCommand) -> anyhow::Result<()> {
 /// `quota ...`.
 pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
     match cmd {
-        QuotaCommand::Set { salt, limit_gb, common } => {
-            let r =
-                call(common, "PUT", &quota_url(common, salt), Some(json!({"limit_gb": limit_gb})))?;
+        QuotaCommand::Set { salt, limit_gb, tier, common } => {
+            let url = quota_url(common, salt, tier);
+            let r = call(common, "PUT", &url, Some(json!({"limit_gb": limit_gb})))?;
             emit(
                 common,
                 "Quota",
@@ -299,8 +322,8 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
                 &r,
             )
         }
-        QuotaCommand::Get { salt, common } => {
-            let r = call(common, "GET", &quota_url(common, salt), None)?;
+        QuotaCommand::Get { salt, tier, common } => {
+            let r = call(common, "GET", &quota_url(common, salt, tier), None)?;
             emit(
                 common,
                 "Quota",
@@ -313,8 +336,9 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
                 &r,
             )
         }
-        QuotaCommand::List { common } => {
-            let r = call(common, "GET", &format!("{}/quota", base(&common.url)), None)?;
+        QuotaCommand::List { tier, common } => {
+            let url = format!("{}/quota?tier={}", base(&common.url), tier.tier);
+            let r = call(common, "GET", &url, None)?;
             let rows: Vec<(String, String)> = r["users"]
                 .as_object()
                 .map(|m| {
@@ -334,8 +358,8 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
                 .unwrap_or_default();
             emit(common, "Quotas", &rows, &r)
         }
-        QuotaCommand::Delete { salt, common } => {
-            let r = call(common, "DELETE", &quota_url(common, salt), None)?;
+        QuotaCommand::Delete { salt, tier, common } => {
+            let r = call(common, "DELETE", &quota_url(common, salt, tier), None)?;
             emit(
                 common,
                 "Quota",

@@ -130,6 +130,14 @@ pub struct ServerArgs {
     /// Objects the L2 write-behind queue holds; beyond it stores are dropped (and counted).
     #[arg(long, default_value_t = 16384)]
     pub l2_store_queue_size: usize,
+    /// When L1 can only make room for a store by evicting objects L2 has not written yet, the
+    /// store waits up to this many seconds for the write-behind, then evicts them (counted as
+    /// lmcache_rs_l1_unwritten_evictions_total).
+    #[arg(long, default_value_t = 2.0)]
+    pub l2_store_wait_seconds: f64,
+    /// On SIGTERM/SIGINT, wait up to this many seconds for queued L2 write-behind to finish.
+    #[arg(long, default_value_t = 10.0)]
+    pub l2_flush_timeout_seconds: f64,
     /// Export tracing spans (one per MP request, L2 prefetches and store batches) over OTLP/HTTP
     /// (protobuf) to this collector, e.g. http://127.0.0.1:4318 (`/v1/traces` is appended).
     #[arg(long, value_name = "URL")]
@@ -208,7 +216,17 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     if !(t_prefetch.is_finite() && t_prefetch > 0.0) {
         bail!("--l2-prefetch-timeout-seconds must be a positive number, got {t_prefetch}");
     }
+    for (flag, v) in [
+        ("--l2-store-wait-seconds", args.l2_store_wait_seconds),
+        ("--l2-flush-timeout-seconds", args.l2_flush_timeout_seconds),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            bail!("{flag} must be a number >= 0, got {v}");
+        }
+    }
     let l2 = lmcache_storage::TierConfig {
+        write_behind_wait: Duration::from_secs_f64(args.l2_store_wait_seconds),
+        flush_timeout: Duration::from_secs_f64(args.l2_flush_timeout_seconds),
         max_in_flight: args.l2_prefetch_max_in_flight.max(1),
         prefetch_deadline: Duration::from_secs_f64(t_prefetch),
         store_queue_keys: args.l2_store_queue_size.max(1),
@@ -274,11 +292,18 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
         "lmcache-rs serving"
     );
     if args.exit_after_seconds > 0 {
-        std::thread::sleep(Duration::from_secs(args.exit_after_seconds));
-    } else {
-        let sig = signals.wait().context("waiting for a shutdown signal")?;
-        tracing::info!(signal = ?sig, "shutting down");
+        // A SIGTERM to ourselves when the time is up; a signal before that still ends it.
+        let after = Duration::from_secs(args.exit_after_seconds);
+        std::thread::Builder::new()
+            .name("exit-after".into())
+            .spawn(move || {
+                std::thread::sleep(after);
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), Signal::SIGTERM);
+            })
+            .context("starting the exit timer")?;
     }
+    let sig = signals.wait().context("waiting for a shutdown signal")?;
+    tracing::info!(signal = ?sig, "shutting down");
     server.shutdown();
     tracing::info!("stopped");
     Ok(())

@@ -162,6 +162,13 @@ fn operator_commands_against_a_real_server() {
     let (_, out, _) = run(&["describe", "kvcache"]);
     assert!(out.contains("Eviction policy") && out.contains("LRU"), "{out}");
     assert!(out.contains("L2 adapter 0") && out.contains("mock (healthy)"), "{out}");
+    assert!(out.contains("GB used"), "describe shows L2 used/capacity: {out}");
+    // An L2 quota is its own: set and listed with --tier l2, absent from L1's list.
+    assert_eq!(run(&["quota", "set", "team-l2", "--limit-gb", "3", "--tier", "l2"]).0, Some(0));
+    let (_, out, _) = run(&["quota", "list", "--tier", "l2", "--format", "json"]);
+    assert!(out.contains("team-l2") && out.contains("\"limit_gb\": 3.0"), "{out}");
+    let (_, out, _) = run(&["quota", "list", "--format", "json"]);
+    assert!(!out.contains("team-l2"), "an L2 quota in L1's list: {out}");
     assert_eq!(run(&["quota", "set", "team-a", "--limit-gb", "2"]).0, Some(0));
     let (_, out, _) = run(&["quota", "list", "--format", "json"]);
     assert!(out.contains("team-a") && out.contains("\"limit_gb\": 2.0"), "{out}");

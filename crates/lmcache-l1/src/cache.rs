@@ -73,6 +73,8 @@ pub struct L1Stats {
     pub expired_read_leases: u64,
     /// Parked write reservations that expired.
     pub expired_write_leases: u64,
+    /// Objects evicted before the write-behind had written them to L2 (their KV is gone).
+    pub unwritten_evictions: u64,
 }
 
 /// A snapshot of L1 occupancy.
@@ -153,6 +155,10 @@ pub(crate) struct State {
     used_bytes: u64,
     staged_bytes: u64,
     stats: L1Stats,
+    /// Whether committed objects wait for the write-behind (see [`L1Cache::set_write_behind`]).
+    write_behind: bool,
+    /// Resident objects not yet written to L2.
+    unwritten: usize,
 }
 
 #[derive(Debug)]
@@ -193,6 +199,8 @@ impl L1Cache {
             used_bytes: 0,
             staged_bytes: 0,
             stats: L1Stats::default(),
+            write_behind: false,
+            unwritten: 0,
         };
         Ok(Self {
             shared: Arc::new(Shared {
@@ -203,6 +211,43 @@ impl L1Cache {
             }),
             leases,
         })
+    }
+
+    /// Turns write-behind protection on: every object committed from now on (temporary ones
+    /// excepted) is *unwritten* until [`Self::mark_written`]. Eviction takes written objects
+    /// first; [`Self::reserve_write`] and maintenance never evict an unwritten one, and
+    /// [`Self::reserve_write_evicting_unwritten`] does so only when nothing else makes room
+    /// (counted in [`L1Stats::unwritten_evictions`]).
+    pub fn set_write_behind(&self, on: bool) {
+        self.shared.state.lock().write_behind = on;
+    }
+
+    /// The write-behind is done with `keys` (written to L2, or given up on): they are
+    /// ordinary eviction candidates again.
+    pub fn mark_written(&self, keys: &[ObjectKey]) {
+        let mut st = self.shared.state.lock();
+        for k in keys {
+            let Some(slot) = st.index.get(k).copied() else { continue };
+            if let Some(e) = st.entries.get_mut(slot.id)
+                && std::mem::take(&mut e.unwritten)
+            {
+                st.unwritten -= 1;
+            }
+        }
+    }
+
+    /// Resident objects not yet written to L2.
+    pub fn unwritten(&self) -> usize {
+        self.shared.state.lock().unwritten
+    }
+
+    /// As [`Self::reserve_write`], but may evict objects the write-behind has not written yet
+    /// when nothing else makes room: the last resort of a store that waited for L2.
+    pub fn reserve_write_evicting_unwritten(
+        &self,
+        requests: &[WriteRequest],
+    ) -> Vec<Result<WriteReservation, L1Error>> {
+        self.reserve(requests, true)
     }
 
     /// Installs the listener told about every resident object that leaves.
@@ -225,9 +270,19 @@ impl L1Cache {
     /// quota cannot fit it after evicting that tenant's unlocked objects. The remaining keys
     /// are allocated all or nothing, evicting unlocked objects synchronously when memory is
     /// short; if that is not enough, each gets [`L1Error::OutOfMemory`].
+    ///
+    /// With write-behind on, objects not yet written to L2 are never evicted here.
     pub fn reserve_write(
         &self,
         requests: &[WriteRequest],
+    ) -> Vec<Result<WriteReservation, L1Error>> {
+        self.reserve(requests, false)
+    }
+
+    fn reserve(
+        &self,
+        requests: &[WriteRequest],
+        evict_unwritten: bool,
     ) -> Vec<Result<WriteReservation, L1Error>> {
         let shared = &self.shared;
         let mut results: Vec<Option<Result<WriteReservation, L1Error>>> =
@@ -269,7 +324,7 @@ impl L1Cache {
             };
             let used = st.quotas.usage(&salt);
             if used + requested > limit {
-                st.evict(Some(&salt), used + requested - limit);
+                st.evict_with(Some(&salt), used + requested - limit, evict_unwritten);
             }
             let used = st.quotas.usage(&salt);
             if used + requested > limit {
@@ -288,7 +343,7 @@ impl L1Cache {
         // 3. Memory, all or nothing, evicting as needed.
         if !todo.is_empty() {
             let sizes: Vec<u64> = todo.iter().map(|&(i, _)| requests[i].size).collect();
-            match st.allocate_evicting(&shared.memory, &sizes) {
+            match st.allocate_evicting(&shared.memory, &sizes, evict_unwritten) {
                 Ok(allocs) => {
                     for (&(i, size), alloc) in todo.iter().zip(allocs) {
                         let req = &requests[i];
@@ -297,6 +352,7 @@ impl L1Cache {
                             bytes: size,
                             temporary: req.temporary,
                             indexed: true,
+                            unwritten: false,
                             slot: Slot::Staged,
                         });
                         st.index.insert(req.key.clone(), IndexSlot { id, resident: false });
@@ -631,6 +687,7 @@ impl State {
         &mut self,
         memory: &ArenaAllocator,
         sizes: &[u64],
+        evict_unwritten: bool,
     ) -> Result<Vec<Allocation>, L1Error> {
         let mut evicted_any = false;
         loop {
@@ -640,7 +697,7 @@ impl State {
                     // Free the shortfall; when the bytes exist but are fragmented, free at
                     // least one object's worth more and try again.
                     let want = requested.saturating_sub(free).max(1);
-                    let freed = self.evict(None, want);
+                    let freed = self.evict_with(None, want, evict_unwritten);
                     if freed == 0 {
                         let free = memory.usage().allocator.capacity - self.used_bytes;
                         return Err(L1Error::OutOfMemory { requested, free });
@@ -658,8 +715,28 @@ impl State {
         }
     }
 
-    /// Evicts unlocked resident objects (of `scope` only, if given) worth `target` bytes.
+    /// Evicts unlocked resident objects (of `scope` only, if given) worth `target` bytes,
+    /// never one the write-behind has not written yet.
     pub(crate) fn evict(&mut self, scope: Option<&CacheSalt>, target: u64) -> u64 {
+        self.evict_with(scope, target, false)
+    }
+
+    /// As [`Self::evict`]; objects not yet written to L2 go too, last, when `unwritten`.
+    pub(crate) fn evict_with(
+        &mut self,
+        scope: Option<&CacheSalt>,
+        target: u64,
+        unwritten: bool,
+    ) -> u64 {
+        let freed = self.evict_pass(scope, target, false);
+        if freed < target && unwritten && self.unwritten > 0 {
+            freed + self.evict_pass(scope, target - freed, true)
+        } else {
+            freed
+        }
+    }
+
+    fn evict_pass(&mut self, scope: Option<&CacheSalt>, target: u64, unwritten: bool) -> u64 {
         let mut victims = Vec::new();
         let entries = &self.entries;
         let freed = self.policy.evict(
@@ -669,7 +746,11 @@ impl State {
                 let e = entries.get(id)?;
                 let in_scope = scope.is_none_or(|s| &e.key.cache_salt == s);
                 match e.slot {
-                    Slot::Resident { readers: 0, .. } if e.indexed && in_scope => Some(e.bytes),
+                    Slot::Resident { readers: 0, .. }
+                        if e.indexed && in_scope && (unwritten || !e.unwritten) =>
+                    {
+                        Some(e.bytes)
+                    }
                     _ => None,
                 }
             },
@@ -679,6 +760,10 @@ impl State {
             if let Some(e) = self.remove_entry(id) {
                 self.stats.evicted_objects += 1;
                 self.stats.evicted_bytes += e.bytes;
+                if e.unwritten {
+                    self.stats.unwritten_evictions += 1;
+                    tracing::debug!(key = %e.key, "evicted before the write-behind wrote it");
+                }
             }
         }
         freed
@@ -687,6 +772,9 @@ impl State {
     /// Removes an entry and its accounting. The caller has already told the policy.
     fn remove_entry(&mut self, id: EntryId) -> Option<Entry> {
         let e = self.entries.remove(id)?;
+        if e.unwritten {
+            self.unwritten -= 1;
+        }
         if e.indexed {
             self.index.remove(&e.key);
             if let (Some(l), Slot::Resident { .. }) = (&self.listener, &e.slot) {
@@ -770,6 +858,10 @@ impl State {
         }
         let alloc = Arc::new(alloc);
         e.slot = Slot::Resident { alloc: Arc::clone(&alloc), readers };
+        if self.write_behind && !e.temporary {
+            e.unwritten = true;
+            self.unwritten += 1;
+        }
         let key = e.key.clone();
         if let Some(slot) = self.index.get_mut(&key) {
             slot.resident = true;

@@ -32,6 +32,9 @@ pub(crate) struct Entry {
     /// False once deleted by force while pinned: then it is out of the key index and the
     /// policy, and is dropped when its last handle goes.
     pub(crate) indexed: bool,
+    /// Committed while write-behind is on and not yet reported written to L2: evicted only
+    /// when nothing else can make room.
+    pub(crate) unwritten: bool,
     pub(crate) slot: Slot,
 }
 

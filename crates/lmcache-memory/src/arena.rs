@@ -143,6 +143,14 @@ impl Arena {
         self.shm.as_ref().map(ShmSegment::name)
     }
 
+    /// Removes the shared-memory segment's name now (see [`ShmSegment::unlink`]); the
+    /// mapping stays valid. No-op for other backings.
+    pub fn unlink_name(&self) {
+        if let Some(s) = &self.shm {
+            s.unlink();
+        }
+    }
+
     /// True when the arena is `mlock`ed.
     pub fn is_locked(&self) -> bool {
         self.locked

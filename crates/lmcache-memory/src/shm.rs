@@ -51,6 +51,9 @@ pub struct ShmSegment {
     /// Holds the exclusive lock that marks the segment as owned by a live process.
     file: Flock<File>,
     len: u64,
+    /// Set once the name is unlinked, so that it is never unlinked twice (a second unlink
+    /// could remove a new segment another process created under the same name).
+    unlinked: std::sync::atomic::AtomicBool,
 }
 
 impl ShmSegment {
@@ -93,7 +96,12 @@ impl ShmSegment {
             }
         };
         // From here on the guard exists, so any failure unlinks the name on drop.
-        let segment = Self { name: name.to_owned(), file, len };
+        let segment = Self {
+            name: name.to_owned(),
+            file,
+            len,
+            unlinked: std::sync::atomic::AtomicBool::new(false),
+        };
         let available = shm_free_bytes()?;
         if len > available {
             return Err(MemoryError::ShmTooSmall { size: len, available });
@@ -130,12 +138,24 @@ impl ShmSegment {
     }
 }
 
-impl Drop for ShmSegment {
-    fn drop(&mut self) {
+impl ShmSegment {
+    /// Removes the segment's name now (the memory stays mapped until the mapping goes), once:
+    /// a shutdown calls this so that the name never outlives the server, even if some handle
+    /// to the memory is still alive when the process exits.
+    pub fn unlink(&self) {
+        if self.unlinked.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            return;
+        }
         let path = format!("/{}", self.name);
         if let Err(e) = nix::sys::mman::shm_unlink(path.as_str()) {
             tracing::warn!(segment = %self.name, error = %e, "could not unlink shared memory");
         }
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        self.unlink();
     }
 }
 
@@ -211,6 +231,20 @@ mod tests {
         assert!(seg.committed_bytes().unwrap() < 1 << 20, "segment committed eagerly");
         assert!(Path::new(SHM_DIR).join(&name).exists());
         drop(seg);
+        assert!(!Path::new(SHM_DIR).join(&name).exists());
+    }
+
+    #[test]
+    fn unlink_removes_the_name_once_and_drop_spares_a_successor() {
+        let name = unique("unlink");
+        let seg = ShmSegment::create(&name, 4096).unwrap();
+        seg.unlink();
+        assert!(!Path::new(SHM_DIR).join(&name).exists(), "unlink left the name");
+        // A new server takes the name while the old handle lives; its drop spares the name.
+        let next = ShmSegment::create(&name, 4096).unwrap();
+        drop(seg);
+        assert!(Path::new(SHM_DIR).join(&name).exists(), "the old handle unlinked its successor");
+        drop(next);
         assert!(!Path::new(SHM_DIR).join(&name).exists());
     }
 

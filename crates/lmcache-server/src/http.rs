@@ -449,6 +449,8 @@ async fn metrics(State(s): State<Shared>) -> Response {
     advance(&m.l1_quota_rejections, st.quota_rejections);
     advance(&m.l1_expired_read_leases, st.expired_read_leases);
     advance(&m.l1_expired_write_leases, st.expired_write_leases);
+    advance(&m.l1_unwritten_evictions, st.unwritten_evictions);
+    m.l1_unwritten_objects.set(s.l1.unwritten() as i64);
     refresh_l2_metrics(&s);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

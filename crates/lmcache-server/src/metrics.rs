@@ -176,6 +176,10 @@ pub struct Metrics {
     pub l1_expired_read_leases: Counter,
     /// Write reservations of silent clients dropped by their TTL.
     pub l1_expired_write_leases: Counter,
+    /// Objects evicted from L1 before the write-behind wrote them to L2 (lost KV).
+    pub l1_unwritten_evictions: Counter,
+    /// Resident objects the write-behind has not written to L2 yet.
+    pub l1_unwritten_objects: Gauge,
 }
 
 fn throughput_buckets() -> Histogram {
@@ -226,6 +230,8 @@ impl Default for Metrics {
             l1_quota_rejections: Counter::default(),
             l1_expired_read_leases: Counter::default(),
             l1_expired_write_leases: Counter::default(),
+            l1_unwritten_evictions: Counter::default(),
+            l1_unwritten_objects: Gauge::default(),
         };
         let mut r = Registry::default();
         {
@@ -401,6 +407,16 @@ impl Default for Metrics {
                 "l1_expired_write_leases",
                 "Write reservations of silent clients dropped by their TTL",
                 m.l1_expired_write_leases.clone(),
+            );
+            rs.register(
+                "l1_unwritten_evictions",
+                "Objects evicted from L1 before the L2 write-behind wrote them (their KV is lost)",
+                m.l1_unwritten_evictions.clone(),
+            );
+            rs.register(
+                "l1_unwritten_objects",
+                "Resident L1 objects the L2 write-behind has not written yet",
+                m.l1_unwritten_objects.clone(),
             );
             rs.register("active_sessions", "Live request sessions", m.active_sessions.clone());
             let l2 = &m.l2;

@@ -112,9 +112,11 @@ impl Server {
             vec![crate::event_bus::log_subscriber()],
         )
         .map_err(io("starting the event bus"))?;
+        let storage = lmcache_storage::StorageManager::new(l1.clone(), l2.clone());
         let state = Arc::new_cyclic(|me| ServerState {
             me: me.clone(),
             http_prefetches: parking_lot::Mutex::default(),
+            storage,
             l2,
             bus,
             events,
@@ -206,11 +208,18 @@ impl Server {
             let _ = j.join();
         }
         if let Some(l2) = &self.state.l2 {
+            let timeout = l2.config().flush_timeout;
+            let pending = self.state.storage.flush(timeout);
+            if pending > 0 {
+                tracing::warn!(pending, ?timeout, "L2 write-behind not finished at shutdown");
+            }
             l2.shutdown();
         }
         self.maintenance.take();
         self.prefaulter.take();
         self.state.sessions.clear();
+        // The segment's name goes now, whatever still holds the memory until exit.
+        self.state.l1.memory().arena().unlink_name();
     }
 }
 

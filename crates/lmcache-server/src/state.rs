@@ -87,6 +87,9 @@ pub struct ServerState {
     pub started: Instant,
     /// The L2 tier, when adapters are configured.
     pub l2: Option<lmcache_storage::L2Tier>,
+    /// L1 and L2 together: the store path reserves and commits through it (the commit queues
+    /// the write-behind).
+    pub storage: lmcache_storage::StorageManager,
     /// This state itself, for work that completes on other threads (prefetches).
     pub me: std::sync::Weak<ServerState>,
     /// Prefetches asked over HTTP: request id → `None` while running, then
@@ -144,7 +147,8 @@ impl ServerState {
         (first, hashes, parent)
     }
 
-    /// Announces newly resident chunks of shard 0 (`committed` are indexes into `hashes`).
+    /// Announces newly resident chunks of shard 0 (`committed` are indexes into `hashes`) as
+    /// KV events. (The write-behind was queued by [`lmcache_storage::StorageManager::commit`].)
     pub fn record_stored(
         &self,
         key: &CacheKey,
@@ -156,15 +160,6 @@ impl ServerState {
         let span = tracing::Span::current();
         span.record("request_id", key.request_id.as_str());
         span.record("chunks", committed.len());
-        if let Some(l2) = &self.l2
-            && !committed.is_empty()
-        {
-            let picked: Vec<ChunkHash> =
-                committed.iter().filter_map(|&j| hashes.get(j).copied()).collect();
-            if let Ok(keys) = self.object_keys(key, key.worker_id.unwrap_or(0), &picked) {
-                l2.submit_store(keys);
-            }
-        }
         if key.worker_id.unwrap_or(0) != 0 || !self.events.enabled() {
             return;
         }

@@ -167,3 +167,71 @@ fn l1_removals_and_l2_batches_reach_the_event_bus() {
     s.state().l1.clear(true);
     assert!(s.state().bus.published() >= after_store + 2, "L1 removals were not published");
 }
+
+#[test]
+fn l2_quotas_are_served_per_tier_and_usage_shows_in_status_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(dir.path());
+    store(&s, &[key(1), key(2)]);
+    // L2 quota: set, read back with its usage, listed, and apart from L1's.
+    let (code, r) = http(&s, "PUT", "/quota/tenant-q?tier=l2", Some(r#"{"limit_gb": 0.5}"#));
+    assert_eq!((code, r["tier"].as_str()), (200, Some("l2")), "{r}");
+    let (_, r) = http(&s, "GET", "/quota/tenant-q?tier=l2", None);
+    assert_eq!((r["exists"].as_bool(), r["limit_gb"].as_f64()), (Some(true), Some(0.5)), "{r}");
+    let (_, r) = http(&s, "GET", "/quota/tenant-q", None);
+    assert_eq!(r["exists"].as_bool(), Some(false), "an L2 quota leaked into L1: {r}");
+    let (_, r) = http(&s, "GET", "/quota?tier=l2", None);
+    assert!(r["users"]["tenant-q"].is_object(), "{r}");
+    let (_, r) = http(&s, "GET", "/quota/_default?tier=l2", None);
+    assert!(r["current_usage_gb"].as_f64().unwrap() > 0.0, "L2 usage of the default salt: {r}");
+    let (code, r) = http(&s, "DELETE", "/quota/tenant-q?tier=l2", None);
+    assert_eq!((code, r["status"].as_str()), (200, Some("removed")), "{r}");
+    let (code, r) = http(&s, "GET", "/quota?tier=l3", None);
+    assert_eq!(code, 400, "{r}");
+    assert!(r["detail"].as_str().unwrap().contains("tier"), "{r}");
+    // Used bytes and keys per adapter.
+    let (_, st) = http(&s, "GET", "/status", None);
+    let a = &st["storage_manager"]["l2_adapters"][0];
+    let detail = if a["used_bytes"].is_null() { &a["detail"] } else { a };
+    assert_eq!(detail["keys"].as_u64(), Some(2), "{a}");
+    assert!(detail["used_bytes"].as_u64().unwrap() > 2 * 4096, "{a}");
+    let (_, m) = http(&s, "GET", "/metrics", None);
+    let m = m.as_str().unwrap().to_owned();
+    assert!(m.contains("lmcache_rs_l2_keys{"), "no L2 key gauge");
+    assert!(m.contains("lmcache_rs_l2_evicted_objects_total{"), "no L2 eviction counter");
+    assert!(m.contains("lmcache_rs_l2_quota_rejections_total{"), "no L2 quota counter");
+}
+
+#[test]
+fn l2_quota_without_l2_is_refused_by_name() {
+    let arena = ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    let s =
+        Server::start(ServerConfig { http_port: Some(0), ..ServerConfig::local(arena) }).unwrap();
+    let (code, r) = http(&s, "PUT", "/quota/t?tier=l2", Some(r#"{"limit_gb": 1}"#));
+    assert_eq!(code, 400, "{r}");
+    assert!(r["detail"].as_str().unwrap().contains("l2 is not configured"), "{r}");
+}
+
+#[test]
+fn the_l1_segment_name_goes_at_shutdown_even_while_a_handle_outlives_the_server() {
+    // An L2 tier (its runtime holds L1 handles that may outlive the server) and an extra
+    // handle of our own: the name must still be gone when shutdown returns.
+    let name = format!("lmcache_rs_test_unlink_{}", std::process::id());
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    let dir = tempfile::tempdir().unwrap();
+    let arena = ArenaConfig {
+        size: 8 << 20,
+        backing: ArenaBacking::SharedMemory { name: name.clone() },
+        mlock: false,
+    };
+    let s = Server::start(ServerConfig {
+        l2_adapters: vec![json!({"type": "fs", "base_path": dir.path()})],
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
+    assert!(path.exists());
+    let handle = s.state().l1.clone();
+    s.shutdown();
+    assert!(!path.exists(), "the L1 segment outlived the server");
+    drop(handle);
+}

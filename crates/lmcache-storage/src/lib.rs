@@ -2,6 +2,9 @@
 //!
 //! - [`ledger`]: per adapter, the keys and bytes held per cache_salt, the eviction order,
 //!   admission against capacity and quotas, and pins that keep loads from being evicted.
+//! - [`manager`]: [`StorageManager`], the one owner of L1 and L2 the store path calls:
+//!   reserve (waiting for the write-behind rather than evicting what L2 lacks), commit (L1
+//!   commit plus write-behind in one call), flush.
 //! - [`tier`]: [`L2Tier`], the ordered set of adapters (priority = order), their health and
 //!   byte accounting per cache_salt, runtime add and remove, and the runtime that drives them.
 //! - [`store`]: the write-behind store controller (L1 commit → every adapter), with a bounded
@@ -10,10 +13,12 @@
 //!   deadline per request.
 
 pub mod ledger;
+pub mod manager;
 pub mod prefetch;
 pub mod store;
 pub mod tier;
 
+pub use manager::StorageManager;
 pub use prefetch::{PrefetchOutcome, PrefetchRequest};
 pub use tier::{
     AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig, TierObserver,

@@ -318,6 +318,8 @@ impl<'a> Tally<'a> {
             None => slot.ok(),
         }
         slot.ledger.touch(&self.placed);
+        // Loaded from L2: nothing for the write-behind to do.
+        shared.l1.mark_written(&self.placed);
         slot.stats.loaded_keys.fetch_add(self.keys as u64, Ordering::Relaxed);
         slot.stats.loaded_bytes.fetch_add(self.bytes, Ordering::Relaxed);
         shared.stats.prefetch_loaded_keys.fetch_add(self.keys as u64, Ordering::Relaxed);

@@ -41,9 +41,15 @@ impl L2Tier {
         let st = &self.shared.stats;
         for k in keys {
             match self.store_tx.try_send(k) {
-                Ok(()) => st.store_enqueued.fetch_add(1, Ordering::Relaxed),
-                Err(_) => st.store_dropped.fetch_add(1, Ordering::Relaxed),
-            };
+                Ok(()) => {
+                    st.store_enqueued.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    // Never to be written: counted, and an ordinary L1 object again.
+                    st.store_dropped.fetch_add(1, Ordering::Relaxed);
+                    self.shared.l1.mark_written(&[e.into_inner()]);
+                }
+            }
         }
     }
 }
@@ -89,6 +95,11 @@ async fn store_batch(shared: &Shared, keys: Vec<ObjectKey>) {
         let n = shared.l1.delete(&done, false).iter().filter(|r| r.is_ok()).count();
         shared.stats.l1_deleted_after_store.fetch_add(n as u64, Ordering::Relaxed);
     }
+    // Written, or given up on (failures, refusals and down adapters are counted): L1 may
+    // evict these like any other object now. Then wake stores waiting for room, and flushes.
+    shared.l1.mark_written(&keys);
+    *shared.processed.lock() += keys.len() as u64;
+    shared.progress.notify_all();
 }
 
 /// Writes `keys` to one adapter; returns per key whether the adapter holds it afterwards.

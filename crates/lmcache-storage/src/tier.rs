@@ -47,6 +47,11 @@ pub struct TierConfig {
     pub store_policy: StorePolicy,
     /// Worker threads of the controllers' runtime.
     pub threads: usize,
+    /// How long a store that can only make room in L1 by evicting objects the write-behind
+    /// has not written yet waits for it before evicting them anyway (counted).
+    pub write_behind_wait: Duration,
+    /// How long a graceful shutdown waits for queued write-behind.
+    pub flush_timeout: Duration,
 }
 
 impl Default for TierConfig {
@@ -61,6 +66,8 @@ impl Default for TierConfig {
             prefetch_deadline: Duration::from_secs(5),
             store_policy: StorePolicy::Default,
             threads: 2,
+            write_behind_wait: Duration::from_secs(2),
+            flush_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -333,6 +340,10 @@ pub(crate) struct Shared {
     pub(crate) quotas: RwLock<HashMap<CacheSalt, u64>>,
     /// Wakes the eviction task as soon as an adapter crosses its watermark.
     pub(crate) evict_now: Notify,
+    /// Keys the write-behind is done with (written or given up), and its condition variable:
+    /// stores waiting for L1 room and shutdown flushes wait on it.
+    pub(crate) processed: Mutex<u64>,
+    pub(crate) progress: parking_lot::Condvar,
     next_id: AtomicU64,
 }
 
@@ -500,6 +511,8 @@ impl L2Tier {
             observer: RwLock::new(None),
             quotas: RwLock::new(HashMap::new()),
             evict_now: Notify::new(),
+            processed: Mutex::new(0),
+            progress: parking_lot::Condvar::new(),
             next_id: AtomicU64::new(0),
         });
         for b in built {
@@ -655,6 +668,33 @@ impl L2Tier {
             slot.built.adapter.list(model.as_deref(), cursor.as_deref(), limit).await
         });
         Some(page.await.and_then(|r| r))
+    }
+
+    /// Waits until the write-behind finishes a batch, or `timeout`. Returns false on timeout.
+    pub fn wait_progress(&self, timeout: Duration) -> bool {
+        let mut p = self.shared.processed.lock();
+        let before = *p;
+        let deadline = Instant::now() + timeout;
+        while *p == before {
+            if self.shared.progress.wait_until(&mut p, deadline).timed_out() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Waits until every key queued so far has been written (or given up on), at most
+    /// `timeout`. Returns the keys still pending (0: flushed).
+    pub fn flush(&self, timeout: Duration) -> u64 {
+        let target = self.shared.stats.store_enqueued.load(Ordering::Relaxed);
+        let deadline = Instant::now() + timeout;
+        let mut p = self.shared.processed.lock();
+        while *p < target {
+            if self.shared.progress.wait_until(&mut p, deadline).timed_out() {
+                break;
+            }
+        }
+        target.saturating_sub(*p)
     }
 
     /// Runs one eviction pass now (tests, and after bulk changes).

@@ -128,7 +128,7 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
     let mut slots = Vec::new();
     let mut indices = Vec::new();
     let mut leases = Vec::new();
-    for (i, r) in state.l1.reserve_write(&reqs).into_iter().enumerate() {
+    for (i, r) in state.storage.reserve_write(&reqs).into_iter().enumerate() {
         match r {
             Ok(w) => {
                 // Allocate the tmpfs pages here, so the client's copy only maps them.
@@ -175,7 +175,7 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
         .iter()
         .filter_map(|w| hashes.iter().position(|h| *h == w.key().chunk_hash))
         .collect();
-    let results = state.l1.commit_batch(writes);
+    let results = state.storage.commit(writes);
     let committed: Vec<usize> =
         idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
     state.metrics.l1_write_chunks.inc_by(committed.len() as u64);

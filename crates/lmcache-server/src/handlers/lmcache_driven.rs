@@ -206,7 +206,7 @@ fn store(
     let mut ok = true;
     let mut filled = Vec::new();
     let mut filled_idx = Vec::new();
-    for (&i, res) in wanted.iter().zip(state.l1.reserve_write(&reqs)) {
+    for (&i, res) in wanted.iter().zip(state.storage.reserve_write(&reqs)) {
         match res {
             Ok(mut w) => {
                 let Some(b) = chunk_blocks(blocks, i, r.blocks_per_chunk) else { continue };
@@ -233,7 +233,7 @@ fn store(
         }
     }
     let t_copy = t0.elapsed();
-    let results = state.l1.commit_batch(filled);
+    let results = state.storage.commit(filled);
     let committed: Vec<usize> =
         filled_idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
     state.metrics.l1_write_chunks.inc_by(committed.len() as u64);
