@@ -34,6 +34,7 @@ pub const FIXED_HEADER: usize = 64;
 
 /// Why stored bytes were refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BlobError {
     /// Fewer bytes than the header or the header's lengths say.
     #[error("truncated: {got} bytes, {need} needed")]
@@ -50,23 +51,43 @@ pub enum BlobError {
         extra: usize,
     },
     /// Not a blob of ours.
-    #[error("bad magic")]
-    Magic,
+    #[error("bad magic {got:02x?}, expected {:02x?}", MAGIC)]
+    Magic {
+        /// The first 8 bytes found.
+        got: [u8; 8],
+    },
     /// A format version this build does not read.
-    #[error("unsupported version {0}")]
-    Version(u16),
+    #[error("unsupported version {got}, this build reads {expected}")]
+    Version {
+        /// Version in the blob.
+        got: u16,
+        /// The version this build reads.
+        expected: u16,
+    },
     /// The header does not match its checksum.
-    #[error("header checksum mismatch")]
-    HeaderChecksum,
+    #[error("header checksum {got:#018x}, expected {expected:#018x}")]
+    HeaderChecksum {
+        /// Checksum recorded in the header.
+        expected: u64,
+        /// Checksum of the header as read.
+        got: u64,
+    },
     /// The blob belongs to another key (misplaced or a hash-slot collision).
-    #[error("blob is for key {found}, not the key asked for")]
+    #[error("blob is for key {found}, not {expected}")]
     WrongKey {
+        /// The key asked for (wire form).
+        expected: String,
         /// The key recorded in the blob.
         found: String,
     },
     /// The payload does not match its checksum.
-    #[error("payload checksum mismatch")]
-    PayloadChecksum,
+    #[error("payload checksum {got:#018x}, expected {expected:#018x}")]
+    PayloadChecksum {
+        /// Checksum recorded in the header.
+        expected: u64,
+        /// Checksum of the payload as read.
+        got: u64,
+    },
     /// The blob was written with a codec this adapter is not configured for.
     #[error("codec {found} in blob, adapter uses {expected}")]
     Codec {
@@ -181,11 +202,13 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header, BlobError> {
         return Err(BlobError::Truncated { got: bytes.len(), need: FIXED_HEADER });
     }
     if &bytes[0..8] != MAGIC {
-        return Err(BlobError::Magic);
+        let mut got = [0u8; 8];
+        got.copy_from_slice(&bytes[0..8]);
+        return Err(BlobError::Magic { got });
     }
     let version = u16::from_le_bytes([bytes[8], bytes[9]]);
     if version != VERSION {
-        return Err(BlobError::Version(version));
+        return Err(BlobError::Version { got: version, expected: VERSION });
     }
     let key_len = u16::from_le_bytes([bytes[12], bytes[13]]) as usize;
     let header_len = FIXED_HEADER + key_len;
@@ -193,8 +216,9 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header, BlobError> {
         return Err(BlobError::Truncated { got: bytes.len(), need: header_len });
     }
     let key = &bytes[FIXED_HEADER..header_len];
-    if header_checksum(&bytes[..56], key) != u64_at(bytes, 56) {
-        return Err(BlobError::HeaderChecksum);
+    let (expected, got) = (u64_at(bytes, 56), header_checksum(&bytes[..56], key));
+    if got != expected {
+        return Err(BlobError::HeaderChecksum { expected, got });
     }
     Ok(Header {
         codec: bytes[10],
@@ -217,7 +241,7 @@ pub fn verify_parts(key: &ObjectKey, header: &[u8], payload: &[u8]) -> Result<He
     let h = parse_header(header)?;
     let expected = wire_key::encode(key);
     if h.wire_key.as_bytes() != &expected.as_bytes()[..expected.len().min(u16::MAX as usize)] {
-        return Err(BlobError::WrongKey { found: h.wire_key });
+        return Err(BlobError::WrongKey { expected, found: h.wire_key });
     }
     if header.len() != h.header_len {
         return Err(BlobError::Truncated { got: header.len(), need: h.header_len });
@@ -225,8 +249,9 @@ pub fn verify_parts(key: &ObjectKey, header: &[u8], payload: &[u8]) -> Result<He
     if payload.len() as u64 != h.payload_len {
         return Err(BlobError::RawLength { found: payload.len() as u64, expected: h.payload_len });
     }
-    if xxh3_64(payload) != h.payload_checksum {
-        return Err(BlobError::PayloadChecksum);
+    let got = xxh3_64(payload);
+    if got != h.payload_checksum {
+        return Err(BlobError::PayloadChecksum { expected: h.payload_checksum, got });
     }
     Ok(h)
 }
@@ -237,7 +262,7 @@ pub fn verify<'a>(key: &ObjectKey, bytes: &'a [u8]) -> Result<(Header, &'a [u8])
     let h = parse_header(bytes)?;
     let expected = wire_key::encode(key);
     if h.wire_key.as_bytes() != &expected.as_bytes()[..expected.len().min(u16::MAX as usize)] {
-        return Err(BlobError::WrongKey { found: h.wire_key });
+        return Err(BlobError::WrongKey { expected, found: h.wire_key });
     }
     let need = usize::try_from(h.blob_len()).unwrap_or(usize::MAX);
     if bytes.len() < need {
@@ -247,8 +272,9 @@ pub fn verify<'a>(key: &ObjectKey, bytes: &'a [u8]) -> Result<(Header, &'a [u8])
         return Err(BlobError::Trailing { extra: bytes.len() - need });
     }
     let payload = &bytes[h.header_len..];
-    if xxh3_64(payload) != h.payload_checksum {
-        return Err(BlobError::PayloadChecksum);
+    let got = xxh3_64(payload);
+    if got != h.payload_checksum {
+        return Err(BlobError::PayloadChecksum { expected: h.payload_checksum, got });
     }
     Ok((h, payload))
 }
@@ -315,7 +341,7 @@ mod tests {
         let mut longer = b.clone();
         longer.push(0);
         assert_eq!(verify(&k, &longer).unwrap_err(), BlobError::Trailing { extra: 1 });
-        assert_eq!(verify(&k, &[0u8; 200]).unwrap_err(), BlobError::Magic);
+        assert_eq!(verify(&k, &[0u8; 200]).unwrap_err(), BlobError::Magic { got: [0; 8] });
         assert!(matches!(verify(&key("other"), &b), Err(BlobError::WrongKey { .. })));
     }
 }

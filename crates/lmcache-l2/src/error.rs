@@ -3,6 +3,7 @@
 /// An L2 operation that did not succeed. Every variant ends in a miss for the reader: the tier
 /// never serves bytes it could not verify.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum L2Error {
     /// A failure that may pass (timeouts, a dropped connection, a busy server): worth a retry.
     #[error("transient: {0}")]
