@@ -21,7 +21,12 @@
 
 use bytes::{Bytes, BytesMut};
 use lmcache_core::ObjectKey;
-use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+use twox_hash::XxHash3_64;
+
+/// xxh3-64 (seed 0) with the SIMD level picked at run time (AVX2 where the CPU has it).
+pub(crate) fn xxh3_64(bytes: &[u8]) -> u64 {
+    XxHash3_64::oneshot(bytes)
+}
 
 use crate::wire_key;
 
@@ -183,10 +188,11 @@ pub fn header(key: &ObjectKey, codec: u8, payload: &[u8], raw_len: u64) -> Bytes
 }
 
 fn header_checksum(fixed: &[u8], key: &[u8]) -> u64 {
-    let mut x = Xxh3::new();
-    x.update(fixed);
-    x.update(key);
-    x.digest()
+    use std::hash::Hasher;
+    let mut x = XxHash3_64::new();
+    x.write(fixed);
+    x.write(key);
+    x.finish()
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -282,6 +288,20 @@ pub fn verify<'a>(key: &ObjectKey, bytes: &'a [u8]) -> Result<(Header, &'a [u8])
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checksum_is_xxh3_64_bit_for_bit_so_blobs_of_earlier_builds_still_verify() {
+        assert_eq!(xxh3_64(b""), 0x2D06_8005_38D3_94C2); // the reference empty-input vector
+        let data: Vec<u8> =
+            (0..(3 << 20) + 7).map(|i: u32| i.wrapping_mul(2_654_435_761) as u8).collect();
+        for len in [0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 4096, 65_536, 1 << 20, data.len()] {
+            assert_eq!(xxh3_64(&data[..len]), xxhash_rust::xxh3::xxh3_64(&data[..len]), "{len}");
+        }
+        let mut x = xxhash_rust::xxh3::Xxh3::new();
+        x.update(&data[..56]);
+        x.update(&data[56..130]);
+        assert_eq!(header_checksum(&data[..56], &data[56..130]), x.digest());
+    }
 
     fn key(salt: &str) -> ObjectKey {
         ObjectKey::new([7; 32], "m", 1, 0, 0, salt).unwrap()

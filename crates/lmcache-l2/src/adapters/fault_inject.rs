@@ -81,7 +81,7 @@ impl FaultInjectAdapter {
         }
         let mut s = self.config.seed.to_le_bytes().to_vec();
         s.extend_from_slice(wire_key::encode(key).as_bytes());
-        let h = xxhash_rust::xxh3::xxh3_64(&s);
+        let h = crate::blob::xxh3_64(&s);
         (h as f64 / u64::MAX as f64) < self.config.rate
     }
 

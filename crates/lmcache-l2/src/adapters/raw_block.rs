@@ -25,11 +25,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::blob::xxh3_64;
 use async_trait::async_trait;
 use bytes::Bytes;
 use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
-use xxhash_rust::xxh3::xxh3_64;
 
 use super::aligned::AlignedBuf;
 use super::{blocking, blocking_each};

@@ -1,0 +1,42 @@
+//! The blob payload checksum (xxh3-64) against a plain copy of the same bytes, at the sizes
+//! L2 moves: 256 KiB (LMCache's bench l2 default) and 32 MiB (a 256-token chunk of LMCache's
+//! default model). Every L2 store computes it once and every load verifies it once, so it is
+//! the verification cost on top of the I/O.
+//!
+//! `twox_hash` (what lmcache-l2 uses) picks AVX2 or SSE2 at run time; `xxhash_rust` is
+//! compiled for the build's target features only (SSE2 on a default x86_64 build).
+//! Run: `cargo bench -p lmcache-l2 --bench checksum`.
+#![expect(missing_docs, reason = "criterion macros generate undocumented items")]
+use std::hint::black_box;
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+
+fn bench_checksum(c: &mut Criterion) {
+    let mut group = c.benchmark_group("payload_checksum");
+    for (name, len) in [("256KiB", 256usize << 10), ("32MiB", 32 << 20)] {
+        let data: Vec<u8> =
+            (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761) as u8).collect();
+        let mut dst = vec![0u8; len];
+        group.throughput(Throughput::Bytes(len as u64));
+        group.bench_function(format!("twox_hash_xxh3_dispatch_{name}"), |b| {
+            b.iter(|| black_box(twox_hash::XxHash3_64::oneshot(black_box(&data))))
+        });
+        group.bench_function(format!("xxhash_rust_xxh3_static_{name}"), |b| {
+            b.iter(|| black_box(xxhash_rust::xxh3::xxh3_64(black_box(&data))))
+        });
+        group.bench_function(format!("memcpy_{name}"), |b| {
+            b.iter(|| {
+                dst.copy_from_slice(black_box(&data));
+                black_box(dst.as_ptr());
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = bench_checksum
+}
+criterion_main!(benches);
