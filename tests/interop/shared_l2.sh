@@ -97,7 +97,7 @@ PY
   else
     echo "interop shared L2 $kind: FAILED"
     tail -8 "$WORK/$kind-b.log" | sed 's/^/    B bench: /'
-    grep -iE "warn|error" "$WORK/$kind-b.server.log" | tail -5 | sed 's/^/    B server: /'
+    { grep -iE "warn|error" "$WORK/$kind-b.server.log" || true; } | tail -5 | sed 's/^/    B server: /'
     failed=$((failed + 1))
   fi
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
