@@ -98,6 +98,61 @@ impl TokenHasher {
         out
     }
 
+    /// The chunk hashes of several requests at once, on up to `threads` threads. Each
+    /// request's chain is sequential (a chunk's hash takes the previous one), but requests are
+    /// independent, so a batch of them scales with cores. Results are in request order and
+    /// equal [`Self::hash_tokens`] of each. With one thread, or one request, no thread is
+    /// spawned.
+    pub fn hash_many(&self, requests: &[&[u32]], threads: usize) -> Vec<Vec<ChunkHash>> {
+        let threads = threads.clamp(1, requests.len().max(1));
+        if threads == 1 {
+            return requests.iter().map(|r| self.hash_tokens(r)).collect();
+        }
+        // Greedy balance by token count: each request goes to the least loaded thread.
+        let mut order: Vec<usize> = (0..requests.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(requests[i].len()));
+        let mut bins: Vec<(usize, Vec<usize>)> = vec![(0, Vec::new()); threads];
+        for i in order {
+            if let Some(bin) = bins.iter_mut().min_by_key(|b| b.0) {
+                bin.0 += requests[i].len();
+                bin.1.push(i);
+            }
+        }
+        let mut out: Vec<Vec<ChunkHash>> = vec![Vec::new(); requests.len()];
+        std::thread::scope(|s| {
+            let mut own = Vec::new();
+            let mut handles = Vec::new();
+            for (n, (_, idx)) in bins.into_iter().enumerate() {
+                let work = move || {
+                    idx.into_iter().map(|i| (i, self.hash_tokens(requests[i]))).collect::<Vec<_>>()
+                };
+                if n == 0 {
+                    own.push(work); // the calling thread takes one bin itself
+                } else {
+                    handles.push(s.spawn(work));
+                }
+            }
+            let mut done: Vec<(usize, Vec<ChunkHash>)> =
+                own.into_iter().flat_map(|w| w()).collect();
+            for h in handles {
+                // A hashing thread cannot panic short of allocation failure; if it does, its
+                // requests are hashed here instead.
+                if let Ok(v) = h.join() {
+                    done.extend(v);
+                }
+            }
+            for (i, v) in done {
+                out[i] = v;
+            }
+        });
+        for (i, r) in requests.iter().enumerate() {
+            if out[i].len() != r.len() / self.chunk_size {
+                out[i] = self.hash_tokens(r);
+            }
+        }
+        out
+    }
+
     /// A fresh incremental hasher with this chunk size.
     pub fn prefix_hasher(&self) -> PrefixHasher {
         PrefixHasher { chunk_size: self.chunk_size, hashes: Vec::new(), pending: Vec::new() }
@@ -157,6 +212,19 @@ impl PrefixHasher {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn hash_many_equals_hashing_each_request_whatever_the_threads() {
+        let h = TokenHasher::new(16).unwrap();
+        let reqs: Vec<Vec<u32>> =
+            (0..9u32).map(|r| (0..(r * 37 + 5)).map(|t| t ^ (r << 20)).collect()).collect();
+        let refs: Vec<&[u32]> = reqs.iter().map(Vec::as_slice).collect();
+        let want: Vec<Vec<ChunkHash>> = refs.iter().map(|r| h.hash_tokens(r)).collect();
+        for threads in [0, 1, 2, 3, 8, 64] {
+            assert_eq!(h.hash_many(&refs, threads), want, "{threads} threads");
+        }
+        assert!(h.hash_many(&[], 4).is_empty());
+    }
 
     fn hex(h: &ChunkHash) -> String {
         h.to_hex()

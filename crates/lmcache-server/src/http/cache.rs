@@ -1,0 +1,303 @@
+//! Cached objects: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`
+//! (`tier=l1|l2|all`).
+
+use super::*;
+
+#[derive(Debug, Deserialize, Default)]
+pub(super) struct ClearBody {
+    #[serde(default)]
+    tier: Option<String>,
+    #[serde(default)]
+    force: bool,
+}
+
+pub(super) async fn clear(State(s): State<Shared>, raw: axum::body::Bytes) -> Response {
+    // The body is optional (LMCache's CLI may send none): empty means defaults.
+    let body: ClearBody = if raw.iter().all(u8::is_ascii_whitespace) {
+        ClearBody::default()
+    } else {
+        match serde_json::from_slice(&raw) {
+            Ok(b) => b,
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+        }
+    };
+    let tier = body.tier.unwrap_or_else(|| "l1".into());
+    if tier != "l1" && tier != "all" {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("tier: unknown tier {tier:?} (only l1 exists)"),
+        );
+    }
+    let r = s.l1.clear(body.force);
+    Json(json!({"status": "ok", "cleared": {"tier": tier, "removed": r.removed, "skipped": r.skipped}}))
+        .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct ChecksumBody {
+    #[serde(default)]
+    block_ids: Vec<u64>,
+    #[serde(default)]
+    chunk_size: i64,
+    #[serde(default)]
+    instance_id: u64,
+    #[serde(default)]
+    layerwise: bool,
+}
+
+pub(super) async fn cache_checksums(
+    State(s): State<Shared>,
+    Json(b): Json<ChecksumBody>,
+) -> Response {
+    let Some(inst) = s.registry.get(Family::LmcacheDriven, b.instance_id) else {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("instance_id {} not registered", b.instance_id),
+        );
+    };
+    if b.block_ids.is_empty() {
+        return error(StatusCode::BAD_REQUEST, "block_ids is required");
+    }
+    if b.chunk_size <= 0 {
+        return error(StatusCode::BAD_REQUEST, "chunk_size must be positive");
+    }
+    let Some(t) = CpuTransfer::for_instance(&inst, 1) else {
+        return error(StatusCode::NOT_IMPLEMENTED, "checksum not supported for this registration");
+    };
+    let sums = match checksums(&t, &b.block_ids, b.chunk_size as usize, b.layerwise) {
+        Ok(v) => v,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("block_ids: {e}")),
+    };
+    let num_chunks = sums.first().map_or(0, Vec::len);
+    let chunk_checksums = if b.layerwise {
+        let m: serde_json::Map<String, Value> =
+            sums.into_iter().enumerate().map(|(i, v)| (format!("layer_{i}"), json!(v))).collect();
+        Value::Object(m)
+    } else {
+        json!(sums.into_iter().next().unwrap_or_default())
+    };
+    Json(json!({
+        "status": "success",
+        "chunk_size": b.chunk_size,
+        "num_chunks": num_chunks,
+        "chunk_checksums": chunk_checksums,
+        "layerwise": b.layerwise,
+        "block_id_ranges": compress_ranges(&b.block_ids),
+    }))
+    .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct ObjectsQuery {
+    #[serde(default)]
+    tier: Option<String>,
+    #[serde(default)]
+    adapter: Option<u64>,
+    #[serde(default)]
+    model_name: Option<String>,
+    #[serde(default)]
+    page_size: Option<usize>,
+    #[serde(default)]
+    page_token: Option<String>,
+}
+
+pub(super) fn check_tier(s: &ServerState, tier: Option<&str>) -> Result<(), String> {
+    match tier.unwrap_or("l1") {
+        "l1" | "all" => Ok(()),
+        "l2" if s.l2.is_some() => Ok(()),
+        "l2" => Err("tier: l2 is not configured (start the server with --l2-adapter)".into()),
+        other => Err(format!("tier: {other:?} is not l1, l2 or all")),
+    }
+}
+
+/// The adapter a request names (`adapter` = its index), or the first.
+pub(super) fn pick_adapter(
+    s: &ServerState,
+    index: Option<u64>,
+) -> Result<std::sync::Arc<lmcache_storage::tier::AdapterSlot>, (StatusCode, String)> {
+    let Some(tier) = &s.l2 else {
+        return Err((StatusCode::BAD_REQUEST, "tier: l2 is not configured".into()));
+    };
+    let all = tier.adapters();
+    match index {
+        None => all.first().cloned(),
+        Some(i) => all.iter().find(|a| a.id == i).cloned(),
+    }
+    .ok_or_else(|| (StatusCode::NOT_FOUND, format!("adapter: no L2 adapter {index:?}")))
+}
+
+pub(super) fn encode_key(k: &lmcache_core::ObjectKey) -> Value {
+    json!({
+        "chunk_hash_hex": k.chunk_hash.to_hex(),
+        "model_name": k.model_name.as_str(),
+        "kv_rank": k.kv_rank.packed(),
+        "object_group_id": k.object_group_id,
+        "cache_salt": k.cache_salt.as_str(),
+    })
+}
+
+/// `GET /cache/objects`: resident L1 objects, paginated (`page_size` <= 5000, default 500).
+pub(super) async fn objects_list(
+    State(s): State<Shared>,
+    axum::extract::Query(q): axum::extract::Query<ObjectsQuery>,
+) -> Response {
+    if let Err(msg) = check_tier(&s, q.tier.as_deref()) {
+        return error(StatusCode::BAD_REQUEST, msg);
+    }
+    let size = q.page_size.unwrap_or(500);
+    if size == 0 || size > 5000 {
+        return error(StatusCode::BAD_REQUEST, format!("page_size: {size} is outside 1..=5000"));
+    }
+    if q.tier.as_deref() == Some("l2") {
+        return l2_objects_list(&s, q, size).await;
+    }
+    let skip = match q.page_token.as_deref().map(str::parse::<usize>) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            return error(StatusCode::BAD_REQUEST, "page_token: not a token this server issued");
+        }
+    };
+    // Filter before paging so pages stay full.
+    let all = s.l1.resident_keys();
+    let matching: Vec<_> = all
+        .into_iter()
+        .filter(|(k, _)| q.model_name.as_deref().is_none_or(|m| k.model_name.as_str() == m))
+        .collect();
+    let total = matching.len();
+    let entries: Vec<Value> = matching
+        .iter()
+        .skip(skip)
+        .take(size)
+        .map(|(k, bytes)| {
+            let mut v = encode_key(k);
+            v["size_bytes"] = json!(bytes);
+            v
+        })
+        .collect();
+    let next = (skip + entries.len() < total).then(|| (skip + entries.len()).to_string());
+    Json(json!({"tier": "l1", "shared": false, "total": total, "entries": entries, "next_page_token": next}))
+        .into_response()
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct DeleteKey {
+    chunk_hash_hex: String,
+    model_name: String,
+    kv_rank: u32,
+    #[serde(default)]
+    object_group_id: u32,
+    #[serde(default)]
+    cache_salt: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct DeleteBody {
+    keys: Vec<DeleteKey>,
+    #[serde(default)]
+    tier: Option<String>,
+    #[serde(default)]
+    adapter: Option<u64>,
+    #[serde(default)]
+    force: bool,
+}
+
+/// `DELETE /cache/objects`: delete keys from L1 (`force` also drops locked ones once released).
+pub(super) async fn objects_delete(State(s): State<Shared>, raw: axum::body::Bytes) -> Response {
+    let body: DeleteBody = match serde_json::from_slice(&raw) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    if let Err(msg) = check_tier(&s, body.tier.as_deref()) {
+        return error(StatusCode::BAD_REQUEST, msg);
+    }
+    if body.keys.len() > 10_000 {
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!("keys: {} keys, at most 10000", body.keys.len()),
+        );
+    }
+    let mut keys = Vec::with_capacity(body.keys.len());
+    for (i, k) in body.keys.iter().enumerate() {
+        let parsed = (|| -> Result<lmcache_core::ObjectKey, String> {
+            let raw = (0..k.chunk_hash_hex.len())
+                .step_by(2)
+                .map(|j| {
+                    k.chunk_hash_hex.get(j..j + 2).and_then(|h| u8::from_str_radix(h, 16).ok())
+                })
+                .collect::<Option<Vec<u8>>>()
+                .ok_or("chunk_hash_hex: not hex")?;
+            Ok(lmcache_core::ObjectKey {
+                chunk_hash: lmcache_core::ChunkHash::from_slice(&raw).map_err(|e| e.to_string())?,
+                model_name: lmcache_core::ModelName::new(&k.model_name)
+                    .map_err(|e| e.to_string())?,
+                kv_rank: lmcache_core::KvRank::from_packed(k.kv_rank).map_err(|e| e.to_string())?,
+                object_group_id: k.object_group_id,
+                cache_salt: CacheSalt::new(&k.cache_salt).map_err(|e| e.to_string())?,
+            })
+        })();
+        match parsed {
+            Ok(key) => keys.push(key),
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("keys[{i}]: {e}")),
+        }
+    }
+    let tier = body.tier.as_deref().unwrap_or("l1");
+    let mut deleted = 0usize;
+    let mut skipped = 0usize;
+    if tier != "l2" {
+        let results = s.l1.delete(&keys, body.force);
+        deleted += results.iter().filter(|r| r.is_ok()).count();
+        skipped += results.iter().filter(|r| r.is_err()).count();
+    }
+    if tier != "l1"
+        && let Some(t) = s.l2.clone()
+    {
+        let n = keys.len();
+        match t.delete(body.adapter, keys).await {
+            Ok(d) => {
+                deleted += d as usize;
+                skipped += n.saturating_sub(d as usize);
+            }
+            Err(e) => {
+                return Json(json!({"deleted": deleted, "skipped": skipped, "ok": false,
+                                   "error": format!("L2 delete failed: {e}")}))
+                .into_response();
+            }
+        }
+    }
+    Json(json!({"deleted": deleted, "skipped": skipped, "ok": true})).into_response()
+}
+
+/// `GET /cache/objects?tier=l2[&adapter=N]`: one adapter's keys, a page at a time.
+pub(super) async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usize) -> Response {
+    let slot = match pick_adapter(s, q.adapter) {
+        Ok(a) => a,
+        Err((code, msg)) => return error(code, msg),
+    };
+    let Some(tier) = s.l2.clone() else { return error(StatusCode::BAD_REQUEST, "no L2") };
+    let (model, token) = (q.model_name.clone(), q.page_token.clone());
+    let Some(page) = tier.list(slot.id, model, token, size).await else {
+        return error(StatusCode::NOT_FOUND, format!("adapter: no L2 adapter {}", slot.id));
+    };
+    match page {
+        Ok(p) => {
+            let entries: Vec<Value> = p
+                .keys
+                .iter()
+                .map(|(k, n)| {
+                    let mut v = encode_key(k);
+                    v["size_bytes"] = json!(n);
+                    v
+                })
+                .collect();
+            Json(json!({"tier": "l2", "adapter": slot.id, "type": slot.built.kind,
+                        "shared": false, "entries": entries, "next_page_token": p.next}))
+            .into_response()
+        }
+        Err(lmcache_l2::L2Error::Unsupported(what)) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("adapter {} ({}) does not support {what}", slot.id, slot.built.kind),
+        ),
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, format!("adapter {}: {e}", slot.id)),
+    }
+}

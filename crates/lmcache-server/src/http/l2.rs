@@ -1,0 +1,153 @@
+//! The L2 tier at run time: `/reconfigure/{backend}/l2/status|add|remove` and prefetches
+//! asked over HTTP (`POST /cache/prefetches`, `GET /cache/prefetches/{id}`).
+
+use super::*;
+
+pub(super) async fn reconfigure_status(
+    State(s): State<Shared>,
+    axum::extract::Path(backend): axum::extract::Path<String>,
+) -> Json<Value> {
+    let adapters = l2_status(&s);
+    Json(json!({"enabled": s.l2.is_some(), "backend": backend,
+                "num_adapters": adapters.len(), "adapters": adapters}))
+}
+
+/// `POST /reconfigure/{backend}/l2/add` with an adapter spec (`{"spec": {...}}` or the spec
+/// itself), or `.../remove` with `{"adapter_index": id}`.
+pub(super) async fn reconfigure(
+    State(s): State<Shared>,
+    axum::extract::Path((_backend, op)): axum::extract::Path<(String, String)>,
+    body: Option<Json<Value>>,
+) -> Response {
+    let Some(tier) = s.l2.clone() else {
+        return error(
+            StatusCode::CONFLICT,
+            "no L2 tier: start the server with at least one --l2-adapter to reconfigure L2",
+        );
+    };
+    let body = body.map(|Json(v)| v).unwrap_or(Value::Null);
+    match op.as_str() {
+        "add" => {
+            let spec = body.get("spec").cloned().unwrap_or(body);
+            match tokio::task::spawn_blocking(move || tier.add_adapter(&spec)).await {
+                Ok(Ok(id)) => Json(json!({"status": "ok", "adapter_index": id})).into_response(),
+                Ok(Err(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            }
+        }
+        "remove" => match body.get("adapter_index").and_then(Value::as_u64) {
+            None => error(StatusCode::BAD_REQUEST, "adapter_index: missing or not an integer"),
+            Some(id) if tier.remove_adapter(id) => {
+                Json(json!({"status": "ok", "removed": id})).into_response()
+            }
+            Some(id) => error(StatusCode::NOT_FOUND, format!("adapter_index: no adapter {id}")),
+        },
+        other => {
+            error(StatusCode::BAD_REQUEST, format!("operation: {other:?} is not add or remove"))
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct PrefetchBody {
+    model_name: String,
+    #[serde(default = "one")]
+    world_size: u32,
+    token_ids: Vec<i64>,
+    #[serde(default)]
+    cache_salt: String,
+    #[serde(default)]
+    source_tier: Option<String>,
+    #[serde(default)]
+    target_tier: Option<String>,
+}
+
+pub(super) fn one() -> u32 {
+    1
+}
+
+static HTTP_PREFETCH_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// `POST /cache/prefetches`: warm L1 from L2 for a prompt, ahead of the request (202).
+pub(super) async fn prefetch_submit(State(s): State<Shared>, raw: axum::body::Bytes) -> Response {
+    let b: PrefetchBody = match serde_json::from_slice(&raw) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("body: {e}")),
+    };
+    if b.source_tier.as_deref().is_some_and(|t| t != "l2") {
+        return error(StatusCode::BAD_REQUEST, "source_tier: only l2 is supported");
+    }
+    if b.target_tier.as_deref().is_some_and(|t| t != "l1") {
+        return error(StatusCode::BAD_REQUEST, "target_tier: only l1 is supported");
+    }
+    let Some(tier) = s.l2.clone() else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "no L2 tier (start with --l2-adapter)");
+    };
+    let tokens = match lmcache_core::hashing::tokens_from_i64(&b.token_ids) {
+        Ok(t) => t,
+        Err(e) => return error(StatusCode::BAD_REQUEST, format!("token_ids: {e}")),
+    };
+    let hashes = s.hasher.hash_tokens(&tokens);
+    if hashes.is_empty() {
+        return (StatusCode::ACCEPTED, Json(json!({"chunks": 0, "status": "noop"})))
+            .into_response();
+    }
+    let mut shards = Vec::new();
+    for w in 0..b.world_size {
+        let keys: Result<Vec<lmcache_core::ObjectKey>, _> = hashes
+            .iter()
+            .map(|h| {
+                lmcache_core::ObjectKey::new(
+                    *h.as_bytes(),
+                    &b.model_name,
+                    b.world_size,
+                    w,
+                    0,
+                    &b.cache_salt,
+                )
+            })
+            .collect();
+        match keys {
+            Ok(k) => shards.push(k),
+            Err(e) => return error(StatusCode::BAD_REQUEST, format!("key: {e}")),
+        }
+    }
+    let total = shards.iter().map(Vec::len).sum::<usize>();
+    let id = format!(
+        "prefetch-{}",
+        HTTP_PREFETCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    );
+    {
+        let mut jobs = s.http_prefetches.lock();
+        if jobs.len() >= 10_000 {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "too many unpolled prefetches");
+        }
+        jobs.insert(id.clone(), None);
+    }
+    let (me, rid, chunks) = (s.clone(), id.clone(), hashes.len());
+    tier.prefetch(lmcache_storage::PrefetchRequest { shards, readers: 1 }, move |out| {
+        // The leases drop here: loaded objects stay in L1 under its eviction policy.
+        let found = out.hits * out.leases.len();
+        me.http_prefetches.lock().insert(rid, Some((found, total)));
+    });
+    (StatusCode::ACCEPTED, Json(json!({"request_id": id, "chunks": chunks, "status": "submitted"})))
+        .into_response()
+}
+
+/// `GET /cache/prefetches/{request_id}`: pending, or completed once (then forgotten).
+pub(super) async fn prefetch_status(
+    State(s): State<Shared>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let mut jobs = s.http_prefetches.lock();
+    match jobs.get(&id).copied() {
+        None => error(StatusCode::NOT_FOUND, format!("request_id: no prefetch {id:?}")),
+        Some(None) => Json(json!({"request_id": id, "status": "pending"})).into_response(),
+        Some(Some((found, total))) => {
+            jobs.remove(&id);
+            Json(json!({"request_id": id, "status": "completed", "found_keys": found,
+                        "total_keys": total}))
+            .into_response()
+        }
+    }
+}

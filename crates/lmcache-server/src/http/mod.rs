@@ -1,0 +1,100 @@
+//! The HTTP API (axum), LMCache's routes and JSON shapes, one file per resource:
+//! - [`status`]: `/status`, `/version`, `/config`, `/config/adapters`, `/metrics`,
+//!   `/metrics/reset`;
+//! - [`cache`]: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`;
+//! - [`quota`]: `GET /quota`, `GET|PUT|DELETE /quota/{cache_salt}` (`_default` is the empty
+//!   salt; `?tier=l1`, the default, or `?tier=l2`);
+//! - [`l2`]: `/reconfigure/{backend}/l2/...` and `/cache/prefetches`.
+//!
+//! Errors are `{"detail": ...}` with a 4xx status naming what was wrong. With
+//! `--http-auth-token` (or `LMCACHE_RS_HTTP_TOKEN`) every route but `/healthcheck` requires
+//! `Authorization: Bearer <token>`; there is no route that dumps the environment or runs code.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::{Json, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use lmcache_core::CacheSalt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::registry::Family;
+use crate::state::ServerState;
+use crate::transfer::{CpuTransfer, checksums, compress_ranges};
+
+mod cache;
+mod l2;
+mod quota;
+mod status;
+
+use cache::*;
+use l2::*;
+use quota::*;
+use status::*;
+
+type Shared = Arc<ServerState>;
+
+/// Constant-time comparison, so response timing does not leak the token.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Refuses requests without the configured bearer token (none configured: all pass).
+async fn auth(
+    State(s): State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(token) = &s.config.http_auth_token
+        && req.uri().path() != "/healthcheck"
+    {
+        let given = req
+            .headers()
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same(g.as_bytes(), token.as_bytes())) {
+            return error(StatusCode::UNAUTHORIZED, "authorization: missing or wrong bearer token");
+        }
+    }
+    next.run(req).await
+}
+
+/// The router.
+pub fn router(state: Shared) -> Router {
+    let guard = axum::middleware::from_fn_with_state(state.clone(), auth);
+    Router::new()
+        .route("/", get(|| async { Json(json!({"status": "ok", "service": "LMCache HTTP API"})) }))
+        .route("/healthcheck", get(|| async { Json(json!({"status": "healthy"})) }))
+        .route("/status", get(status))
+        .route("/version", get(version))
+        .route("/lmc_version", get(version))
+        .route(
+            "/commit_id",
+            get(|| async {
+                Json(json!({"commit_id": option_env!("LMCACHE_RS_COMMIT").unwrap_or("unknown")}))
+            }),
+        )
+        .route("/config", get(config))
+        .route("/config/adapters", get(config_adapters))
+        .route("/reconfigure/{backend}/l2/status", get(reconfigure_status))
+        .route("/reconfigure/{backend}/l2/{operation}", post(reconfigure))
+        .route("/metrics", get(metrics))
+        .route("/metrics/reset", post(metrics_reset))
+        .route("/cache/prefetches", post(prefetch_submit))
+        .route("/cache/prefetches/{request_id}", get(prefetch_status))
+        .route("/cache/clear", post(clear))
+        .route("/cache/objects", get(objects_list).delete(objects_delete))
+        .route("/cache/checksums", post(cache_checksums))
+        .route("/quota", get(quota_list))
+        .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
+        .layer(guard)
+        .with_state(state)
+}
+
+fn error(code: StatusCode, detail: impl Into<String>) -> Response {
+    (code, Json(json!({"detail": detail.into()}))).into_response()
+}

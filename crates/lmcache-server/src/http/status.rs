@@ -1,0 +1,228 @@
+//! `/status`, `/version`, `/config`, `/config/adapters`, `/metrics` and `/metrics/reset`.
+
+use super::*;
+
+pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
+    let u = s.l1.usage();
+    let arena = s.l1.memory().arena();
+    let instances: Vec<Value> = s
+        .registry
+        .list()
+        .into_iter()
+        .map(|(fam, id, model, ws)| {
+            json!({
+                "instance_id": id,
+                "transfer_mode": if fam == Family::EngineDriven { "engine_driven" } else { "lmcache_driven" },
+                "model_name": model,
+                "world_size": ws,
+            })
+        })
+        .collect();
+    // LMCache's `cache_context_meta`, per registered worker: what `lmcache describe kvcache`
+    // prints per model.
+    let mut meta = serde_json::Map::new();
+    for (_, id, inst) in s.registry.snapshot() {
+        let l = inst.layout;
+        let per_token = l.kv * l.layers * l.hidden * l.dtype.itemsize();
+        let mut layout = json!({
+            "num_layers": l.layers,
+            "cache_size_per_token": per_token,
+            "kernel_groups": [{
+                "kernel_group_idx": 0, "engine_group_idx": 0, "object_group_idx": 0,
+                "num_layers": l.layers, "dtype": l.dtype.as_str(), "is_mla": l.kv == 1,
+                "object_shape": l.shape(),
+            }],
+        });
+        if let crate::registry::Registration::LmcacheDriven { num_blocks, block_size, .. } =
+            &inst.registration
+        {
+            layout["num_blocks"] = json!(num_blocks);
+            layout["kernel_groups"][0]["tokens_per_block"] = json!(block_size);
+        }
+        meta.insert(
+            id.to_string(),
+            json!({"model_name": inst.model.as_str(), "world_size": inst.world_size, "kv_cache_layout": layout}),
+        );
+    }
+    Json(json!({
+        "cache_context_meta": meta,
+        "is_healthy": true,
+        "engine_type": "default",
+        "server": "lmcache-rs",
+        "version": env!("CARGO_PKG_VERSION"),
+        "chunk_size": s.chunk_size(),
+        "hash_algorithm": "blake3",
+        "active_sessions": s.sessions.len(),
+        "uptime_seconds": s.started.elapsed().as_secs_f64(),
+        "registered_instances": instances,
+        "storage_manager": {
+            "l1_manager": {
+                "memory_total_bytes": u.capacity,
+                "memory_used_bytes": u.used_bytes,
+                "memory_usage_ratio": u.usage_fraction(),
+                "total_object_count": u.resident_objects,
+            },
+            "eviction_controller": {"eviction_policy": s.l1.config().eviction_policy.as_str()},
+            "l2_adapters": l2_status(&s),
+            "l1": {
+                "capacity_bytes": u.capacity,
+                "used_bytes": u.used_bytes,
+                "usage": u.usage_fraction(),
+                "resident_objects": u.resident_objects,
+                "staged_objects": u.staged_objects,
+                "locked_objects": u.locked_objects,
+                "eviction_policy": s.l1.config().eviction_policy.as_str(),
+                "backing": arena.kind().as_str(),
+                "shm_name": arena.shm_name(),
+                "evicted_objects": u.stats.evicted_objects,
+            }
+        }
+    }))
+}
+
+pub(super) async fn version() -> Json<Value> {
+    Json(
+        json!({"version": env!("CARGO_PKG_VERSION"), "server": "lmcache-rs", "protocol": "lmcache-mp-0.5.6"}),
+    )
+}
+
+/// The effective configuration (the token itself is never shown).
+pub(super) async fn config(State(s): State<Shared>) -> Json<Value> {
+    let c = &s.config;
+    let arena = s.l1.memory().arena();
+    Json(json!({
+        "mp": {
+            "host": c.host, "port": c.port, "chunk_size": c.chunk_size,
+            "max_cpu_workers": c.max_cpu_workers, "max_gpu_workers": c.max_gpu_workers,
+            "worker_reap_timeout_seconds": c.worker_reap_timeout.as_secs_f64(),
+            "worker_registration_grace_seconds": c.worker_registration_grace.as_secs_f64(),
+            "session_ttl_seconds": c.session_ttl.as_secs_f64(),
+            "null_block_id": c.null_block_id, "copy_threads": c.copy_threads,
+            "kv_event_log_size": c.kv_event_log_size, "hash_algorithm": "blake3",
+            "supported_transfer_modes": ["lmcache_driven", "engine_driven"],
+        },
+        "storage_manager": {
+            "l1_size_bytes": arena.len(), "l1_backing": arena.kind().as_str(),
+            "shm_name": arena.shm_name(), "l1_align_bytes": c.align, "l1_mlock": arena.is_locked(),
+            "eviction_policy": c.l1.eviction_policy.as_str(),
+            "eviction_trigger_watermark": c.l1.trigger_watermark, "eviction_ratio": c.l1.eviction_ratio,
+            "l1_read_ttl_seconds": c.l1.read_ttl.as_secs_f64(),
+            "l1_write_ttl_seconds": c.l1.write_ttl.as_secs_f64(),
+            "l2_adapters": l2_specs(&s),
+        },
+        "http": {"http_host": c.http_host, "http_port": c.http_port, "auth": c.http_auth_token.is_some()},
+    }))
+}
+
+/// Each adapter's state for /status: LMCache's `type` and `is_healthy`, then our detail.
+pub(super) fn l2_status(s: &ServerState) -> Vec<Value> {
+    let Some(t) = &s.l2 else { return Vec::new() };
+    t.describe()
+        .into_iter()
+        .map(|a| {
+            let mut d = a.detail;
+            d["is_healthy"] = json!(a.healthy);
+            d
+        })
+        .collect()
+}
+
+/// The adapters' configurations (secrets masked), for /config.
+pub(super) fn l2_specs(s: &ServerState) -> Vec<Value> {
+    s.l2.as_ref()
+        .map_or_else(Vec::new, |t| t.adapters().iter().map(|a| a.built.spec.clone()).collect())
+}
+
+pub(super) async fn config_adapters(State(s): State<Shared>) -> Json<Value> {
+    let list: Vec<Value> = s.l2.as_ref().map_or_else(Vec::new, |t| {
+        t.adapters()
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                json!({"index": a.id, "type_name": a.built.kind, "tier": "l2",
+                       "primary": i == 0, "reconfigurable": true})
+            })
+            .collect()
+    });
+    Json(json!({"adapters": list}))
+}
+
+/// `POST /metrics/reset`: clears the per-operation request, refusal and latency series (the
+/// lmcache_mp counters are cumulative, as Prometheus expects, and are not reset).
+pub(super) async fn metrics_reset(State(s): State<Shared>) -> Json<Value> {
+    s.metrics.requests.clear();
+    s.metrics.errors.clear();
+    s.metrics.latency.clear();
+    Json(json!({"status": "ok"}))
+}
+
+pub(super) fn refresh_l2_metrics(s: &ServerState) {
+    use crate::metrics::{L2Label, StateLabel, advance};
+    use std::sync::atomic::Ordering::Relaxed;
+    let m = &s.metrics.l2;
+    let n = s.l2.as_ref().map_or(0, |t| t.len()) as i64;
+    let active = StateLabel { state: "active".into() };
+    m.store_adapters.get_or_create(&active).set(n);
+    m.prefetch_adapters.get_or_create(&active).set(n);
+    let Some(tier) = &s.l2 else { return };
+    let ts = tier.stats();
+    advance(&m.store_submitted_objects, ts.store_enqueued.load(Relaxed));
+    advance(&m.store_dropped_objects, ts.store_dropped.load(Relaxed));
+    advance(&m.prefetch_requests, ts.prefetch_requests.load(Relaxed));
+    advance(&m.prefetch_expired, ts.prefetch_expired.load(Relaxed));
+    s.metrics.active_prefetch_jobs.set(ts.prefetch_in_flight.load(Relaxed) as i64);
+    for a in tier.adapters() {
+        let l = L2Label { l2_name: a.built.kind.clone(), adapter_index: a.id.to_string() };
+        let st = &a.stats;
+        let u = a.usage();
+        m.usage_bytes.get_or_create(&l).set(u.used as i64);
+        m.capacity_bytes.get_or_create(&l).set(a.ledger.capacity().map_or(-1, |c| c as i64));
+        m.keys.get_or_create(&l).set(u.keys as i64);
+        advance(&m.evicted_objects.get_or_create(&l), st.evicted_keys.load(Relaxed));
+        advance(&m.evicted_bytes.get_or_create(&l), st.evicted_bytes.load(Relaxed));
+        advance(&m.quota_rejections.get_or_create(&l), st.quota_rejections.load(Relaxed));
+        advance(&m.capacity_rejections.get_or_create(&l), st.capacity_rejections.load(Relaxed));
+        m.healthy.get_or_create(&l).set(i64::from(a.healthy()));
+        advance(&m.store_completed_objects.get_or_create(&l), st.stored_keys.load(Relaxed));
+        advance(&m.stored_bytes.get_or_create(&l), st.stored_bytes.load(Relaxed));
+        advance(&m.store_skipped_objects.get_or_create(&l), st.skipped_keys.load(Relaxed));
+        advance(&m.store_failures.get_or_create(&l), st.store_failures.load(Relaxed));
+        advance(&m.loaded_objects.get_or_create(&l), st.loaded_keys.load(Relaxed));
+        advance(&m.loaded_bytes.get_or_create(&l), st.loaded_bytes.load(Relaxed));
+        advance(&m.load_failures.get_or_create(&l), st.load_failures.load(Relaxed));
+        advance(&m.corrupt_blobs.get_or_create(&l), st.corrupt_blobs.load(Relaxed));
+        advance(&m.errors.get_or_create(&l), st.errors.load(Relaxed));
+    }
+}
+
+pub(super) async fn metrics(State(s): State<Shared>) -> Response {
+    let u = s.l1.usage();
+    s.metrics.l1_used_bytes.set(u.used_bytes as i64);
+    s.metrics.l1_usage_ratio.set(u.usage_fraction());
+    s.metrics.l1_staging_bytes.set(u.staged_bytes as i64);
+    s.metrics.l1_capacity_bytes.set(u.capacity as i64);
+    s.metrics.kv_events_log_depth.set(s.events.len() as i64);
+    s.metrics.active_sessions.set(s.sessions.len() as i64);
+    s.metrics.process_resident_memory_bytes.set(crate::metrics::process_rss_bytes() as i64);
+    s.metrics.event_bus_queue_depth.set(s.bus.depth());
+    use crate::metrics::advance;
+    let m = &s.metrics;
+    advance(&m.event_bus_dropped, s.bus.dropped());
+    let st = u.stats;
+    advance(&m.l1_eviction_loop_ticks, st.maintenance_passes);
+    advance(&m.l1_evicted_objects, st.evicted_objects);
+    advance(&m.l1_evicted_bytes, st.evicted_bytes);
+    advance(&m.l1_sync_evictions, st.sync_evictions);
+    advance(&m.l1_oom_rejections, st.oom_rejections);
+    advance(&m.l1_quota_rejections, st.quota_rejections);
+    advance(&m.l1_expired_read_leases, st.expired_read_leases);
+    advance(&m.l1_expired_write_leases, st.expired_write_leases);
+    advance(&m.l1_unwritten_evictions, st.unwritten_evictions);
+    m.l1_unwritten_objects.set(s.l1.unwritten() as i64);
+    refresh_l2_metrics(&s);
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.encode(),
+    )
+        .into_response()
+}
