@@ -40,21 +40,23 @@ fn bench_hashing(c: &mut Criterion) {
     group.finish();
 
     // Several requests at once: each chain is sequential, requests are independent, so a
-    // batch scales with cores (`TokenHasher::hash_many`). 16 requests of 4096 tokens.
+    // batch scales with cores (`TokenHasher::hash_many`). 16 and 64 requests of 4096 tokens.
     let mut group = c.benchmark_group("token_hashing_batch");
-    let reqs: Vec<Vec<u32>> = (0..16u32)
-        .map(|r| (0..4096u32).map(|t| (t ^ (r << 24)).wrapping_mul(2_654_435_761)).collect())
-        .collect();
-    let refs: Vec<&[u32]> = reqs.iter().map(Vec::as_slice).collect();
     let hasher = TokenHasher::default();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    group.throughput(Throughput::Bytes((16 * 4096 * 4) as u64));
-    group.bench_function("16_requests_one_thread", |b| {
-        b.iter(|| black_box(hasher.hash_many(black_box(&refs), 1)))
-    });
-    group.bench_function(format!("16_requests_{cores}_threads"), |b| {
-        b.iter(|| black_box(hasher.hash_many(black_box(&refs), cores)))
-    });
+    for n in [16u32, 64] {
+        let reqs: Vec<Vec<u32>> = (0..n)
+            .map(|r| (0..4096u32).map(|t| (t ^ (r << 24)).wrapping_mul(2_654_435_761)).collect())
+            .collect();
+        let refs: Vec<&[u32]> = reqs.iter().map(Vec::as_slice).collect();
+        group.throughput(Throughput::Bytes(u64::from(n) * 4096 * 4));
+        group.bench_function(format!("{n}_requests_one_thread"), |b| {
+            b.iter(|| black_box(hasher.hash_many(black_box(&refs), 1)))
+        });
+        group.bench_function(format!("{n}_requests_{cores}_threads"), |b| {
+            b.iter(|| black_box(hasher.hash_many(black_box(&refs), cores)))
+        });
+    }
     group.finish();
 }
 
