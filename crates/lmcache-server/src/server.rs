@@ -113,8 +113,7 @@ impl Server {
         )
         .map_err(io("starting the event bus"))?;
         let storage = lmcache_storage::StorageManager::new(l1.clone(), l2.clone());
-        let state = Arc::new_cyclic(|me| ServerState {
-            me: me.clone(),
+        let state = Arc::new(ServerState {
             http_prefetches: parking_lot::Mutex::default(),
             storage,
             l2,

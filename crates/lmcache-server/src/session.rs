@@ -43,6 +43,45 @@ impl LookupLocks {
     }
 }
 
+/// Where the last lookup of a request stands.
+#[derive(Debug, Default)]
+pub enum LookupState {
+    /// No lookup, or its hits were handed out.
+    #[default]
+    Idle,
+    /// The hit count of the last lookup, until `query_prefetch_status` takes it.
+    Ready(usize),
+    /// An L2 prefetch of the last lookup runs (a later lookup replaces it; dropping the handle
+    /// abandons it, and its leases are released when it ends).
+    Pending(PendingLookup),
+}
+
+/// A lookup waiting for its L2 prefetch.
+#[derive(Debug)]
+pub struct PendingLookup {
+    /// The prefetch.
+    pub handle: lmcache_storage::PrefetchHandle,
+    /// Chunks L1 served.
+    pub l1_hit: usize,
+    /// Chunks asked for.
+    pub chunks: usize,
+    /// Shards looked up (their leases go to these slots).
+    pub shards: Vec<u32>,
+}
+
+/// A prefetch that ended and was joined to its session: what the metrics and events report.
+#[derive(Debug, Clone, Copy)]
+pub struct Settled {
+    /// Chunks asked for.
+    pub chunks: usize,
+    /// Chunks served in all (L1 then L2).
+    pub hits: usize,
+    /// Of those, chunks L2 added.
+    pub l2_hits: usize,
+    /// Objects loaded from L2.
+    pub loaded_keys: usize,
+}
+
 /// One request's state.
 #[derive(Debug)]
 pub struct Session {
@@ -50,11 +89,8 @@ pub struct Session {
     base: TokenHasher,
     hasher: PrefixHasher,
     tokens: Vec<u32>,
-    /// The hit count of the last lookup, until `query_prefetch_status` takes it.
-    pub pending_hits: Option<usize>,
-    /// While an L2 prefetch of the last lookup runs: its generation (a later lookup of the
-    /// same request starts a new one and the old result is dropped).
-    pub prefetching: Option<u64>,
+    /// The last lookup: idle, its hits, or its prefetch.
+    pub hits: LookupState,
     /// The last lookup's read locks.
     pub lookup: LookupLocks,
     /// Keys the request touched (for the LRU touch at `end_session`).
@@ -68,11 +104,31 @@ impl Session {
             base: *hasher,
             hasher: hasher.prefix_hasher(),
             tokens: Vec::new(),
-            pending_hits: None,
-            prefetching: None,
+            hits: LookupState::Idle,
             lookup: LookupLocks::default(),
             touched: Vec::new(),
         }
+    }
+
+    /// If the last lookup's prefetch has ended, joins its leases to the lookup's and makes its
+    /// hits ready. Returns what it added, once.
+    pub fn settle(&mut self) -> Option<Settled> {
+        let LookupState::Pending(p) = &self.hits else { return None };
+        let out = p.handle.poll()?;
+        let LookupState::Pending(p) = std::mem::take(&mut self.hits) else { return None };
+        for (&w, leases) in p.shards.iter().zip(out.leases) {
+            if let Some(slots) = self.lookup.locks.get_mut(w as usize) {
+                slots.extend(leases.into_iter().map(Some));
+            }
+        }
+        let hits = p.l1_hit + out.hits;
+        self.hits = LookupState::Ready(hits);
+        Some(Settled { chunks: p.chunks, hits, l2_hits: out.hits, loaded_keys: out.loaded_keys })
+    }
+
+    /// Whether an L2 prefetch of the last lookup still runs.
+    pub fn prefetching(&self) -> bool {
+        matches!(&self.hits, LookupState::Pending(p) if !p.handle.is_done())
     }
 
     /// Chunk hashes of the first `chunks` chunks of `tokens`. Incremental: when `tokens`

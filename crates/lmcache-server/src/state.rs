@@ -90,8 +90,6 @@ pub struct ServerState {
     /// L1 and L2 together: the store path reserves and commits through it (the commit queues
     /// the write-behind).
     pub storage: lmcache_storage::StorageManager,
-    /// This state itself, for work that completes on other threads (prefetches).
-    pub me: std::sync::Weak<ServerState>,
     /// Prefetches asked over HTTP: request id → `None` while running, then
     /// `(found_keys, total_keys)` until polled once.
     pub http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
@@ -145,6 +143,25 @@ impl ServerState {
         let parent = first.checked_sub(1).and_then(|p| all.get(p).copied());
         let hashes = all.get(first..).map(<[ChunkHash]>::to_vec).unwrap_or_default();
         (first, hashes, parent)
+    }
+
+    /// Releases one shard's lookup locks of chunks `range` (a retrieve consumed them). A
+    /// prefetch of that lookup that has ended is joined first, so its leases are the ones
+    /// released.
+    pub fn release_lookup_locks(
+        &self,
+        request_id: &str,
+        shard: usize,
+        range: std::ops::Range<usize>,
+    ) {
+        let settled = self.sessions.with_existing(request_id, |s| {
+            let settled = s.settle();
+            s.lookup.release_one(shard, range);
+            settled
+        });
+        if let Some(Some(st)) = settled {
+            crate::handlers::record_settled(self, request_id, st);
+        }
     }
 
     /// Announces newly resident chunks of shard 0 (`committed` are indexes into `hashes`) as

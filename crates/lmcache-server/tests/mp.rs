@@ -386,3 +386,74 @@ fn kv_event_stream_announces_stores_and_removals_with_credits() {
     let end = sub.recv_frames().unwrap().expect("end of stream");
     assert_eq!(end.len(), 2, "end-of-stream frames carry no payload");
 }
+
+#[test]
+fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
+    // A slow L2 (250 ms a call): chunks evicted from L1 come back through a prefetch.
+    let arena = ArenaConfig {
+        size: 64 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_mp_test_l2wait_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let s = Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        max_gpu_workers: 2,
+        l2_adapters: vec![serde_json::json!({"type": "mock", "max_size_gb": 1, "latency_ms": 250})],
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
+    let mut c = client(&s);
+    let pool = register(&mut c, 3, 1);
+    let key = KeySpec::whole("m", "w", tokens(11, 64), CHUNK);
+    assert_eq!(store(&mut c, &pool, &key.for_worker(0), 3, |i| 0x10 + i as u8), 4);
+    assert_eq!(s.state().storage.flush(Duration::from_secs(10)), 0, "write-behind unfinished");
+    s.state().l1.clear(true);
+
+    // lookup, then wait: it returns when the prefetch ends, with every chunk, well before the
+    // 5 s asked, and answers exactly once.
+    let lookup = |c: &mut Client, id: &str| {
+        let mut k = KeySpec::whole("m", id, tokens(11, 64), CHUNK);
+        k.request_id = id.into();
+        assert_eq!(c.call(Op::Lookup, &[k.to_value(), Value::from(3u64)]).unwrap(), None);
+    };
+    lookup(&mut c, "w");
+    assert_eq!(c.call(Op::QueryPrefetchStatus, &[Value::from("w")]).unwrap(), Some(Value::Nil));
+    let t0 = std::time::Instant::now();
+    let v = c.call(Op::WaitPrefetchStatus, &[Value::from("w"), Value::from(5.0)]).unwrap();
+    assert_eq!(v, Some(Value::from(4u64)), "all 4 chunks from L2");
+    assert!(t0.elapsed() < Duration::from_secs(3), "wait took {:?}", t0.elapsed());
+    assert_eq!(
+        c.call(Op::QueryPrefetchStatus, &[Value::from("w")]).unwrap(),
+        Some(Value::from(0u64)),
+        "the hits are handed out once"
+    );
+    let slots = c.prepare_retrieve(&key.for_worker(0), 3).unwrap().expect("chunks back in L1");
+    for (i, slot) in slots.iter().enumerate() {
+        let mut buf = vec![0u8; slot.length as usize];
+        pool.read(slot.offset, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x10 + i as u8), "chunk {i} came back wrong");
+    }
+    assert!(c.commit_retrieve(&key.for_worker(0), 3).unwrap());
+    c.end_session("w").unwrap();
+    let m = s.state().metrics.encode();
+    assert!(m.lines().any(|l| l == "lmcache_mp_lookup_hit_l2_tokens_total 64"), "{m}");
+
+    // A wait shorter than the prefetch answers nil. A repeated lookup abandons the first
+    // prefetch (its result is dropped when it ends) and answers for the second; once both
+    // have ended, no lease of either is left: nothing in L1 stays locked.
+    s.state().l1.clear(true);
+    lookup(&mut c, "x");
+    let v = c.call(Op::WaitPrefetchStatus, &[Value::from("x"), Value::from(0.01)]).unwrap();
+    assert_eq!(v, Some(Value::Nil));
+    lookup(&mut c, "x");
+    let v = c.call(Op::WaitPrefetchStatus, &[Value::from("x"), Value::from(5.0)]).unwrap();
+    assert!(matches!(v, Some(Value::Integer(_))), "{v:?}");
+    c.end_session("x").unwrap();
+    let t0 = std::time::Instant::now();
+    while s.state().l1.usage().locked_objects > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "an abandoned prefetch kept its leases");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -19,7 +19,7 @@ pub mod store;
 pub mod tier;
 
 pub use manager::StorageManager;
-pub use prefetch::{PrefetchOutcome, PrefetchRequest};
+pub use prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchWaiter};
 pub use tier::{
     AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig, TierObserver,
     TierStats,

@@ -48,7 +48,89 @@ pub struct PrefetchOutcome {
     pub expired: bool,
 }
 
+/// A prefetch in flight, owned by whoever asked for it: [`Self::poll`] takes the outcome once
+/// it is there, [`PrefetchWaiter::wait`] blocks (bounded) until it is. Dropping the handle
+/// abandons the prefetch: its outcome, and the read leases in it, are dropped when it ends.
+#[derive(Debug)]
+pub struct PrefetchHandle {
+    slot: Arc<PrefetchSlot>,
+}
+
+/// Waits for a prefetch without owning its outcome (so a caller can wait without holding the
+/// lock that guards the handle).
+#[derive(Debug, Clone)]
+pub struct PrefetchWaiter {
+    slot: Arc<PrefetchSlot>,
+}
+
+#[derive(Debug, Default)]
+struct PrefetchSlot {
+    state: parking_lot::Mutex<SlotState>,
+    done: parking_lot::Condvar,
+}
+
+#[derive(Debug, Default)]
+enum SlotState {
+    #[default]
+    Running,
+    Done(PrefetchOutcome),
+    Taken,
+}
+
+impl PrefetchHandle {
+    /// The outcome, once the prefetch has ended; `None` while it runs (and after it was taken).
+    pub fn poll(&self) -> Option<PrefetchOutcome> {
+        let mut st = self.slot.state.lock();
+        match std::mem::take(&mut *st) {
+            SlotState::Done(out) => {
+                *st = SlotState::Taken;
+                Some(out)
+            }
+            other => {
+                *st = other;
+                None
+            }
+        }
+    }
+
+    /// Whether the prefetch has ended.
+    pub fn is_done(&self) -> bool {
+        !matches!(*self.slot.state.lock(), SlotState::Running)
+    }
+
+    /// A waiter for this prefetch.
+    pub fn waiter(&self) -> PrefetchWaiter {
+        PrefetchWaiter { slot: self.slot.clone() }
+    }
+}
+
+impl PrefetchWaiter {
+    /// Blocks until the prefetch has ended or `timeout` passed; returns whether it ended.
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut st = self.slot.state.lock();
+        while matches!(*st, SlotState::Running) {
+            if self.slot.done.wait_until(&mut st, deadline).timed_out() {
+                return !matches!(*st, SlotState::Running);
+            }
+        }
+        true
+    }
+}
+
 impl L2Tier {
+    /// Starts a prefetch and returns its handle (poll it, or wait on it).
+    pub fn start_prefetch(&self, req: PrefetchRequest) -> PrefetchHandle {
+        let slot = Arc::new(PrefetchSlot::default());
+        let (shared, s) = (self.shared.clone(), slot.clone());
+        self.rt.spawn(async move {
+            let outcome = run(&shared, req).await;
+            *s.state.lock() = SlotState::Done(outcome);
+            s.done.notify_all();
+        });
+        PrefetchHandle { slot }
+    }
+
     /// Starts a prefetch; `done` is called exactly once, from a tier thread.
     pub fn prefetch(
         &self,

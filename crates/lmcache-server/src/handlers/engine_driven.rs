@@ -218,9 +218,7 @@ fn commit_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     let parked = state.pending.retrieves.lock().remove(&pk);
     // This worker's share of the lookup's locks goes whether or not prepare succeeded.
     let shard = key.worker_id.unwrap_or(0) as usize;
-    state.sessions.with_existing(&key.request_id, |s| {
-        s.lookup.release_one(shard, first..first + hashes.len())
-    });
+    state.release_lookup_locks(&key.request_id, shard, first..first + hashes.len());
     match parked {
         Some((_, ids)) => {
             let n = ids.iter().filter_map(|i| state.l1.take_read(*i)).count();

@@ -267,11 +267,8 @@ fn retrieve(
 ) -> Result<bool, ProtocolError> {
     let (first, hashes) = state.range_hashes(key);
     let shard = key.worker_id.unwrap_or(0) as usize;
-    let release = || {
-        state.sessions.with_existing(&key.request_id, |s| {
-            s.lookup.release_one(shard, first..first + hashes.len())
-        })
-    };
+    let release =
+        || state.release_lookup_locks(&key.request_id, shard, first..first + hashes.len());
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
         release();
         return Ok(false);

@@ -3,19 +3,20 @@
 //! A lookup hashes the prompt's whole chunks, finds the longest prefix resident in L1 on every
 //! shard, and read-locks those objects `num_kv_readers` times (the locks live in the request's
 //! session). With no L2, or when L1 holds the whole prompt, it is complete before its reply.
-//! Otherwise an L2 prefetch of the remaining chunks starts; `query_prefetch_status` answers
-//! nil until it ends, then the L1 and L2 hits together, exactly once.
+//! Otherwise an L2 prefetch of the remaining chunks starts, and the session holds its handle
+//! ([`LookupState::Pending`]); `query_prefetch_status` answers nil until it ends, then joins
+//! its leases to the lookup's and answers the L1 and L2 hits together, exactly once.
+//! `wait_prefetch_status` blocks on the prefetch itself (bounded), not on a polling loop.
 
 use lmcache_protocol::types::CacheKey;
 use lmcache_protocol::{Op, ProtocolError, Request, value};
 use rmpv::Value;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lmcache_storage::PrefetchRequest;
 
-use crate::session::LookupLocks;
+use crate::session::{LookupLocks, LookupState, PendingLookup, Settled};
 use crate::state::ServerState;
 
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
@@ -36,14 +37,15 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             let id = value::str_("request_id", &req.params[0])?;
             let timeout = value::float("timeout", &req.params[1])?;
             let limit = Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
-            let t0 = Instant::now();
-            loop {
-                let v = take_hits(state, id);
-                if !v.is_nil() || t0.elapsed() >= limit {
-                    return Ok(Some(v));
-                }
-                std::thread::sleep(Duration::from_millis(1));
+            // Wait on the prefetch itself, without holding the sessions' lock.
+            let waiter = state.sessions.with_existing(id, |s| match &s.hits {
+                LookupState::Pending(p) => Some(p.handle.waiter()),
+                _ => None,
+            });
+            if let Some(Some(w)) = waiter {
+                w.wait(limit);
             }
+            Ok(Some(take_hits(state, id)))
         }
         Op::FreeLookupLocks => {
             req.expect_params(2)?;
@@ -51,12 +53,17 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             let c = state.chunk_size();
             let range = key.start / c..key.end / c;
             if !range.is_empty() {
-                state.sessions.with_existing(&key.request_id, |s| {
+                let settled = state.sessions.with_existing(&key.request_id, |s| {
+                    let settled = s.settle();
                     // LMCache ignores the call while the prefetch runs; so do we.
-                    if s.prefetching.is_none() {
+                    if !matches!(s.hits, LookupState::Pending(_)) {
                         s.lookup.release_all(range);
                     }
+                    settled
                 });
+                if let Some(Some(st)) = settled {
+                    record_settled(state, &key.request_id, st);
+                }
             }
             Ok(None)
         }
@@ -79,23 +86,30 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
 /// The hit count of the request's last lookup, exactly once; nil while its prefetch runs; 0
 /// afterwards or if unknown.
 fn take_hits(state: &ServerState, request_id: &str) -> Value {
-    let v = state.sessions.with_existing(request_id, |s| {
-        if s.prefetching.is_some() { None } else { Some(s.pending_hits.take().unwrap_or(0)) }
+    let r = state.sessions.with_existing(request_id, |s| {
+        let settled = s.settle();
+        let hits = match std::mem::take(&mut s.hits) {
+            LookupState::Pending(p) => {
+                s.hits = LookupState::Pending(p);
+                None
+            }
+            LookupState::Ready(n) => Some(n),
+            LookupState::Idle => Some(0),
+        };
+        (hits, settled)
     });
-    match v {
-        Some(None) => Value::Nil,
-        Some(Some(n)) => Value::from(n as u64),
-        None => Value::from(0u64),
+    let Some((hits, settled)) = r else { return Value::from(0u64) };
+    if let Some(st) = settled {
+        record_settled(state, request_id, st);
     }
+    hits.map_or(Value::Nil, |n| Value::from(n as u64))
 }
-
-static PREFETCH_GENERATION: AtomicU64 = AtomicU64::new(1);
 
 fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     let readers = key.num_kv_readers;
     if readers == 0 {
         // LMCache raises here and never replies; we reply, with zero hits.
-        state.sessions.with(&key.request_id, |s| s.pending_hits = Some(0));
+        state.sessions.with(&key.request_id, |s| s.hits = LookupState::Ready(0));
         return Err(ProtocolError::OutOfRange {
             field: "key.num_kv_readers".into(),
             reason: "must be at least 1".into(),
@@ -109,7 +123,7 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     state.metrics.lookup_requested_tokens.inc_by((chunks * state.chunk_size()) as u64);
     if chunks == 0 || !state.registry.has_model(&key.model_name, key.world_size) {
         state.sessions.with(&key.request_id, |s| {
-            s.pending_hits = Some(0);
+            s.hits = LookupState::Ready(0);
             s.lookup = LookupLocks::default();
         });
         return Ok(());
@@ -121,9 +135,10 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     let readers = readers.min(state.l1.config().max_read_locks);
     state.sessions.with(&key.request_id, |s| -> Result<(), ProtocolError> {
         let hashes = s.chunk_hashes(&key.token_ids, chunks);
-        // Old locks go first: a repeated lookup replaces them (and any prefetch it started).
+        // Old locks go first: a repeated lookup replaces them (and abandons any prefetch it
+        // started: dropping the handle releases that prefetch's leases when it ends).
         s.lookup = LookupLocks::default();
-        s.prefetching = None;
+        s.hits = LookupState::Idle;
         let mut locks = Vec::with_capacity(key.world_size as usize);
         let mut all_keys = Vec::with_capacity(shards.len());
         let mut hit = usize::MAX;
@@ -149,20 +164,19 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         state.metrics.lookup_hit_tokens.inc_by(hit_tokens);
         state.metrics.lookup_hit_l1_tokens.inc_by(hit_tokens);
         state.metrics.lookup_hit_l1_keys.inc_by((hit * shards.len()) as u64);
-        match (&state.l2, state.me.upgrade()) {
-            (Some(l2), Some(me)) if hit < chunks && !l2.is_empty() => {
-                let generation = PREFETCH_GENERATION.fetch_add(1, Ordering::Relaxed);
-                s.prefetching = Some(generation);
-                s.pending_hits = None;
+        match &state.l2 {
+            Some(l2) if hit < chunks && !l2.is_empty() => {
                 let rest: Vec<_> = all_keys.into_iter().map(|k| k[hit..].to_vec()).collect();
-                let req = PrefetchRequest { shards: rest, readers };
-                let (request_id, shards) = (key.request_id.clone(), shards.clone());
-                l2.prefetch(req, move |out| {
-                    finish_prefetch(&me, &request_id, generation, hit, chunks, &shards, out);
+                let handle = l2.start_prefetch(PrefetchRequest { shards: rest, readers });
+                s.hits = LookupState::Pending(PendingLookup {
+                    handle,
+                    l1_hit: hit,
+                    chunks,
+                    shards: shards.clone(),
                 });
             }
             _ => {
-                s.pending_hits = Some(hit);
+                s.hits = LookupState::Ready(hit);
                 state.bus.publish(crate::event_bus::Event::Lookup {
                     request_id: key.request_id.clone(),
                     chunks,
@@ -174,41 +188,16 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     })
 }
 
-/// Joins an L2 prefetch's result to the request's session, unless a later lookup replaced it
-/// (then dropping the outcome releases its locks).
-fn finish_prefetch(
-    state: &ServerState,
-    request_id: &str,
-    generation: u64,
-    l1_hit: usize,
-    chunks: usize,
-    shards: &[u32],
-    out: lmcache_storage::PrefetchOutcome,
-) {
-    let extra = out.hits;
-    let applied = state.sessions.with_existing(request_id, |s| {
-        if s.prefetching != Some(generation) {
-            return false;
-        }
-        for (&w, leases) in shards.iter().zip(out.leases) {
-            if let Some(slots) = s.lookup.locks.get_mut(w as usize) {
-                slots.extend(leases.into_iter().map(Some));
-            }
-        }
-        s.pending_hits = Some(l1_hit + extra);
-        s.prefetching = None;
-        true
-    });
-    if applied != Some(true) {
-        return;
-    }
+/// Counts and announces what a finished prefetch added to a lookup (once, when the session
+/// joins it).
+pub(crate) fn record_settled(state: &ServerState, request_id: &str, st: Settled) {
     let c = state.chunk_size() as u64;
-    state.metrics.lookup_hit_tokens.inc_by(extra as u64 * c);
-    state.metrics.lookup_hit_l2_tokens.inc_by(extra as u64 * c);
-    state.metrics.lookup_hit_l2_keys.inc_by(out.loaded_keys as u64);
+    state.metrics.lookup_hit_tokens.inc_by(st.l2_hits as u64 * c);
+    state.metrics.lookup_hit_l2_tokens.inc_by(st.l2_hits as u64 * c);
+    state.metrics.lookup_hit_l2_keys.inc_by(st.loaded_keys as u64);
     state.bus.publish(crate::event_bus::Event::Lookup {
         request_id: request_id.to_owned(),
-        chunks,
-        hits: l1_hit + extra,
+        chunks: st.chunks,
+        hits: st.hits,
     });
 }
