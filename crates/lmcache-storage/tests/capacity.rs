@@ -8,22 +8,17 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lmcache_core::{CacheSalt, ObjectKey};
-use lmcache_l1::{L1Cache, L1Config, WriteRequest};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+use lmcache_l1::{L1Cache, WriteRequest};
 use lmcache_storage::{L2Tier, TierConfig};
 use serde_json::json;
+
+mod common;
 
 const OBJ: u64 = 64 * 1024;
 const MIB_IN_GB: f64 = 1.0 / 1024.0;
 
 fn l1(capacity: u64) -> L1Cache {
-    let arena = Arena::create(&ArenaConfig {
-        size: capacity,
-        backing: ArenaBacking::Anonymous,
-        mlock: false,
-    })
-    .unwrap();
-    L1Cache::new(L1Config::default(), ArenaAllocator::new(arena, 4096).unwrap()).unwrap()
+    common::l1(capacity)
 }
 
 fn key(i: u32, salt: &str) -> ObjectKey {

@@ -8,19 +8,14 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
-use lmcache_l1::{L1Cache, L1Config, WriteRequest};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+use lmcache_l1::{L1Cache, WriteRequest};
 use lmcache_storage::{L2Tier, PrefetchRequest, TierConfig};
 use serde_json::json;
 
+mod common;
+
 fn l1() -> L1Cache {
-    let arena = Arena::create(&ArenaConfig {
-        size: 16 << 20,
-        backing: ArenaBacking::Anonymous,
-        mlock: false,
-    })
-    .unwrap();
-    L1Cache::new(L1Config::default(), ArenaAllocator::new(arena, 4096).unwrap()).unwrap()
+    common::l1(16 << 20)
 }
 
 fn key(i: u32) -> ObjectKey {

@@ -13,21 +13,16 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
-use lmcache_l1::{L1Cache, L1Config, WriteRequest};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+use lmcache_l1::{L1Cache, WriteRequest};
 use lmcache_storage::{L2Tier, PrefetchRequest, TierConfig};
 use serde_json::{Value, json};
+
+mod common;
 
 const CHUNK: usize = 32 << 20;
 
 fn l1() -> L1Cache {
-    let arena = Arena::create(&ArenaConfig {
-        size: 320 << 20,
-        backing: ArenaBacking::Anonymous,
-        mlock: false,
-    })
-    .unwrap();
-    L1Cache::new(L1Config::default(), ArenaAllocator::new(arena, 4096).unwrap()).unwrap()
+    common::l1(320 << 20)
 }
 
 fn key(run: u64, i: u32) -> ObjectKey {

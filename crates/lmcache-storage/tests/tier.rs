@@ -4,21 +4,16 @@
 use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
-use lmcache_l1::{L1Cache, L1Config, WriteRequest};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+use lmcache_l1::{L1Cache, WriteRequest};
 use lmcache_storage::{L2Tier, PrefetchRequest, TierConfig};
 use serde_json::{Value, json};
+
+mod common;
 
 const OBJ: u64 = 64 * 1024;
 
 fn l1(capacity: u64) -> L1Cache {
-    let arena = Arena::create(&ArenaConfig {
-        size: capacity,
-        backing: ArenaBacking::Anonymous,
-        mlock: false,
-    })
-    .unwrap();
-    L1Cache::new(L1Config::default(), ArenaAllocator::new(arena, 4096).unwrap()).unwrap()
+    common::l1(capacity)
 }
 
 fn key(i: u32) -> ObjectKey {

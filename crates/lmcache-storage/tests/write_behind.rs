@@ -8,22 +8,17 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
-use lmcache_l1::{L1Cache, L1Config, WriteRequest};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+use lmcache_l1::{L1Cache, WriteRequest};
 use lmcache_storage::{L2Tier, PrefetchRequest, StorageManager, TierConfig};
 use serde_json::{Value, json};
+
+mod common;
 
 const OBJ: u64 = 64 * 1024;
 const L1_BYTES: u64 = 64 * OBJ; // 4 MiB
 
 fn l1() -> L1Cache {
-    let arena = Arena::create(&ArenaConfig {
-        size: L1_BYTES,
-        backing: ArenaBacking::Anonymous,
-        mlock: false,
-    })
-    .unwrap();
-    L1Cache::new(L1Config::default(), ArenaAllocator::new(arena, 4096).unwrap()).unwrap()
+    common::l1(L1_BYTES)
 }
 
 fn key(i: u32) -> ObjectKey {

@@ -373,25 +373,12 @@ impl L2Adapter for FsAdapter {
         blocking(move || std::fs::metadata(&base).map(|_| ()).map_err(L2Error::Io)).await?
     }
 
-    /// One walk of the shard directories (no sorting), keeping names that parse as wire keys.
+    /// One walk of the shard directories (no sorting).
     async fn scan(&self, limit: usize) -> Result<Vec<(ObjectKey, u64)>, L2Error> {
         let base = self.inner.config.base_path.clone();
         blocking(move || {
-            let mut out = Vec::new();
-            for shard in std::fs::read_dir(&base)?.flatten() {
-                let Ok(files) = std::fs::read_dir(shard.path()) else { continue };
-                for f in files.flatten() {
-                    let name = f.file_name();
-                    let Some(wk) = unescape(&name.to_string_lossy()) else { continue };
-                    let Some(key) = wire_key::decode(&wk) else { continue };
-                    let Ok(meta) = f.metadata() else { continue };
-                    out.push((key, meta.len()));
-                    if out.len() >= limit {
-                        return Ok(out);
-                    }
-                }
-            }
-            Ok(out)
+            let found = walk(&base, limit, |_| true)?;
+            Ok(found.into_iter().map(|(_, k, n)| (k, n)).collect())
         })
         .await?
     }
@@ -406,20 +393,9 @@ impl L2Adapter for FsAdapter {
         let model = model.map(str::to_owned);
         let cursor = cursor.map(str::to_owned);
         blocking(move || {
-            let mut all = Vec::new();
-            for shard in std::fs::read_dir(&base)?.flatten() {
-                let Ok(files) = std::fs::read_dir(shard.path()) else { continue };
-                for f in files.flatten() {
-                    let name = f.file_name();
-                    let Some(wk) = unescape(&name.to_string_lossy()) else { continue };
-                    let Some(key) = wire_key::decode(&wk) else { continue };
-                    if model.as_deref().is_some_and(|m| key.model_name.as_str() != m) {
-                        continue;
-                    }
-                    let size = f.metadata().map(|m| m.len()).unwrap_or(0);
-                    all.push((wk, key, size));
-                }
-            }
+            let mut all = walk(&base, usize::MAX, |k| {
+                model.as_deref().is_none_or(|m| k.model_name.as_str() == m)
+            })?;
             all.sort_by(|a, b| a.0.cmp(&b.0));
             Ok(crate::adapter::page_sorted(all, cursor.as_deref(), limit))
         })
@@ -437,6 +413,32 @@ impl L2Adapter for FsAdapter {
             "fsync": format!("{:?}", c.fsync).to_lowercase(),
         })
     }
+}
+
+/// The blob files under `base` (one level of shard directories) whose names parse as wire
+/// keys and whose key passes `keep`: (wire key, key, size), at most `limit`, unsorted.
+fn walk(
+    base: &Path,
+    limit: usize,
+    keep: impl Fn(&ObjectKey) -> bool,
+) -> Result<Vec<(String, ObjectKey, u64)>, L2Error> {
+    let mut out = Vec::new();
+    for shard in std::fs::read_dir(base)?.flatten() {
+        let Ok(files) = std::fs::read_dir(shard.path()) else { continue };
+        for f in files.flatten() {
+            let Some(wk) = unescape(&f.file_name().to_string_lossy()) else { continue };
+            let Some(key) = wire_key::decode(&wk) else { continue };
+            if !keep(&key) {
+                continue;
+            }
+            let Ok(meta) = f.metadata() else { continue };
+            out.push((wk, key, meta.len()));
+            if out.len() >= limit {
+                return Ok(out);
+            }
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
