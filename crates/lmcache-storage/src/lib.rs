@@ -21,6 +21,6 @@ pub mod tier;
 pub use manager::StorageManager;
 pub use prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchWaiter};
 pub use tier::{
-    AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig, TierObserver,
-    TierStats,
+    AdapterCounters, AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig,
+    TierObserver, TierStats,
 };

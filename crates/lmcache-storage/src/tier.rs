@@ -10,7 +10,7 @@ use lmcache_l1::L1Cache;
 use lmcache_l2::config::{self, BuiltAdapter};
 use lmcache_l2::{ConfigError, L2Error};
 use parking_lot::{Mutex, RwLock};
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::runtime::Runtime;
 use tokio::sync::{Notify, Semaphore, mpsc};
 
@@ -312,17 +312,85 @@ pub struct PrefetchReport {
     pub expired: bool,
 }
 
-/// A view of one adapter for /status and metrics.
+/// A snapshot of one adapter, for status pages, metrics and logs: plain data, shown however
+/// the caller likes (the server renders it as /status JSON).
 #[derive(Debug, Clone)]
 pub struct AdapterInfo {
     /// Id.
     pub id: u64,
     /// Type.
     pub kind: String,
-    /// Whether its last operation succeeded.
+    /// Whether it is up (see the health rules in [`AdapterSlot`]'s methods).
     pub healthy: bool,
-    /// Counters and settings as JSON.
-    pub detail: Value,
+    /// The last error, if any.
+    pub last_error: Option<String>,
+    /// Codec name.
+    pub codec: &'static str,
+    /// The configuration as given (secrets masked).
+    pub spec: Value,
+    /// The backend's own settings (never secrets).
+    pub backend: Value,
+    /// Capacity in bytes, if bounded.
+    pub capacity: Option<u64>,
+    /// What the ledger holds.
+    pub usage: Usage,
+    /// Whether the start-up scan has filled the ledger.
+    pub seeded: bool,
+    /// The eviction settings, if configured.
+    pub eviction: Option<lmcache_l2::config::EvictionSpec>,
+    /// The counters.
+    pub counters: AdapterCounters,
+}
+
+/// The counters of one adapter at one moment (see [`AdapterStats`] for each meaning).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[expect(missing_docs, reason = "each field is the `AdapterStats` counter of the same name")]
+pub struct AdapterCounters {
+    pub stored_keys: u64,
+    pub stored_bytes: u64,
+    pub skipped_keys: u64,
+    pub store_failures: u64,
+    pub lookup_keys: u64,
+    pub lookup_hits: u64,
+    pub loaded_keys: u64,
+    pub loaded_bytes: u64,
+    pub load_failures: u64,
+    pub corrupt_blobs: u64,
+    pub errors: u64,
+    pub evicted_keys: u64,
+    pub evicted_bytes: u64,
+    pub quota_rejections: u64,
+    pub capacity_rejections: u64,
+    pub seeded_keys: u64,
+    pub ping_failures: u64,
+    pub marked_down: u64,
+}
+
+impl AdapterStats {
+    /// The counters now.
+    pub fn snapshot(&self) -> AdapterCounters {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        AdapterCounters {
+            stored_keys: g(&self.stored_keys),
+            stored_bytes: g(&self.stored_bytes),
+            skipped_keys: g(&self.skipped_keys),
+            store_failures: g(&self.store_failures),
+            lookup_keys: g(&self.lookup_keys),
+            lookup_hits: g(&self.lookup_hits),
+            loaded_keys: g(&self.loaded_keys),
+            loaded_bytes: g(&self.loaded_bytes),
+            load_failures: g(&self.load_failures),
+            corrupt_blobs: g(&self.corrupt_blobs),
+            errors: g(&self.errors),
+            evicted_keys: g(&self.evicted_keys),
+            evicted_bytes: g(&self.evicted_bytes),
+            quota_rejections: g(&self.quota_rejections),
+            capacity_rejections: g(&self.capacity_rejections),
+            seeded_keys: g(&self.seeded_keys),
+            ping_failures: g(&self.ping_failures),
+            marked_down: g(&self.marked_down),
+        }
+    }
 }
 
 /// State shared with the controllers' tasks (never the runtime itself).
@@ -739,57 +807,18 @@ fn warn_isolated(slot: &AdapterSlot) {
 }
 
 fn describe_slot(s: &AdapterSlot) -> AdapterInfo {
-    let st = &s.stats;
-    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let u = s.usage();
-    let usage: serde_json::Map<String, Value> = u
-        .by_salt
-        .iter()
-        .map(|(k, v)| {
-            (if k.is_empty() { "_default".into() } else { k.as_str().to_owned() }, json!(v))
-        })
-        .collect();
     AdapterInfo {
         id: s.id,
         kind: s.built.kind.clone(),
         healthy: s.healthy(),
-        detail: json!({
-            "id": s.id,
-            "type": s.built.kind,
-            "healthy": s.healthy(),
-            "last_error": s.last_error.lock().clone(),
-            "codec": s.built.codec.name(),
-            "config": s.built.spec,
-            "adapter": s.built.adapter.describe(),
-            "capacity_bytes": s.ledger.capacity(),
-            "used_bytes": u.used,
-            "reserved_bytes": u.reserved,
-            "keys": u.keys,
-            "usage_fraction": s.ledger.capacity().map(|c| u.used as f64 / c.max(1) as f64),
-            "usage_bytes_by_salt": usage,
-            "usage_seeded": s.seeded(),
-            "eviction": s.ledger.eviction().map(|e| json!({
-                "eviction_policy": e.policy.as_str(),
-                "trigger_watermark": e.trigger_watermark,
-                "eviction_ratio": e.eviction_ratio,
-            })),
-            "evicted_keys": g(&st.evicted_keys),
-            "evicted_bytes": g(&st.evicted_bytes),
-            "quota_rejections": g(&st.quota_rejections),
-            "capacity_rejections": g(&st.capacity_rejections),
-            "stored_keys": g(&st.stored_keys),
-            "stored_bytes": g(&st.stored_bytes),
-            "skipped_keys": g(&st.skipped_keys),
-            "store_failures": g(&st.store_failures),
-            "lookup_keys": g(&st.lookup_keys),
-            "lookup_hits": g(&st.lookup_hits),
-            "loaded_keys": g(&st.loaded_keys),
-            "loaded_bytes": g(&st.loaded_bytes),
-            "load_failures": g(&st.load_failures),
-            "corrupt_blobs": g(&st.corrupt_blobs),
-            "errors": g(&st.errors),
-            "ping_failures": g(&st.ping_failures),
-            "marked_down": g(&st.marked_down),
-        }),
+        last_error: s.last_error.lock().clone(),
+        codec: s.built.codec.name(),
+        spec: s.built.spec.clone(),
+        backend: s.built.adapter.describe(),
+        capacity: s.ledger.capacity(),
+        usage: s.usage(),
+        seeded: s.seeded(),
+        eviction: s.ledger.eviction(),
+        counters: s.stats.snapshot(),
     }
 }

@@ -117,14 +117,54 @@ pub(super) async fn config(State(s): State<Shared>) -> Json<Value> {
 /// Each adapter's state for /status: LMCache's `type` and `is_healthy`, then our detail.
 pub(super) fn l2_status(s: &ServerState) -> Vec<Value> {
     let Some(t) = &s.l2 else { return Vec::new() };
-    t.describe()
-        .into_iter()
-        .map(|a| {
-            let mut d = a.detail;
-            d["is_healthy"] = json!(a.healthy);
-            d
-        })
-        .collect()
+    t.describe().iter().map(adapter_json).collect()
+}
+
+fn adapter_json(a: &lmcache_storage::AdapterInfo) -> Value {
+    let u = &a.usage;
+    let c = &a.counters;
+    let by_salt: serde_json::Map<String, Value> =
+        u.by_salt.iter().map(|(k, v)| (quota::salt_name(k), json!(v))).collect();
+    json!({
+        "id": a.id,
+        "type": a.kind,
+        "healthy": a.healthy,
+        "is_healthy": a.healthy,
+        "last_error": a.last_error,
+        "codec": a.codec,
+        "config": a.spec,
+        "adapter": a.backend,
+        "capacity_bytes": a.capacity,
+        "used_bytes": u.used,
+        "reserved_bytes": u.reserved,
+        "keys": u.keys,
+        "usage_fraction": a.capacity.map(|cap| u.used as f64 / cap.max(1) as f64),
+        "usage_bytes_by_salt": by_salt,
+        "usage_seeded": a.seeded,
+        "eviction": a.eviction.map(|e| json!({
+            "eviction_policy": e.policy.as_str(),
+            "trigger_watermark": e.trigger_watermark,
+            "eviction_ratio": e.eviction_ratio,
+        })),
+        "evicted_keys": c.evicted_keys,
+        "evicted_bytes": c.evicted_bytes,
+        "quota_rejections": c.quota_rejections,
+        "capacity_rejections": c.capacity_rejections,
+        "seeded_keys": c.seeded_keys,
+        "stored_keys": c.stored_keys,
+        "stored_bytes": c.stored_bytes,
+        "skipped_keys": c.skipped_keys,
+        "store_failures": c.store_failures,
+        "lookup_keys": c.lookup_keys,
+        "lookup_hits": c.lookup_hits,
+        "loaded_keys": c.loaded_keys,
+        "loaded_bytes": c.loaded_bytes,
+        "load_failures": c.load_failures,
+        "corrupt_blobs": c.corrupt_blobs,
+        "errors": c.errors,
+        "ping_failures": c.ping_failures,
+        "marked_down": c.marked_down,
+    })
 }
 
 /// The adapters' configurations (secrets masked), for /config.
