@@ -166,6 +166,23 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
     async fn close(&self) {}
 }
 
+/// One page of `keys` (key, stored size) of `model` (all if `None`), in wire-key order: the
+/// listing of adapters that hold their keys in memory or get them in one scan.
+pub(crate) fn page_keys<'a>(
+    keys: impl IntoIterator<Item = (&'a ObjectKey, u64)>,
+    model: Option<&str>,
+    cursor: Option<&str>,
+    limit: usize,
+) -> KeyPage {
+    let mut all: Vec<(String, ObjectKey, u64)> = keys
+        .into_iter()
+        .filter(|(k, _)| model.is_none_or(|m| k.model_name.as_str() == m))
+        .map(|(k, n)| (crate::wire_key::encode(k), k.clone(), n))
+        .collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    page_sorted(all, cursor, limit)
+}
+
 /// Pages a listing sorted by wire key: the cursor is the last wire key of the previous page.
 pub(crate) fn page_sorted(
     sorted: Vec<(String, ObjectKey, u64)>,

@@ -126,11 +126,6 @@ impl Session {
         Some(Settled { chunks: p.chunks, hits, l2_hits: out.hits, loaded_keys: out.loaded_keys })
     }
 
-    /// Whether an L2 prefetch of the last lookup still runs.
-    pub fn prefetching(&self) -> bool {
-        matches!(&self.hits, LookupState::Pending(p) if !p.handle.is_done())
-    }
-
     /// Chunk hashes of the first `chunks` chunks of `tokens`. Incremental: when `tokens`
     /// extends what the session saw before, only the new chunks are hashed.
     pub fn chunk_hashes(&mut self, tokens: &[u32], chunks: usize) -> Vec<ChunkHash> {

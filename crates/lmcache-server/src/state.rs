@@ -13,7 +13,7 @@ use crate::config::ServerConfig;
 use crate::kv_events::KvEventLog;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
-use crate::session::Sessions;
+use crate::session::{Session, Sessions};
 
 /// Identity of an engine-driven transfer between its prepare and commit messages:
 /// `(instance, key identity)`, where the chunk hashes stand for the token list.
@@ -154,14 +154,33 @@ impl ServerState {
         shard: usize,
         range: std::ops::Range<usize>,
     ) {
-        let settled = self.sessions.with_existing(request_id, |s| {
+        self.with_settled(request_id, |s| s.lookup.release_one(shard, range));
+    }
+
+    /// Runs `f` on the request's existing session (`None` if there is none), after joining
+    /// the last lookup's prefetch if it has ended; what that prefetch added is counted and
+    /// announced once, here.
+    pub fn with_settled<R>(
+        &self,
+        request_id: &str,
+        f: impl FnOnce(&mut Session) -> R,
+    ) -> Option<R> {
+        let (r, settled) = self.sessions.with_existing(request_id, |s| {
             let settled = s.settle();
-            s.lookup.release_one(shard, range);
-            settled
-        });
-        if let Some(Some(st)) = settled {
-            crate::handlers::record_settled(self, request_id, st);
+            (f(s), settled)
+        })?;
+        if let Some(st) = settled {
+            let c = self.chunk_size() as u64;
+            self.metrics.lookup_hit_tokens.inc_by(st.l2_hits as u64 * c);
+            self.metrics.lookup_hit_l2_tokens.inc_by(st.l2_hits as u64 * c);
+            self.metrics.lookup_hit_l2_keys.inc_by(st.loaded_keys as u64);
+            self.bus.publish(crate::event_bus::Event::Lookup {
+                request_id: request_id.to_owned(),
+                chunks: st.chunks,
+                hits: st.hits,
+            });
         }
+        Some(r)
     }
 
     /// Announces newly resident chunks of shard 0 (`committed` are indexes into `hashes`) as

@@ -63,7 +63,8 @@ impl StorageManager {
             }
             let retry: Vec<WriteRequest> = short.iter().map(|&i| requests[i].clone()).collect();
             let now = Instant::now();
-            let again = if now < deadline && tier.wait_progress(deadline - now) {
+            let progressed = now < deadline && tier.wait_progress(deadline - now);
+            let again = if progressed {
                 self.l1.reserve_write(&retry)
             } else {
                 // Waited long enough: the oldest unwritten objects go (counted).
@@ -71,14 +72,13 @@ impl StorageManager {
                     chunks = retry.len(),
                     "L1 full of objects L2 has not written yet; evicting some to store"
                 );
-                let r = self.l1.reserve_write_evicting_unwritten(&retry);
-                for (&i, r) in short.iter().zip(r) {
-                    out[i] = r;
-                }
-                return out;
+                self.l1.reserve_write_evicting_unwritten(&retry)
             };
             for (&i, r) in short.iter().zip(again) {
                 out[i] = r;
+            }
+            if !progressed {
+                return out;
             }
         }
     }

@@ -93,11 +93,6 @@ impl PrefetchHandle {
         }
     }
 
-    /// Whether the prefetch has ended.
-    pub fn is_done(&self) -> bool {
-        !matches!(*self.slot.state.lock(), SlotState::Running)
-    }
-
     /// A waiter for this prefetch.
     pub fn waiter(&self) -> PrefetchWaiter {
         PrefetchWaiter { slot: self.slot.clone() }
@@ -122,9 +117,8 @@ impl L2Tier {
     /// Starts a prefetch and returns its handle (poll it, or wait on it).
     pub fn start_prefetch(&self, req: PrefetchRequest) -> PrefetchHandle {
         let slot = Arc::new(PrefetchSlot::default());
-        let (shared, s) = (self.shared.clone(), slot.clone());
-        self.rt.spawn(async move {
-            let outcome = run(&shared, req).await;
+        let s = slot.clone();
+        self.prefetch(req, move |outcome| {
             *s.state.lock() = SlotState::Done(outcome);
             s.done.notify_all();
         });

@@ -765,11 +765,6 @@ impl L2Tier {
         target.saturating_sub(*p)
     }
 
-    /// Runs one eviction pass now (tests, and after bulk changes).
-    pub async fn evict_now(&self) {
-        self.shared.evict_pass().await;
-    }
-
     /// One adapter's view, or all.
     pub fn describe(&self) -> Vec<AdapterInfo> {
         self.adapters().iter().map(|s| describe_slot(s)).collect()

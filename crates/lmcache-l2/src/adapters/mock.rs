@@ -117,13 +117,8 @@ impl L2Adapter for MockAdapter {
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
         let g = self.objects.lock();
-        let mut keys: Vec<(String, ObjectKey, u64)> =
-            g.0.iter()
-                .filter(|(k, _)| model.is_none_or(|m| k.model_name.as_str() == m))
-                .map(|(k, b)| (crate::wire_key::encode(k), k.clone(), b.len() as u64))
-                .collect();
-        keys.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(crate::adapter::page_sorted(keys, cursor, limit))
+        let keys = g.0.iter().map(|(k, b)| (k, b.len() as u64));
+        Ok(crate::adapter::page_keys(keys, model, cursor, limit))
     }
 
     fn capacity(&self) -> Option<u64> {

@@ -579,14 +579,8 @@ impl L2Adapter for RawBlockAdapter {
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
         let st = self.inner.state.lock();
-        let mut all: Vec<(String, ObjectKey, u64)> = st
-            .index
-            .iter()
-            .filter(|(k, _)| model.is_none_or(|m| k.model_name.as_str() == m))
-            .map(|(k, e)| (wire_key::encode(k), k.clone(), e.len))
-            .collect();
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(crate::adapter::page_sorted(all, cursor, limit))
+        let keys = st.index.iter().map(|(k, e)| (k, e.len));
+        Ok(crate::adapter::page_keys(keys, model, cursor, limit))
     }
 
     fn capacity(&self) -> Option<u64> {

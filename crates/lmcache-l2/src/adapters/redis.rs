@@ -387,15 +387,8 @@ impl L2Adapter for RedisAdapter {
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
-        let mut all: Vec<(String, ObjectKey, u64)> = self
-            .scan(1 << 20)
-            .await?
-            .into_iter()
-            .filter(|(k, _)| model.is_none_or(|m| k.model_name.as_str() == m))
-            .map(|(k, s)| (wire_key::encode(&k), k, s))
-            .collect();
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(crate::adapter::page_sorted(all, cursor, limit))
+        let all = self.scan(1 << 20).await?;
+        Ok(crate::adapter::page_keys(all.iter().map(|(k, n)| (k, *n)), model, cursor, limit))
     }
 
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {

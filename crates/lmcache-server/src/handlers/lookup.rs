@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use lmcache_storage::PrefetchRequest;
 
-use crate::session::{LookupLocks, LookupState, PendingLookup, Settled};
+use crate::session::{LookupLocks, LookupState, PendingLookup};
 use crate::state::ServerState;
 
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
@@ -53,17 +53,12 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             let c = state.chunk_size();
             let range = key.start / c..key.end / c;
             if !range.is_empty() {
-                let settled = state.sessions.with_existing(&key.request_id, |s| {
-                    let settled = s.settle();
+                state.with_settled(&key.request_id, |s| {
                     // LMCache ignores the call while the prefetch runs; so do we.
                     if !matches!(s.hits, LookupState::Pending(_)) {
                         s.lookup.release_all(range);
                     }
-                    settled
                 });
-                if let Some(Some(st)) = settled {
-                    record_settled(state, &key.request_id, st);
-                }
             }
             Ok(None)
         }
@@ -86,23 +81,18 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
 /// The hit count of the request's last lookup, exactly once; nil while its prefetch runs; 0
 /// afterwards or if unknown.
 fn take_hits(state: &ServerState, request_id: &str) -> Value {
-    let r = state.sessions.with_existing(request_id, |s| {
-        let settled = s.settle();
-        let hits = match std::mem::take(&mut s.hits) {
-            LookupState::Pending(p) => {
-                s.hits = LookupState::Pending(p);
-                None
-            }
-            LookupState::Ready(n) => Some(n),
-            LookupState::Idle => Some(0),
-        };
-        (hits, settled)
+    let hits = state.with_settled(request_id, |s| match std::mem::take(&mut s.hits) {
+        LookupState::Pending(p) => {
+            s.hits = LookupState::Pending(p);
+            None
+        }
+        LookupState::Ready(n) => Some(n),
+        LookupState::Idle => Some(0),
     });
-    let Some((hits, settled)) = r else { return Value::from(0u64) };
-    if let Some(st) = settled {
-        record_settled(state, request_id, st);
+    match hits {
+        None => Value::from(0u64),
+        Some(h) => h.map_or(Value::Nil, |n| Value::from(n as u64)),
     }
-    hits.map_or(Value::Nil, |n| Value::from(n as u64))
 }
 
 fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
@@ -186,18 +176,4 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         }
         Ok(())
     })
-}
-
-/// Counts and announces what a finished prefetch added to a lookup (once, when the session
-/// joins it).
-pub(crate) fn record_settled(state: &ServerState, request_id: &str, st: Settled) {
-    let c = state.chunk_size() as u64;
-    state.metrics.lookup_hit_tokens.inc_by(st.l2_hits as u64 * c);
-    state.metrics.lookup_hit_l2_tokens.inc_by(st.l2_hits as u64 * c);
-    state.metrics.lookup_hit_l2_keys.inc_by(st.loaded_keys as u64);
-    state.bus.publish(crate::event_bus::Event::Lookup {
-        request_id: request_id.to_owned(),
-        chunks: st.chunks,
-        hits: st.hits,
-    });
 }

@@ -9,8 +9,6 @@
 mod engine_driven;
 mod lmcache_driven;
 mod lookup;
-
-pub(crate) use lookup::record_settled;
 mod management;
 
 use lmcache_protocol::frame::{Header, ParseFailure};

@@ -100,12 +100,8 @@ pub(super) async fn quota_get(
     Path(raw): Path<String>,
     axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
 ) -> Response {
-    let tier = match QuotaTier::of(&s, &q) {
-        Ok(t) => t,
-        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
-    };
-    let salt = match salt_from_path(&raw) {
-        Ok(salt) => salt,
+    let (tier, salt) = match QuotaTier::of(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
+        Ok(x) => x,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     let limit = tier.quota(&s, &salt);
@@ -130,12 +126,8 @@ pub(super) async fn quota_put(
     axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
     body: axum::body::Bytes,
 ) -> Response {
-    let tier = match QuotaTier::of(&s, &q) {
-        Ok(t) => t,
-        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
-    };
-    let salt = match salt_from_path(&raw) {
-        Ok(salt) => salt,
+    let (tier, salt) = match QuotaTier::of(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
+        Ok(x) => x,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     let body: QuotaBody = match serde_json::from_slice(&body) {
@@ -159,12 +151,8 @@ pub(super) async fn quota_delete(
     Path(raw): Path<String>,
     axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
 ) -> Response {
-    let tier = match QuotaTier::of(&s, &q) {
-        Ok(t) => t,
-        Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
-    };
-    let salt = match salt_from_path(&raw) {
-        Ok(salt) => salt,
+    let (tier, salt) = match QuotaTier::of(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
+        Ok(x) => x,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
     let existed = tier.quota(&s, &salt).is_some();

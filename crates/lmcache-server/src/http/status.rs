@@ -211,27 +211,31 @@ pub(super) fn refresh_l2_metrics(s: &ServerState) {
     advance(&m.prefetch_requests, ts.prefetch_requests.load(Relaxed));
     advance(&m.prefetch_expired, ts.prefetch_expired.load(Relaxed));
     s.metrics.active_prefetch_jobs.set(ts.prefetch_in_flight.load(Relaxed) as i64);
-    for a in tier.adapters() {
-        let l = L2Label { l2_name: a.built.kind.clone(), adapter_index: a.id.to_string() };
-        let st = &a.stats;
-        let u = a.usage();
-        m.usage_bytes.get_or_create(&l).set(u.used as i64);
-        m.capacity_bytes.get_or_create(&l).set(a.ledger.capacity().map_or(-1, |c| c as i64));
-        m.keys.get_or_create(&l).set(u.keys as i64);
-        advance(&m.evicted_objects.get_or_create(&l), st.evicted_keys.load(Relaxed));
-        advance(&m.evicted_bytes.get_or_create(&l), st.evicted_bytes.load(Relaxed));
-        advance(&m.quota_rejections.get_or_create(&l), st.quota_rejections.load(Relaxed));
-        advance(&m.capacity_rejections.get_or_create(&l), st.capacity_rejections.load(Relaxed));
-        m.healthy.get_or_create(&l).set(i64::from(a.healthy()));
-        advance(&m.store_completed_objects.get_or_create(&l), st.stored_keys.load(Relaxed));
-        advance(&m.stored_bytes.get_or_create(&l), st.stored_bytes.load(Relaxed));
-        advance(&m.store_skipped_objects.get_or_create(&l), st.skipped_keys.load(Relaxed));
-        advance(&m.store_failures.get_or_create(&l), st.store_failures.load(Relaxed));
-        advance(&m.loaded_objects.get_or_create(&l), st.loaded_keys.load(Relaxed));
-        advance(&m.loaded_bytes.get_or_create(&l), st.loaded_bytes.load(Relaxed));
-        advance(&m.load_failures.get_or_create(&l), st.load_failures.load(Relaxed));
-        advance(&m.corrupt_blobs.get_or_create(&l), st.corrupt_blobs.load(Relaxed));
-        advance(&m.errors.get_or_create(&l), st.errors.load(Relaxed));
+    // The same snapshot /status shows.
+    for a in tier.describe() {
+        let l = L2Label { l2_name: a.kind.clone(), adapter_index: a.id.to_string() };
+        let c = &a.counters;
+        m.usage_bytes.get_or_create(&l).set(a.usage.used as i64);
+        m.capacity_bytes.get_or_create(&l).set(a.capacity.map_or(-1, |cap| cap as i64));
+        m.keys.get_or_create(&l).set(a.usage.keys as i64);
+        m.healthy.get_or_create(&l).set(i64::from(a.healthy));
+        for (counter, value) in [
+            (&m.evicted_objects, c.evicted_keys),
+            (&m.evicted_bytes, c.evicted_bytes),
+            (&m.quota_rejections, c.quota_rejections),
+            (&m.capacity_rejections, c.capacity_rejections),
+            (&m.store_completed_objects, c.stored_keys),
+            (&m.stored_bytes, c.stored_bytes),
+            (&m.store_skipped_objects, c.skipped_keys),
+            (&m.store_failures, c.store_failures),
+            (&m.loaded_objects, c.loaded_keys),
+            (&m.loaded_bytes, c.loaded_bytes),
+            (&m.load_failures, c.load_failures),
+            (&m.corrupt_blobs, c.corrupt_blobs),
+            (&m.errors, c.errors),
+        ] {
+            advance(&counter.get_or_create(&l), value);
+        }
     }
 }
 
