@@ -93,6 +93,45 @@ fn server_starts_fast_on_defaults_and_unlinks_its_segment_on_sigterm() {
     assert!(!path.exists(), "segment left behind after SIGTERM");
 }
 
+#[test]
+fn exit_after_seconds_still_stops_on_sigterm_and_by_itself() {
+    let wait_exit = |child: &mut std::process::Child, within: Duration| {
+        let t0 = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if t0.elapsed() > within {
+                let _ = child.kill();
+                panic!("server still running after {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    for (exit_after, term) in [("600", true), ("1", false)] {
+        let name = format!("lmcache_rs_cli_exit_{exit_after}_{}", std::process::id());
+        let mut child = bin()
+            .args(["server", "--shm-name", &name, "--l1-size-gb", "0.01", "--port", "0"])
+            .args(["--http-port", "0", "--exit-after-seconds", exit_after])
+            .stderr(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let path = std::path::Path::new("/dev/shm").join(&name);
+        let started = Instant::now();
+        while !path.exists() {
+            assert!(started.elapsed() < Duration::from_secs(10), "segment never appeared");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if term {
+            nix_kill(child.id());
+        }
+        let status = wait_exit(&mut child, Duration::from_secs(15));
+        assert!(status.success(), "server exited with {status}");
+        assert!(!path.exists(), "segment left behind");
+    }
+}
+
 fn nix_kill(pid: u32) {
     let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
     assert!(ok.success());
