@@ -139,18 +139,14 @@ impl EventBus {
     /// Queues `event`; drops and counts it when the queue is full. Never blocks on a
     /// subscriber and never wakes a thread.
     pub fn publish(&self, event: Event) {
-        if self.capacity == 0 {
-            return;
-        }
-        let mut q = self.shared.queue.lock();
-        if q.len() >= self.capacity {
-            drop(q);
-            self.shared.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        q.push_back(event);
-        drop(q);
-        self.shared.published.fetch_add(1, Ordering::Relaxed);
+        publish(self.capacity, &self.shared, event);
+    }
+
+    /// A handle that publishes to this bus and owns nothing else (for observers installed in
+    /// lower layers: no back-reference to the server). Events published after the bus
+    /// stopped are queued, bounded, and never delivered.
+    pub fn publisher(&self) -> Publisher {
+        Publisher { capacity: self.capacity, shared: Arc::clone(&self.shared) }
     }
 
     /// Events dropped because the queue was full.
@@ -166,6 +162,35 @@ impl EventBus {
     /// Events queued now.
     pub fn depth(&self) -> i64 {
         self.shared.queue.lock().len() as i64
+    }
+}
+
+fn publish(capacity: usize, shared: &Shared, event: Event) {
+    if capacity == 0 {
+        return;
+    }
+    let mut q = shared.queue.lock();
+    if q.len() >= capacity {
+        drop(q);
+        shared.dropped.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    q.push_back(event);
+    drop(q);
+    shared.published.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Publishes to an [`EventBus`] (see [`EventBus::publisher`]). Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Publisher {
+    capacity: usize,
+    shared: Arc<Shared>,
+}
+
+impl Publisher {
+    /// As [`EventBus::publish`].
+    pub fn publish(&self, event: Event) {
+        publish(self.capacity, &self.shared, event);
     }
 }
 
@@ -235,13 +260,11 @@ mod tests {
 
 /// Forwards the L2 tier's reports to the server's bus.
 #[derive(Debug)]
-pub struct TierEvents(pub std::sync::Weak<crate::state::ServerState>);
+pub struct TierEvents(pub Publisher);
 
 impl TierEvents {
     fn publish(&self, e: Event) {
-        if let Some(s) = self.0.upgrade() {
-            s.bus.publish(e);
-        }
+        self.0.publish(e);
     }
 }
 
@@ -266,18 +289,16 @@ impl lmcache_storage::TierObserver for TierEvents {
 pub struct L1Events {
     /// The KV event log (engines' `subscribe_kv_events`).
     pub kv: Arc<crate::kv_events::KvEventLog>,
-    /// The server, for its bus.
-    pub state: std::sync::Weak<crate::state::ServerState>,
+    /// The server's bus.
+    pub bus: Publisher,
 }
 
 impl lmcache_l1::L1Listener for L1Events {
     fn removed(&self, key: &lmcache_core::ObjectKey) {
         lmcache_l1::L1Listener::removed(self.kv.as_ref(), key);
-        if let Some(s) = self.state.upgrade() {
-            s.bus.publish(Event::L1Removed {
-                model: key.model_name.as_str().to_owned(),
-                chunk_hash: key.chunk_hash.to_hex(),
-            });
-        }
+        self.bus.publish(Event::L1Removed {
+            model: key.model_name.as_str().to_owned(),
+            chunk_hash: key.chunk_hash.to_hex(),
+        });
     }
 }

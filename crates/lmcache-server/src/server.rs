@@ -106,35 +106,29 @@ impl Server {
         let transport = Transport::bind(&config.endpoint())?;
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
-        l1.set_listener(events.clone());
         let bus = crate::event_bus::EventBus::start(
             config.event_bus_queue_size,
             vec![crate::event_bus::log_subscriber()],
         )
         .map_err(io("starting the event bus"))?;
-        let storage = lmcache_storage::StorageManager::new(l1.clone(), l2.clone());
+        let storage = lmcache_storage::StorageManager::new(l1, l2);
+        storage.set_observers(
+            Arc::new(crate::event_bus::TierEvents(bus.publisher())),
+            Arc::new(crate::event_bus::L1Events { kv: events.clone(), bus: bus.publisher() }),
+        );
         let state = Arc::new(ServerState {
             http_prefetches: parking_lot::Mutex::default(),
             storage,
-            l2,
             bus,
             events,
             sessions: Sessions::new(hasher, config.session_ttl),
             hasher,
-            l1,
             registry: Registry::default(),
             pending: Pending::default(),
             metrics: Metrics::default(),
             started,
             config,
         });
-        if let Some(l2) = &state.l2 {
-            l2.set_observer(Arc::new(crate::event_bus::TierEvents(Arc::downgrade(&state))));
-        }
-        state.l1.set_listener(Arc::new(crate::event_bus::L1Events {
-            kv: state.events.clone(),
-            state: Arc::downgrade(&state),
-        }));
         let stop = Arc::new(AtomicBool::new(false));
         let http = match state.config.http_port {
             None => None,
@@ -206,19 +200,12 @@ impl Server {
             drop(tx);
             let _ = j.join();
         }
-        if let Some(l2) = &self.state.l2 {
-            let timeout = l2.config().flush_timeout;
-            let pending = self.state.storage.flush(timeout);
-            if pending > 0 {
-                tracing::warn!(pending, ?timeout, "L2 write-behind not finished at shutdown");
-            }
-            l2.shutdown();
-        }
+        self.state.storage.shutdown();
         self.maintenance.take();
         self.prefaulter.take();
         self.state.sessions.clear();
         // The segment's name goes now, whatever still holds the memory until exit.
-        self.state.l1.memory().arena().unlink_name();
+        self.state.l1().memory().arena().unlink_name();
     }
 }
 

@@ -7,79 +7,49 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use lmcache_core::{ChunkHash, ObjectKey, PrefixHasher, TokenHasher};
-use lmcache_l1::ReadLease;
+use lmcache_storage::{Lookup, LookupLeases, Settled};
 use parking_lot::Mutex;
-
-/// The read locks of one lookup: `locks[shard][chunk]`, each holding what is left of the
-/// `num_kv_readers` locks taken.
-#[derive(Debug, Default)]
-pub struct LookupLocks {
-    /// Per shard (worker id), per chunk of the hit prefix.
-    pub locks: Vec<Vec<Option<ReadLease>>>,
-}
-
-impl LookupLocks {
-    /// Releases one lock of shard `shard` on chunks `range`.
-    pub fn release_one(&mut self, shard: usize, range: std::ops::Range<usize>) {
-        let Some(chunks) = self.locks.get_mut(shard) else { return };
-        for slot in chunks.iter_mut().skip(range.start).take(range.len()) {
-            if let Some(lease) = slot {
-                if lease.count() > 1 {
-                    drop(lease.split(1));
-                } else {
-                    *slot = None;
-                }
-            }
-        }
-    }
-
-    /// Releases every lock on chunks `range`, all shards.
-    pub fn release_all(&mut self, range: std::ops::Range<usize>) {
-        for chunks in &mut self.locks {
-            for slot in chunks.iter_mut().skip(range.start).take(range.len()) {
-                *slot = None;
-            }
-        }
-    }
-}
 
 /// Where the last lookup of a request stands.
 #[derive(Debug, Default)]
 pub enum LookupState {
-    /// No lookup, or its hits were handed out.
+    /// No lookup yet.
     #[default]
     Idle,
-    /// The hit count of the last lookup, until `query_prefetch_status` takes it.
-    Ready(usize),
-    /// An L2 prefetch of the last lookup runs (a later lookup replaces it; dropping the handle
-    /// abandons it, and its leases are released when it ends).
-    Pending(PendingLookup),
+    /// The last lookup: its leases (and, while pending, its prefetch). A later lookup
+    /// replaces it; dropping it releases its locks and abandons its prefetch.
+    Active {
+        /// The lookup, from [`lmcache_storage::StorageManager::lookup`].
+        lookup: Lookup,
+        /// Chunks asked for.
+        chunks: usize,
+        /// Whether `query_prefetch_status` has handed its hits out (they are answered once).
+        answered: bool,
+    },
 }
 
-/// A lookup waiting for its L2 prefetch.
-#[derive(Debug)]
-pub struct PendingLookup {
-    /// The prefetch.
-    pub handle: lmcache_storage::PrefetchHandle,
-    /// Chunks L1 served.
-    pub l1_hit: usize,
-    /// Chunks asked for.
-    pub chunks: usize,
-    /// Shards looked up (their leases go to these slots).
-    pub shards: Vec<u32>,
+impl LookupState {
+    /// The last lookup's leases, if any.
+    pub fn leases_mut(&mut self) -> Option<&mut LookupLeases> {
+        match self {
+            Self::Idle => None,
+            Self::Active { lookup, .. } => Some(lookup.leases_mut()),
+        }
+    }
+
+    /// Whether its prefetch still runs.
+    pub fn is_pending(&self) -> bool {
+        matches!(self, Self::Active { lookup, .. } if lookup.is_pending())
+    }
 }
 
 /// A prefetch that ended and was joined to its session: what the metrics and events report.
 #[derive(Debug, Clone, Copy)]
-pub struct Settled {
+pub struct SettledLookup {
     /// Chunks asked for.
     pub chunks: usize,
-    /// Chunks served in all (L1 then L2).
-    pub hits: usize,
-    /// Of those, chunks L2 added.
-    pub l2_hits: usize,
-    /// Objects loaded from L2.
-    pub loaded_keys: usize,
+    /// What the prefetch added.
+    pub settled: Settled,
 }
 
 /// One request's state.
@@ -89,10 +59,8 @@ pub struct Session {
     base: TokenHasher,
     hasher: PrefixHasher,
     tokens: Vec<u32>,
-    /// The last lookup: idle, its hits, or its prefetch.
-    pub hits: LookupState,
-    /// The last lookup's read locks.
-    pub lookup: LookupLocks,
+    /// The last lookup: its locks, its hits, its prefetch.
+    pub lookup: LookupState,
     /// Keys the request touched (for the LRU touch at `end_session`).
     pub touched: Vec<ObjectKey>,
 }
@@ -104,26 +72,17 @@ impl Session {
             base: *hasher,
             hasher: hasher.prefix_hasher(),
             tokens: Vec::new(),
-            hits: LookupState::Idle,
-            lookup: LookupLocks::default(),
+            lookup: LookupState::Idle,
             touched: Vec::new(),
         }
     }
 
     /// If the last lookup's prefetch has ended, joins its leases to the lookup's and makes its
     /// hits ready. Returns what it added, once.
-    pub fn settle(&mut self) -> Option<Settled> {
-        let LookupState::Pending(p) = &self.hits else { return None };
-        let out = p.handle.poll()?;
-        let LookupState::Pending(p) = std::mem::take(&mut self.hits) else { return None };
-        for (&w, leases) in p.shards.iter().zip(out.leases) {
-            if let Some(slots) = self.lookup.locks.get_mut(w as usize) {
-                slots.extend(leases.into_iter().map(Some));
-            }
-        }
-        let hits = p.l1_hit + out.hits;
-        self.hits = LookupState::Ready(hits);
-        Some(Settled { chunks: p.chunks, hits, l2_hits: out.hits, loaded_keys: out.loaded_keys })
+    pub fn settle(&mut self) -> Option<SettledLookup> {
+        let LookupState::Active { lookup, chunks, .. } = &mut self.lookup else { return None };
+        let settled = lookup.settle()?;
+        Some(SettledLookup { chunks: *chunks, settled })
     }
 
     /// Chunk hashes of the first `chunks` chunks of `tokens`. Incremental: when `tokens`

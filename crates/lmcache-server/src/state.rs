@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use lmcache_core::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey, TokenHasher};
-use lmcache_l1::{L1Cache, LeaseId};
+use lmcache_l1::{L1Cache, LeaseId, ReadLease};
 use lmcache_protocol::ProtocolError;
 use lmcache_protocol::types::CacheKey;
 use parking_lot::Mutex;
@@ -45,13 +45,17 @@ impl PendingKey {
     }
 }
 
+/// What `prepare_retrieve` left for `commit_retrieve`: the parked leases, or `None` when it
+/// failed after spending the lookup's locks (so the commit must not release them again).
+pub type PreparedRetrieve = Option<Vec<LeaseId>>;
+
 /// Parked handles of transfers between prepare and commit.
 #[derive(Debug, Default)]
 pub struct Pending {
     /// Write reservations of `prepare_store`.
     pub stores: Mutex<HashMap<PendingKey, (Instant, Vec<LeaseId>)>>,
     /// Read leases of `prepare_retrieve`.
-    pub retrieves: Mutex<HashMap<PendingKey, (Instant, Vec<LeaseId>)>>,
+    pub retrieves: Mutex<HashMap<PendingKey, (Instant, PreparedRetrieve)>>,
 }
 
 impl Pending {
@@ -67,8 +71,6 @@ impl Pending {
 pub struct ServerState {
     /// Settings.
     pub config: ServerConfig,
-    /// The L1 tier.
-    pub l1: L1Cache,
     /// Token hasher (chunk size of the server).
     pub hasher: TokenHasher,
     /// Request sessions.
@@ -85,10 +87,9 @@ pub struct ServerState {
     pub bus: crate::event_bus::EventBus,
     /// Start time.
     pub started: Instant,
-    /// The L2 tier, when adapters are configured.
-    pub l2: Option<lmcache_storage::L2Tier>,
-    /// L1 and L2 together: the store path reserves and commits through it (the commit queues
-    /// the write-behind).
+    /// L1 and L2: the one owner of both tiers. Stores reserve and commit through it (the
+    /// commit queues the write-behind), lookups and retrieves lock and spend through it, and
+    /// HTTP lists, deletes, sets quotas and attaches adapters through it.
     pub storage: lmcache_storage::StorageManager,
     /// Prefetches asked over HTTP: request id → `None` while running, then
     /// `(found_keys, total_keys)` until polled once.
@@ -96,6 +97,11 @@ pub struct ServerState {
 }
 
 impl ServerState {
+    /// The L1 tier (for L1-only operations: the arena, parked handles, usage).
+    pub fn l1(&self) -> &L1Cache {
+        self.storage.l1()
+    }
+
     /// Chunk size in tokens.
     pub fn chunk_size(&self) -> usize {
         self.hasher.chunk_size()
@@ -145,16 +151,37 @@ impl ServerState {
         (first, hashes, parent)
     }
 
-    /// Releases one shard's lookup locks of chunks `range` (a retrieve consumed them). A
-    /// prefetch of that lookup that has ended is joined first, so its leases are the ones
-    /// released.
+    /// Releases one shard's lookup locks of chunks `range` (a retrieve that failed before
+    /// spending them). A prefetch of that lookup that has ended is joined first, so its leases
+    /// are the ones released.
     pub fn release_lookup_locks(
         &self,
         request_id: &str,
         shard: usize,
         range: std::ops::Range<usize>,
     ) {
-        self.with_settled(request_id, |s| s.lookup.release_one(shard, range));
+        self.with_settled(request_id, |s| {
+            if let Some(l) = s.lookup.leases_mut() {
+                l.release_one(shard, range);
+            }
+        });
+    }
+
+    /// One lock of shard `shard` on chunks `range` from the request's lookup (after joining
+    /// its prefetch if it ended), as the retrieve of those chunks spends them; `None` where
+    /// the lookup holds none. Empty without a session.
+    pub fn spend_lookup_locks(
+        &self,
+        request_id: &str,
+        shard: usize,
+        range: std::ops::Range<usize>,
+    ) -> Vec<Option<ReadLease>> {
+        let n = range.len();
+        self.with_settled(request_id, |s| {
+            s.lookup.leases_mut().map(|l| l.take_one(shard, range.clone()))
+        })
+        .flatten()
+        .unwrap_or_else(|| (0..n).map(|_| None).collect())
     }
 
     /// Runs `f` on the request's existing session (`None` if there is none), after joining
@@ -169,14 +196,14 @@ impl ServerState {
             let settled = s.settle();
             (f(s), settled)
         })?;
-        if let Some(st) = settled {
+        if let Some(crate::session::SettledLookup { chunks, settled: st }) = settled {
             let c = self.chunk_size() as u64;
             self.metrics.lookup_hit_tokens.inc_by(st.l2_hits as u64 * c);
             self.metrics.lookup_hit_l2_tokens.inc_by(st.l2_hits as u64 * c);
             self.metrics.lookup_hit_l2_keys.inc_by(st.loaded_keys as u64);
             self.bus.publish(crate::event_bus::Event::Lookup {
                 request_id: request_id.to_owned(),
-                chunks: st.chunks,
+                chunks,
                 hits: st.hits,
             });
         }

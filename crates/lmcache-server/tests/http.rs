@@ -220,7 +220,7 @@ fn bearer_token_guards_every_route_but_healthcheck() {
 #[test]
 fn cache_objects_list_pages_and_deletes() {
     let s = server();
-    let l1 = &s.state().l1;
+    let l1 = s.state().l1();
     for (i, model) in [(1u8, "m"), (2, "m"), (3, "other")] {
         let key = lmcache_core::ObjectKey::new([i; 32], model, 1, 0, 0, "").unwrap();
         let w =

@@ -35,16 +35,13 @@ fn store(s: &Server, keys: &[ObjectKey]) {
     let st = s.state();
     for k in keys {
         let mut w =
-            st.l1.reserve_write(&[WriteRequest::new(k.clone(), 4096)]).pop().unwrap().unwrap();
+            st.storage.reserve_write(&[WriteRequest::new(k.clone(), 4096)]).pop().unwrap().unwrap();
         w.as_mut_slice().fill(7);
-        w.commit().unwrap();
+        // Through the manager, as a store does: the commit queues the write-behind.
+        assert!(st.storage.commit(vec![w]).pop().unwrap().is_ok());
     }
-    let l2 = st.l2.as_ref().unwrap();
-    l2.submit_store(keys.to_vec());
     let t0 = Instant::now();
-    while l2.adapters()[0].stats.stored_keys.load(std::sync::atomic::Ordering::Relaxed)
-        < keys.len() as u64
-    {
+    while st.storage.describe_l2()[0].counters.stored_keys < keys.len() as u64 {
         assert!(t0.elapsed() < Duration::from_secs(10));
         std::thread::sleep(Duration::from_millis(10));
     }
@@ -164,7 +161,7 @@ fn l1_removals_and_l2_batches_reach_the_event_bus() {
     store(&s, &[key(7), key(8)]);
     let after_store = s.state().bus.published();
     assert!(after_store > before, "the L2 store batch was not published");
-    s.state().l1.clear(true);
+    s.state().l1().clear(true);
     assert!(s.state().bus.published() >= after_store + 2, "L1 removals were not published");
 }
 
@@ -230,7 +227,7 @@ fn the_l1_segment_name_goes_at_shutdown_even_while_a_handle_outlives_the_server(
     })
     .unwrap();
     assert!(path.exists());
-    let handle = s.state().l1.clone();
+    let handle = s.state().l1().clone();
     s.shutdown();
     assert!(!path.exists(), "the L1 segment outlived the server");
     drop(handle);

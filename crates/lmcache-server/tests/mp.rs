@@ -409,7 +409,7 @@ fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
     let key = KeySpec::whole("m", "w", tokens(11, 64), CHUNK);
     assert_eq!(store(&mut c, &pool, &key.for_worker(0), 3, |i| 0x10 + i as u8), 4);
     assert_eq!(s.state().storage.flush(Duration::from_secs(10)), 0, "write-behind unfinished");
-    s.state().l1.clear(true);
+    s.state().l1().clear(true);
 
     // lookup, then wait: it returns when the prefetch ends, with every chunk, well before the
     // 5 s asked, and answers exactly once.
@@ -443,7 +443,7 @@ fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
     // A wait shorter than the prefetch answers nil. A repeated lookup abandons the first
     // prefetch (its result is dropped when it ends) and answers for the second; once both
     // have ended, no lease of either is left: nothing in L1 stays locked.
-    s.state().l1.clear(true);
+    s.state().l1().clear(true);
     lookup(&mut c, "x");
     let v = c.call(Op::WaitPrefetchStatus, &[Value::from("x"), Value::from(0.01)]).unwrap();
     assert_eq!(v, Some(Value::Nil));
@@ -452,8 +452,52 @@ fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
     assert!(matches!(v, Some(Value::Integer(_))), "{v:?}");
     c.end_session("x").unwrap();
     let t0 = std::time::Instant::now();
-    while s.state().l1.usage().locked_objects > 0 {
+    while s.state().l1().usage().locked_objects > 0 {
         assert!(t0.elapsed() < Duration::from_secs(5), "an abandoned prefetch kept its leases");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A retrieve spends the locks its lookup took instead of locking every chunk again: what the
+/// lookup promised is served even if the objects were unindexed since (a forced clear), and a
+/// failed prepare never releases another reader's share.
+#[test]
+fn a_retrieve_spends_the_lookups_locks() {
+    let s = server("spend");
+    let mut c = client(&s);
+    let pool = register(&mut c, 4, 1);
+    let stored = KeySpec::whole("m", "r", tokens(21, 32), CHUNK);
+    assert_eq!(store(&mut c, &pool, &stored.for_worker(0), 4, |i| 0x40 + i as u8), 2);
+    // Three chunks asked, two held; two readers each get a lock on the two hits.
+    let mut key = KeySpec::whole("m", "r", tokens(21, 48), CHUNK);
+    key.num_kv_readers = 2;
+    assert_eq!(c.lookup(&key).unwrap(), 2);
+    assert_eq!(s.state().l1().usage().locked_objects, 2);
+    // Unindexed objects keep their memory while a lock is held: the bytes in use tell.
+    let held = |s: &Server| s.state().l1().usage().used_bytes;
+    let two = held(&s);
+    s.state().l1().clear(true);
+    assert_eq!(held(&s), two, "a forced clear freed memory under a lock");
+
+    // Reader A asks for all three chunks: the third is missing, so it fails, having spent
+    // A's locks; its commit must not release B's.
+    let all = key.for_worker(0);
+    assert!(c.prepare_retrieve(&all, 4).unwrap().is_none());
+    assert!(!c.commit_retrieve(&all, 4).unwrap());
+    assert_eq!(held(&s), two, "reader B's locks were released by reader A's commit");
+
+    // Reader B asks for the two hits: served from the lookup's locks, although a forced clear
+    // unindexed both objects after the lookup.
+    let hits = KeySpec { end: 32, ..key.for_worker(0) };
+    let slots = c.prepare_retrieve(&hits, 4).unwrap().expect("the lookup's hits are served");
+    assert_eq!(slots.len(), 2);
+    for (i, slot) in slots.iter().enumerate() {
+        let mut buf = vec![0u8; slot.length as usize];
+        pool.read(slot.offset, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x40 + i as u8), "chunk {i} came back wrong");
+    }
+    assert!(c.commit_retrieve(&hits, 4).unwrap());
+    assert_eq!(held(&s), 0, "every lock was spent once");
+    // Nothing is left to spend, and the objects are gone from the index.
+    assert!(c.prepare_retrieve(&hits, 4).unwrap().is_none());
 }

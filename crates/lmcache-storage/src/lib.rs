@@ -5,6 +5,8 @@
 //! - [`manager`]: [`StorageManager`], the one owner of L1 and L2 the store path calls:
 //!   reserve (waiting for the write-behind rather than evicting what L2 lacks), commit (L1
 //!   commit plus write-behind in one call), flush.
+//! - [`lookup`]: a lookup through both tiers as one value (`Ready` leases or `Pending` on a
+//!   prefetch), and the leases a retrieve spends.
 //! - [`tier`]: [`L2Tier`], the ordered set of adapters (priority = order), their health and
 //!   byte accounting per cache_salt, runtime add and remove, and the runtime that drives them.
 //! - [`store`]: the write-behind store controller (L1 commit → every adapter), with a bounded
@@ -13,12 +15,14 @@
 //!   deadline per request.
 
 pub mod ledger;
+pub mod lookup;
 pub mod manager;
 pub mod prefetch;
 pub mod store;
 pub mod tier;
 
-pub use manager::StorageManager;
+pub use lookup::{Lookup, LookupLeases, LookupRequest, PendingLookup, Settled};
+pub use manager::{DeleteReport, DeleteScope, L2Listing, StorageError, StorageManager, TierName};
 pub use prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchWaiter};
 pub use tier::{
     AdapterCounters, AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig,

@@ -8,12 +8,86 @@
 //! (at most [`crate::TierConfig::write_behind_wait`]), and only then evicts unwritten
 //! objects, counting each one ([`lmcache_l1::L1Stats::unwritten_evictions`]).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lmcache_core::ObjectKey;
-use lmcache_l1::{L1Cache, L1Error, WriteRequest, WriteReservation};
+use lmcache_core::{CacheSalt, ObjectKey};
+use lmcache_l1::{L1Cache, L1Error, ReadLease, WriteRequest, WriteReservation};
+use lmcache_l2::{ConfigError, KeyPage, L2Error};
+use serde_json::Value;
 
-use crate::tier::L2Tier;
+use crate::lookup::{Lookup, LookupRequest};
+use crate::prefetch::{PrefetchOutcome, PrefetchRequest};
+use crate::tier::{AdapterInfo, L2Tier, TierObserver};
+
+/// One tier, where a caller names one (quotas, listings).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierName {
+    /// CPU memory.
+    L1,
+    /// The adapters under it.
+    L2,
+}
+
+/// Which tiers a delete reaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeleteScope {
+    /// L1 only.
+    L1,
+    /// L2 only (one adapter, or all).
+    L2,
+    /// Both.
+    All,
+}
+
+/// Why the manager could not do what was asked.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StorageError {
+    /// The operation needs L2 and none is configured.
+    #[error("no L2 tier is configured (start the server with --l2-adapter)")]
+    NoL2,
+    /// No adapter has this id.
+    #[error("no L2 adapter {id}")]
+    NoSuchAdapter {
+        /// The id asked for.
+        id: u64,
+    },
+    /// The adapter failed.
+    #[error("L2 adapter {id} ({kind}): {source}")]
+    Adapter {
+        /// Its id.
+        id: u64,
+        /// Its type.
+        kind: String,
+        /// What failed.
+        #[source]
+        source: L2Error,
+    },
+    /// An adapter spec was refused.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// What a delete did, tier by tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeleteReport {
+    /// Keys removed (L1 objects plus L2 keys held).
+    pub deleted: usize,
+    /// Keys asked for but not removed (absent, or locked without `force`).
+    pub skipped: usize,
+}
+
+/// One page of an adapter's keys.
+#[derive(Debug, Clone)]
+pub struct L2Listing {
+    /// The adapter's id.
+    pub adapter: u64,
+    /// Its type.
+    pub kind: String,
+    /// The page.
+    pub page: KeyPage,
+}
 
 /// L1 and, when adapters are configured, the L2 tier under it. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -35,9 +109,229 @@ impl StorageManager {
         &self.l1
     }
 
-    /// The L2 tier, when configured.
+    /// The L2 tier, when configured (its counters and settings; its adapters stay inside).
     pub fn l2(&self) -> Option<&L2Tier> {
         self.l2.as_ref()
+    }
+
+    /// Whether an L2 tier is configured (it may have no adapter attached at the moment).
+    pub fn has_l2(&self) -> bool {
+        self.l2.is_some()
+    }
+
+    fn tier(&self) -> Result<&L2Tier, StorageError> {
+        self.l2.as_ref().ok_or(StorageError::NoL2)
+    }
+
+    /// Installs the observers: `tier` hears L2 stores, prefetches and refused blobs; `l1`
+    /// hears L1 removals.
+    pub fn set_observers(&self, tier: Arc<dyn TierObserver>, l1: Arc<dyn lmcache_l1::L1Listener>) {
+        if let Some(t) = &self.l2 {
+            t.set_observer(tier);
+        }
+        self.l1.set_listener(l1);
+    }
+
+    /// Looks `req` up: the longest prefix L1 holds on every shard is read-locked `readers`
+    /// times; if that is short and L2 has adapters, a prefetch of the rest starts and the
+    /// answer is [`Lookup::Pending`].
+    pub fn lookup(&self, req: &LookupRequest) -> Lookup {
+        let chunks = req.chunks();
+        let per_shard: Vec<(u32, Vec<ReadLease>)> = req
+            .shards
+            .iter()
+            .map(|(w, keys)| (*w, self.l1.read_lock_prefix(keys, req.readers).unwrap_or_default()))
+            .collect();
+        let (lookup, hit) = Lookup::ready(req.world_size, per_shard);
+        match &self.l2 {
+            Some(l2) if hit < chunks && !l2.is_empty() => {
+                let rest: Vec<Vec<ObjectKey>> = req
+                    .shards
+                    .iter()
+                    .map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec())
+                    .collect();
+                let handle =
+                    l2.start_prefetch(PrefetchRequest { shards: rest, readers: req.readers });
+                lookup.pending(handle, req.shards.iter().map(|(w, _)| *w).collect())
+            }
+            _ => lookup,
+        }
+    }
+
+    /// The read leases a retrieve of `keys` copies from: `spent[i]` (one lock a lookup held,
+    /// from [`crate::LookupLeases::take_one`]) where it is a lease on `keys[i]`, a new L1
+    /// read lock of the key otherwise. One result per key, in order.
+    pub fn retrieve_leases(
+        &self,
+        spent: Vec<Option<ReadLease>>,
+        keys: &[ObjectKey],
+    ) -> Vec<Result<ReadLease, L1Error>> {
+        let mut out: Vec<Option<Result<ReadLease, L1Error>>> = Vec::with_capacity(keys.len());
+        let mut spent = spent.into_iter();
+        let mut missing = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            match spent.next().flatten() {
+                Some(l) if l.key() == k => out.push(Some(Ok(l))),
+                _ => {
+                    missing.push(i);
+                    out.push(None);
+                }
+            }
+        }
+        if !missing.is_empty() {
+            let ks: Vec<ObjectKey> = missing.iter().map(|&i| keys[i].clone()).collect();
+            for (&i, r) in missing.iter().zip(self.l1.read_lock(&ks, 1)) {
+                out[i] = Some(r);
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or(Err(L1Error::NotFound))).collect()
+    }
+
+    /// Warms L1 from L2 for `req` (no reader waits); `done` hears the outcome once, from a
+    /// tier thread. Its leases are dropped by `done`'s caller: the objects stay in L1 under
+    /// its eviction policy.
+    pub fn prefetch(
+        &self,
+        req: PrefetchRequest,
+        done: impl FnOnce(PrefetchOutcome) + Send + 'static,
+    ) -> Result<(), StorageError> {
+        self.tier()?.prefetch(req, done);
+        Ok(())
+    }
+
+    /// Moves `keys` up in L1's eviction order (a request that used them ended).
+    pub fn touch(&self, keys: &[ObjectKey]) {
+        self.l1.touch(keys);
+    }
+
+    /// The quotas of one tier, sorted by salt.
+    pub fn quotas(&self, tier: TierName) -> Result<Vec<(CacheSalt, u64)>, StorageError> {
+        Ok(match tier {
+            TierName::L1 => self.l1.quotas(),
+            TierName::L2 => self.tier()?.quotas(),
+        })
+    }
+
+    /// The quota of `salt` in one tier, if set.
+    pub fn quota(&self, tier: TierName, salt: &CacheSalt) -> Result<Option<u64>, StorageError> {
+        Ok(match tier {
+            TierName::L1 => self.l1.quota(salt),
+            TierName::L2 => self.tier()?.quota(salt),
+        })
+    }
+
+    /// Bytes `salt` holds in one tier (all adapters, for L2).
+    pub fn usage_of(&self, tier: TierName, salt: &CacheSalt) -> Result<u64, StorageError> {
+        Ok(match tier {
+            TierName::L1 => self.l1.usage_of(salt),
+            TierName::L2 => self.tier()?.usage_of(salt),
+        })
+    }
+
+    /// Sets (`None`: removes) the quota of `salt` in one tier. L1 enforces it at once; L2 at
+    /// the next admission and within a second for what it holds.
+    pub fn set_quota(
+        &self,
+        tier: TierName,
+        salt: &CacheSalt,
+        limit: Option<u64>,
+    ) -> Result<(), StorageError> {
+        match tier {
+            TierName::L1 => {
+                self.l1.set_quota(salt, limit);
+                self.l1.run_maintenance();
+            }
+            TierName::L2 => self.tier()?.set_quota(salt, limit),
+        }
+        Ok(())
+    }
+
+    /// Deletes `keys` from the tiers `scope` names (`adapter`: one L2 adapter's id, or all).
+    /// L1 objects locked by a reader stay unless `force` (then they go once released).
+    pub async fn delete(
+        &self,
+        scope: DeleteScope,
+        adapter: Option<u64>,
+        keys: Vec<ObjectKey>,
+        force: bool,
+    ) -> Result<DeleteReport, StorageError> {
+        let mut report = DeleteReport::default();
+        if scope != DeleteScope::L2 {
+            for r in self.l1.delete(&keys, force) {
+                if r.is_ok() { report.deleted += 1 } else { report.skipped += 1 }
+            }
+        }
+        if scope != DeleteScope::L1
+            && let Some(t) = &self.l2
+        {
+            if let Some(id) = adapter
+                && !t.describe().iter().any(|a| a.id == id)
+            {
+                return Err(StorageError::NoSuchAdapter { id });
+            }
+            let n = keys.len();
+            let held = t.delete(adapter, keys).await.map_err(|source| StorageError::Adapter {
+                id: adapter.unwrap_or(0),
+                kind: "l2".into(),
+                source,
+            })? as usize;
+            report.deleted += held;
+            report.skipped += n.saturating_sub(held);
+        }
+        Ok(report)
+    }
+
+    /// One page of an L2 adapter's keys (`adapter`: its id, or the first), optionally of one
+    /// model, from `cursor` (a token an earlier page returned).
+    pub async fn list_l2(
+        &self,
+        adapter: Option<u64>,
+        model: Option<String>,
+        cursor: Option<String>,
+        limit: usize,
+    ) -> Result<L2Listing, StorageError> {
+        let t = self.tier()?;
+        let info = self.l2_adapter(adapter)?;
+        let page = t
+            .list(info.id, model, cursor, limit)
+            .await
+            .ok_or(StorageError::NoSuchAdapter { id: info.id })?;
+        let (id, kind) = (info.id, info.kind);
+        match page {
+            Ok(page) => Ok(L2Listing { adapter: id, kind, page }),
+            Err(source) => Err(StorageError::Adapter { id, kind, source }),
+        }
+    }
+
+    /// A snapshot of L2 adapter `id` (the first if `None`).
+    pub fn l2_adapter(&self, id: Option<u64>) -> Result<AdapterInfo, StorageError> {
+        let all = self.tier()?.describe();
+        match id {
+            None => all.into_iter().next().ok_or(StorageError::NoSuchAdapter { id: 0 }),
+            Some(i) => {
+                all.into_iter().find(|a| a.id == i).ok_or(StorageError::NoSuchAdapter { id: i })
+            }
+        }
+    }
+
+    /// Snapshots of every L2 adapter, in priority order (empty without L2).
+    pub fn describe_l2(&self) -> Vec<AdapterInfo> {
+        self.l2.as_ref().map_or_else(Vec::new, L2Tier::describe)
+    }
+
+    /// Builds an adapter from `spec` (connecting to its backend, off the caller's runtime)
+    /// and attaches it at the lowest priority; returns its id.
+    pub async fn add_adapter(&self, spec: Value) -> Result<u64, StorageError> {
+        Ok(self.tier()?.add_adapter_async(spec).await?)
+    }
+
+    /// Detaches and closes adapter `id`.
+    pub async fn remove_adapter(&self, id: u64) -> Result<(), StorageError> {
+        if self.tier()?.remove_adapter(id) {
+            Ok(())
+        } else {
+            Err(StorageError::NoSuchAdapter { id })
+        }
     }
 
     /// Reserves L1 memory for a store (see [`L1Cache::reserve_write`] for the per-key
@@ -99,5 +393,18 @@ impl StorageManager {
     /// Waits for queued write-behind, at most `timeout`; returns the keys still pending.
     pub fn flush(&self, timeout: Duration) -> u64 {
         self.l2.as_ref().map_or(0, |t| t.flush(timeout))
+    }
+
+    /// Graceful stop: flushes the write-behind (at most the configured flush timeout), then
+    /// closes every adapter. Returns the keys the flush left unwritten.
+    pub fn shutdown(&self) -> u64 {
+        let Some(t) = &self.l2 else { return 0 };
+        let timeout = t.config().flush_timeout;
+        let pending = t.flush(timeout);
+        if pending > 0 {
+            tracing::warn!(pending, ?timeout, "L2 write-behind not finished at shutdown");
+        }
+        t.shutdown();
+        pending
     }
 }

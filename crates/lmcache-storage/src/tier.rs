@@ -626,19 +626,35 @@ impl L2Tier {
         self.shared.adapters()
     }
 
-    /// Builds and attaches an adapter at the lowest priority; returns its id.
+    /// Builds and attaches an adapter at the lowest priority; returns its id. Blocks the
+    /// calling thread (call it off any async runtime, or use [`Self::add_adapter_async`]).
     pub fn add_adapter(&self, spec: &Value) -> Result<u64, ConfigError> {
         let index = self.len();
         let built =
             std::thread::scope(|s| s.spawn(|| self.rt.block_on(config::build(index, spec))).join())
                 .map_err(|_| ConfigError::field("l2-adapter", "adapter construction panicked"))??;
+        Ok(self.attach(built))
+    }
+
+    /// As [`Self::add_adapter`], awaited from any async runtime: the backend is connected on
+    /// the tier's own runtime.
+    pub async fn add_adapter_async(&self, spec: Value) -> Result<u64, ConfigError> {
+        let index = self.len();
+        let built = self
+            .on_tier(async move { config::build(index, &spec).await })
+            .await
+            .map_err(|e| ConfigError::field("l2-adapter", e.to_string()))??;
+        Ok(self.attach(built))
+    }
+
+    fn attach(&self, built: BuiltAdapter) -> u64 {
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(AdapterSlot::new(id, built));
         warn_isolated(&slot);
         self.shared.adapters.write().push(slot.clone());
         self.rt.spawn(seed(self.shared.clone(), slot));
         tracing::info!(id, "L2 adapter added");
-        Ok(id)
+        id
     }
 
     /// Detaches adapter `id` (in-flight operations on it finish; new ones go elsewhere) and

@@ -2,9 +2,9 @@
 //! copies into and out of the slots we hand it.
 //!
 //! prepare_store reserves one object per chunk not already resident and returns their slots;
-//! commit_store makes them visible. prepare_retrieve read-locks every chunk of the range (or
-//! fails) and returns their slots; commit_retrieve releases those locks and this worker's
-//! share of the lookup's locks. Handles between the two messages are parked in the L1 lease
+//! commit_store makes them visible. prepare_retrieve takes this worker's share of the lookup's
+//! locks on every chunk of the range (a new lock where the lookup holds none, or it fails) and
+//! returns their slots; commit_retrieve releases them. Handles between the two messages are parked in the L1 lease
 //! tables, so a client that dies releases them when the lease expires.
 
 use std::time::Instant;
@@ -30,7 +30,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                 hidden: r.hidden_dim_size,
                 dtype: r.dtype,
             };
-            let arena = state.l1.memory().arena();
+            let arena = state.l1().memory().arena();
             let fits = layout.bytes().is_some_and(|b| b > 0 && b <= arena.len());
             if !fits {
                 return Err(ProtocolError::OutOfRange {
@@ -39,7 +39,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                 });
             }
             // First stores should not pay for untouched memory: commit a few objects ahead.
-            state.l1.memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
+            state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
             state.registry.register(
                 Family::EngineDriven,
                 r.instance_id,
@@ -135,7 +135,7 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
                 w.prefault();
                 slots.push(slot(&inst.layout, w.offset(), w.len()));
                 indices.push(i as u64);
-                leases.push(state.l1.park_write(w));
+                leases.push(state.l1().park_write(w));
             }
             Err(L1Error::NotWritable) => {}
             Err(e) => {
@@ -157,7 +157,7 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
 
 fn discard_parked_writes(state: &ServerState, old: Option<(Instant, Vec<lmcache_l1::LeaseId>)>) {
     for id in old.map(|(_, v)| v).unwrap_or_default() {
-        drop(state.l1.take_write(id));
+        drop(state.l1().take_write(id));
     }
 }
 
@@ -168,7 +168,7 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let pk = PendingKey::new(id, key, &hashes);
     let Some((_, ids)) = state.pending.stores.lock().remove(&pk) else { return false };
-    let writes: Vec<_> = ids.into_iter().filter_map(|i| state.l1.take_write(i)).collect();
+    let writes: Vec<_> = ids.into_iter().filter_map(|i| state.l1().take_write(i)).collect();
     let expected = writes.len();
     // Which chunk of the range each reservation is: match by key.
     let idx: Vec<usize> = writes
@@ -192,36 +192,45 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
 fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
     let inst = instance(state, id)?;
     state.metrics.submitted_retrieves.inc();
-    let (_, hashes) = state.range_hashes(key);
+    let (first, hashes) = state.range_hashes(key);
     let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
-    let leases: Result<Vec<_>, _> = state.l1.read_lock(&keys, 1).into_iter().collect();
-    let Ok(leases) = leases else {
-        return Ok(types::prepare_retrieve_response(false, &[]));
+    // Spend this worker's share of the lookup's locks (a new lock only where it holds none);
+    // from here on commit_retrieve releases what this parks, and nothing of the lookup's.
+    let shard = key.worker_id.unwrap_or(0) as usize;
+    let spent = state.spend_lookup_locks(&key.request_id, shard, first..first + hashes.len());
+    let leases: Result<Vec<_>, _> =
+        state.storage.retrieve_leases(spent, &keys).into_iter().collect();
+    let pk = PendingKey::new(id, key, &hashes);
+    let leases = match leases {
+        Ok(l) if !l.is_empty() => l,
+        _ => {
+            park_retrieve(state, pk, None);
+            return Ok(types::prepare_retrieve_response(false, &[]));
+        }
     };
-    if leases.is_empty() {
-        return Ok(types::prepare_retrieve_response(false, &[]));
-    }
     let slots: Vec<SlotDesc> =
         leases.iter().map(|l| slot(&inst.layout, l.offset(), l.len())).collect();
-    let parked: Vec<_> = leases.into_iter().map(|l| state.l1.park_read(l)).collect();
-    let pk = PendingKey::new(id, key, &hashes);
-    let old = state.pending.retrieves.lock().insert(pk, (Instant::now(), parked));
-    for lid in old.map(|(_, v)| v).unwrap_or_default() {
-        drop(state.l1.take_read(lid));
-    }
+    let parked: Vec<_> = leases.into_iter().map(|l| state.l1().park_read(l)).collect();
+    park_retrieve(state, pk, Some(parked));
     Ok(types::prepare_retrieve_response(true, &slots))
+}
+
+/// Parks a prepared retrieve's leases (`None`: it failed, having spent the lookup's locks),
+/// releasing any earlier one of the same transfer.
+fn park_retrieve(state: &ServerState, pk: PendingKey, parked: Option<Vec<lmcache_l1::LeaseId>>) {
+    let old = state.pending.retrieves.lock().insert(pk, (Instant::now(), parked));
+    for lid in old.and_then(|(_, v)| v).unwrap_or_default() {
+        drop(state.l1().take_read(lid));
+    }
 }
 
 fn commit_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     let (first, hashes) = state.range_hashes(key);
     let pk = PendingKey::new(id, key, &hashes);
     let parked = state.pending.retrieves.lock().remove(&pk);
-    // This worker's share of the lookup's locks goes whether or not prepare succeeded.
-    let shard = key.worker_id.unwrap_or(0) as usize;
-    state.release_lookup_locks(&key.request_id, shard, first..first + hashes.len());
     match parked {
-        Some((_, ids)) => {
-            let n = ids.iter().filter_map(|i| state.l1.take_read(*i)).count();
+        Some((_, Some(ids))) => {
+            let n = ids.iter().filter_map(|i| state.l1().take_read(*i)).count();
             state.metrics.l1_read_chunks.inc_by(n as u64);
             state.metrics.chunks_loaded.inc_by(n as u64);
             state.metrics.finished_retrieves.inc();
@@ -231,6 +240,13 @@ fn commit_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> bool {
             });
             true
         }
-        None => false,
+        // Prepared and failed: the lookup's locks were spent then.
+        Some((_, None)) => false,
+        None => {
+            // Never prepared: this worker's share of the lookup's locks goes now.
+            let shard = key.worker_id.unwrap_or(0) as usize;
+            state.release_lookup_locks(&key.request_id, shard, first..first + hashes.len());
+            false
+        }
     }
 }

@@ -138,7 +138,7 @@ fn register(state: &ServerState, req: &Request) -> Result<(), ProtocolError> {
     };
     tracing::info!(instance_id = id, model = %model, world_size, layers = layers.len(), shape = ?layout.shape(), dtype = %geo.dtype, "lmcache-driven worker registered");
     // First stores should not pay for untouched memory: commit a few objects ahead.
-    state.l1.memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
+    state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
     state.registry.register(
         Family::LmcacheDriven,
         id,
@@ -285,14 +285,23 @@ fn retrieve(
             format!("{n} chunks need {} block ids", n * r.blocks_per_chunk),
         ));
     }
-    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
+    let keys = match state.object_keys(key, key.worker_id.unwrap_or(0), &hashes) {
+        Ok(k) => k,
+        Err(e) => {
+            release();
+            return Err(e);
+        }
+    };
     let mut skip_blocks = (skip_tokens / r.transfer.geometry.block_size) as usize;
     let mut ok = true;
     let mut copied = 0u64;
     let mut chunks = 0usize;
     let t0 = Instant::now();
     state.metrics.submitted_retrieves.inc();
-    for (i, lease) in state.l1.read_lock(&keys, 1).into_iter().enumerate() {
+    // Spend the lookup's locks on these chunks (a new lock only where it holds none): each
+    // lease is released as soon as its chunk is copied.
+    let spent = state.spend_lookup_locks(&key.request_id, shard, first..first + n);
+    for (i, lease) in state.storage.retrieve_leases(spent, &keys).into_iter().enumerate() {
         let Ok(lease) = lease else {
             ok = false;
             break;
@@ -319,6 +328,5 @@ fn retrieve(
         copied,
         t0.elapsed().as_secs_f64(),
     );
-    release();
     Ok(ok)
 }

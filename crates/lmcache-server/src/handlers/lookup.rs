@@ -14,9 +14,9 @@ use rmpv::Value;
 
 use std::time::Duration;
 
-use lmcache_storage::PrefetchRequest;
+use lmcache_storage::LookupRequest;
 
-use crate::session::{LookupLocks, LookupState, PendingLookup};
+use crate::session::LookupState;
 use crate::state::ServerState;
 
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
@@ -38,9 +38,9 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             let timeout = value::float("timeout", &req.params[1])?;
             let limit = Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
             // Wait on the prefetch itself, without holding the sessions' lock.
-            let waiter = state.sessions.with_existing(id, |s| match &s.hits {
-                LookupState::Pending(p) => Some(p.handle.waiter()),
-                _ => None,
+            let waiter = state.sessions.with_existing(id, |s| match &s.lookup {
+                LookupState::Active { lookup, .. } => lookup.waiter(),
+                LookupState::Idle => None,
             });
             if let Some(Some(w)) = waiter {
                 w.wait(limit);
@@ -55,8 +55,10 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             if !range.is_empty() {
                 state.with_settled(&key.request_id, |s| {
                     // LMCache ignores the call while the prefetch runs; so do we.
-                    if !matches!(s.hits, LookupState::Pending(_)) {
-                        s.lookup.release_all(range);
+                    if !s.lookup.is_pending()
+                        && let Some(l) = s.lookup.leases_mut()
+                    {
+                        l.release_all(range);
                     }
                 });
             }
@@ -66,7 +68,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             req.expect_params(1)?;
             let id = value::str_("request_id", &req.params[0])?;
             if let Some(session) = state.sessions.remove(id) {
-                state.l1.touch(&session.touched);
+                state.storage.touch(&session.touched);
                 drop(session);
                 state
                     .bus
@@ -81,13 +83,13 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
 /// The hit count of the request's last lookup, exactly once; nil while its prefetch runs; 0
 /// afterwards or if unknown.
 fn take_hits(state: &ServerState, request_id: &str) -> Value {
-    let hits = state.with_settled(request_id, |s| match std::mem::take(&mut s.hits) {
-        LookupState::Pending(p) => {
-            s.hits = LookupState::Pending(p);
-            None
+    let hits = state.with_settled(request_id, |s| match &mut s.lookup {
+        LookupState::Active { answered: true, .. } | LookupState::Idle => Some(0),
+        LookupState::Active { lookup, answered, .. } => {
+            let h = lookup.hits();
+            *answered = h.is_some();
+            h
         }
-        LookupState::Ready(n) => Some(n),
-        LookupState::Idle => Some(0),
     });
     match hits {
         None => Value::from(0u64),
@@ -99,7 +101,7 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     let readers = key.num_kv_readers;
     if readers == 0 {
         // LMCache raises here and never replies; we reply, with zero hits.
-        state.sessions.with(&key.request_id, |s| s.hits = LookupState::Ready(0));
+        state.sessions.with(&key.request_id, |s| s.lookup = LookupState::Idle);
         return Err(ProtocolError::OutOfRange {
             field: "key.num_kv_readers".into(),
             reason: "must be at least 1".into(),
@@ -112,68 +114,47 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     state.metrics.lookups.inc();
     state.metrics.lookup_requested_tokens.inc_by((chunks * state.chunk_size()) as u64);
     if chunks == 0 || !state.registry.has_model(&key.model_name, key.world_size) {
-        state.sessions.with(&key.request_id, |s| {
-            s.hits = LookupState::Ready(0);
-            s.lookup = LookupLocks::default();
-        });
+        // Old locks go; nothing to answer but 0.
+        state.sessions.with(&key.request_id, |s| s.lookup = LookupState::Idle);
         return Ok(());
     }
     let shards: Vec<u32> = match key.worker_id {
         Some(w) => vec![w],
         None => (0..key.world_size).collect(),
     };
-    let readers = readers.min(state.l1.config().max_read_locks);
+    let readers = readers.min(state.l1().config().max_read_locks);
     state.sessions.with(&key.request_id, |s| -> Result<(), ProtocolError> {
         let hashes = s.chunk_hashes(&key.token_ids, chunks);
         // Old locks go first: a repeated lookup replaces them (and abandons any prefetch it
-        // started: dropping the handle releases that prefetch's leases when it ends).
-        s.lookup = LookupLocks::default();
-        s.hits = LookupState::Idle;
-        let mut locks = Vec::with_capacity(key.world_size as usize);
-        let mut all_keys = Vec::with_capacity(shards.len());
-        let mut hit = usize::MAX;
-        let mut touched = Vec::new();
+        // started: dropping it releases that prefetch's leases when it ends).
+        s.lookup = LookupState::Idle;
+        let mut req = LookupRequest {
+            shards: Vec::with_capacity(shards.len()),
+            world_size: key.world_size,
+            readers,
+        };
+        let mut touched = Vec::with_capacity(shards.len() * hashes.len());
         for &w in &shards {
             let keys = state.object_keys(key, w, &hashes)?;
-            let leases = state.l1.read_lock_prefix(&keys, readers).unwrap_or_default();
-            hit = hit.min(leases.len());
             touched.extend(keys.iter().cloned());
-            all_keys.push(keys);
-            locks.push(leases);
+            req.shards.push((w, keys));
         }
-        let hit = if hit == usize::MAX { 0 } else { hit };
-        let mut per_shard: Vec<Vec<_>> = (0..key.world_size).map(|_| Vec::new()).collect();
-        for (&w, mut leases) in shards.iter().zip(locks) {
-            leases.truncate(hit);
-            per_shard[w as usize] = leases.into_iter().map(Some).collect();
-        }
-        s.lookup = LookupLocks { locks: per_shard };
+        let lookup = state.storage.lookup(&req);
+        let hit = lookup.l1_hit();
         s.touched = touched;
         tracing::Span::current().record("hits", hit);
         let hit_tokens = (hit * state.chunk_size()) as u64;
         state.metrics.lookup_hit_tokens.inc_by(hit_tokens);
         state.metrics.lookup_hit_l1_tokens.inc_by(hit_tokens);
         state.metrics.lookup_hit_l1_keys.inc_by((hit * shards.len()) as u64);
-        match &state.l2 {
-            Some(l2) if hit < chunks && !l2.is_empty() => {
-                let rest: Vec<_> = all_keys.into_iter().map(|k| k[hit..].to_vec()).collect();
-                let handle = l2.start_prefetch(PrefetchRequest { shards: rest, readers });
-                s.hits = LookupState::Pending(PendingLookup {
-                    handle,
-                    l1_hit: hit,
-                    chunks,
-                    shards: shards.clone(),
-                });
-            }
-            _ => {
-                s.hits = LookupState::Ready(hit);
-                state.bus.publish(crate::event_bus::Event::Lookup {
-                    request_id: key.request_id.clone(),
-                    chunks,
-                    hits: hit,
-                });
-            }
+        if !lookup.is_pending() {
+            state.bus.publish(crate::event_bus::Event::Lookup {
+                request_id: key.request_id.clone(),
+                chunks,
+                hits: hit,
+            });
         }
+        s.lookup = LookupState::Active { lookup, chunks, answered: false };
         Ok(())
     })
 }

@@ -35,7 +35,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
         Op::Clear => {
             req.expect_params(1)?;
             let force = value::bool_("force", &req.params[0])?;
-            let r = state.l1.clear(force);
+            let r = state.l1().clear(force);
             tracing::info!(force, removed = r.removed, skipped = r.skipped, "cache cleared");
             Ok(None)
         }

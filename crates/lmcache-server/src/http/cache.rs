@@ -1,6 +1,8 @@
 //! Cached objects: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`
 //! (`tier=l1|l2|all`).
 
+use lmcache_storage::{DeleteScope, L2Listing, StorageError};
+
 use super::*;
 
 #[derive(Debug, Deserialize, Default)]
@@ -28,7 +30,7 @@ pub(super) async fn clear(State(s): State<Shared>, raw: axum::body::Bytes) -> Re
             format!("tier: unknown tier {tier:?} (only l1 exists)"),
         );
     }
-    let r = s.l1.clear(body.force);
+    let r = s.l1().clear(body.force);
     Json(json!({"status": "ok", "cleared": {"tier": tier, "removed": r.removed, "skipped": r.skipped}}))
         .into_response()
 }
@@ -104,26 +106,10 @@ pub(super) struct ObjectsQuery {
 pub(super) fn check_tier(s: &ServerState, tier: Option<&str>) -> Result<(), String> {
     match tier.unwrap_or("l1") {
         "l1" | "all" => Ok(()),
-        "l2" if s.l2.is_some() => Ok(()),
+        "l2" if s.storage.has_l2() => Ok(()),
         "l2" => Err("tier: l2 is not configured (start the server with --l2-adapter)".into()),
         other => Err(format!("tier: {other:?} is not l1, l2 or all")),
     }
-}
-
-/// The adapter a request names (`adapter` = its index), or the first.
-pub(super) fn pick_adapter(
-    s: &ServerState,
-    index: Option<u64>,
-) -> Result<std::sync::Arc<lmcache_storage::tier::AdapterSlot>, (StatusCode, String)> {
-    let Some(tier) = &s.l2 else {
-        return Err((StatusCode::BAD_REQUEST, "tier: l2 is not configured".into()));
-    };
-    let all = tier.adapters();
-    match index {
-        None => all.first().cloned(),
-        Some(i) => all.iter().find(|a| a.id == i).cloned(),
-    }
-    .ok_or_else(|| (StatusCode::NOT_FOUND, format!("adapter: no L2 adapter {index:?}")))
 }
 
 pub(super) fn encode_key(k: &lmcache_core::ObjectKey) -> Value {
@@ -159,7 +145,7 @@ pub(super) async fn objects_list(
         }
     };
     // Filter before paging so pages stay full.
-    let all = s.l1.resident_keys();
+    let all = s.l1().resident_keys();
     let matching: Vec<_> = all
         .into_iter()
         .filter(|(k, _)| q.model_name.as_deref().is_none_or(|m| k.model_name.as_str() == m))
@@ -241,47 +227,28 @@ pub(super) async fn objects_delete(State(s): State<Shared>, raw: axum::body::Byt
             Err(e) => return error(StatusCode::BAD_REQUEST, format!("keys[{i}]: {e}")),
         }
     }
-    let tier = body.tier.as_deref().unwrap_or("l1");
-    let mut deleted = 0usize;
-    let mut skipped = 0usize;
-    if tier != "l2" {
-        let results = s.l1.delete(&keys, body.force);
-        deleted += results.iter().filter(|r| r.is_ok()).count();
-        skipped += results.iter().filter(|r| r.is_err()).count();
-    }
-    if tier != "l1"
-        && let Some(t) = s.l2.clone()
-    {
-        let n = keys.len();
-        match t.delete(body.adapter, keys).await {
-            Ok(d) => {
-                deleted += d as usize;
-                skipped += n.saturating_sub(d as usize);
-            }
-            Err(e) => {
-                return Json(json!({"deleted": deleted, "skipped": skipped, "ok": false,
-                                   "error": format!("L2 delete failed: {e}")}))
-                .into_response();
-            }
+    let scope = match body.tier.as_deref().unwrap_or("l1") {
+        "l1" => DeleteScope::L1,
+        "l2" => DeleteScope::L2,
+        _ => DeleteScope::All,
+    };
+    match s.storage.delete(scope, body.adapter, keys, body.force).await {
+        Ok(r) => Json(json!({"deleted": r.deleted, "skipped": r.skipped, "ok": true})),
+        Err(e @ StorageError::NoSuchAdapter { .. }) => {
+            return error(StatusCode::NOT_FOUND, e.to_string());
         }
+        Err(e) => Json(json!({"deleted": 0, "skipped": 0, "ok": false,
+                               "error": format!("L2 delete failed: {e}")})),
     }
-    Json(json!({"deleted": deleted, "skipped": skipped, "ok": true})).into_response()
+    .into_response()
 }
 
 /// `GET /cache/objects?tier=l2[&adapter=N]`: one adapter's keys, a page at a time.
 pub(super) async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usize) -> Response {
-    let slot = match pick_adapter(s, q.adapter) {
-        Ok(a) => a,
-        Err((code, msg)) => return error(code, msg),
-    };
-    let Some(tier) = s.l2.clone() else { return error(StatusCode::BAD_REQUEST, "no L2") };
-    let (model, token) = (q.model_name.clone(), q.page_token.clone());
-    let Some(page) = tier.list(slot.id, model, token, size).await else {
-        return error(StatusCode::NOT_FOUND, format!("adapter: no L2 adapter {}", slot.id));
-    };
-    match page {
-        Ok(p) => {
-            let entries: Vec<Value> = p
+    let listing = s.storage.list_l2(q.adapter, q.model_name.clone(), q.page_token.clone(), size);
+    match listing.await {
+        Ok(L2Listing { adapter, kind, page }) => {
+            let entries: Vec<Value> = page
                 .keys
                 .iter()
                 .map(|(k, n)| {
@@ -290,14 +257,18 @@ pub(super) async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usiz
                     v
                 })
                 .collect();
-            Json(json!({"tier": "l2", "adapter": slot.id, "type": slot.built.kind,
-                        "shared": false, "entries": entries, "next_page_token": p.next}))
+            Json(json!({"tier": "l2", "adapter": adapter, "type": kind,
+                        "shared": false, "entries": entries, "next_page_token": page.next}))
             .into_response()
         }
-        Err(lmcache_l2::L2Error::Unsupported(what)) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("adapter {} ({}) does not support {what}", slot.id, slot.built.kind),
-        ),
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, format!("adapter {}: {e}", slot.id)),
+        Err(e @ StorageError::NoSuchAdapter { .. }) => error(StatusCode::NOT_FOUND, e.to_string()),
+        Err(e @ StorageError::NoL2) => error(StatusCode::BAD_REQUEST, e.to_string()),
+        Err(StorageError::Adapter { id, kind, source: lmcache_l2::L2Error::Unsupported(what) }) => {
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("adapter {id} ({kind}) does not support {what}"),
+            )
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }

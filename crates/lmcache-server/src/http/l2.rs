@@ -8,7 +8,7 @@ pub(super) async fn reconfigure_status(
     axum::extract::Path(backend): axum::extract::Path<String>,
 ) -> Json<Value> {
     let adapters = l2_status(&s);
-    Json(json!({"enabled": s.l2.is_some(), "backend": backend,
+    Json(json!({"enabled": s.storage.has_l2(), "backend": backend,
                 "num_adapters": adapters.len(), "adapters": adapters}))
 }
 
@@ -19,28 +19,27 @@ pub(super) async fn reconfigure(
     axum::extract::Path((_backend, op)): axum::extract::Path<(String, String)>,
     body: Option<Json<Value>>,
 ) -> Response {
-    let Some(tier) = s.l2.clone() else {
+    if !s.storage.has_l2() {
         return error(
             StatusCode::CONFLICT,
             "no L2 tier: start the server with at least one --l2-adapter to reconfigure L2",
         );
-    };
+    }
     let body = body.map(|Json(v)| v).unwrap_or(Value::Null);
     match op.as_str() {
         "add" => {
             let spec = body.get("spec").cloned().unwrap_or(body);
-            match tokio::task::spawn_blocking(move || tier.add_adapter(&spec)).await {
-                Ok(Ok(id)) => Json(json!({"status": "ok", "adapter_index": id})).into_response(),
-                Ok(Err(e)) => error(StatusCode::BAD_REQUEST, e.to_string()),
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            match s.storage.add_adapter(spec).await {
+                Ok(id) => Json(json!({"status": "ok", "adapter_index": id})).into_response(),
+                Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
             }
         }
         "remove" => match body.get("adapter_index").and_then(Value::as_u64) {
             None => error(StatusCode::BAD_REQUEST, "adapter_index: missing or not an integer"),
-            Some(id) if tier.remove_adapter(id) => {
-                Json(json!({"status": "ok", "removed": id})).into_response()
-            }
-            Some(id) => error(StatusCode::NOT_FOUND, format!("adapter_index: no adapter {id}")),
+            Some(id) => match s.storage.remove_adapter(id).await {
+                Ok(()) => Json(json!({"status": "ok", "removed": id})).into_response(),
+                Err(_) => error(StatusCode::NOT_FOUND, format!("adapter_index: no adapter {id}")),
+            },
         },
         other => {
             error(StatusCode::BAD_REQUEST, format!("operation: {other:?} is not add or remove"))
@@ -80,9 +79,9 @@ pub(super) async fn prefetch_submit(State(s): State<Shared>, raw: axum::body::By
     if b.target_tier.as_deref().is_some_and(|t| t != "l1") {
         return error(StatusCode::BAD_REQUEST, "target_tier: only l1 is supported");
     }
-    let Some(tier) = s.l2.clone() else {
+    if !s.storage.has_l2() {
         return error(StatusCode::SERVICE_UNAVAILABLE, "no L2 tier (start with --l2-adapter)");
-    };
+    }
     let tokens = match lmcache_core::hashing::tokens_from_i64(&b.token_ids) {
         Ok(t) => t,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("token_ids: {e}")),
@@ -125,11 +124,16 @@ pub(super) async fn prefetch_submit(State(s): State<Shared>, raw: axum::body::By
         jobs.insert(id.clone(), None);
     }
     let (me, rid, chunks) = (s.clone(), id.clone(), hashes.len());
-    tier.prefetch(lmcache_storage::PrefetchRequest { shards, readers: 1 }, move |out| {
+    let req = lmcache_storage::PrefetchRequest { shards, readers: 1 };
+    let started = s.storage.prefetch(req, move |out| {
         // The leases drop here: loaded objects stay in L1 under its eviction policy.
         let found = out.hits * out.leases.len();
         me.http_prefetches.lock().insert(rid, Some((found, total)));
     });
+    if let Err(e) = started {
+        s.http_prefetches.lock().remove(&id);
+        return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
+    }
     (StatusCode::ACCEPTED, Json(json!({"request_id": id, "chunks": chunks, "status": "submitted"})))
         .into_response()
 }

@@ -1,6 +1,8 @@
 //! Quotas per cache_salt: `GET /quota`, `GET|PUT|DELETE /quota/{salt}`, `?tier=l1` (the
 //! default) or `?tier=l2`.
 
+use lmcache_storage::TierName;
+
 use super::*;
 
 pub(super) const GB: f64 = (1u64 << 30) as f64;
@@ -22,54 +24,19 @@ pub(super) struct QuotaQuery {
 }
 
 /// Which tier's quotas a request is about: `?tier=l1` (the default) or `?tier=l2`.
-pub(super) enum QuotaTier {
-    L1,
-    L2(lmcache_storage::L2Tier),
+fn quota_tier(s: &ServerState, q: &QuotaQuery) -> Result<TierName, String> {
+    match q.tier.as_deref().unwrap_or("l1") {
+        "l1" => Ok(TierName::L1),
+        "l2" if s.storage.has_l2() => Ok(TierName::L2),
+        "l2" => Err("tier: l2 is not configured (start the server with --l2-adapter)".to_owned()),
+        other => Err(format!("tier: {other:?} is not l1 or l2")),
+    }
 }
 
-impl QuotaTier {
-    fn of(s: &ServerState, q: &QuotaQuery) -> Result<Self, String> {
-        match q.tier.as_deref().unwrap_or("l1") {
-            "l1" => Ok(Self::L1),
-            "l2" => s.l2.clone().map(Self::L2).ok_or_else(|| {
-                "tier: l2 is not configured (start the server with --l2-adapter)".to_owned()
-            }),
-            other => Err(format!("tier: {other:?} is not l1 or l2")),
-        }
-    }
-    fn name(&self) -> &'static str {
-        match self {
-            Self::L1 => "l1",
-            Self::L2(_) => "l2",
-        }
-    }
-    fn quotas(&self, s: &ServerState) -> Vec<(CacheSalt, u64)> {
-        match self {
-            Self::L1 => s.l1.quotas(),
-            Self::L2(t) => t.quotas(),
-        }
-    }
-    fn quota(&self, s: &ServerState, salt: &CacheSalt) -> Option<u64> {
-        match self {
-            Self::L1 => s.l1.quota(salt),
-            Self::L2(t) => t.quota(salt),
-        }
-    }
-    fn usage_of(&self, s: &ServerState, salt: &CacheSalt) -> u64 {
-        match self {
-            Self::L1 => s.l1.usage_of(salt),
-            Self::L2(t) => t.usage_of(salt),
-        }
-    }
-    fn set(&self, s: &ServerState, salt: &CacheSalt, limit: Option<u64>) {
-        match self {
-            Self::L1 => {
-                s.l1.set_quota(salt, limit);
-                // Enforce now rather than at the next maintenance pass.
-                s.l1.run_maintenance();
-            }
-            Self::L2(t) => t.set_quota(salt, limit),
-        }
+fn tier_name(t: TierName) -> &'static str {
+    match t {
+        TierName::L1 => "l1",
+        TierName::L2 => "l2",
     }
 }
 
@@ -77,22 +44,24 @@ pub(super) async fn quota_list(
     State(s): State<Shared>,
     axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
 ) -> Response {
-    let tier = match QuotaTier::of(&s, &q) {
+    let tier = match quota_tier(&s, &q) {
         Ok(t) => t,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
-    let users: serde_json::Map<String, Value> = tier
-        .quotas(&s)
+    let users: serde_json::Map<String, Value> = s
+        .storage
+        .quotas(tier)
+        .unwrap_or_default()
         .into_iter()
         .map(|(salt, limit)| {
-            let usage = tier.usage_of(&s, &salt);
+            let usage = s.storage.usage_of(tier, &salt).unwrap_or(0);
             (
                 salt_name(&salt),
                 json!({"limit_gb": limit as f64 / GB, "current_usage_gb": usage as f64 / GB}),
             )
         })
         .collect();
-    Json(json!({"tier": tier.name(), "users": users})).into_response()
+    Json(json!({"tier": tier_name(tier), "users": users})).into_response()
 }
 
 pub(super) async fn quota_get(
@@ -100,16 +69,16 @@ pub(super) async fn quota_get(
     Path(raw): Path<String>,
     axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
 ) -> Response {
-    let (tier, salt) = match QuotaTier::of(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
+    let (tier, salt) = match quota_tier(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
         Ok(x) => x,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
-    let limit = tier.quota(&s, &salt);
+    let limit = s.storage.quota(tier, &salt).unwrap_or(None);
     Json(json!({
         "cache_salt": salt_name(&salt),
-        "tier": tier.name(),
+        "tier": tier_name(tier),
         "limit_gb": limit.map_or(0.0, |l| l as f64 / GB),
-        "current_usage_gb": tier.usage_of(&s, &salt) as f64 / GB,
+        "current_usage_gb": s.storage.usage_of(tier, &salt).unwrap_or(0) as f64 / GB,
         "exists": limit.is_some(),
     }))
     .into_response()
@@ -126,7 +95,7 @@ pub(super) async fn quota_put(
     axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
     body: axum::body::Bytes,
 ) -> Response {
-    let (tier, salt) = match QuotaTier::of(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
+    let (tier, salt) = match quota_tier(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
         Ok(x) => x,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
@@ -140,8 +109,10 @@ pub(super) async fn quota_put(
             format!("limit_gb: {} is not a finite size >= 0", body.limit_gb),
         );
     };
-    tier.set(&s, &salt, Some(bytes));
-    Json(json!({"cache_salt": salt_name(&salt), "tier": tier.name(), "limit_gb": body.limit_gb,
+    if let Err(e) = s.storage.set_quota(tier, &salt, Some(bytes)) {
+        return error(StatusCode::BAD_REQUEST, e.to_string());
+    }
+    Json(json!({"cache_salt": salt_name(&salt), "tier": tier_name(tier), "limit_gb": body.limit_gb,
                 "status": "ok"}))
     .into_response()
 }
@@ -151,13 +122,15 @@ pub(super) async fn quota_delete(
     Path(raw): Path<String>,
     axum::extract::Query(q): axum::extract::Query<QuotaQuery>,
 ) -> Response {
-    let (tier, salt) = match QuotaTier::of(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
+    let (tier, salt) = match quota_tier(&s, &q).and_then(|t| Ok((t, salt_from_path(&raw)?))) {
         Ok(x) => x,
         Err(msg) => return error(StatusCode::BAD_REQUEST, msg),
     };
-    let existed = tier.quota(&s, &salt).is_some();
-    tier.set(&s, &salt, None);
+    let existed = s.storage.quota(tier, &salt).ok().flatten().is_some();
+    if let Err(e) = s.storage.set_quota(tier, &salt, None) {
+        return error(StatusCode::BAD_REQUEST, e.to_string());
+    }
     let status = if existed { "removed" } else { "not_found" };
-    Json(json!({"cache_salt": salt_name(&salt), "tier": tier.name(), "status": status}))
+    Json(json!({"cache_salt": salt_name(&salt), "tier": tier_name(tier), "status": status}))
         .into_response()
 }

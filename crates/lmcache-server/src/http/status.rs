@@ -3,8 +3,8 @@
 use super::*;
 
 pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
-    let u = s.l1.usage();
-    let arena = s.l1.memory().arena();
+    let u = s.l1().usage();
+    let arena = s.l1().memory().arena();
     let instances: Vec<Value> = s
         .registry
         .list()
@@ -62,7 +62,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
                 "memory_usage_ratio": u.usage_fraction(),
                 "total_object_count": u.resident_objects,
             },
-            "eviction_controller": {"eviction_policy": s.l1.config().eviction_policy.as_str()},
+            "eviction_controller": {"eviction_policy": s.l1().config().eviction_policy.as_str()},
             "l2_adapters": l2_status(&s),
             "l1": {
                 "capacity_bytes": u.capacity,
@@ -71,7 +71,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
                 "resident_objects": u.resident_objects,
                 "staged_objects": u.staged_objects,
                 "locked_objects": u.locked_objects,
-                "eviction_policy": s.l1.config().eviction_policy.as_str(),
+                "eviction_policy": s.l1().config().eviction_policy.as_str(),
                 "backing": arena.kind().as_str(),
                 "shm_name": arena.shm_name(),
                 "evicted_objects": u.stats.evicted_objects,
@@ -89,7 +89,7 @@ pub(super) async fn version() -> Json<Value> {
 /// The effective configuration (the token itself is never shown).
 pub(super) async fn config(State(s): State<Shared>) -> Json<Value> {
     let c = &s.config;
-    let arena = s.l1.memory().arena();
+    let arena = s.l1().memory().arena();
     Json(json!({
         "mp": {
             "host": c.host, "port": c.port, "chunk_size": c.chunk_size,
@@ -116,8 +116,7 @@ pub(super) async fn config(State(s): State<Shared>) -> Json<Value> {
 
 /// Each adapter's state for /status: LMCache's `type` and `is_healthy`, then our detail.
 pub(super) fn l2_status(s: &ServerState) -> Vec<Value> {
-    let Some(t) = &s.l2 else { return Vec::new() };
-    t.describe().iter().map(adapter_json).collect()
+    s.storage.describe_l2().iter().map(adapter_json).collect()
 }
 
 fn adapter_json(a: &lmcache_storage::AdapterInfo) -> Value {
@@ -169,21 +168,20 @@ fn adapter_json(a: &lmcache_storage::AdapterInfo) -> Value {
 
 /// The adapters' configurations (secrets masked), for /config.
 pub(super) fn l2_specs(s: &ServerState) -> Vec<Value> {
-    s.l2.as_ref()
-        .map_or_else(Vec::new, |t| t.adapters().iter().map(|a| a.built.spec.clone()).collect())
+    s.storage.describe_l2().into_iter().map(|a| a.spec).collect()
 }
 
 pub(super) async fn config_adapters(State(s): State<Shared>) -> Json<Value> {
-    let list: Vec<Value> = s.l2.as_ref().map_or_else(Vec::new, |t| {
-        t.adapters()
-            .iter()
-            .enumerate()
-            .map(|(i, a)| {
-                json!({"index": a.id, "type_name": a.built.kind, "tier": "l2",
-                       "primary": i == 0, "reconfigurable": true})
-            })
-            .collect()
-    });
+    let list: Vec<Value> = s
+        .storage
+        .describe_l2()
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            json!({"index": a.id, "type_name": a.kind, "tier": "l2",
+                   "primary": i == 0, "reconfigurable": true})
+        })
+        .collect();
     Json(json!({"adapters": list}))
 }
 
@@ -200,11 +198,12 @@ pub(super) fn refresh_l2_metrics(s: &ServerState) {
     use crate::metrics::{L2Label, StateLabel, advance};
     use std::sync::atomic::Ordering::Relaxed;
     let m = &s.metrics.l2;
-    let n = s.l2.as_ref().map_or(0, |t| t.len()) as i64;
+    let adapters = s.storage.describe_l2();
+    let n = adapters.len() as i64;
     let active = StateLabel { state: "active".into() };
     m.store_adapters.get_or_create(&active).set(n);
     m.prefetch_adapters.get_or_create(&active).set(n);
-    let Some(tier) = &s.l2 else { return };
+    let Some(tier) = s.storage.l2() else { return };
     let ts = tier.stats();
     advance(&m.store_submitted_objects, ts.store_enqueued.load(Relaxed));
     advance(&m.store_dropped_objects, ts.store_dropped.load(Relaxed));
@@ -212,7 +211,7 @@ pub(super) fn refresh_l2_metrics(s: &ServerState) {
     advance(&m.prefetch_expired, ts.prefetch_expired.load(Relaxed));
     s.metrics.active_prefetch_jobs.set(ts.prefetch_in_flight.load(Relaxed) as i64);
     // The same snapshot /status shows.
-    for a in tier.describe() {
+    for a in adapters {
         let l = L2Label { l2_name: a.kind.clone(), adapter_index: a.id.to_string() };
         let c = &a.counters;
         m.usage_bytes.get_or_create(&l).set(a.usage.used as i64);
@@ -240,7 +239,7 @@ pub(super) fn refresh_l2_metrics(s: &ServerState) {
 }
 
 pub(super) async fn metrics(State(s): State<Shared>) -> Response {
-    let u = s.l1.usage();
+    let u = s.l1().usage();
     s.metrics.l1_used_bytes.set(u.used_bytes as i64);
     s.metrics.l1_usage_ratio.set(u.usage_fraction());
     s.metrics.l1_staging_bytes.set(u.staged_bytes as i64);
@@ -262,7 +261,7 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     advance(&m.l1_expired_read_leases, st.expired_read_leases);
     advance(&m.l1_expired_write_leases, st.expired_write_leases);
     advance(&m.l1_unwritten_evictions, st.unwritten_evictions);
-    m.l1_unwritten_objects.set(s.l1.unwritten() as i64);
+    m.l1_unwritten_objects.set(s.l1().unwritten() as i64);
     refresh_l2_metrics(&s);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

@@ -1,0 +1,193 @@
+//! Lookups through both tiers, and the leases a retrieve spends.
+//!
+//! [`crate::StorageManager::lookup`] read-locks the longest prefix L1 holds on every shard
+//! asked for; when that is short of the prompt and L2 is attached, it starts a prefetch of the
+//! rest. The answer is one value, [`Lookup`]: `Ready` (the hit prefix, locked) or `Pending`
+//! (the L1 part, locked, plus the prefetch's handle). [`Lookup::settle`] joins a finished
+//! prefetch's leases to the L1 ones, once. A retrieve then *spends* those leases
+//! ([`LookupLeases::take_one`] and [`crate::StorageManager::retrieve_leases`]) instead of
+//! locking every chunk a second time.
+
+use std::ops::Range;
+
+use lmcache_core::ObjectKey;
+use lmcache_l1::ReadLease;
+
+use crate::prefetch::{PrefetchHandle, PrefetchWaiter};
+
+/// What to look up: the keys of chunks `0..chunks` of every shard asked for.
+#[derive(Debug, Clone)]
+pub struct LookupRequest {
+    /// Per shard asked for: its worker id and the keys of its chunks (the same count each).
+    pub shards: Vec<(u32, Vec<ObjectKey>)>,
+    /// Shards the model has (leases are indexed by worker id `0..world_size`).
+    pub world_size: u32,
+    /// Read locks per served object (one per engine reader).
+    pub readers: u32,
+}
+
+impl LookupRequest {
+    /// Chunks asked for per shard.
+    pub fn chunks(&self) -> usize {
+        self.shards.first().map_or(0, |(_, k)| k.len())
+    }
+}
+
+/// The read leases a lookup holds: per worker id, per chunk of the hit prefix, what is left of
+/// the `readers` locks taken (`None` once spent).
+#[derive(Debug, Default)]
+pub struct LookupLeases {
+    shards: Vec<Vec<Option<ReadLease>>>,
+}
+
+impl LookupLeases {
+    fn new(world_size: u32) -> Self {
+        Self { shards: (0..world_size).map(|_| Vec::new()).collect() }
+    }
+
+    fn extend(&mut self, shard: u32, leases: impl IntoIterator<Item = ReadLease>) {
+        if let Some(s) = self.shards.get_mut(shard as usize) {
+            s.extend(leases.into_iter().map(Some));
+        }
+    }
+
+    /// Takes one lock of shard `shard` on each chunk of `range` (what a retrieve of those
+    /// chunks spends); `None` where the lookup holds none.
+    pub fn take_one(&mut self, shard: usize, range: Range<usize>) -> Vec<Option<ReadLease>> {
+        let mut out: Vec<Option<ReadLease>> = (0..range.len()).map(|_| None).collect();
+        let Some(chunks) = self.shards.get_mut(shard) else { return out };
+        for (slot, o) in chunks.iter_mut().skip(range.start).take(range.len()).zip(&mut out) {
+            *o = match slot {
+                Some(lease) if lease.count() > 1 => lease.split(1),
+                _ => slot.take(),
+            };
+        }
+        out
+    }
+
+    /// Releases one lock of shard `shard` on chunks `range`.
+    pub fn release_one(&mut self, shard: usize, range: Range<usize>) {
+        drop(self.take_one(shard, range));
+    }
+
+    /// Releases every lock on chunks `range`, all shards.
+    pub fn release_all(&mut self, range: Range<usize>) {
+        for chunks in &mut self.shards {
+            for slot in chunks.iter_mut().skip(range.start).take(range.len()) {
+                *slot = None;
+            }
+        }
+    }
+
+    /// Locks held on shard `shard` (chunks whose lease is not spent).
+    pub fn held(&self, shard: usize) -> usize {
+        self.shards.get(shard).map_or(0, |s| s.iter().filter(|l| l.is_some()).count())
+    }
+}
+
+/// A lookup: its hit prefix locked, or its L1 part locked while L2 prefetches the rest.
+#[derive(Debug)]
+pub enum Lookup {
+    /// Complete: `hits` chunks are servable on every shard asked for, and locked.
+    Ready {
+        /// The locks.
+        leases: LookupLeases,
+        /// Chunks servable on every shard.
+        hits: usize,
+    },
+    /// L1 served `l1_hit` chunks; a prefetch of the rest runs. Dropping it abandons the
+    /// prefetch: its leases are released when it ends.
+    Pending(PendingLookup),
+}
+
+/// The pending half of [`Lookup`].
+#[derive(Debug)]
+pub struct PendingLookup {
+    leases: LookupLeases,
+    handle: PrefetchHandle,
+    l1_hit: usize,
+    shards: Vec<u32>,
+}
+
+/// What a prefetch added to a lookup, reported once by [`Lookup::settle`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// Chunks servable in all (L1 then L2).
+    pub hits: usize,
+    /// Of those, chunks L2 added.
+    pub l2_hits: usize,
+    /// Objects loaded from L2.
+    pub loaded_keys: usize,
+}
+
+impl Lookup {
+    pub(crate) fn ready(world_size: u32, per_shard: Vec<(u32, Vec<ReadLease>)>) -> (Self, usize) {
+        let hit = per_shard.iter().map(|(_, l)| l.len()).min().unwrap_or(0);
+        let mut leases = LookupLeases::new(world_size);
+        for (w, mut l) in per_shard {
+            l.truncate(hit);
+            leases.extend(w, l);
+        }
+        (Self::Ready { leases, hits: hit }, hit)
+    }
+
+    pub(crate) fn pending(self, handle: PrefetchHandle, shards: Vec<u32>) -> Self {
+        match self {
+            Self::Ready { leases, hits } => {
+                Self::Pending(PendingLookup { leases, handle, l1_hit: hits, shards })
+            }
+            p @ Self::Pending(_) => p,
+        }
+    }
+
+    /// Chunks L1 served (all of the hits, once ready, for a lookup that needed no prefetch).
+    pub fn l1_hit(&self) -> usize {
+        match self {
+            Self::Ready { hits, .. } => *hits,
+            Self::Pending(p) => p.l1_hit,
+        }
+    }
+
+    /// The hit count; `None` while the prefetch runs.
+    pub fn hits(&self) -> Option<usize> {
+        match self {
+            Self::Ready { hits, .. } => Some(*hits),
+            Self::Pending(_) => None,
+        }
+    }
+
+    /// Whether a prefetch is still to be settled.
+    pub fn is_pending(&self) -> bool {
+        matches!(self, Self::Pending(_))
+    }
+
+    /// A waiter on the prefetch, while one runs.
+    pub fn waiter(&self) -> Option<PrefetchWaiter> {
+        match self {
+            Self::Pending(p) => Some(p.handle.waiter()),
+            Self::Ready { .. } => None,
+        }
+    }
+
+    /// If the prefetch has ended, joins its leases to the L1 ones and becomes `Ready`;
+    /// returns what it added, exactly once.
+    pub fn settle(&mut self) -> Option<Settled> {
+        let Self::Pending(p) = self else { return None };
+        let out = p.handle.poll()?;
+        let hits = p.l1_hit + out.hits;
+        let mut leases = std::mem::take(&mut p.leases);
+        for (&w, l) in p.shards.iter().zip(out.leases) {
+            leases.extend(w, l);
+        }
+        *self = Self::Ready { leases, hits };
+        Some(Settled { hits, l2_hits: out.hits, loaded_keys: out.loaded_keys })
+    }
+
+    /// The locks held so far (the L1 part while pending).
+    pub fn leases_mut(&mut self) -> &mut LookupLeases {
+        match self {
+            Self::Ready { leases, .. } => leases,
+            Self::Pending(p) => &mut p.leases,
+        }
+    }
+}

@@ -1,0 +1,193 @@
+//! StorageManager as the one owner of both tiers: lookups (ready or pending on a prefetch),
+//! the leases a retrieve spends, and deletes, listings and quotas across tiers.
+#![allow(missing_docs, clippy::allow_attributes)]
+
+use std::time::{Duration, Instant};
+
+use lmcache_core::{CacheSalt, ObjectKey};
+use lmcache_l1::{L1Cache, WriteRequest};
+use lmcache_storage::{
+    DeleteScope, Lookup, LookupRequest, StorageError, StorageManager, TierConfig, TierName,
+};
+use serde_json::json;
+
+mod common;
+
+const OBJ: u64 = 16 * 1024;
+
+fn key(shard: u32, i: u32) -> ObjectKey {
+    let mut h = [0u8; 32];
+    h[..4].copy_from_slice(&i.to_le_bytes());
+    ObjectKey::new(h, "test/model", 2, shard, 0, "").unwrap()
+}
+
+fn put(m: &StorageManager, k: &ObjectKey, fill: u8) {
+    let mut w = m.reserve_write(&[WriteRequest::new(k.clone(), OBJ)]).pop().unwrap().unwrap();
+    w.as_mut_slice().fill(fill);
+    assert!(m.commit(vec![w]).pop().unwrap().is_ok());
+}
+
+fn request(chunks: u32, readers: u32) -> LookupRequest {
+    LookupRequest {
+        shards: (0..2).map(|w| (w, (0..chunks).map(|i| key(w, i)).collect())).collect(),
+        world_size: 2,
+        readers,
+    }
+}
+
+fn manager_with_l2(l1: &L1Cache) -> StorageManager {
+    let tier = lmcache_storage::L2Tier::start(
+        l1.clone(),
+        &[json!({"type": "mock", "max_size_gb": 1, "latency_ms": 100})],
+        TierConfig::default(),
+    )
+    .unwrap();
+    StorageManager::new(l1.clone(), Some(tier))
+}
+
+#[test]
+fn an_l1_lookup_is_ready_with_the_common_prefix_locked_per_shard() {
+    let l1 = common::l1(8 << 20);
+    let m = StorageManager::new(l1.clone(), None);
+    for i in 0..3 {
+        put(&m, &key(0, i), i as u8);
+    }
+    for i in 0..2 {
+        put(&m, &key(1, i), 0x10 + i as u8);
+    }
+    let mut lookup = m.lookup(&request(4, 2));
+    assert_eq!(lookup.hits(), Some(2), "a chunk counts only when every shard holds it");
+    assert!(!lookup.is_pending() && lookup.settle().is_none());
+    assert_eq!(l1.usage().locked_objects, 4, "shard 0's third chunk must not stay locked");
+    let leases = lookup.leases_mut();
+    assert_eq!((leases.held(0), leases.held(1)), (2, 2));
+
+    // Each reader spends one of the two locks; a third take finds none.
+    let first = leases.take_one(1, 0..2);
+    assert!(first.iter().all(|l| l.as_ref().is_some_and(|l| l.count() == 1)));
+    drop(first);
+    assert_eq!(l1.usage().locked_objects, 4, "one lock of two is still held");
+    leases.release_one(1, 0..2);
+    assert_eq!(leases.held(1), 0);
+    assert!(leases.take_one(1, 0..2).iter().all(Option::is_none));
+    drop(lookup);
+    assert_eq!(l1.usage().locked_objects, 0, "dropping the lookup releases shard 0's locks");
+}
+
+#[test]
+fn retrieve_leases_spend_what_matches_and_lock_the_rest() {
+    let l1 = common::l1(8 << 20);
+    let m = StorageManager::new(l1.clone(), None);
+    for i in 0..3 {
+        put(&m, &key(0, i), i as u8);
+    }
+    let mut lookup = m.lookup(&LookupRequest {
+        shards: vec![(0, (0..3).map(|i| key(0, i)).collect())],
+        world_size: 2,
+        readers: 1,
+    });
+    assert_eq!(lookup.hits(), Some(3));
+    let spent = lookup.leases_mut().take_one(0, 0..3);
+    // A lease on another key (a stale range) is not served for this one: chunk 1 gets a new
+    // lock of its own key, chunk 2 one of a key that is not there.
+    let mut spent = spent;
+    spent.swap(1, 2);
+    let keys = [key(0, 0), key(0, 1), key(0, 9)];
+    let got = m.retrieve_leases(spent, &keys);
+    assert_eq!(got[0].as_ref().unwrap().key(), &keys[0]);
+    assert_eq!(got[0].as_ref().unwrap().bytes()[0], 0);
+    assert_eq!(got[1].as_ref().unwrap().key(), &keys[1]);
+    assert_eq!(got[1].as_ref().unwrap().bytes()[0], 1);
+    assert!(got[2].is_err(), "a key L1 lacks is a miss, never another key's bytes");
+    drop(got);
+    assert_eq!(l1.usage().locked_objects, 0, "every lease was spent or released");
+}
+
+#[test]
+fn a_short_lookup_is_pending_until_l2_fills_it_then_settles_once() {
+    let l1 = common::l1(8 << 20);
+    let m = manager_with_l2(&l1);
+    for w in 0..2 {
+        for i in 0..3 {
+            put(&m, &key(w, i), i as u8);
+        }
+    }
+    assert_eq!(m.flush(Duration::from_secs(10)), 0);
+    // Only the first chunk stays in L1.
+    let gone: Vec<ObjectKey> = (0..2).flat_map(|w| (1..3).map(move |i| key(w, i))).collect();
+    assert!(l1.delete(&gone, false).iter().all(Result::is_ok));
+    let mut lookup = m.lookup(&request(3, 1));
+    assert!(lookup.is_pending() && lookup.hits().is_none());
+    assert_eq!(lookup.l1_hit(), 1);
+    let waiter = lookup.waiter().expect("a pending lookup has a waiter");
+    assert!(waiter.wait(Duration::from_secs(5)), "the prefetch did not end");
+    let settled = lookup.settle().expect("settles once the prefetch ended");
+    assert_eq!((settled.hits, settled.l2_hits, settled.loaded_keys), (3, 2, 4));
+    assert!(lookup.settle().is_none(), "settled exactly once");
+    assert!(matches!(lookup, Lookup::Ready { hits: 3, .. }));
+    assert_eq!(lookup.leases_mut().held(1), 3, "L1 and L2 leases joined per shard");
+
+    // An abandoned pending lookup leaves no lease once its prefetch ends.
+    assert!(l1.delete(&gone, true).iter().all(Result::is_ok));
+    drop(lookup);
+    let abandoned = m.lookup(&request(3, 1));
+    assert!(abandoned.is_pending());
+    drop(abandoned);
+    let t0 = Instant::now();
+    while l1.usage().locked_objects > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "an abandoned prefetch kept its leases");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn deletes_listings_and_quotas_go_through_the_manager() {
+    let l1 = common::l1(8 << 20);
+    let bare = StorageManager::new(l1.clone(), None);
+    assert!(matches!(bare.quotas(TierName::L2), Err(StorageError::NoL2)));
+    assert!(bare.quotas(TierName::L1).unwrap().is_empty());
+    drop(bare);
+
+    let m = manager_with_l2(&l1);
+    let keys: Vec<ObjectKey> = (0..4).map(|i| key(0, i)).collect();
+    for k in &keys {
+        put(&m, k, 1);
+    }
+    assert_eq!(m.flush(Duration::from_secs(10)), 0);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let page = m.list_l2(None, None, None, 100).await.unwrap();
+        assert_eq!(page.page.keys.len(), 4);
+        assert!(matches!(
+            m.list_l2(Some(7), None, None, 100).await,
+            Err(StorageError::NoSuchAdapter { id: 7 })
+        ));
+        // L1 only: L2 keeps them.
+        let r = m.delete(DeleteScope::L1, None, keys[..2].to_vec(), false).await.unwrap();
+        assert_eq!((r.deleted, r.skipped), (2, 0));
+        assert_eq!(m.list_l2(None, None, None, 100).await.unwrap().page.keys.len(), 4);
+        // Both tiers: two L1 objects and four L2 keys... of the two asked, both tiers count.
+        let r = m.delete(DeleteScope::All, None, keys[2..].to_vec(), false).await.unwrap();
+        assert_eq!((r.deleted, r.skipped), (4, 0));
+        assert_eq!(m.list_l2(None, None, None, 100).await.unwrap().page.keys.len(), 2);
+        assert!(matches!(
+            m.delete(DeleteScope::L2, Some(9), keys.clone(), false).await,
+            Err(StorageError::NoSuchAdapter { id: 9 })
+        ));
+        // Adapters attach and detach through the manager, off the caller's runtime.
+        let id = m.add_adapter(json!({"type": "mock", "max_size_gb": 1})).await.unwrap();
+        assert_eq!(m.describe_l2().len(), 2);
+        m.remove_adapter(id).await.unwrap();
+        assert!(matches!(m.remove_adapter(id).await, Err(StorageError::NoSuchAdapter { .. })));
+        assert!(matches!(
+            m.add_adapter(json!({"type": "nope"})).await,
+            Err(StorageError::Config(_))
+        ));
+    });
+    let salt = CacheSalt::new("tenant").unwrap();
+    m.set_quota(TierName::L2, &salt, Some(1 << 20)).unwrap();
+    assert_eq!(m.quota(TierName::L2, &salt).unwrap(), Some(1 << 20));
+    assert_eq!(m.quota(TierName::L1, &salt).unwrap(), None, "tiers keep their own quotas");
+    m.set_quota(TierName::L2, &salt, None).unwrap();
+    assert!(m.quotas(TierName::L2).unwrap().is_empty());
+}
