@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
-use lmcache_client::{Client, KeySpec};
+use lmcache_client::{CacheKey, Client, EngineDrivenRegistration};
+use lmcache_core::{Dtype, ModelName};
 use lmcache_memory::ForeignSegment;
 use serde_json::json;
 
@@ -88,9 +89,20 @@ fn worker(
     let mut c = Client::connect(&a.rpc_url, Duration::from_secs(a.timeout_seconds))?;
     let chunk = c.get_chunk_size().context("get_chunk_size")? as usize;
     let id = 2000 + u64::from(index);
-    let (name, size) = c
-        .register_engine_driven(id, &a.model, 1, 16, a.num_layers, a.hidden_dim, "float16")
-        .context("registering")?;
+    let model = ModelName::new(&a.model).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
+    let registration = EngineDrivenRegistration {
+        instance_id: id,
+        model_name: model.clone(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: a.num_layers,
+        hidden_dim_size: a.hidden_dim,
+        dtype: Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    };
+    let pool = c.register_engine_driven(&registration).context("registering")?;
+    let (name, size) = (pool.shm_name, pool.pool_size);
     if name.is_empty() {
         bail!("the server advertises no shared-memory pool");
     }
@@ -100,7 +112,7 @@ fn worker(
         let mut tokens = vec![s];
         tokens.extend(std::iter::repeat_n(9906u32, a.num_tokens));
         let chunks = tokens.len() / chunk;
-        let cold = KeySpec::whole(&a.model, &format!("req-{s}-cold"), tokens.clone(), chunk);
+        let cold = CacheKey::whole(model.clone(), &format!("req-{s}-cold"), tokens.clone(), chunk);
         let pattern = |i: u64| (s as u64 * 31 + i) as u8 | 1;
         let hits = timed(&mut t.ms[0], || c.lookup(&cold))?;
         t.cold_miss += u32::from(hits == 0);
@@ -116,7 +128,7 @@ fn worker(
         })?;
         t.bytes_stored += stored;
         c.end_session(&cold.request_id)?;
-        let warm = KeySpec::whole(&a.model, &format!("req-{s}-warm"), tokens, chunk);
+        let warm = CacheKey::whole(model.clone(), &format!("req-{s}-warm"), tokens, chunk);
         let hits = timed(&mut t.ms[2], || c.lookup(&warm))?;
         t.warm_hit += u32::from(hits as usize == chunks);
         let ok = timed(&mut t.ms[3], || -> anyhow::Result<bool> {

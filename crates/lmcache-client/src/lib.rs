@@ -7,7 +7,8 @@
 
 use std::time::Duration;
 
-use lmcache_protocol::value::{self, map};
+use lmcache_protocol::types::{PrepareRetrieveResponse, PrepareStoreResponse};
+use lmcache_protocol::value;
 use lmcache_protocol::{Op, ProtocolError};
 use rmpv::Value;
 use thiserror::Error;
@@ -37,76 +38,9 @@ pub enum ClientError {
     },
 }
 
-/// The key of a request range (`IPCCacheServerKey`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KeySpec {
-    /// Model name.
-    pub model_name: String,
-    /// Shards.
-    pub world_size: u32,
-    /// One shard, or `None` for all (lookups).
-    pub worker_id: Option<u32>,
-    /// The full token list.
-    pub token_ids: Vec<u32>,
-    /// Range start.
-    pub start: usize,
-    /// Range end.
-    pub end: usize,
-    /// Request id.
-    pub request_id: String,
-    /// Tenant.
-    pub cache_salt: String,
-    /// Readers per object.
-    pub num_kv_readers: u32,
-}
-
-impl KeySpec {
-    /// A key over all of `tokens`' whole chunks of `chunk_size`.
-    pub fn whole(model: &str, request_id: &str, tokens: Vec<u32>, chunk_size: usize) -> Self {
-        let end = tokens.len() / chunk_size * chunk_size;
-        Self {
-            model_name: model.to_owned(),
-            world_size: 1,
-            worker_id: None,
-            token_ids: tokens,
-            start: 0,
-            end,
-            request_id: request_id.to_owned(),
-            cache_salt: String::new(),
-            num_kv_readers: 1,
-        }
-    }
-
-    /// The same key for one shard.
-    pub fn for_worker(&self, worker_id: u32) -> Self {
-        Self { worker_id: Some(worker_id), ..self.clone() }
-    }
-
-    /// The msgpack map, fields in LMCache's order.
-    pub fn to_value(&self) -> Value {
-        map(vec![
-            ("model_name", Value::from(self.model_name.as_str())),
-            ("world_size", Value::from(self.world_size)),
-            ("worker_id", self.worker_id.map_or(Value::Nil, Value::from)),
-            ("token_ids", Value::Array(self.token_ids.iter().map(|&t| Value::from(t)).collect())),
-            ("start", Value::from(self.start as u64)),
-            ("end", Value::from(self.end as u64)),
-            ("request_id", Value::from(self.request_id.as_str())),
-            ("cache_salt", Value::from(self.cache_salt.as_str())),
-            ("request_configs", Value::Nil),
-            ("num_kv_readers", Value::from(self.num_kv_readers)),
-        ])
-    }
-}
-
-/// A slot of the shared pool, as prepare_store/prepare_retrieve describe it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Slot {
-    /// Byte offset in the pool.
-    pub offset: u64,
-    /// Byte length.
-    pub length: u64,
-}
+pub use lmcache_protocol::types::{
+    CacheKey, EngineDrivenRegistered, EngineDrivenRegistration, SlotDesc,
+};
 
 /// A connection to an MP server.
 pub struct Client {
@@ -198,8 +132,8 @@ impl Client {
     }
 
     /// `lookup` (void), then `query_prefetch_status`: the hit count in chunks.
-    pub fn lookup(&mut self, key: &KeySpec) -> Result<u64, ClientError> {
-        self.call(Op::Lookup, &[key.to_value(), Value::from(1)])?;
+    pub fn lookup(&mut self, key: &CacheKey) -> Result<u64, ClientError> {
+        self.call(Op::Lookup, &[key.encode(), Value::from(1)])?;
         let v = self.expect(Op::QueryPrefetchStatus, &[Value::from(key.request_id.as_str())])?;
         value::u64_("hits", &v)
             .map_err(|error| ClientError::BadReply { op: "query_prefetch_status", error })
@@ -210,65 +144,34 @@ impl Client {
         self.call(Op::EndSession, &[Value::from(request_id)]).map(|_| ())
     }
 
-    /// `register_kv_cache_engine_driven_context`: returns `(shm_name, pool_size)`.
-    #[expect(clippy::too_many_arguments, reason = "mirrors the wire payload's fields")]
+    /// `register_kv_cache_engine_driven_context`: returns the pool to map.
     pub fn register_engine_driven(
         &mut self,
-        instance_id: u64,
-        model: &str,
-        world_size: u32,
-        block_size: u64,
-        num_layers: u64,
-        hidden: u64,
-        dtype: &str,
-    ) -> Result<(String, u64), ClientError> {
-        let payload = map(vec![
-            ("instance_id", Value::from(instance_id)),
-            ("model_name", Value::from(model)),
-            ("world_size", Value::from(world_size)),
-            ("block_size", Value::from(block_size)),
-            ("num_layers", Value::from(num_layers)),
-            ("hidden_dim_size", Value::from(hidden)),
-            ("dtype_str", Value::from(dtype)),
-            ("use_mla", Value::Boolean(false)),
-            ("num_physical_slots", Value::Nil),
-        ]);
-        let v = self.expect(Op::RegisterKvCacheEngineDrivenContext, &[payload])?;
-        let bad =
-            |error| ClientError::BadReply { op: "register_kv_cache_engine_driven_context", error };
-        let f = value::Fields::of("reply", &v).map_err(bad)?;
-        let name = value::str_("shm_name", f.req("shm_name").map_err(bad)?).map_err(bad)?;
-        let size = value::u64_("pool_size", f.req("pool_size").map_err(bad)?).map_err(bad)?;
-        Ok((name.to_owned(), size))
+        registration: &EngineDrivenRegistration,
+    ) -> Result<EngineDrivenRegistered, ClientError> {
+        const OP: &str = "register_kv_cache_engine_driven_context";
+        let v = self.expect(Op::RegisterKvCacheEngineDrivenContext, &[registration.encode()])?;
+        EngineDrivenRegistered::decode("reply", &v)
+            .map_err(|error| ClientError::BadReply { op: OP, error })
     }
 
     /// `prepare_store`: the slots to fill, with their chunk indices in the range.
     pub fn prepare_store(
         &mut self,
-        key: &KeySpec,
+        key: &CacheKey,
         instance_id: u64,
-    ) -> Result<Vec<(u64, Slot)>, ClientError> {
-        let v = self.expect(Op::PrepareStore, &[key.to_value(), Value::from(instance_id)])?;
-        let bad = |error| ClientError::BadReply { op: "prepare_store", error };
-        let ctx = value::Fields::of("reply", &v).and_then(|f| f.req("context")).map_err(bad)?;
-        let ctx = value::Fields::of("context", ctx).map_err(bad)?;
-        let Some(slots) = ctx.get("slots") else { return Ok(Vec::new()) };
-        let slots = parse_slots(slots).map_err(bad)?;
-        let idx =
-            value::array("chunk_indices", ctx.req("chunk_indices").map_err(bad)?).map_err(bad)?;
-        let idx: Vec<u64> = idx
-            .iter()
-            .map(|i| value::u64_("chunk_indices", i))
-            .collect::<Result<_, _>>()
-            .map_err(bad)?;
-        Ok(idx.into_iter().zip(slots).collect())
+    ) -> Result<Vec<(u64, SlotDesc)>, ClientError> {
+        let v = self.expect(Op::PrepareStore, &[key.encode(), Value::from(instance_id)])?;
+        let r = PrepareStoreResponse::decode("reply", &v)
+            .map_err(|error| ClientError::BadReply { op: "prepare_store", error })?;
+        Ok(r.chunk_indices.into_iter().zip(r.slots).collect())
     }
 
     /// `commit_store`.
-    pub fn commit_store(&mut self, key: &KeySpec, instance_id: u64) -> Result<bool, ClientError> {
+    pub fn commit_store(&mut self, key: &CacheKey, instance_id: u64) -> Result<bool, ClientError> {
         let v = self.expect(
             Op::CommitStore,
-            &[key.to_value(), Value::from(instance_id), Value::Binary(Vec::new())],
+            &[key.encode(), Value::from(instance_id), Value::Binary(Vec::new())],
         )?;
         value::bool_("ok", &v).map_err(|error| ClientError::BadReply { op: "commit_store", error })
     }
@@ -276,40 +179,23 @@ impl Client {
     /// `prepare_retrieve`: `None` when not every chunk is available.
     pub fn prepare_retrieve(
         &mut self,
-        key: &KeySpec,
+        key: &CacheKey,
         instance_id: u64,
-    ) -> Result<Option<Vec<Slot>>, ClientError> {
-        let v = self.expect(Op::PrepareRetrieve, &[key.to_value(), Value::from(instance_id)])?;
-        let bad = |error| ClientError::BadReply { op: "prepare_retrieve", error };
-        let f = value::Fields::of("reply", &v).map_err(bad)?;
-        if !value::bool_("success", f.req("success").map_err(bad)?).map_err(bad)? {
-            return Ok(None);
-        }
-        let ctx = value::Fields::of("context", f.req("context").map_err(bad)?).map_err(bad)?;
-        parse_slots(ctx.req("slots").map_err(bad)?).map(Some).map_err(bad)
+    ) -> Result<Option<Vec<SlotDesc>>, ClientError> {
+        let v = self.expect(Op::PrepareRetrieve, &[key.encode(), Value::from(instance_id)])?;
+        let r = PrepareRetrieveResponse::decode("reply", &v)
+            .map_err(|error| ClientError::BadReply { op: "prepare_retrieve", error })?;
+        Ok(r.success.then_some(r.slots))
     }
 
     /// `commit_retrieve`.
     pub fn commit_retrieve(
         &mut self,
-        key: &KeySpec,
+        key: &CacheKey,
         instance_id: u64,
     ) -> Result<bool, ClientError> {
-        let v = self.expect(Op::CommitRetrieve, &[key.to_value(), Value::from(instance_id)])?;
+        let v = self.expect(Op::CommitRetrieve, &[key.encode(), Value::from(instance_id)])?;
         value::bool_("ok", &v)
             .map_err(|error| ClientError::BadReply { op: "commit_retrieve", error })
     }
-}
-
-fn parse_slots(v: &Value) -> Result<Vec<Slot>, ProtocolError> {
-    value::array("slots", v)?
-        .iter()
-        .map(|s| {
-            let f = value::Fields::of("slot", s)?;
-            Ok(Slot {
-                offset: value::u64_("offset", f.req("offset")?)?,
-                length: value::u64_("length", f.req("length")?)?,
-            })
-        })
-        .collect()
 }

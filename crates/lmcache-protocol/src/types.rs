@@ -108,6 +108,50 @@ impl CacheKey {
         })
     }
 
+    /// A key over every whole chunk of `tokens` (`chunk_size` tokens each), all shards, one
+    /// reader, no salt: what a scheduler-side lookup sends.
+    pub fn whole(
+        model_name: ModelName,
+        request_id: &str,
+        tokens: Vec<u32>,
+        chunk_size: usize,
+    ) -> Self {
+        let end = tokens.len() / chunk_size.max(1) * chunk_size.max(1);
+        Self {
+            model_name,
+            world_size: 1,
+            worker_id: None,
+            token_ids: tokens,
+            start: 0,
+            end,
+            request_id: request_id.to_owned(),
+            cache_salt: CacheSalt::EMPTY,
+            num_kv_readers: 1,
+        }
+    }
+
+    /// The same key for one shard (worker-side calls).
+    pub fn for_worker(&self, worker_id: u32) -> Self {
+        Self { worker_id: Some(worker_id), ..self.clone() }
+    }
+
+    /// The msgpack map LMCache's client sends, fields in its order (`request_configs` nil).
+    /// [`Self::decode`] of it gives back `self`.
+    pub fn encode(&self) -> Value {
+        map(vec![
+            ("model_name", Value::from(self.model_name.as_str())),
+            ("world_size", Value::from(self.world_size)),
+            ("worker_id", self.worker_id.map_or(Value::Nil, Value::from)),
+            ("token_ids", Value::Array(self.token_ids.iter().map(|&t| Value::from(t)).collect())),
+            ("start", Value::from(self.start as u64)),
+            ("end", Value::from(self.end as u64)),
+            ("request_id", Value::from(self.request_id.as_str())),
+            ("cache_salt", Value::from(self.cache_salt.as_str())),
+            ("request_configs", Value::Nil),
+            ("num_kv_readers", Value::from(self.num_kv_readers)),
+        ])
+    }
+
     /// Identity as the Python server compares keys: everything but `request_id`,
     /// `request_configs` and `num_kv_readers`.
     pub fn same_identity(&self, other: &CacheKey) -> bool {
@@ -313,6 +357,21 @@ impl EngineDrivenRegistration {
         }
         Ok(r)
     }
+
+    /// The payload LMCache's client sends. [`Self::decode`] of it gives back `self`.
+    pub fn encode(&self) -> Value {
+        map(vec![
+            ("instance_id", Value::from(self.instance_id)),
+            ("model_name", Value::from(self.model_name.as_str())),
+            ("world_size", Value::from(self.world_size)),
+            ("block_size", Value::from(self.block_size)),
+            ("num_layers", Value::from(self.num_layers)),
+            ("hidden_dim_size", Value::from(self.hidden_dim_size)),
+            ("dtype_str", Value::from(self.dtype.as_str())),
+            ("use_mla", Value::Boolean(self.use_mla)),
+            ("num_physical_slots", self.num_physical_slots.map_or(Value::Nil, Value::from)),
+        ])
+    }
 }
 
 /// Where one chunk's object lives in the shared pool (engine-driven SHM mode).
@@ -338,6 +397,43 @@ impl SlotDesc {
             ("dtype", Value::from(self.dtype.as_str())),
         ])
     }
+
+    /// Decodes one slot (a client reading a prepare reply). `length` must be the shape's
+    /// bytes, so a reply cannot describe more memory than its tensor.
+    pub fn decode(field: &str, v: &Value) -> Result<Self, ProtocolError> {
+        let f = Fields::of(field, v)?;
+        let dtype_name = value::str_(&f.path("dtype"), f.req("dtype")?)?;
+        let s = Self {
+            offset: value::u64_(&f.path("offset"), f.req("offset")?)?,
+            length: value::u64_(&f.path("length"), f.req("length")?)?,
+            shape: u64_list(&f.path("shape"), f.req("shape")?)?,
+            dtype: dtype_name.parse().map_err(|e: lmcache_core::layout::UnknownDtype| {
+                ProtocolError::OutOfRange { field: f.path("dtype"), reason: e.to_string() }
+            })?,
+        };
+        let bytes = s.shape.iter().try_fold(s.dtype.itemsize(), |acc, &d| acc.checked_mul(d));
+        if bytes != Some(s.length) || s.offset.checked_add(s.length).is_none() {
+            return Err(ProtocolError::OutOfRange {
+                field: f.path("length"),
+                reason: format!(
+                    "{} bytes at offset {} for shape {:?} of {}",
+                    s.length,
+                    s.offset,
+                    s.shape,
+                    s.dtype.as_str()
+                ),
+            });
+        }
+        Ok(s)
+    }
+}
+
+fn slots(field: &str, v: &Value) -> Result<Vec<SlotDesc>, ProtocolError> {
+    value::array(field, v)?
+        .iter()
+        .enumerate()
+        .map(|(i, s)| SlotDesc::decode(&format!("{field}[{i}]"), s))
+        .collect()
 }
 
 /// `tuple[bytes, bool]` of store/retrieve: an empty event handle means "nothing pending".
@@ -345,32 +441,116 @@ pub fn transfer_result(ok: bool) -> Value {
     Value::Array(vec![Value::Binary(Vec::new()), Value::Boolean(ok)])
 }
 
-/// `RegisterEngineDrivenContextResponse`.
-pub fn engine_driven_registered(shm_name: &str, pool_size: u64) -> Value {
-    map(vec![("shm_name", Value::from(shm_name)), ("pool_size", Value::from(pool_size))])
+/// `RegisterEngineDrivenContextResponse`: the shared pool the engine maps (empty name and 0
+/// when there is none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineDrivenRegistered {
+    /// POSIX shared-memory name of the pool.
+    pub shm_name: String,
+    /// Its size in bytes.
+    pub pool_size: u64,
 }
 
-/// `PrepareStoreResponse` with slots for the chunks to write.
-pub fn prepare_store_response(slots: &[SlotDesc], chunk_indices: &[u64]) -> Value {
-    let context = map(vec![
-        ("slots", Value::Array(slots.iter().map(SlotDesc::to_value).collect())),
-        ("chunk_indices", Value::Array(chunk_indices.iter().map(|&i| Value::from(i)).collect())),
-    ]);
-    map(vec![("context", context)])
+impl EngineDrivenRegistered {
+    /// The reply map.
+    pub fn encode(&self) -> Value {
+        map(vec![
+            ("shm_name", Value::from(self.shm_name.as_str())),
+            ("pool_size", Value::from(self.pool_size)),
+        ])
+    }
+
+    /// Decodes a reply.
+    pub fn decode(field: &str, v: &Value) -> Result<Self, ProtocolError> {
+        let f = Fields::of(field, v)?;
+        Ok(Self {
+            shm_name: value::str_(&f.path("shm_name"), f.req("shm_name")?)?.to_owned(),
+            pool_size: value::u64_(&f.path("pool_size"), f.req("pool_size")?)?,
+        })
+    }
 }
 
-/// `PrepareRetrieveResponse`.
-pub fn prepare_retrieve_response(success: bool, slots: &[SlotDesc]) -> Value {
-    let context = if success {
-        map(vec![("slots", Value::Array(slots.iter().map(SlotDesc::to_value).collect()))])
-    } else {
-        Value::Map(Vec::new())
-    };
-    map(vec![
-        ("success", Value::Boolean(success)),
-        ("data", Value::Binary(Vec::new())),
-        ("context", context),
-    ])
+/// `PrepareStoreResponse`: a slot for each chunk to write, with its index in the range.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PrepareStoreResponse {
+    /// Where to write.
+    pub slots: Vec<SlotDesc>,
+    /// Which chunk of the range each slot is.
+    pub chunk_indices: Vec<u64>,
+}
+
+impl PrepareStoreResponse {
+    /// The reply map (`{"context": {"slots", "chunk_indices"}}`).
+    pub fn encode(&self) -> Value {
+        let context = map(vec![
+            ("slots", Value::Array(self.slots.iter().map(SlotDesc::to_value).collect())),
+            (
+                "chunk_indices",
+                Value::Array(self.chunk_indices.iter().map(|&i| Value::from(i)).collect()),
+            ),
+        ]);
+        map(vec![("context", context)])
+    }
+
+    /// Decodes a reply; a context without slots is an empty response. Slots and indices
+    /// must pair up.
+    pub fn decode(field: &str, v: &Value) -> Result<Self, ProtocolError> {
+        let f = Fields::of(field, v)?;
+        let path = f.path("context");
+        let ctx = Fields::of(&path, f.req("context")?)?;
+        let Some(s) = ctx.get("slots") else { return Ok(Self::default()) };
+        let r = Self {
+            slots: slots(&ctx.path("slots"), s)?,
+            chunk_indices: u64_list(&ctx.path("chunk_indices"), ctx.req("chunk_indices")?)?,
+        };
+        if r.slots.len() != r.chunk_indices.len() {
+            return Err(ProtocolError::OutOfRange {
+                field: ctx.path("chunk_indices"),
+                reason: format!("{} indices for {} slots", r.chunk_indices.len(), r.slots.len()),
+            });
+        }
+        Ok(r)
+    }
+}
+
+/// `PrepareRetrieveResponse`: the slots to read, or `success: false`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PrepareRetrieveResponse {
+    /// Whether every chunk of the range is available.
+    pub success: bool,
+    /// Where to read, one slot per chunk (empty unless `success`).
+    pub slots: Vec<SlotDesc>,
+}
+
+impl PrepareRetrieveResponse {
+    /// The failure reply.
+    pub const FAILED: Self = Self { success: false, slots: Vec::new() };
+
+    /// The reply map.
+    pub fn encode(&self) -> Value {
+        let context = if self.success {
+            map(vec![("slots", Value::Array(self.slots.iter().map(SlotDesc::to_value).collect()))])
+        } else {
+            Value::Map(Vec::new())
+        };
+        map(vec![
+            ("success", Value::Boolean(self.success)),
+            ("data", Value::Binary(Vec::new())),
+            ("context", context),
+        ])
+    }
+
+    /// Decodes a reply.
+    pub fn decode(field: &str, v: &Value) -> Result<Self, ProtocolError> {
+        let f = Fields::of(field, v)?;
+        let success = value::bool_(&f.path("success"), f.req("success")?)?;
+        if !success {
+            return Ok(Self::FAILED);
+        }
+        let path = f.path("context");
+        let ctx = Fields::of(&path, f.req("context")?)?;
+        Ok(Self { success, slots: slots(&ctx.path("slots"), ctx.req("slots")?)? })
+    }
 }
 
 /// Block ids per KV group: `[[int]]`.
@@ -523,5 +703,86 @@ mod tests {
     #[test]
     fn transfer_result_bytes() {
         assert_eq!(value::encode(&transfer_result(true)), vec![0x92, 0xc4, 0x00, 0xc3]);
+    }
+
+    #[test]
+    fn encoders_write_lmcache_bytes_and_decoders_read_them_back() {
+        // The documented key, byte for byte (end = 256 over 3 tokens is what the reference
+        // example carries; encoding does not judge it, decoding does).
+        let k = CacheKey {
+            model_name: ModelName::new("m").unwrap(),
+            world_size: 1,
+            worker_id: Some(0),
+            token_ids: vec![1, 2, 3],
+            start: 0,
+            end: 256,
+            request_id: "req-1".into(),
+            cache_salt: CacheSalt::EMPTY,
+            num_kv_readers: 1,
+        };
+        assert_eq!(value::encode(&k.encode()), lmcache_key_bytes());
+        let ok = CacheKey { end: 3, ..k };
+        assert_eq!(CacheKey::decode("key", &ok.encode()).unwrap(), ok);
+        let whole = CacheKey::whole(ModelName::new("m").unwrap(), "r", (0..40).collect(), 16);
+        assert_eq!((whole.end, whole.worker_id), (32, None));
+        assert_eq!(
+            CacheKey::decode("key", &whole.for_worker(0).encode()).unwrap().worker_id,
+            Some(0)
+        );
+
+        let reg = EngineDrivenRegistration {
+            instance_id: 7,
+            model_name: ModelName::new("org/model").unwrap(),
+            world_size: 2,
+            block_size: 16,
+            num_layers: 4,
+            hidden_dim_size: 1024,
+            dtype: Dtype::BFloat16,
+            use_mla: false,
+            num_physical_slots: Some(256),
+        };
+        assert_eq!(EngineDrivenRegistration::decode("p", &reg.encode()).unwrap(), reg);
+        let r = EngineDrivenRegistered { shm_name: "/pool".into(), pool_size: 1 << 30 };
+        assert_eq!(EngineDrivenRegistered::decode("r", &r.encode()).unwrap(), r);
+
+        let slot = |offset| SlotDesc {
+            offset,
+            length: 4096,
+            shape: vec![2, 2, 16, 32],
+            dtype: Dtype::Float16,
+        };
+        let store =
+            PrepareStoreResponse { slots: vec![slot(0), slot(4096)], chunk_indices: vec![0, 2] };
+        assert_eq!(PrepareStoreResponse::decode("r", &store.encode()).unwrap(), store);
+        let empty = map(vec![("context", Value::Map(Vec::new()))]);
+        assert_eq!(
+            PrepareStoreResponse::decode("r", &empty).unwrap(),
+            PrepareStoreResponse::default()
+        );
+        let retrieve = PrepareRetrieveResponse { success: true, slots: vec![slot(8192)] };
+        assert_eq!(PrepareRetrieveResponse::decode("r", &retrieve.encode()).unwrap(), retrieve);
+        let failed = PrepareRetrieveResponse::FAILED.encode();
+        assert_eq!(
+            PrepareRetrieveResponse::decode("r", &failed).unwrap(),
+            PrepareRetrieveResponse::FAILED
+        );
+    }
+
+    #[test]
+    fn a_reply_cannot_describe_more_memory_than_its_tensor() {
+        let mut big =
+            SlotDesc { offset: 0, length: 4096, shape: vec![2, 2, 16, 32], dtype: Dtype::Float16 }
+                .to_value();
+        if let Value::Map(m) = &mut big {
+            m[1].1 = Value::from(1u64 << 40);
+        }
+        let e = SlotDesc::decode("slots[0]", &big).unwrap_err();
+        assert!(e.to_string().contains("slots[0].length"), "{e}");
+        let unpaired = PrepareStoreResponse {
+            slots: vec![SlotDesc { offset: 0, length: 2, shape: vec![1], dtype: Dtype::Float16 }],
+            chunk_indices: vec![],
+        };
+        let e = PrepareStoreResponse::decode("r", &unpaired.encode()).unwrap_err();
+        assert!(e.to_string().contains("chunk_indices"), "{e}");
     }
 }

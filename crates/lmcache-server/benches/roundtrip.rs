@@ -9,9 +9,36 @@
 
 use std::time::{Duration, Instant};
 
-use lmcache_client::{Client, KeySpec};
+use lmcache_client::{CacheKey, Client};
+use lmcache_core::{Dtype, ModelName};
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
+use lmcache_protocol::types::EngineDrivenRegistration;
 use lmcache_server::{Server, ServerConfig};
+
+fn model_m() -> ModelName {
+    ModelName::new("m").expect("model name")
+}
+
+/// An engine-driven registration of model `m` (float16, objects of one chunk).
+fn registration(
+    instance_id: u64,
+    world_size: u32,
+    block_size: u64,
+    num_layers: u64,
+    hidden_dim_size: u64,
+) -> EngineDrivenRegistration {
+    EngineDrivenRegistration {
+        instance_id,
+        model_name: model_m(),
+        world_size,
+        block_size,
+        num_layers,
+        hidden_dim_size,
+        dtype: Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    }
+}
 
 fn main() {
     let arena = ArenaConfig {
@@ -25,8 +52,8 @@ fn main() {
     let server = Server::start(cfg).expect("server");
     let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).expect("client");
     // Small objects: the cost measured is the protocol and the index, not memory.
-    let (name, size) = c.register_engine_driven(1, "m", 1, 16, 1, 8, "float16").expect("register");
-    let pool = ForeignSegment::open(&name, size).expect("pool");
+    let r = c.register_engine_driven(&registration(1, 1, 16, 1, 8)).expect("register");
+    let pool = ForeignSegment::open(&r.shm_name, r.pool_size).expect("pool");
     // The floor: one noop round trip through the same client, socket and server thread.
     let mut noop = Vec::with_capacity(2000);
     for _ in 0..2000 {
@@ -43,7 +70,7 @@ fn main() {
     println!("{:>8} {:>10} {:>10} {:>12}", "chunks", "p50_us", "p99_us", "us/chunk");
     for chunks in [2usize, 8, 32, 128] {
         let tokens: Vec<u32> = (0..(chunks * 256) as u32).map(|t| t.wrapping_mul(7919)).collect();
-        let key = KeySpec::whole("m", "warm", tokens.clone(), 256);
+        let key = CacheKey::whole(model_m(), "warm", tokens.clone(), 256);
         for (_, s) in c.prepare_store(&key.for_worker(0), 1).expect("prepare") {
             pool.write(s.offset, &vec![1u8; s.length as usize]).expect("write");
         }
@@ -51,7 +78,7 @@ fn main() {
         let mut times = Vec::with_capacity(2000);
         for i in 0..2000 {
             // A new request id each time: every lookup hashes the prompt from scratch.
-            let k = KeySpec { request_id: format!("q{i}"), ..key.clone() };
+            let k = CacheKey { request_id: format!("q{i}"), ..key.clone() };
             let t = Instant::now();
             let hits = c.lookup(&k).expect("lookup");
             times.push(t.elapsed().as_secs_f64() * 1e6);
@@ -96,17 +123,17 @@ fn lookup_p50(observability: bool, round: u32) -> f64 {
     };
     let server = Server::start(cfg).expect("server");
     let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).expect("client");
-    let (name, size) = c.register_engine_driven(1, "m", 1, 16, 1, 8, "float16").expect("register");
-    let pool = ForeignSegment::open(&name, size).expect("pool");
+    let r = c.register_engine_driven(&registration(1, 1, 16, 1, 8)).expect("register");
+    let pool = ForeignSegment::open(&r.shm_name, r.pool_size).expect("pool");
     let tokens: Vec<u32> = (0..512u32).collect();
-    let key = KeySpec::whole("m", "warm", tokens, 256);
+    let key = CacheKey::whole(model_m(), "warm", tokens, 256);
     for (_, s) in c.prepare_store(&key.for_worker(0), 1).expect("prepare") {
         pool.write(s.offset, &vec![1u8; s.length as usize]).expect("write");
     }
     assert!(c.commit_store(&key.for_worker(0), 1).expect("commit"));
     let mut times = Vec::with_capacity(2000);
     for i in 0..2000 {
-        let k = KeySpec { request_id: format!("o{i}"), ..key.clone() };
+        let k = CacheKey { request_id: format!("o{i}"), ..key.clone() };
         let t = Instant::now();
         assert_eq!(c.lookup(&k).expect("lookup"), 2);
         times.push(t.elapsed().as_secs_f64() * 1e6);

@@ -2,8 +2,10 @@
 
 use std::time::Duration;
 
-use lmcache_client::{Client, KeySpec};
+use lmcache_client::{CacheKey, Client};
+use lmcache_core::{CacheSalt, Dtype, ModelName};
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
+use lmcache_protocol::types::EngineDrivenRegistration;
 use lmcache_protocol::{Op, value};
 use lmcache_server::{Server, ServerConfig};
 use rmpv::Value;
@@ -29,6 +31,31 @@ fn server(tag: &str) -> Server {
     .unwrap()
 }
 
+fn model_m() -> ModelName {
+    ModelName::new("m").unwrap()
+}
+
+/// An engine-driven registration of model `m` (float16, objects of one chunk).
+fn registration(
+    instance_id: u64,
+    world_size: u32,
+    block_size: u64,
+    num_layers: u64,
+    hidden_dim_size: u64,
+) -> EngineDrivenRegistration {
+    EngineDrivenRegistration {
+        instance_id,
+        model_name: model_m(),
+        world_size,
+        block_size,
+        num_layers,
+        hidden_dim_size,
+        dtype: Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    }
+}
+
 fn client(s: &Server) -> Client {
     Client::connect(s.endpoint(), Duration::from_secs(5)).unwrap()
 }
@@ -42,7 +69,7 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
 fn store(
     c: &mut Client,
     pool: &ForeignSegment,
-    key: &KeySpec,
+    key: &CacheKey,
     id: u64,
     fill: impl Fn(u64) -> u8,
 ) -> usize {
@@ -55,10 +82,9 @@ fn store(
 }
 
 fn register(c: &mut Client, id: u64, world: u32) -> ForeignSegment {
-    let (name, size) =
-        c.register_engine_driven(id, "m", world, 16, LAYERS, HIDDEN, "float16").unwrap();
-    assert!(!name.is_empty() && size > 0, "no SHM pool advertised");
-    ForeignSegment::open(&name, size).unwrap()
+    let pool = c.register_engine_driven(&registration(id, world, 16, LAYERS, HIDDEN)).unwrap();
+    assert!(!pool.shm_name.is_empty() && pool.pool_size > 0, "no SHM pool advertised");
+    ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap()
 }
 
 #[test]
@@ -79,7 +105,7 @@ fn management_replies_have_lmcache_types() {
 fn zero_hits_until_a_worker_registers_and_status_is_exactly_once() {
     let s = server("zero");
     let mut c = client(&s);
-    let key = KeySpec::whole("m", "r1", tokens(1, 40), CHUNK);
+    let key = CacheKey::whole(model_m(), "r1", tokens(1, 40), CHUNK);
     assert_eq!(c.lookup(&key).unwrap(), 0);
     let pool = register(&mut c, 7, 1);
     assert_eq!(store(&mut c, &pool, &key.for_worker(0), 7, |i| i as u8 + 1), 2);
@@ -96,7 +122,7 @@ fn engine_driven_round_trip_is_byte_exact() {
     let s = server("rt");
     let mut c = client(&s);
     let pool = register(&mut c, 9, 1);
-    let key = KeySpec::whole("m", "r", tokens(5, 64), CHUNK);
+    let key = CacheKey::whole(model_m(), "r", tokens(5, 64), CHUNK);
     assert_eq!(store(&mut c, &pool, &key.for_worker(0), 9, |i| 0x40 + i as u8), 4);
     assert_eq!(c.lookup(&key).unwrap(), 4);
     let slots = c.prepare_retrieve(&key.for_worker(0), 9).unwrap().expect("all chunks present");
@@ -119,13 +145,13 @@ fn engine_driven_round_trip_is_byte_exact() {
         assert!(m.lines().any(|l| l == line), "{line} missing in:\n{m}");
     }
     // A prefix of the same tokens hits; a different prefix does not.
-    let prefix = KeySpec::whole("m", "p", tokens(5, 32), CHUNK);
+    let prefix = CacheKey::whole(model_m(), "p", tokens(5, 32), CHUNK);
     assert_eq!(c.lookup(&prefix).unwrap(), 2);
-    let other = KeySpec::whole("m", "o", tokens(6, 64), CHUNK);
+    let other = CacheKey::whole(model_m(), "o", tokens(6, 64), CHUNK);
     assert_eq!(c.lookup(&other).unwrap(), 0);
     // Another tenant does not see it.
-    let mut salted = KeySpec::whole("m", "s", tokens(5, 64), CHUNK);
-    salted.cache_salt = "tenant-b".into();
+    let mut salted = CacheKey::whole(model_m(), "s", tokens(5, 64), CHUNK);
+    salted.cache_salt = CacheSalt::new("tenant-b").unwrap();
     assert_eq!(c.lookup(&salted).unwrap(), 0);
 }
 
@@ -135,7 +161,7 @@ fn a_chunk_hits_only_when_every_shard_has_it() {
     let mut c = client(&s);
     let pool = register(&mut c, 1, 2);
     register(&mut c, 2, 2);
-    let mut key = KeySpec::whole("m", "r", tokens(9, 48), CHUNK);
+    let mut key = CacheKey::whole(model_m(), "r", tokens(9, 48), CHUNK);
     key.world_size = 2;
     store(&mut c, &pool, &key.for_worker(0), 1, |_| 1);
     assert_eq!(c.lookup(&key).unwrap(), 0, "shard 1 has nothing yet");
@@ -175,11 +201,11 @@ fn malformed_requests_get_typed_failures_and_the_server_keeps_serving() {
     c.send_frames(&[enc(Value::from(103)), enc(Value::from(22))]).unwrap();
     assert_eq!(c.recv_frames().unwrap().unwrap()[2], vec![0xc3]);
     // Lookup whose range exceeds its tokens: answered, zero hits.
-    let mut k = KeySpec::whole("m", "bad", tokens(1, 16), CHUNK);
+    let mut k = CacheKey::whole(model_m(), "bad", tokens(1, 16), CHUNK);
     k.end = 64;
     assert_eq!(c.lookup(&k).unwrap(), 0);
     // Unregistered instance: explicit failures, not silence.
-    let key = KeySpec::whole("m", "x", tokens(1, 32), CHUNK).for_worker(0);
+    let key = CacheKey::whole(model_m(), "x", tokens(1, 32), CHUNK).for_worker(0);
     assert!(c.prepare_retrieve(&key, 12345).unwrap().is_none());
     assert!(!c.commit_store(&key, 12345).unwrap());
     // Everything was counted, and the server still works.
@@ -304,11 +330,11 @@ fn silent_workers_are_reaped_and_lookups_then_miss() {
     let mut c = client(&s);
     let pool = register(&mut c, 5, 1);
     assert!(c.ping(Some(5)).unwrap());
-    let key = KeySpec::whole("m", "r", tokens(3, 32), CHUNK);
+    let key = CacheKey::whole(model_m(), "r", tokens(3, 32), CHUNK);
     store(&mut c, &pool, &key.for_worker(0), 5, |_| 9);
     assert_eq!(c.lookup(&key).unwrap(), 2);
     std::thread::sleep(Duration::from_millis(400));
-    let key2 = KeySpec { request_id: "r2".into(), ..key.clone() };
+    let key2 = CacheKey { request_id: "r2".into(), ..key.clone() };
     assert_eq!(c.lookup(&key2).unwrap(), 0, "a reaped worker's model must not hit");
     assert!(!c.commit_store(&key.for_worker(0), 5).unwrap(), "transfers of a reaped worker fail");
 }
@@ -343,7 +369,7 @@ fn kv_event_stream_announces_stores_and_removals_with_credits() {
     assert_eq!((&first[0], &first[1]), (&uid, &op));
     assert!(batch_events(&first).0.is_empty());
     // No credit left: a store is not delivered until the ack.
-    let key = KeySpec::whole("m", "r", tokens(4, 32), CHUNK);
+    let key = CacheKey::whole(model_m(), "r", tokens(4, 32), CHUNK);
     store(&mut c, &pool, &key.for_worker(0), 3, |_| 5);
     std::thread::sleep(Duration::from_millis(50));
     sub.send_frames(&[uid.clone(), Vec::new(), b"ack".to_vec()]).unwrap();
@@ -406,7 +432,7 @@ fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
     .unwrap();
     let mut c = client(&s);
     let pool = register(&mut c, 3, 1);
-    let key = KeySpec::whole("m", "w", tokens(11, 64), CHUNK);
+    let key = CacheKey::whole(model_m(), "w", tokens(11, 64), CHUNK);
     assert_eq!(store(&mut c, &pool, &key.for_worker(0), 3, |i| 0x10 + i as u8), 4);
     assert_eq!(s.state().storage.flush(Duration::from_secs(10)), 0, "write-behind unfinished");
     s.state().l1().clear(true);
@@ -414,9 +440,9 @@ fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
     // lookup, then wait: it returns when the prefetch ends, with every chunk, well before the
     // 5 s asked, and answers exactly once.
     let lookup = |c: &mut Client, id: &str| {
-        let mut k = KeySpec::whole("m", id, tokens(11, 64), CHUNK);
+        let mut k = CacheKey::whole(model_m(), id, tokens(11, 64), CHUNK);
         k.request_id = id.into();
-        assert_eq!(c.call(Op::Lookup, &[k.to_value(), Value::from(3u64)]).unwrap(), None);
+        assert_eq!(c.call(Op::Lookup, &[k.encode(), Value::from(3u64)]).unwrap(), None);
     };
     lookup(&mut c, "w");
     assert_eq!(c.call(Op::QueryPrefetchStatus, &[Value::from("w")]).unwrap(), Some(Value::Nil));
@@ -466,10 +492,10 @@ fn a_retrieve_spends_the_lookups_locks() {
     let s = server("spend");
     let mut c = client(&s);
     let pool = register(&mut c, 4, 1);
-    let stored = KeySpec::whole("m", "r", tokens(21, 32), CHUNK);
+    let stored = CacheKey::whole(model_m(), "r", tokens(21, 32), CHUNK);
     assert_eq!(store(&mut c, &pool, &stored.for_worker(0), 4, |i| 0x40 + i as u8), 2);
     // Three chunks asked, two held; two readers each get a lock on the two hits.
-    let mut key = KeySpec::whole("m", "r", tokens(21, 48), CHUNK);
+    let mut key = CacheKey::whole(model_m(), "r", tokens(21, 48), CHUNK);
     key.num_kv_readers = 2;
     assert_eq!(c.lookup(&key).unwrap(), 2);
     assert_eq!(s.state().l1().usage().locked_objects, 2);
@@ -488,7 +514,7 @@ fn a_retrieve_spends_the_lookups_locks() {
 
     // Reader B asks for the two hits: served from the lookup's locks, although a forced clear
     // unindexed both objects after the lookup.
-    let hits = KeySpec { end: 32, ..key.for_worker(0) };
+    let hits = CacheKey { end: 32, ..key.for_worker(0) };
     let slots = c.prepare_retrieve(&hits, 4).unwrap().expect("the lookup's hits are served");
     assert_eq!(slots.len(), 2);
     for (i, slot) in slots.iter().enumerate() {

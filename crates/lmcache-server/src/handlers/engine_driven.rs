@@ -64,7 +64,10 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                 dtype = %layout.dtype,
                 "engine-driven worker registered"
             );
-            Ok(Some(types::engine_driven_registered(name, size)))
+            Ok(Some(
+                types::EngineDrivenRegistered { shm_name: name.to_owned(), pool_size: size }
+                    .encode(),
+            ))
         }
         Op::UnregisterKvCacheEngineDrivenContext => {
             req.expect_params(1)?;
@@ -152,7 +155,7 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
         let old = state.pending.stores.lock().insert(pk, (Instant::now(), leases));
         discard_parked_writes(state, old);
     }
-    Ok(types::prepare_store_response(&slots, &indices))
+    Ok(types::PrepareStoreResponse { slots, chunk_indices: indices }.encode())
 }
 
 fn discard_parked_writes(state: &ServerState, old: Option<(Instant, Vec<lmcache_l1::LeaseId>)>) {
@@ -205,14 +208,14 @@ fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Valu
         Ok(l) if !l.is_empty() => l,
         _ => {
             park_retrieve(state, pk, None);
-            return Ok(types::prepare_retrieve_response(false, &[]));
+            return Ok(types::PrepareRetrieveResponse::FAILED.encode());
         }
     };
     let slots: Vec<SlotDesc> =
         leases.iter().map(|l| slot(&inst.layout, l.offset(), l.len())).collect();
     let parked: Vec<_> = leases.into_iter().map(|l| state.l1().park_read(l)).collect();
     park_retrieve(state, pk, Some(parked));
-    Ok(types::prepare_retrieve_response(true, &slots))
+    Ok(types::PrepareRetrieveResponse { success: true, slots }.encode())
 }
 
 /// Parks a prepared retrieve's leases (`None`: it failed, having spent the lookup's locks),

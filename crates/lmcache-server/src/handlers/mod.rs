@@ -105,14 +105,14 @@ fn failure_reply(header: Header, op: Option<Op>) -> Reply {
             Some(types::transfer_result(false))
         }
         Some(Op::CommitStore | Op::CommitRetrieve) => Some(Value::Boolean(false)),
-        Some(Op::PrepareRetrieve) => Some(types::prepare_retrieve_response(false, &[])),
+        Some(Op::PrepareRetrieve) => Some(types::PrepareRetrieveResponse::FAILED.encode()),
         // An empty context makes the client fall back to a commit we then refuse.
         Some(Op::PrepareStore) => {
             Some(lmcache_protocol::value::map(vec![("context", Value::Map(Vec::new()))]))
         }
         Some(Op::QueryPrefetchStatus) => Some(Value::from(0)),
         Some(Op::RegisterKvCacheEngineDrivenContext) => {
-            Some(types::engine_driven_registered("", 0))
+            Some(types::EngineDrivenRegistered { shm_name: String::new(), pool_size: 0 }.encode())
         }
         Some(Op::Ping) => Some(Value::Boolean(true)),
         _ => None,
