@@ -84,7 +84,7 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
     /// Which of `keys` the backend holds, with each stored blob's length, for adapters that
     /// know lengths as cheaply as presence. Default: [`L2Error::Unsupported`].
     async fn lookup_sized(&self, _keys: &[ObjectKey]) -> Result<Vec<Option<u64>>, L2Error> {
-        Err(L2Error::Unsupported("sized lookup"))
+        Err(L2Error::unsupported("sized lookup"))
     }
 
     /// Loads blobs whose length is known: the header into a new buffer, the payload straight
@@ -102,10 +102,11 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
                     let Some(b) = found else { return Ok(None) };
                     let dest = sink.payload_mut();
                     if b.len() != hlen + dest.len() {
-                        return Err(L2Error::Corrupt(crate::blob::BlobError::Truncated {
+                        return Err(crate::blob::BlobError::Truncated {
                             got: b.len(),
                             need: hlen + dest.len(),
-                        }));
+                        }
+                        .into());
                     }
                     dest.copy_from_slice(&b[hlen..]);
                     Ok(Some(b[..hlen].to_vec()))
@@ -125,7 +126,7 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
         _cursor: Option<&str>,
         _limit: usize,
     ) -> Result<KeyPage, L2Error> {
-        Err(L2Error::Unsupported("listing"))
+        Err(L2Error::unsupported("listing"))
     }
 
     /// One cheap round trip to the backend, for health checks: the tier marks an adapter

@@ -112,7 +112,7 @@ async fn conformance(b: &BuiltAdapter, sizes: &[usize]) {
                 assert!(listed.contains(&k), "{}: {k} not listed", a.kind());
             }
         }
-        Err(lmcache_l2::L2Error::Unsupported(_)) => {}
+        Err(lmcache_l2::L2Error::Unsupported { .. }) => {}
         Err(e) => panic!("{}: list: {e}", a.kind()),
     }
     let _ = a.delete(&keys).await;
@@ -298,25 +298,56 @@ fn s3_conforms_including_multipart_and_listing() {
         let mut sizes = SIZES.to_vec();
         sizes.push(12 << 20); // multipart: three parts
         conformance(&b, &sizes).await;
-        // Listing pages.
+        // Listing pages: every key once, in pages that always move forward, and never an
+        // object under a deeper prefix (another adapter's, or someone else's), even one named
+        // like a wire key whose model sorts before ours.
         let keys: Vec<ObjectKey> = (200..230).map(|i| key(i, "")).collect();
         let items = keys
             .iter()
             .map(|k| (k.clone(), b.codec.encode(k, Bytes::from_static(b"kv")).unwrap()))
             .collect();
         assert!(b.adapter.store(items).await.iter().all(Result::is_ok));
-        let mut seen = 0;
+        let foreign_prefix = format!("foreign-{}", std::process::id());
+        let other =
+            build(json!({"type": "s3", "endpoint_url": endpoint, "bucket": "lmcache-rs-test",
+            "aws_access_key_id": "test", "aws_secret_access_key": "test",
+            "s3_prefix": foreign_prefix}))
+            .await;
+        let foreign: Vec<ObjectKey> = (0..10)
+            .map(|i| {
+                ObjectKey::new([i as u8 + 1; 32], "meta-llama/Llama-3.1-8B", 1, 0, 0, "").unwrap()
+            })
+            .collect();
+        let items = foreign
+            .iter()
+            .map(|k| (k.clone(), other.codec.encode(k, Bytes::from_static(b"kv")).unwrap()))
+            .collect();
+        assert!(other.adapter.store(items).await.iter().all(Result::is_ok));
+        let mut seen = Vec::new();
         let mut cursor: Option<String> = None;
-        loop {
+        for page_no in 0.. {
+            assert!(page_no < 100, "listing does not end: cursor stuck at {cursor:?}");
             let page = b.adapter.list(None, cursor.as_deref(), 7).await.unwrap();
-            seen += page.keys.len();
+            assert!(page.keys.len() <= 7);
+            seen.extend(page.keys.into_iter().map(|(k, _)| k));
             match page.next {
-                Some(c) => cursor = Some(c),
+                Some(c) => {
+                    assert!(cursor.as_ref().is_none_or(|old| *old != c), "cursor did not move");
+                    cursor = Some(c);
+                }
                 None => break,
             }
         }
-        assert!(seen >= 30, "listed {seen}");
+        for k in &keys {
+            assert_eq!(seen.iter().filter(|s| *s == k).count(), 1, "{k} listed once");
+        }
+        assert!(!seen.iter().any(|k| foreign.contains(k)), "listed another prefix's objects");
+        let scanned = b.adapter.scan(100_000).await.unwrap();
+        assert!(!scanned.iter().any(|(k, _)| foreign.contains(k)), "scanned another prefix");
+        let theirs = other.adapter.list(None, None, 100).await.unwrap();
+        assert_eq!(theirs.keys.len(), foreign.len(), "the prefixed adapter lists its own keys");
         b.adapter.delete(&keys).await.unwrap();
+        other.adapter.delete(&foreign).await.unwrap();
     });
 }
 

@@ -248,7 +248,7 @@ async fn load_missing(
         async move {
             let r = match a.built.adapter.lookup_sized(keys).await {
                 Ok(sizes) => Ok(sizes.into_iter().map(|s| s.map(Some)).collect::<Vec<_>>()),
-                Err(lmcache_l2::L2Error::Unsupported(_)) => a
+                Err(lmcache_l2::L2Error::Unsupported { .. }) => a
                     .built
                     .adapter
                     .lookup(keys)
@@ -452,7 +452,9 @@ async fn load_from(
                     }
                 }
                 Ok(None) => tally.missed(None),
-                Err(lmcache_l2::L2Error::Corrupt(e)) => tally.refused(key, &e.to_string()),
+                Err(lmcache_l2::L2Error::Corrupt { source: e }) => {
+                    tally.refused(key, &e.to_string())
+                }
                 Err(e) => tally.missed(Some(e)),
             }
             // A reservation not committed is discarded here, when `w` drops.

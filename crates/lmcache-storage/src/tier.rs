@@ -227,7 +227,8 @@ impl AdapterSlot {
     /// or failed batch never takes a healthy adapter out.
     pub(crate) fn failed(&self, epoch: Instant, e: &L2Error) {
         self.stats.errors.fetch_add(1, Ordering::Relaxed);
-        if matches!(e, L2Error::Unavailable(_) | L2Error::Io(_) | L2Error::Transient(_)) {
+        if matches!(e, L2Error::Unavailable { .. } | L2Error::Io { .. } | L2Error::Transient { .. })
+        {
             let n = self.op_failures.fetch_add(1, Ordering::Relaxed) + 1;
             if n >= OP_FAILURES_DOWN || !self.healthy() {
                 self.mark_down(epoch, e, "operations failed");
@@ -494,7 +495,7 @@ async fn health_loop(shared: Arc<Shared>) {
                 Ok(Err(e)) => slot.ping_failed(shared.epoch, &e),
                 Err(_) => slot.ping_failed(
                     shared.epoch,
-                    &L2Error::Transient(format!("ping over {:?}", PING_EVERY * 2)),
+                    &L2Error::transient(format!("ping over {:?}", PING_EVERY * 2)),
                 ),
             }
         }
@@ -514,7 +515,7 @@ async fn seed(shared: Arc<Shared>, slot: Arc<AdapterSlot>) {
                 "L2 ledger seeded from the backend");
             shared.evict_now.notify_one();
         }
-        Ok(Err(L2Error::Unsupported(_))) => {}
+        Ok(Err(L2Error::Unsupported { .. })) => {}
         Ok(Err(e)) => tracing::warn!(adapter = slot.id, error = %e,
             "L2 start-up scan failed; usage counts only what this server writes"),
         Err(_) => tracing::warn!(adapter = slot.id, "L2 start-up scan timed out"),
@@ -719,7 +720,7 @@ impl L2Tier {
         &self,
         fut: impl std::future::Future<Output = T> + Send + 'static,
     ) -> Result<T, L2Error> {
-        self.rt.spawn(fut).await.map_err(|e| L2Error::Transient(format!("L2 task: {e}")))
+        self.rt.spawn(fut).await.map_err(|e| L2Error::transient(format!("L2 task: {e}")))
     }
 
     /// Deletes `keys` from adapter `id` (every adapter if `None`) and from its ledger;

@@ -87,7 +87,7 @@ impl FaultInjectAdapter {
 
     fn check_up(&self) -> Result<(), L2Error> {
         if self.down.load(Ordering::Relaxed) {
-            Err(L2Error::Unavailable("fault_inject: backend is down".into()))
+            Err(L2Error::unavailable("fault_inject: backend is down"))
         } else {
             Ok(())
         }
@@ -111,7 +111,7 @@ impl L2Adapter for FaultInjectAdapter {
     async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
         if let Err(e) = self.check_up() {
             let msg = e.to_string();
-            return items.iter().map(|_| Err(L2Error::Unavailable(msg.clone()))).collect();
+            return items.iter().map(|_| Err(L2Error::unavailable(msg.clone()))).collect();
         }
         let keys: Vec<ObjectKey> = items.iter().map(|(k, _)| k.clone()).collect();
         self.maybe_delay(FaultOp::Store, &keys).await;
@@ -125,9 +125,9 @@ impl L2Adapter for FaultInjectAdapter {
         fail.iter()
             .map(|&f| {
                 if f {
-                    Err(L2Error::Transient("fault_inject: store failed".into()))
+                    Err(L2Error::transient("fault_inject: store failed"))
                 } else {
-                    inner.next().unwrap_or_else(|| Err(L2Error::Transient("missing result".into())))
+                    inner.next().unwrap_or_else(|| Err(L2Error::transient("missing result")))
                 }
             })
             .collect()
@@ -142,7 +142,7 @@ impl L2Adapter for FaultInjectAdapter {
                 match self.config.mode {
                     FaultMode::Miss => *f = false,
                     FaultMode::Fail => {
-                        return Err(L2Error::Transient("fault_inject: lookup failed".into()));
+                        return Err(L2Error::transient("fault_inject: lookup failed"));
                     }
                     _ => {}
                 }
@@ -154,7 +154,7 @@ impl L2Adapter for FaultInjectAdapter {
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
         if let Err(e) = self.check_up() {
             let msg = e.to_string();
-            return keys.iter().map(|_| Err(L2Error::Unavailable(msg.clone()))).collect();
+            return keys.iter().map(|_| Err(L2Error::unavailable(msg.clone()))).collect();
         }
         self.maybe_delay(FaultOp::Load, keys).await;
         let results = self.inner.load(keys).await;
@@ -165,9 +165,7 @@ impl L2Adapter for FaultInjectAdapter {
                     return r;
                 }
                 match (self.config.mode, r) {
-                    (FaultMode::Fail, _) => {
-                        Err(L2Error::Transient("fault_inject: load failed".into()))
-                    }
+                    (FaultMode::Fail, _) => Err(L2Error::transient("fault_inject: load failed")),
                     (FaultMode::Miss, _) => Ok(None),
                     (FaultMode::Corrupt, Ok(Some(b))) if !b.is_empty() => {
                         let mut m = BytesMut::from(&b[..]);

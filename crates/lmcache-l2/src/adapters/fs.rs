@@ -251,7 +251,7 @@ impl Inner {
             Err(e) => return Err(e.into()),
         };
         let len = usize::try_from(f.metadata()?.len())
-            .map_err(|_| L2Error::Transient("file too large".into()))?;
+            .map_err(|_| L2Error::transient("file too large"))?;
         if self.odirect {
             let mut buf = AlignedBuf::new(len.div_ceil(ALIGN).max(1) * ALIGN, ALIGN);
             let got = read_full(&mut f, buf.as_mut_slice())?;
@@ -370,7 +370,7 @@ impl L2Adapter for FsAdapter {
 
     async fn ping(&self) -> Result<(), L2Error> {
         let base = self.inner.config.base_path.clone();
-        blocking(move || std::fs::metadata(&base).map(|_| ()).map_err(L2Error::Io)).await?
+        blocking(move || std::fs::metadata(&base).map(|_| ()).map_err(L2Error::from)).await?
     }
 
     /// One walk of the shard directories (no sorting).

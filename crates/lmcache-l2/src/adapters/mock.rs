@@ -65,10 +65,11 @@ impl L2Adapter for MockAdapter {
                 }
                 let n = b.len() as u64;
                 if g.1 + n > self.config.capacity {
-                    return Err(L2Error::Full(format!(
-                        "mock holds {} of {} bytes",
-                        g.1, self.config.capacity
-                    )));
+                    return Err(L2Error::Full {
+                        what: "mock capacity",
+                        needed: g.1 + n,
+                        limit: self.config.capacity,
+                    });
                 }
                 g.1 += n;
                 g.0.insert(k, b.to_contiguous());

@@ -14,7 +14,7 @@ use crate::error::L2Error;
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, L2Error> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| L2Error::Transient(format!("i/o task: {e}")))
+    tokio::task::spawn_blocking(f).await.map_err(|e| L2Error::transient(format!("i/o task: {e}")))
 }
 
 /// Runs `f` on every item on the blocking pool, in order. If the blocking task itself fails,
@@ -28,6 +28,6 @@ where
     let n = items.len();
     blocking(move || items.iter().map(&f).collect()).await.unwrap_or_else(|e| {
         let msg = e.to_string();
-        (0..n).map(|_| Err(L2Error::Transient(msg.clone()))).collect()
+        (0..n).map(|_| Err(L2Error::transient(msg.clone()))).collect()
     })
 }

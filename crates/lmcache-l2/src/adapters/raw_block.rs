@@ -216,7 +216,7 @@ impl RawBlockAdapter {
                 meta.set_len(capacity)?;
             }
         }
-        let geo = Geometry::new(&config, capacity).map_err(L2Error::Full)?;
+        let geo = Geometry::new(&config, capacity).map_err(|reason| L2Error::Invalid { reason })?;
         let mut dopts = OpenOptions::new();
         dopts.read(true).write(true);
         if config.use_odirect {
@@ -280,13 +280,13 @@ impl Inner {
             return Ok(rec);
         }
         if &sb[0..8] != SUPER_MAGIC || xxh3_64(&sb[..48]) != le64(&sb, 48) {
-            return Err(L2Error::Unavailable(format!(
+            return Err(L2Error::unavailable(format!(
                 "{}: not an lmcache-rs raw_block device (bad superblock); refusing to overwrite it",
                 self.config.device_path.display()
             )));
         }
         if sb[..56] != g.superblock()[..56] {
-            return Err(L2Error::Unavailable(format!(
+            return Err(L2Error::unavailable(format!(
                 "{}: formatted with another geometry (slot_bytes, block_align, capacity or \
                  meta_total_bytes differ)",
                 self.config.device_path.display()
@@ -426,10 +426,11 @@ impl Inner {
             p.extend_from_slice(wk.as_bytes());
         }
         if p.len() as u64 > g.ckpt_len - 4096 {
-            return Err(L2Error::Full(format!(
-                "index of {} bytes exceeds the checkpoint area; raise meta_total_bytes",
-                p.len()
-            )));
+            return Err(L2Error::Full {
+                what: "checkpoint area (raise meta_total_bytes)",
+                needed: p.len() as u64,
+                limit: g.ckpt_len - 4096,
+            });
         }
         let seq = st.epoch + 1;
         let mut h = vec![0u8; 4096];
@@ -457,10 +458,7 @@ impl Inner {
         let g = self.geo;
         let len = blob.len() as u64;
         if len > g.slot {
-            return Err(L2Error::Full(format!(
-                "blob of {len} bytes exceeds slot_bytes {}",
-                g.slot
-            )));
+            return Err(L2Error::Full { what: "slot_bytes", needed: len, limit: g.slot });
         }
         let slot = {
             let mut st = self.state.lock();
@@ -472,7 +470,7 @@ impl Inner {
                 None => {
                     // FIFO eviction: the oldest filled slot.
                     let Some(victim) = st.order.pop_front() else {
-                        return Err(L2Error::Full("no slot free".into()));
+                        return Err(L2Error::Full { what: "free slots", needed: 1, limit: 0 });
                     };
                     self.append(&mut st, OP_DEL, victim, 0, 0)?;
                     if let Some(k) = st.by_slot.remove(&victim) {

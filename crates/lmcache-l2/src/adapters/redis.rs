@@ -125,9 +125,9 @@ impl std::fmt::Debug for RedisAdapter {
 
 fn map_err(e: RedisError) -> L2Error {
     if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
-        L2Error::Unavailable(e.to_string())
+        L2Error::unavailable(e.to_string())
     } else {
-        L2Error::Transient(e.to_string())
+        L2Error::transient(e.to_string())
     }
 }
 
@@ -138,7 +138,7 @@ impl RedisAdapter {
             .nodes
             .first()
             .cloned()
-            .ok_or_else(|| L2Error::Unavailable("no node configured".into()))?;
+            .ok_or_else(|| L2Error::unavailable("no node configured"))?;
         let ct = config.connection_timeout;
         let conns = if config.cluster_mode {
             let urls: Vec<String> = config.nodes.iter().map(|n| config.url(n)).collect();
@@ -149,8 +149,8 @@ impl RedisAdapter {
                 .map_err(map_err)?;
             let c = tokio::time::timeout(ct, client.get_async_connection())
                 .await
-                .map_err(|_| L2Error::Unavailable(format!("cluster {first}: connect timed out")))?
-                .map_err(|e| L2Error::Unavailable(format!("cluster {first}: {e}")))?;
+                .map_err(|_| L2Error::unavailable(format!("cluster {first}: connect timed out")))?
+                .map_err(|e| L2Error::unavailable(format!("cluster {first}: {e}")))?;
             Conns::Cluster(c)
         } else {
             let client = redis::Client::open(config.url(&first)).map_err(map_err)?;
@@ -166,8 +166,8 @@ impl RedisAdapter {
                     client.get_connection_manager_with_config(mgr.clone()),
                 )
                 .await
-                .map_err(|_| L2Error::Unavailable(format!("{first}: connect timed out")))?
-                .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
+                .map_err(|_| L2Error::unavailable(format!("{first}: connect timed out")))?
+                .map_err(|e| L2Error::unavailable(format!("{first}: {e}")))?;
                 pool.push(c);
             }
             Conns::Single(pool)
@@ -177,9 +177,9 @@ impl RedisAdapter {
         let ping = a
             .run(vec![redis::cmd("PING")], 0)
             .await
-            .map_err(|e| L2Error::Unavailable(format!("{first}: {e}")))?;
+            .map_err(|e| L2Error::unavailable(format!("{first}: {e}")))?;
         if let Some(Err(e)) = ping.into_iter().next() {
-            return Err(L2Error::Unavailable(format!("{first}: PING refused: {e}")));
+            return Err(L2Error::unavailable(format!("{first}: PING refused: {e}")));
         }
         Ok(a)
     }
@@ -220,7 +220,7 @@ impl RedisAdapter {
                     Ok(vals
                         .into_iter()
                         .map(|v| match v {
-                            Value::ServerError(e) => Err(L2Error::Transient(format!("{e:?}"))),
+                            Value::ServerError(e) => Err(L2Error::transient(format!("{e:?}"))),
                             v => Ok(v),
                         })
                         .collect())
@@ -236,7 +236,7 @@ impl RedisAdapter {
         };
         tokio::time::timeout(t, fut)
             .await
-            .map_err(|_| L2Error::Transient(format!("redis batch over {t:?}")))?
+            .map_err(|_| L2Error::transient(format!("redis batch over {t:?}")))?
     }
 }
 
@@ -265,14 +265,14 @@ impl L2Adapter for RedisAdapter {
         match self.run(cmds, bytes).await {
             Err(e) => {
                 let msg = e.to_string();
-                let unavailable = matches!(e, L2Error::Unavailable(_));
+                let unavailable = matches!(e, L2Error::Unavailable { .. });
                 items
                     .iter()
                     .map(|_| {
                         Err(if unavailable {
-                            L2Error::Unavailable(msg.clone())
+                            L2Error::unavailable(msg.clone())
                         } else {
-                            L2Error::Transient(msg.clone())
+                            L2Error::transient(msg.clone())
                         })
                     })
                     .collect()
@@ -319,7 +319,7 @@ impl L2Adapter for RedisAdapter {
         match self.run(vec![redis::cmd("PING")], 0).await?.into_iter().next() {
             Some(Ok(_)) => Ok(()),
             Some(Err(e)) => Err(e),
-            None => Err(L2Error::Transient("PING: no reply".into())),
+            None => Err(L2Error::transient("PING: no reply")),
         }
     }
 
@@ -347,7 +347,7 @@ impl L2Adapter for RedisAdapter {
                         client.get_multiplexed_async_connection(),
                     )
                     .await
-                    .map_err(|_| L2Error::Unavailable(format!("{node}: connect timed out")))?
+                    .map_err(|_| L2Error::unavailable(format!("{node}: connect timed out")))?
                     .map_err(map_err)?;
                     names.extend(scan_node(&mut nc, &pattern, limit - names.len()).await?);
                     if names.len() >= limit {
@@ -398,7 +398,7 @@ impl L2Adapter for RedisAdapter {
         match self.run(cmds, per_key.saturating_mul(keys.len() as u64)).await {
             Err(e) => {
                 let msg = e.to_string();
-                keys.iter().map(|_| Err(L2Error::Unavailable(msg.clone()))).collect()
+                keys.iter().map(|_| Err(L2Error::unavailable(msg.clone()))).collect()
             }
             Ok(vals) => vals
                 .into_iter()
@@ -408,7 +408,7 @@ impl L2Adapter for RedisAdapter {
                         self.saw(b.len() as u64);
                         Ok(Some(Bytes::from(b)))
                     }
-                    other => Err(L2Error::Transient(format!("unexpected GET reply {other:?}"))),
+                    other => Err(L2Error::transient(format!("unexpected GET reply {other:?}"))),
                 })
                 .collect(),
         }

@@ -65,8 +65,8 @@ pub struct S3Adapter {
 
 fn map_err(e: object_store::Error) -> L2Error {
     match e {
-        object_store::Error::Generic { .. } => L2Error::Unavailable(e.to_string()),
-        _ => L2Error::Transient(e.to_string()),
+        object_store::Error::Generic { .. } => L2Error::unavailable(e.to_string()),
+        _ => L2Error::transient(e.to_string()),
     }
 }
 
@@ -98,12 +98,12 @@ impl S3Adapter {
         if let Some(s) = &config.secret_access_key {
             b = b.with_secret_access_key(s);
         }
-        let store = Arc::new(b.build().map_err(|e| L2Error::Unavailable(e.to_string()))?);
+        let store = Arc::new(b.build().map_err(|e| L2Error::unavailable(e.to_string()))?);
         let a = Self { config, store };
         // A HEAD of a name that cannot exist: "not found" proves the bucket answers.
         match a.store.head(&a.path_str(".lmcache-rs-probe")).await {
             Ok(_) | Err(object_store::Error::NotFound { .. }) => Ok(a),
-            Err(e) => Err(L2Error::Unavailable(format!("bucket {}: {e}", a.config.bucket))),
+            Err(e) => Err(L2Error::unavailable(format!("bucket {}: {e}", a.config.bucket))),
         }
     }
 
@@ -117,6 +117,22 @@ impl S3Adapter {
 
     fn path(&self, key: &ObjectKey) -> Path {
         self.path_str(&wire_key::encode(key))
+    }
+
+    fn prefix_path(&self) -> Option<Path> {
+        (!self.config.prefix.is_empty()).then(|| Path::from(self.config.prefix.as_str()))
+    }
+
+    /// The key of a listed object this adapter wrote: directly under its prefix (not under a
+    /// deeper prefix another adapter or program uses) and named as a wire key.
+    fn own_key(&self, location: &Path) -> Option<ObjectKey> {
+        let depth = self.prefix_path().map_or(0, |p| p.parts().count());
+        let mut parts = location.parts();
+        let name = parts.nth(depth)?;
+        if parts.next().is_some() {
+            return None;
+        }
+        wire_key::decode(&wire_key::percent_decode(name.as_ref())?)
     }
 
     async fn put_one(&self, key: &ObjectKey, blob: Blob) -> Result<Stored, L2Error> {
@@ -181,18 +197,13 @@ impl L2Adapter for S3Adapter {
         }
     }
 
-    /// One listing of the prefix (every page), keeping names that parse as wire keys.
+    /// One listing of the prefix (every page), keeping this adapter's own keys.
     async fn scan(&self, limit: usize) -> Result<Vec<(ObjectKey, u64)>, L2Error> {
-        let prefix =
-            (!self.config.prefix.is_empty()).then(|| Path::from(self.config.prefix.as_str()));
-        let mut stream = self.store.list(prefix.as_ref());
+        let mut stream = self.store.list(self.prefix_path().as_ref());
         let mut out = Vec::new();
         while let Some(m) = stream.next().await {
             let m = m.map_err(map_err)?;
-            let Some(name) = m.location.filename().and_then(wire_key::percent_decode) else {
-                continue;
-            };
-            if let Some(k) = wire_key::decode(&name) {
+            if let Some(k) = self.own_key(&m.location) {
                 out.push((k, m.size));
                 if out.len() >= limit {
                     break;
@@ -226,32 +237,37 @@ impl L2Adapter for S3Adapter {
         r.into_iter().sum()
     }
 
+    /// Pages in the store's own order (object names, as S3 sorts them): a page lists from
+    /// the cursor's object on and stops once it has `limit` keys, so no page reads the whole
+    /// bucket, and the cursor (the last key's wire key) always moves forward.
     async fn list(
         &self,
         model: Option<&str>,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
-        let prefix =
-            (!self.config.prefix.is_empty()).then(|| Path::from(self.config.prefix.as_str()));
+        let prefix = self.prefix_path();
         let mut stream = match cursor {
             Some(c) => self.store.list_with_offset(prefix.as_ref(), &self.path_str(c)),
             None => self.store.list(prefix.as_ref()),
         };
-        let mut all = Vec::new();
+        let limit = limit.max(1);
+        let mut keys = Vec::new();
+        let mut more = false;
         while let Some(m) = stream.next().await {
             let m = m.map_err(map_err)?;
-            let Some(name) = m.location.filename().and_then(wire_key::percent_decode) else {
-                continue;
-            };
-            let Some(k) = wire_key::decode(&name) else { continue };
+            let Some(k) = self.own_key(&m.location) else { continue };
             if model.is_some_and(|want| k.model_name.as_str() != want) {
                 continue;
             }
-            all.push((name, k, m.size));
+            if keys.len() == limit {
+                more = true;
+                break;
+            }
+            keys.push((k, m.size));
         }
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(crate::adapter::page_sorted(all, None, limit))
+        let next = if more { keys.last().map(|(k, _)| wire_key::encode(k)) } else { None };
+        Ok(KeyPage { keys, next })
     }
 
     fn describe(&self) -> serde_json::Value {

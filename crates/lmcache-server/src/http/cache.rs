@@ -263,12 +263,14 @@ pub(super) async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usiz
         }
         Err(e @ StorageError::NoSuchAdapter { .. }) => error(StatusCode::NOT_FOUND, e.to_string()),
         Err(e @ StorageError::NoL2) => error(StatusCode::BAD_REQUEST, e.to_string()),
-        Err(StorageError::Adapter { id, kind, source: lmcache_l2::L2Error::Unsupported(what) }) => {
-            error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("adapter {id} ({kind}) does not support {what}"),
-            )
-        }
+        Err(StorageError::Adapter {
+            id,
+            kind,
+            source: lmcache_l2::L2Error::Unsupported { operation: what },
+        }) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("adapter {id} ({kind}) does not support {what}"),
+        ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
 }
