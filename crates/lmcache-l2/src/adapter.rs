@@ -92,28 +92,7 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
     /// length is a miss, or [`L2Error::Corrupt`] when the adapter sees it is torn. The caller
     /// verifies header and payload. Default: [`Self::load`] and a copy.
     async fn load_direct(&self, items: Vec<DirectItem>) -> Vec<DirectResult> {
-        let keys: Vec<ObjectKey> = items.iter().map(|(k, _, _)| k.clone()).collect();
-        let loaded = self.load(&keys).await;
-        items
-            .into_iter()
-            .zip(loaded)
-            .map(|((_, hlen, mut sink), r)| {
-                let r = r.and_then(|found| {
-                    let Some(b) = found else { return Ok(None) };
-                    let dest = sink.payload_mut();
-                    if b.len() != hlen + dest.len() {
-                        return Err(crate::blob::BlobError::Truncated {
-                            got: b.len(),
-                            need: hlen + dest.len(),
-                        }
-                        .into());
-                    }
-                    dest.copy_from_slice(&b[hlen..]);
-                    Ok(Some(b[..hlen].to_vec()))
-                });
-                (sink, r)
-            })
-            .collect()
+        load_direct_by_copy(self, items).await
     }
 
     /// Deletes `keys`; returns how many were present.
@@ -165,6 +144,36 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
 
     /// Flushes and releases the backend (checkpoints, connections).
     async fn close(&self) {}
+}
+
+/// [`L2Adapter::load_direct`] through [`L2Adapter::load`] and a copy into each sink: a stored
+/// blob of another length than the header plus the sink is refused as truncated.
+pub(crate) async fn load_direct_by_copy<A: L2Adapter + ?Sized>(
+    adapter: &A,
+    items: Vec<DirectItem>,
+) -> Vec<DirectResult> {
+    let keys: Vec<ObjectKey> = items.iter().map(|(k, _, _)| k.clone()).collect();
+    let loaded = adapter.load(&keys).await;
+    items
+        .into_iter()
+        .zip(loaded)
+        .map(|((_, hlen, mut sink), r)| {
+            let r = r.and_then(|found| {
+                let Some(b) = found else { return Ok(None) };
+                let dest = sink.payload_mut();
+                if b.len() != hlen + dest.len() {
+                    return Err(crate::blob::BlobError::Truncated {
+                        got: b.len(),
+                        need: hlen + dest.len(),
+                    }
+                    .into());
+                }
+                dest.copy_from_slice(&b[hlen..]);
+                Ok(Some(b[..hlen].to_vec()))
+            });
+            (sink, r)
+        })
+        .collect()
 }
 
 /// One page of `keys` (key, stored size) of `model` (all if `None`), in wire-key order: the

@@ -86,6 +86,7 @@ async fn conformance(b: &BuiltAdapter, sizes: &[usize]) {
             a.kind()
         );
     }
+    direct_loads(b, &keys, &items).await;
     // A blob loaded for the wrong key is refused.
     let other = a.load(&keys[..1]).await.pop().unwrap().unwrap().unwrap();
     assert!(b.codec.decode(&keys[1], &other).is_err(), "{}: misplaced blob accepted", a.kind());
@@ -116,6 +117,46 @@ async fn conformance(b: &BuiltAdapter, sizes: &[usize]) {
         Err(e) => panic!("{}: list: {e}", a.kind()),
     }
     let _ = a.delete(&keys).await;
+}
+
+/// Direct loads (the header into a buffer, the payload into a sink of the stored payload's
+/// length), pipelined in one batch: every stored key comes back verified; a sink of another
+/// length is never filled and leaves the batch's later keys intact; a missing key is a miss.
+async fn direct_loads(
+    b: &BuiltAdapter,
+    keys: &[ObjectKey],
+    items: &[(ObjectKey, lmcache_l2::Blob)],
+) {
+    let a = &b.adapter;
+    let absent = key(9999, "");
+    let mut batch: Vec<lmcache_l2::DirectItem> = Vec::new();
+    let hlen = |k: &ObjectKey| lmcache_l2::blob::header_len(k);
+    // First a wrong-length sink for key 0, then every key, then one never stored.
+    batch.push((
+        keys[0].clone(),
+        hlen(&keys[0]),
+        Box::new(vec![0u8; items[0].1.payload.len() + 1]),
+    ));
+    for (k, blob) in items {
+        batch.push((k.clone(), hlen(k), Box::new(vec![0u8; blob.payload.len()])));
+    }
+    batch.push((absent.clone(), hlen(&absent), Box::new(vec![0u8; 16])));
+    let out = a.load_direct(batch).await;
+    assert_eq!(out.len(), items.len() + 2, "{}: one result per item", a.kind());
+    let mut out = out.into_iter();
+    let (_, wrong) = out.next().unwrap();
+    assert!(!matches!(wrong, Ok(Some(_))), "{}: a sink of another length was filled", a.kind());
+    for (k, blob) in items {
+        let (sink, r) = out.next().unwrap();
+        let header = r.unwrap_or_else(|e| panic!("{}: direct load of {k}: {e}", a.kind()));
+        let header = header.unwrap_or_else(|| panic!("{}: direct load of {k} missed", a.kind()));
+        let payload = *sink.into_any().downcast::<Vec<u8>>().unwrap();
+        lmcache_l2::blob::verify_parts(k, &header, &payload)
+            .unwrap_or_else(|e| panic!("{}: direct load of {k} does not verify: {e}", a.kind()));
+        assert_eq!(&payload[..], &blob.payload[..], "{}: {k}", a.kind());
+    }
+    let (_, missing) = out.next().unwrap();
+    assert!(matches!(missing, Ok(None)), "{}: absent key: {missing:?}", a.kind());
 }
 
 const SIZES: &[usize] = &[0, 1, 4096, 256 * 1024, 1 << 20, 300_001];

@@ -6,6 +6,7 @@ pub mod fs;
 pub mod mock;
 pub mod raw_block;
 pub mod redis;
+mod resp_direct;
 pub mod s3;
 
 use crate::error::L2Error;

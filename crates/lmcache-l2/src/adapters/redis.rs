@@ -24,7 +24,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Value};
 
-use crate::adapter::{KeyPage, L2Adapter, Stored, time_budget};
+use crate::adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, Stored, time_budget};
 use crate::blob::Blob;
 use crate::error::L2Error;
 use crate::wire_key;
@@ -108,6 +108,9 @@ enum Conns {
 pub struct RedisAdapter {
     config: RedisConfig,
     conns: Conns,
+    /// Raw connections for the bulk bytes (single node without TLS): `GET`s socket to
+    /// destination, `SET`s from the blob's memory.
+    direct: Option<super::resp_direct::DirectConns>,
     next: AtomicUsize,
     /// The largest object stored, loaded or sized so far: the per-key allowance of a load
     /// whose sizes are unknown.
@@ -172,7 +175,20 @@ impl RedisAdapter {
             }
             Conns::Single(pool)
         };
-        let a = Self { config, conns, next: AtomicUsize::new(0), largest: AtomicU64::new(0) };
+        let direct = (!config.cluster_mode && !config.tls).then(|| {
+            super::resp_direct::DirectConns::new(
+                super::resp_direct::Login {
+                    addr: first.clone(),
+                    username: config.username.clone(),
+                    password: config.password.clone(),
+                    database: config.database,
+                    connect_timeout: ct,
+                },
+                config.num_workers,
+            )
+        });
+        let a =
+            Self { config, conns, direct, next: AtomicUsize::new(0), largest: AtomicU64::new(0) };
         // One round trip now, so that a missing or wrong password fails at start.
         let ping = a
             .run(vec![redis::cmd("PING")], 0)
@@ -206,17 +222,19 @@ impl RedisAdapter {
         bytes: u64,
     ) -> Result<Vec<Result<Value, L2Error>>, L2Error> {
         let t = time_budget(self.config.request_timeout, bytes);
-        let fut = async {
+        let fut = async move {
             match &self.conns {
                 Conns::Single(pool) => {
                     let i = self.next.fetch_add(1, Ordering::Relaxed) % pool.len();
                     let mut c = pool[i].clone();
+                    let n = cmds.len();
                     let mut p = redis::pipe();
-                    for cmd in &cmds {
-                        p.add_command(cmd.clone());
+                    for cmd in cmds {
+                        // Moved, not cloned: a SET holds its whole blob.
+                        p.add_command(cmd);
                     }
                     let vals: Vec<Value> =
-                        c.req_packed_commands(&p, 0, cmds.len()).await.map_err(map_err)?;
+                        c.req_packed_commands(&p, 0, n).await.map_err(map_err)?;
                     Ok(vals
                         .into_iter()
                         .map(|v| match v {
@@ -247,6 +265,16 @@ impl L2Adapter for RedisAdapter {
     }
 
     async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
+        if let Some(direct) = &self.direct {
+            let named: Vec<(String, &Blob)> =
+                items.iter().map(|(k, b)| (self.name(k), b)).collect();
+            let bytes: u64 = items.iter().map(|(_, b)| b.len() as u64).sum();
+            if let Some(m) = items.iter().map(|(_, b)| b.len() as u64).max() {
+                self.saw(m);
+            }
+            let budget = time_budget(self.config.request_timeout, bytes);
+            return direct.store(&named, self.config.ttl_seconds, budget).await;
+        }
         let cmds: Vec<redis::Cmd> = items
             .iter()
             .map(|(k, b)| {
@@ -412,6 +440,22 @@ impl L2Adapter for RedisAdapter {
                 })
                 .collect(),
         }
+    }
+
+    /// Single node without TLS: replies are read from the socket straight into the sinks
+    /// (`resp_get`). Otherwise `GET` and a copy.
+    async fn load_direct(&self, mut items: Vec<DirectItem>) -> Vec<DirectResult> {
+        let Some(direct) = &self.direct else {
+            return crate::adapter::load_direct_by_copy(self, items).await;
+        };
+        let names = items.iter().map(|(k, _, _)| self.name(k)).collect();
+        let mut bytes = 0u64;
+        for (_, hlen, sink) in &mut items {
+            let len = (*hlen + sink.payload_mut().len()) as u64;
+            self.saw(len);
+            bytes += len;
+        }
+        direct.load(names, items, time_budget(self.config.request_timeout, bytes)).await
     }
 
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
