@@ -209,11 +209,30 @@ fn fs_refuses_torn_files_and_cleans_temporaries() {
         f.set_len(50_000).unwrap();
         let bytes = b.adapter.load(std::slice::from_ref(&k)).await.pop().unwrap().unwrap().unwrap();
         assert!(b.codec.decode(&k, &bytes).is_err(), "torn blob accepted");
-        // Temporary files of an interrupted store are removed at open.
-        let tmp = path.with_file_name(".x.blob.1.1.tmp");
-        std::fs::write(&tmp, b"partial").unwrap();
+        // Only our own temporaries of an interrupted store, in our temporary directory and old
+        // enough not to be another server's write in flight, are removed at open. Files
+        // anyone else put there stay, whatever their names.
+        let tmp_dir = dir.path().join(".lmcache-rs-tmp");
+        let ours = tmp_dir.join(".lmcache-rs-x.blob.1.1.tmp");
+        let in_flight = tmp_dir.join(".lmcache-rs-y.blob.2.1.tmp");
+        let foreign = [
+            path.with_file_name(".x.blob.1.1.tmp"),
+            dir.path().join("notes.tmp"),
+            tmp_dir.join("user-file.tmp"),
+        ];
+        for p in foreign.iter().chain([&ours, &in_flight]) {
+            std::fs::write(p, b"partial").unwrap();
+        }
+        let old = std::time::SystemTime::now() - lmcache_l2::adapters::fs::STALE_TMP * 2;
+        for p in foreign.iter().chain([&ours]) {
+            std::fs::File::options().write(true).open(p).unwrap().set_modified(old).unwrap();
+        }
         build(spec).await;
-        assert!(!tmp.exists(), "stale temporary file left behind");
+        assert!(!ours.exists(), "stale temporary file left behind");
+        assert!(in_flight.exists(), "a temporary file young enough to be in flight was removed");
+        for p in &foreign {
+            assert!(p.exists(), "{} is not ours and was removed", p.display());
+        }
     });
 }
 

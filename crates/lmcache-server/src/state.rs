@@ -16,10 +16,13 @@ use crate::registry::Registry;
 use crate::session::{Session, Sessions};
 
 /// Identity of an engine-driven transfer between its prepare and commit messages:
-/// `(instance, key identity)`, where the chunk hashes stand for the token list.
+/// `(instance, request, key identity)`, where the chunk hashes stand for the token list. The
+/// request is part of it: two requests of one instance over the same tokens never complete,
+/// release or replace each other's reservations and leases.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PendingKey {
     instance_id: u64,
+    request_id: String,
     model: ModelName,
     world_size: u32,
     worker_id: Option<u32>,
@@ -34,6 +37,7 @@ impl PendingKey {
     pub fn new(instance_id: u64, key: &CacheKey, hashes: &[ChunkHash]) -> Self {
         Self {
             instance_id,
+            request_id: key.request_id.clone(),
             model: key.model_name.clone(),
             world_size: key.world_size,
             worker_id: key.worker_id,

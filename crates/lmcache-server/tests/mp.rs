@@ -527,3 +527,73 @@ fn a_retrieve_spends_the_lookups_locks() {
     // Nothing is left to spend, and the objects are gone from the index.
     assert!(c.prepare_retrieve(&hits, 4).unwrap().is_none());
 }
+
+/// Two requests of one instance over the same tokens, in both orders: neither commits,
+/// releases or replaces the other's reservations or read leases.
+#[test]
+fn requests_on_the_same_prefix_never_touch_each_others_transfers() {
+    let s = server("isolate");
+    let mut c = client(&s);
+    let pool = register(&mut c, 8, 1);
+    let tokens = tokens(31, 32);
+    let a = CacheKey::whole(model_m(), "a", tokens.clone(), CHUNK).for_worker(0);
+    let b = CacheKey::whole(model_m(), "b", tokens.clone(), CHUNK).for_worker(0);
+
+    // Stores. A reserves both chunks; B finds them being written and reserves none.
+    let slots_a = c.prepare_store(&a, 8).unwrap();
+    assert_eq!(slots_a.len(), 2);
+    assert!(c.prepare_store(&b, 8).unwrap().is_empty());
+    // B's commit must not make A's half-written chunks visible.
+    assert!(!c.commit_store(&b, 8).unwrap(), "B committed reservations it does not own");
+    assert_eq!(c.lookup(&CacheKey::whole(model_m(), "q1", tokens.clone(), CHUNK)).unwrap(), 0);
+    for (i, slot) in &slots_a {
+        pool.write(slot.offset, &vec![0x70 + *i as u8; slot.length as usize]).unwrap();
+    }
+    assert!(c.commit_store(&a, 8).unwrap(), "A's commit lost its reservations to B");
+
+    // Retrieves. Both prepare; B's commit releases only B's leases, A still reads its slots.
+    let ra = c.prepare_retrieve(&a, 8).unwrap().expect("A's chunks");
+    let rb = c.prepare_retrieve(&b, 8).unwrap().expect("B's chunks");
+    assert_eq!((ra.len(), rb.len()), (2, 2));
+    assert!(c.commit_retrieve(&b, 8).unwrap());
+    assert_eq!(s.state().l1().usage().locked_objects, 2, "B's commit released A's leases");
+    s.state().l1().clear(false);
+    assert_eq!(s.state().l1().usage().resident_objects, 2, "A's locked chunks were evicted");
+    for (i, slot) in ra.iter().enumerate() {
+        let mut buf = vec![0u8; slot.length as usize];
+        pool.read(slot.offset, &mut buf).unwrap();
+        assert!(buf.iter().all(|&x| x == 0x70 + i as u8), "chunk {i} is not A's");
+    }
+    assert!(c.commit_retrieve(&a, 8).unwrap());
+    assert_eq!(s.state().l1().usage().locked_objects, 0);
+    // The other order: A commits first, then B.
+    let ra = c.prepare_retrieve(&a, 8).unwrap().expect("A's chunks");
+    let rb = c.prepare_retrieve(&b, 8).unwrap().expect("B's chunks");
+    assert_eq!((ra.len(), rb.len()), (2, 2));
+    assert!(c.commit_retrieve(&a, 8).unwrap());
+    assert_eq!(s.state().l1().usage().locked_objects, 2, "A's commit released B's leases");
+    assert!(c.commit_retrieve(&b, 8).unwrap());
+    assert_eq!(s.state().l1().usage().locked_objects, 0);
+}
+
+/// A retrieve hands out slots only for objects of the layout its instance registered: an
+/// object stored by an instance with another layout is never given as a slot of the wrong
+/// length.
+#[test]
+fn prepare_retrieve_checks_objects_against_the_registered_layout() {
+    let s = server("layout");
+    let mut c = client(&s);
+    let pool = register(&mut c, 11, 1);
+    let other = c.register_engine_driven(&registration(12, 1, 16, LAYERS * 2, HIDDEN)).unwrap();
+    assert!(!other.shm_name.is_empty());
+    let key = CacheKey::whole(model_m(), "r", tokens(41, 32), CHUNK).for_worker(0);
+    assert_eq!(store(&mut c, &pool, &key, 11, |_| 3), 2);
+    assert!(c.prepare_retrieve(&key, 11).unwrap().is_some(), "the storing layout is served");
+    assert!(c.commit_retrieve(&key, 11).unwrap());
+    assert!(
+        c.prepare_retrieve(&key, 12).unwrap().is_none(),
+        "objects of another layout were handed out as slots"
+    );
+    assert!(!c.commit_retrieve(&key, 12).unwrap());
+    assert_eq!(s.state().l1().usage().locked_objects, 0, "a refused prepare kept its leases");
+}

@@ -2,9 +2,12 @@
 //! chunk hash (directory operations of concurrent stores rarely contend; ext4's hashed
 //! directories keep lookups fast at millions of files).
 //!
-//! A store writes `<dir>/.<name>.<pid>.<n>.tmp` (or into `relative_tmp_dir`), optionally
-//! fsyncs it, then renames it over the final name, so a reader sees a whole blob or nothing;
-//! a crash leaves at most a temporary file, which start-up removes. Keys already on disk are
+//! A store writes `.lmcache-rs-<name>.<pid>.<n>.tmp` into the adapter's own temporary
+//! directory (`<base_path>/.lmcache-rs-tmp`, or `relative_tmp_dir`), optionally fsyncs it,
+//! then renames it over the final name, so a reader sees a whole blob or nothing; a crash
+//! leaves at most a temporary file. Start-up removes only those: files of that name pattern,
+//! in that directory, older than [`STALE_TMP`] (younger ones may be in-flight writes of another
+//! server sharing the directory). Nothing else under `base_path` is ever removed at start. Keys already on disk are
 //! skipped. Lookups are a `stat` per key, so files written by an earlier run (or another
 //! server sharing the directory) are found. With `use_odirect` the page cache is bypassed
 //! (writes are padded to the block size, then the file is truncated to its length).
@@ -47,7 +50,7 @@ pub enum FsyncMode {
 pub struct FsConfig {
     /// Root directory (created).
     pub base_path: PathBuf,
-    /// Where temporary files go, relative to `base_path`; beside the final file if `None`.
+    /// Where temporary files go, relative to `base_path`; `.lmcache-rs-tmp` if `None`.
     pub relative_tmp_dir: Option<PathBuf>,
     /// Bypass the page cache.
     pub use_odirect: bool,
@@ -93,15 +96,14 @@ impl FsAdapter {
     /// left by a crash.
     pub fn open(config: FsConfig) -> Result<Self, L2Error> {
         std::fs::create_dir_all(&config.base_path)?;
-        if let Some(t) = &config.relative_tmp_dir {
-            std::fs::create_dir_all(config.base_path.join(t))?;
-        }
+        let tmp_dir = tmp_dir_of(&config);
+        std::fs::create_dir_all(&tmp_dir)?;
         let odirect = config.use_odirect && probe_odirect(&config.base_path);
         if config.use_odirect && !odirect {
             tracing::warn!(path = %config.base_path.display(),
                 "fs L2: the file system refuses O_DIRECT; using buffered I/O");
         }
-        let removed = remove_tmp_files(&config.base_path);
+        let removed = remove_stale_tmp_files(&tmp_dir, STALE_TMP);
         if removed > 0 {
             tracing::info!(removed, "fs L2: removed temporary files of an interrupted run");
         }
@@ -148,11 +150,8 @@ impl Inner {
         }
         self.ensure_dir(&dir)?;
         let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp_dir = match &self.config.relative_tmp_dir {
-            Some(t) => self.config.base_path.join(t),
-            None => dir.clone(),
-        };
-        let tmp = tmp_dir.join(format!(".{name}.{}.{n}.tmp", std::process::id()));
+        let tmp = tmp_dir_of(&self.config)
+            .join(format!("{TMP_PREFIX}{name}.{}.{n}{TMP_SUFFIX}", std::process::id()));
         let written = self.write_file(&tmp, blob).and_then(|()| {
             std::fs::rename(&tmp, &fin)?;
             if self.config.fsync == FsyncMode::FileAndDir {
@@ -291,20 +290,32 @@ fn probe_odirect(dir: &Path) -> bool {
     ok
 }
 
-fn remove_tmp_files(base: &Path) -> usize {
+/// Our temporary files' names: `.lmcache-rs-<final name>.<pid>.<n>.tmp`.
+const TMP_PREFIX: &str = ".lmcache-rs-";
+const TMP_SUFFIX: &str = ".tmp";
+/// How old a temporary file must be before start-up takes it for a crash's leftover.
+pub const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(600);
+
+fn tmp_dir_of(c: &FsConfig) -> PathBuf {
+    c.base_path.join(c.relative_tmp_dir.as_deref().unwrap_or(Path::new(".lmcache-rs-tmp")))
+}
+
+/// Removes our temporary files older than `age` from `dir` (not below it); returns how many.
+fn remove_stale_tmp_files(dir: &Path, age: std::time::Duration) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else { return 0 };
+    let now = std::time::SystemTime::now();
     let mut removed = 0;
-    let mut stack = vec![base.to_owned()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else { continue };
-        for e in rd.flatten() {
-            let p = e.path();
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                stack.push(p);
-            } else if e.file_name().to_string_lossy().ends_with(".tmp")
-                && std::fs::remove_file(&p).is_ok()
-            {
-                removed += 1;
-            }
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !(name.starts_with(TMP_PREFIX) && name.ends_with(TMP_SUFFIX)) {
+            continue;
+        }
+        let Ok(meta) = e.metadata() else { continue };
+        let old =
+            meta.modified().ok().and_then(|m| now.duration_since(m).ok()).is_some_and(|d| d >= age);
+        if meta.is_file() && old && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
         }
     }
     removed

@@ -171,8 +171,9 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let pk = PendingKey::new(id, key, &hashes);
     let Some((_, ids)) = state.pending.stores.lock().remove(&pk) else { return false };
+    // Every chunk prepare reserved must be committed, including any whose reservation expired.
+    let expected = ids.len();
     let writes: Vec<_> = ids.into_iter().filter_map(|i| state.l1().take_write(i)).collect();
-    let expected = writes.len();
     // Which chunk of the range each reservation is: match by key.
     let idx: Vec<usize> = writes
         .iter()
@@ -204,8 +205,20 @@ fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Valu
     let leases: Result<Vec<_>, _> =
         state.storage.retrieve_leases(spent, &keys).into_iter().collect();
     let pk = PendingKey::new(id, key, &hashes);
+    // Each object must have this instance's layout: a slot is the client's copy length.
+    let want = inst.layout.bytes();
     let leases = match leases {
-        Ok(l) if !l.is_empty() => l,
+        Ok(l) if !l.is_empty() && l.iter().all(|x| Some(x.len()) == want) => l,
+        Ok(l) if !l.is_empty() => {
+            tracing::warn!(
+                request_id = %key.request_id,
+                expected = ?want,
+                got = ?l.iter().map(|x| x.len()).collect::<Vec<_>>(),
+                "prepare_retrieve: objects of another layout than the instance registered"
+            );
+            park_retrieve(state, pk, None);
+            return Ok(types::PrepareRetrieveResponse::FAILED.encode());
+        }
         _ => {
             park_retrieve(state, pk, None);
             return Ok(types::PrepareRetrieveResponse::FAILED.encode());
