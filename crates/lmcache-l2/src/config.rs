@@ -318,6 +318,7 @@ fn build_inner(
                     "block_align",
                     "meta_total_bytes",
                     "sync_journal",
+                    "format",
                     "header_bytes",
                     "meta_checkpoint_interval_sec",
                     "load_checkpoint_on_init",
@@ -338,6 +339,7 @@ fn build_inner(
                     block_align: f.u64_or("block_align", 4096)?,
                     meta_total_bytes: f.u64_or("meta_total_bytes", 16 << 20)?,
                     sync_journal: f.bool_or("sync_journal", false)?,
+                    format: f.bool_or("format", false)?,
                 })
                 .map_err(|e| {
                     ConfigError::field("device_path", format!("{}: {e}", path.display()))

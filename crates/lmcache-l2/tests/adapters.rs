@@ -276,6 +276,36 @@ fn raw_block_evicts_oldest_when_full_and_refuses_foreign_devices() {
         foreign["device_path"] = json!(dir.path().join("foreign"));
         let e = config::build(0, &foreign).await.unwrap_err();
         assert!(e.to_string().contains("not an lmcache-rs raw_block device"), "{e}");
+        // Foreign data is refused and left exactly as it was: a file shorter than the
+        // capacity is not extended, and one whose first 4 KiB are zeros is not formatted.
+        for (name, content) in [
+            ("short", vec![7u8; 100 * 1024]),
+            ("zero-headed", [vec![0u8; 4096], vec![9u8; 60 * 1024]].concat()),
+        ] {
+            let p = dir.path().join(name);
+            std::fs::write(&p, &content).unwrap();
+            let mut s = foreign.clone();
+            s["device_path"] = json!(p);
+            let e = config::build(0, &s).await.unwrap_err();
+            assert!(e.to_string().contains("refusing to touch it"), "{name}: {e}");
+            assert_eq!(std::fs::read(&p).unwrap(), content, "{name} was changed");
+            // Asked to, it formats it.
+            s["format"] = json!(true);
+            let b = config::build(0, &s).await.unwrap_or_else(|e| panic!("{name}: {e}"));
+            let k = key(77, "");
+            let blob = b.codec.encode(&k, Bytes::from(payload(77, 1000))).unwrap();
+            assert!(b.adapter.store(vec![(k.clone(), blob)]).await[0].is_ok());
+            b.adapter.close().await;
+            // Then it is ours: reopened without "format", it keeps what it holds.
+            s["format"] = json!(false);
+            let b = config::build(0, &s).await.unwrap();
+            assert_eq!(b.adapter.lookup(&[k]).await.unwrap(), vec![true], "{name}");
+        }
+        // A raw_block device of another geometry is still refused, even with "format"
+        // unset; with it, it is formatted for the new geometry.
+        let mut other_fmt = other;
+        other_fmt["format"] = json!(true);
+        assert!(config::build(0, &other_fmt).await.is_ok());
     });
 }
 

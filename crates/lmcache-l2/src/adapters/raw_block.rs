@@ -62,6 +62,91 @@ pub struct RawBlockConfig {
     pub meta_total_bytes: u64,
     /// fdatasync after each journal append (survives power loss, slower).
     pub sync_journal: bool,
+    /// Format a device or file that holds data but no raw_block superblock of this geometry
+    /// (without it only a new or empty file, or one already ours, is used; anything else is
+    /// refused and left as it was).
+    pub format: bool,
+}
+
+/// Whether `sb` (the first 4 KiB) is a raw_block superblock of any geometry.
+fn is_superblock(sb: &[u8]) -> bool {
+    sb.len() >= 56 && &sb[0..8] == SUPER_MAGIC && xxh3_64(&sb[..48]) == le64(sb, 48)
+}
+
+/// Writes an empty device's metadata: the superblock, a zeroed journal, empty checkpoints.
+fn write_format(f: &std::fs::File, g: &Geometry) -> std::io::Result<()> {
+    f.write_all_at(&g.superblock(), 0)?;
+    f.write_all_at(&vec![0u8; g.journal_len as usize], g.journal_off)?;
+    for off in g.ckpt_off {
+        f.write_all_at(&[0u8; 4096], off)?;
+    }
+    Ok(())
+}
+
+/// A new (missing or empty) regular file is created whole under a temporary name, formatted,
+/// synced and renamed into place: a crash while formatting leaves no half-made device that a
+/// restart would then refuse as foreign.
+fn create_formatted(c: &RawBlockConfig) -> Result<(), L2Error> {
+    let fresh = match std::fs::metadata(&c.device_path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Ok(m) => m.is_file() && m.len() == 0,
+        Err(e) => return Err(e.into()),
+    };
+    if !fresh {
+        return Ok(());
+    }
+    let g = Geometry::new(c, c.capacity_bytes).map_err(|reason| L2Error::Invalid { reason })?;
+    let name =
+        c.device_path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = c.device_path.with_file_name(format!(".{name}.lmcache-rs-format.tmp"));
+    let made = (|| -> std::io::Result<()> {
+        let f = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&tmp)?;
+        if let Err(e) =
+            nix::fcntl::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, g.capacity as i64)
+        {
+            tracing::warn!(error = %e, "raw_block: cannot preallocate; using a sparse file");
+            f.set_len(g.capacity)?;
+        }
+        write_format(&f, &g)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &c.device_path)
+    })();
+    if let Err(e) = made {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e.into());
+    }
+    Ok(())
+}
+
+/// Refuses, before anything is written, a device or file that holds data but is not ours:
+/// only a missing or empty regular file, or one whose first block is our superblock, may be
+/// opened for writing unless `format` is set.
+fn check_not_foreign(path: &std::path::Path, format: bool) -> Result<(), L2Error> {
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if format || (meta.is_file() && meta.len() == 0) {
+        return Ok(());
+    }
+    let mut sb = vec![0u8; 4096];
+    let mut f = std::fs::File::open(path)?;
+    let mut got = 0;
+    while got < sb.len() {
+        match std::io::Read::read(&mut f, &mut sb[got..])? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    if is_superblock(&sb[..got]) {
+        return Ok(());
+    }
+    Err(L2Error::unavailable(format!(
+        "{}: holds data that is not an lmcache-rs raw_block device; refusing to touch it \
+         (set \"format\": true in the adapter spec to format it)",
+        path.display()
+    )))
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -194,6 +279,8 @@ impl RawBlockAdapter {
     /// Opens (formatting when blank) and recovers the index.
     pub fn open(config: RawBlockConfig) -> Result<Self, L2Error> {
         let t0 = Instant::now();
+        check_not_foreign(&config.device_path, config.format)?;
+        create_formatted(&config)?;
         let mut opts = OpenOptions::new();
         opts.read(true).write(true).create(true).truncate(false);
         let meta = opts.open(&config.device_path)?;
@@ -269,17 +356,14 @@ impl Inner {
         self.meta.read_exact_at(&mut sb, 0)?;
         let mut rec = Recovery::default();
         let mut st = self.state.lock();
-        if sb.iter().all(|&b| b == 0) {
-            // Blank: format.
-            self.meta.write_all_at(&g.superblock(), 0)?;
-            self.meta.write_all_at(&vec![0u8; g.journal_len as usize], g.journal_off)?;
-            for off in g.ckpt_off {
-                self.meta.write_all_at(&[0u8; 4096], off)?;
-            }
+        let ours = is_superblock(&sb) && sb[..56] == g.superblock()[..56];
+        if self.config.format && !ours {
+            // Formatting was asked (new files were formatted whole before open).
+            write_format(&self.meta, &g)?;
             st.free = (0..g.slots).rev().collect();
             return Ok(rec);
         }
-        if &sb[0..8] != SUPER_MAGIC || xxh3_64(&sb[..48]) != le64(&sb, 48) {
+        if !is_superblock(&sb) {
             return Err(L2Error::unavailable(format!(
                 "{}: not an lmcache-rs raw_block device (bad superblock); refusing to overwrite it",
                 self.config.device_path.display()
