@@ -135,6 +135,10 @@ pub struct ServerArgs {
     /// lmcache_rs_l1_unwritten_evictions_total).
     #[arg(long, default_value_t = 2.0)]
     pub l2_store_wait_seconds: f64,
+    /// fs and raw_block L2 adapters, at start and when added over HTTP, must have their
+    /// base_path or device_path inside this directory (repeatable). Unset: any path.
+    #[arg(long = "l2-allowed-root", value_name = "DIR")]
+    pub l2_allowed_root: Vec<std::path::PathBuf>,
     /// On SIGTERM/SIGINT, wait up to this many seconds for queued L2 write-behind to finish.
     #[arg(long, default_value_t = 10.0)]
     pub l2_flush_timeout_seconds: f64,
@@ -230,6 +234,7 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         max_in_flight: args.l2_prefetch_max_in_flight.max(1),
         prefetch_deadline: Duration::from_secs_f64(t_prefetch),
         store_queue_keys: args.l2_store_queue_size.max(1),
+        allowed_roots: args.l2_allowed_root.clone(),
         store_policy: if args.l2_store_policy == "skip_l1" {
             lmcache_storage::StorePolicy::SkipL1
         } else {

@@ -546,6 +546,86 @@ fn build_inner(
     })
 }
 
+/// With `roots` set (`--l2-allowed-root`), refuses an adapter spec whose `fs` `base_path` or
+/// `raw_block` `device_path` (nested specs included) is not inside one of them, before
+/// anything is opened. A path must be absolute and free of `..`; symlinks in its existing part
+/// are resolved, so a link cannot lead out of a root. The error names the path asked for,
+/// never an OS error about it.
+pub fn check_allowed_paths(
+    index: usize,
+    spec: &Value,
+    roots: &[PathBuf],
+) -> Result<(), ConfigError> {
+    if roots.is_empty() {
+        return Ok(());
+    }
+    let kind = spec.get("type").and_then(Value::as_str).unwrap_or("?").to_owned();
+    check_paths_in(spec, roots).map_err(|mut e| {
+        e.index = index;
+        e.kind = kind;
+        e
+    })
+}
+
+fn check_paths_in(spec: &Value, roots: &[PathBuf]) -> Result<(), ConfigError> {
+    let Some(obj) = spec.as_object() else { return Ok(()) };
+    let field = match obj.get("type").and_then(Value::as_str) {
+        Some("fs" | "fs_native") => Some("base_path"),
+        Some("raw_block") => Some("device_path"),
+        _ => None,
+    };
+    if let Some(field) = field
+        && let Some(raw) = obj.get(field).and_then(Value::as_str)
+    {
+        let outside = || {
+            ConfigError::field(
+                field,
+                format!("{raw} is outside the allowed roots (--l2-allowed-root)"),
+            )
+        };
+        let p = std::path::Path::new(raw);
+        if !p.is_absolute() || p.components().any(|c| c == std::path::Component::ParentDir) {
+            return Err(ConfigError::field(
+                field,
+                format!(
+                    "{raw} must be an absolute path without `..` when --l2-allowed-root is set"
+                ),
+            ));
+        }
+        let resolved = resolve_existing(p).ok_or_else(outside)?;
+        let inside = roots
+            .iter()
+            .filter_map(|r| std::fs::canonicalize(r).ok())
+            .any(|r| resolved.starts_with(&r));
+        if !inside {
+            return Err(outside());
+        }
+    }
+    // Nested specs (fault_inject wraps another adapter).
+    for v in obj.values() {
+        if v.is_object() {
+            check_paths_in(v, roots)?;
+        }
+    }
+    Ok(())
+}
+
+/// `p` with its longest existing prefix canonicalized (symlinks resolved) and the rest
+/// appended as written.
+fn resolve_existing(p: &std::path::Path) -> Option<PathBuf> {
+    let mut existing = p.to_path_buf();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(c) = std::fs::canonicalize(&existing) {
+            return Some(rest.iter().rev().fold(c, |acc: PathBuf, part| acc.join(part)));
+        }
+        rest.push(existing.file_name()?.to_owned());
+        if !existing.pop() {
+            return None;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -570,5 +650,33 @@ mod tests {
         std::fs::write(&p, "not toml [").unwrap();
         assert_eq!(parse_toml_file(&p).unwrap_err().field, "l2-config");
         assert_eq!(parse_json("[1]").unwrap_err().field, "l2-adapter");
+    }
+
+    #[test]
+    fn allowed_roots_confine_fs_and_raw_block_paths() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let roots = vec![root.path().to_path_buf()];
+        let fs = |p: &std::path::Path| serde_json::json!({"type": "fs", "base_path": p});
+        assert!(check_allowed_paths(0, &fs(&root.path().join("kv/new")), &roots).is_ok());
+        assert!(check_allowed_paths(0, &fs(outside.path()), &[]).is_ok(), "no roots: no limit");
+        let e = check_allowed_paths(2, &fs(outside.path()), &roots).unwrap_err();
+        assert_eq!((e.index, e.field.as_str()), (2, "base_path"), "{e}");
+        assert!(e.to_string().contains("outside the allowed roots"), "{e}");
+        let dotdot = root.path().join("..").join(outside.path().file_name().unwrap());
+        assert!(check_allowed_paths(0, &fs(&dotdot), &roots).is_err(), "`..` escapes");
+        assert!(
+            check_allowed_paths(0, &serde_json::json!({"type": "fs", "base_path": "rel"}), &roots)
+                .is_err()
+        );
+        // A symlink inside the root that leads out of it.
+        std::os::unix::fs::symlink(outside.path(), root.path().join("link")).unwrap();
+        assert!(check_allowed_paths(0, &fs(&root.path().join("link/x")), &roots).is_err());
+        // raw_block, and a spec nested in fault_inject.
+        let rb =
+            serde_json::json!({"type": "raw_block", "device_path": "/dev/sda", "slot_bytes": 4096});
+        assert_eq!(check_allowed_paths(0, &rb, &roots).unwrap_err().field, "device_path");
+        let nested = serde_json::json!({"type": "fault_inject", "inner": fs(outside.path())});
+        assert!(check_allowed_paths(0, &nested, &roots).is_err());
     }
 }

@@ -246,6 +246,8 @@ fn start_http(state: Arc<ServerState>, port: u16) -> Result<HttpParts, ServerErr
                 let shutdown = async move {
                     let _ = rx.await;
                 };
+                // Handlers may name the caller (adapters added at run time are logged with it).
+                let app = app.into_make_service_with_connect_info::<SocketAddr>();
                 if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
                     tracing::error!(error = %e, "HTTP server failed");
                 }

@@ -232,3 +232,56 @@ fn the_l1_segment_name_goes_at_shutdown_even_while_a_handle_outlives_the_server(
     assert!(!path.exists(), "the L1 segment outlived the server");
     drop(handle);
 }
+
+/// With `--l2-allowed-root`, fs and raw_block adapters live inside the roots, at start and when
+/// added over HTTP; a path the server cannot open is refused without echoing the OS's words
+/// about it, and a foreign file is left as it was.
+#[test]
+fn adapters_stay_inside_the_allowed_roots_and_errors_do_not_echo_the_os() {
+    let root = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let arena = || ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    let l2 = lmcache_storage::TierConfig {
+        allowed_roots: vec![root.path().to_path_buf()],
+        ..lmcache_storage::TierConfig::default()
+    };
+    // At start.
+    let refused = Server::start(ServerConfig {
+        http_port: Some(0),
+        l2_adapters: vec![json!({"type": "fs", "base_path": outside.path()})],
+        l2: l2.clone(),
+        ..ServerConfig::local(arena())
+    });
+    let e = refused.err().expect("an fs adapter outside the roots started").to_string();
+    assert!(e.contains("outside the allowed roots"), "{e}");
+    let s = Server::start(ServerConfig {
+        http_port: Some(0),
+        l2_adapters: vec![json!({"type": "fs", "base_path": root.path().join("kv")})],
+        l2,
+        ..ServerConfig::local(arena())
+    })
+    .unwrap();
+    // At run time.
+    let add = |spec: Value| {
+        http(&s, "POST", "/reconfigure/generic/l2/add", Some(&json!({"spec": spec}).to_string()))
+    };
+    let (code, r) = add(json!({"type": "fs", "base_path": outside.path().join("x")}));
+    assert_eq!(code, 400, "{r}");
+    assert!(r["detail"].as_str().unwrap().contains("outside the allowed roots"), "{r}");
+    assert!(!outside.path().join("x").exists(), "a refused adapter created its directory");
+    let (code, r) =
+        add(json!({"type": "raw_block", "device_path": "/etc/passwd", "slot_bytes": 4096}));
+    assert_eq!(code, 400, "{r}");
+    // Inside a root, but not ours: refused, unchanged, and the reply says nothing about it.
+    let foreign = root.path().join("someone-elses.img");
+    std::fs::write(&foreign, vec![5u8; 64 * 1024]).unwrap();
+    let (code, r) = add(json!({"type": "raw_block", "device_path": foreign, "slot_bytes": 4096,
+                               "capacity_bytes": 1 << 20, "meta_total_bytes": 65536, "use_odirect": false}));
+    assert_eq!(code, 400, "{r}");
+    let detail = r["detail"].as_str().unwrap();
+    assert!(detail.contains("cannot be opened"), "{detail}");
+    assert!(!detail.contains("os error") && !detail.contains("holds data"), "{detail}");
+    assert_eq!(std::fs::read(&foreign).unwrap(), vec![5u8; 64 * 1024], "a foreign file changed");
+    let (code, r) = add(json!({"type": "fs", "base_path": root.path().join("more")}));
+    assert_eq!(code, 200, "{r}");
+}

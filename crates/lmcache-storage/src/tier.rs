@@ -52,6 +52,9 @@ pub struct TierConfig {
     pub write_behind_wait: Duration,
     /// How long a graceful shutdown waits for queued write-behind.
     pub flush_timeout: Duration,
+    /// Directories fs and raw_block adapters must live in, at start and when added at run
+    /// time (`--l2-allowed-root`); empty: no limit.
+    pub allowed_roots: Vec<std::path::PathBuf>,
 }
 
 impl Default for TierConfig {
@@ -68,6 +71,7 @@ impl Default for TierConfig {
             threads: 2,
             write_behind_wait: Duration::from_secs(2),
             flush_timeout: Duration::from_secs(10),
+            allowed_roots: Vec::new(),
         }
     }
 }
@@ -566,6 +570,7 @@ impl L2Tier {
             })?;
         let mut built = Vec::new();
         for (i, s) in specs.iter().enumerate() {
+            config::check_allowed_paths(i, s, &config.allowed_roots)?;
             built.push(rt.block_on(config::build(i, s))?);
         }
         let (tx, rx) = mpsc::channel(config.store_queue_keys.max(1));
@@ -631,6 +636,7 @@ impl L2Tier {
     /// calling thread (call it off any async runtime, or use [`Self::add_adapter_async`]).
     pub fn add_adapter(&self, spec: &Value) -> Result<u64, ConfigError> {
         let index = self.len();
+        config::check_allowed_paths(index, spec, &self.shared.config.allowed_roots)?;
         let built =
             std::thread::scope(|s| s.spawn(|| self.rt.block_on(config::build(index, spec))).join())
                 .map_err(|_| ConfigError::field("l2-adapter", "adapter construction panicked"))??;
@@ -641,6 +647,7 @@ impl L2Tier {
     /// the tier's own runtime.
     pub async fn add_adapter_async(&self, spec: Value) -> Result<u64, ConfigError> {
         let index = self.len();
+        config::check_allowed_paths(index, &spec, &self.shared.config.allowed_roots)?;
         let built = self
             .on_tier(async move { config::build(index, &spec).await })
             .await

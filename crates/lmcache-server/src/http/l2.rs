@@ -16,6 +16,7 @@ pub(super) async fn reconfigure_status(
 /// itself), or `.../remove` with `{"adapter_index": id}`.
 pub(super) async fn reconfigure(
     State(s): State<Shared>,
+    axum::extract::ConnectInfo(peer): axum::extract::ConnectInfo<std::net::SocketAddr>,
     axum::extract::Path((_backend, op)): axum::extract::Path<(String, String)>,
     body: Option<Json<Value>>,
 ) -> Response {
@@ -29,9 +30,16 @@ pub(super) async fn reconfigure(
     match op.as_str() {
         "add" => {
             let spec = body.get("spec").cloned().unwrap_or(body);
+            let target = endpoint_of(&spec);
             match s.storage.add_adapter(spec).await {
-                Ok(id) => Json(json!({"status": "ok", "adapter_index": id})).into_response(),
-                Err(e) => error(StatusCode::BAD_REQUEST, e.to_string()),
+                Ok(id) => {
+                    tracing::warn!(%peer, id, target = %target, "L2 adapter added over HTTP");
+                    Json(json!({"status": "ok", "adapter_index": id})).into_response()
+                }
+                Err(e) => {
+                    tracing::warn!(%peer, target = %target, error = %e, "L2 adapter refused");
+                    error(StatusCode::BAD_REQUEST, public_reason(&e))
+                }
             }
         }
         "remove" => match body.get("adapter_index").and_then(Value::as_u64) {
@@ -45,6 +53,39 @@ pub(super) async fn reconfigure(
             error(StatusCode::BAD_REQUEST, format!("operation: {other:?} is not add or remove"))
         }
     }
+}
+
+/// What an adapter spec points at, for the log: type, then its path or endpoint (never a
+/// password or key).
+fn endpoint_of(spec: &Value) -> String {
+    let g = |k: &str| spec.get(k).map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned));
+    let kind = g("type").unwrap_or_else(|| "?".into());
+    let at = ["base_path", "device_path", "endpoint_url", "bucket", "host", "startup_nodes", "url"]
+        .iter()
+        .filter_map(|k| g(k).map(|v| format!("{k}={v}")))
+        .collect::<Vec<_>>()
+        .join(" ");
+    format!("{kind} {at}")
+}
+
+/// A refused adapter's reason for the HTTP caller. Opening a path the caller named may fail
+/// with an OS error about a file the caller should learn nothing about (does it exist, who
+/// may read it): for `base_path` and `device_path` only our own checks are echoed; the OS
+/// error goes to the log.
+fn public_reason(e: &lmcache_storage::StorageError) -> String {
+    if let lmcache_storage::StorageError::Config(c) = e
+        && matches!(
+            c.field.as_str(),
+            "base_path" | "device_path" | "inner.base_path" | "inner.device_path"
+        )
+        && !c.reason.contains("--l2-allowed-root")
+    {
+        return format!(
+            "L2 adapter #{} ({}): {}: cannot be opened (the server log says why)",
+            c.index, c.kind, c.field
+        );
+    }
+    e.to_string()
 }
 
 #[derive(Debug, Deserialize)]
