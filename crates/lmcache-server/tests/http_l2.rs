@@ -252,7 +252,8 @@ fn adapters_stay_inside_the_allowed_roots_and_errors_do_not_echo_the_os() {
         l2: l2.clone(),
         ..ServerConfig::local(arena())
     });
-    let e = refused.err().expect("an fs adapter outside the roots started").to_string();
+    let Err(e) = refused else { panic!("an fs adapter outside the roots started") };
+    let e = e.to_string();
     assert!(e.contains("outside the allowed roots"), "{e}");
     let s = Server::start(ServerConfig {
         http_port: Some(0),
