@@ -65,28 +65,7 @@ fn bad_flags_are_refused_with_their_name() {
 #[test]
 fn server_starts_fast_on_defaults_and_unlinks_its_segment_on_sigterm() {
     let name = format!("lmcache_rs_cli_test_{}", std::process::id());
-    let mut child = bin()
-        .args([
-            "server",
-            "--shm-name",
-            &name,
-            "--l1-size-gb",
-            "1",
-            "--port",
-            "0",
-            "--http-port",
-            "0",
-        ])
-        .stderr(std::process::Stdio::null())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let path = std::path::Path::new("/dev/shm").join(&name);
-    let started = Instant::now();
-    while !path.exists() {
-        assert!(started.elapsed() < Duration::from_secs(10), "segment never appeared");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    let (mut child, path) = spawn_until_segment(&name, &["--l1-size-gb", "1"]);
     nix_kill(child.id());
     let status = child.wait().unwrap();
     assert!(status.success(), "server exited with {status}");
@@ -110,19 +89,10 @@ fn exit_after_seconds_still_stops_on_sigterm_and_by_itself() {
     };
     for (exit_after, term) in [("600", true), ("1", false)] {
         let name = format!("lmcache_rs_cli_exit_{exit_after}_{}", std::process::id());
-        let mut child = bin()
-            .args(["server", "--shm-name", &name, "--l1-size-gb", "0.01", "--port", "0"])
-            .args(["--http-port", "0", "--exit-after-seconds", exit_after])
-            .stderr(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let path = std::path::Path::new("/dev/shm").join(&name);
-        let started = Instant::now();
-        while !path.exists() {
-            assert!(started.elapsed() < Duration::from_secs(10), "segment never appeared");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let (mut child, path) = spawn_until_segment(
+            &name,
+            &["--l1-size-gb", "0.01", "--exit-after-seconds", exit_after],
+        );
         if term {
             nix_kill(child.id());
         }
@@ -130,6 +100,25 @@ fn exit_after_seconds_still_stops_on_sigterm_and_by_itself() {
         assert!(status.success(), "server exited with {status}");
         assert!(!path.exists(), "segment left behind");
     }
+}
+
+/// Starts `lmcache-rs server` on free ports with L1 segment `name` and `extra` flags, and
+/// waits (at most 10 s) until the segment exists. Returns the child and the segment's path.
+fn spawn_until_segment(name: &str, extra: &[&str]) -> (std::process::Child, std::path::PathBuf) {
+    let child = bin()
+        .args(["server", "--shm-name", name, "--port", "0", "--http-port", "0"])
+        .args(extra)
+        .stderr(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let path = std::path::Path::new("/dev/shm").join(name);
+    let started = Instant::now();
+    while !path.exists() {
+        assert!(started.elapsed() < Duration::from_secs(10), "segment never appeared");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    (child, path)
 }
 
 fn nix_kill(pid: u32) {

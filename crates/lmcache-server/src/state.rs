@@ -164,11 +164,7 @@ impl ServerState {
         shard: usize,
         range: std::ops::Range<usize>,
     ) {
-        self.with_settled(request_id, |s| {
-            if let Some(l) = s.lookup.leases_mut() {
-                l.release_one(shard, range);
-            }
-        });
+        drop(self.spend_lookup_locks(request_id, shard, range));
     }
 
     /// One lock of shard `shard` on chunks `range` from the request's lookup (after joining

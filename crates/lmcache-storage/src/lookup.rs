@@ -65,11 +65,6 @@ impl LookupLeases {
         out
     }
 
-    /// Releases one lock of shard `shard` on chunks `range`.
-    pub fn release_one(&mut self, shard: usize, range: Range<usize>) {
-        drop(self.take_one(shard, range));
-    }
-
     /// Releases every lock on chunks `range`, all shards.
     pub fn release_all(&mut self, range: Range<usize>) {
         for chunks in &mut self.shards {
@@ -120,24 +115,33 @@ pub struct Settled {
     pub loaded_keys: usize,
 }
 
-impl Lookup {
-    pub(crate) fn ready(world_size: u32, per_shard: Vec<(u32, Vec<ReadLease>)>) -> (Self, usize) {
+impl LookupLeases {
+    /// The leases of the prefix every shard holds: each shard's `per_shard` leases cut to the
+    /// shortest. Returns them with that prefix's length.
+    pub(crate) fn common_prefix(
+        world_size: u32,
+        per_shard: Vec<(u32, Vec<ReadLease>)>,
+    ) -> (Self, usize) {
         let hit = per_shard.iter().map(|(_, l)| l.len()).min().unwrap_or(0);
-        let mut leases = LookupLeases::new(world_size);
+        let mut leases = Self::new(world_size);
         for (w, mut l) in per_shard {
             l.truncate(hit);
             leases.extend(w, l);
         }
-        (Self::Ready { leases, hits: hit }, hit)
+        (leases, hit)
     }
+}
 
-    pub(crate) fn pending(self, handle: PrefetchHandle, shards: Vec<u32>) -> Self {
-        match self {
-            Self::Ready { leases, hits } => {
-                Self::Pending(PendingLookup { leases, handle, l1_hit: hits, shards })
-            }
-            p @ Self::Pending(_) => p,
-        }
+impl Lookup {
+    /// A lookup L1 served `l1_hit` chunks of, waiting for `handle` to load the rest of
+    /// `shards` (the worker ids the prefetch's leases belong to, in its order).
+    pub(crate) fn pending(
+        leases: LookupLeases,
+        l1_hit: usize,
+        handle: PrefetchHandle,
+        shards: Vec<u32>,
+    ) -> Self {
+        Self::Pending(PendingLookup { leases, handle, l1_hit, shards })
     }
 
     /// Chunks L1 served (all of the hits, once ready, for a lookup that needed no prefetch).

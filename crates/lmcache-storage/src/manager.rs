@@ -16,7 +16,7 @@ use lmcache_l1::{L1Cache, L1Error, ReadLease, WriteRequest, WriteReservation};
 use lmcache_l2::{ConfigError, KeyPage, L2Error};
 use serde_json::Value;
 
-use crate::lookup::{Lookup, LookupRequest};
+use crate::lookup::{Lookup, LookupLeases, LookupRequest};
 use crate::prefetch::{PrefetchOutcome, PrefetchRequest};
 use crate::tier::{AdapterInfo, L2Tier, TierObserver};
 
@@ -142,7 +142,7 @@ impl StorageManager {
             .iter()
             .map(|(w, keys)| (*w, self.l1.read_lock_prefix(keys, req.readers).unwrap_or_default()))
             .collect();
-        let (lookup, hit) = Lookup::ready(req.world_size, per_shard);
+        let (leases, hit) = LookupLeases::common_prefix(req.world_size, per_shard);
         match &self.l2 {
             Some(l2) if hit < chunks && !l2.is_empty() => {
                 let rest: Vec<Vec<ObjectKey>> = req
@@ -152,9 +152,9 @@ impl StorageManager {
                     .collect();
                 let handle =
                     l2.start_prefetch(PrefetchRequest { shards: rest, readers: req.readers });
-                lookup.pending(handle, req.shards.iter().map(|(w, _)| *w).collect())
+                Lookup::pending(leases, hit, handle, req.shards.iter().map(|(w, _)| *w).collect())
             }
-            _ => lookup,
+            _ => Lookup::Ready { leases, hits: hit },
         }
     }
 
@@ -265,7 +265,7 @@ impl StorageManager {
             && let Some(t) = &self.l2
         {
             if let Some(id) = adapter
-                && !t.describe().iter().any(|a| a.id == id)
+                && t.slot(id).is_none()
             {
                 return Err(StorageError::NoSuchAdapter { id });
             }
@@ -305,13 +305,13 @@ impl StorageManager {
 
     /// A snapshot of L2 adapter `id` (the first if `None`).
     pub fn l2_adapter(&self, id: Option<u64>) -> Result<AdapterInfo, StorageError> {
-        let all = self.tier()?.describe();
-        match id {
-            None => all.into_iter().next().ok_or(StorageError::NoSuchAdapter { id: 0 }),
-            Some(i) => {
-                all.into_iter().find(|a| a.id == i).ok_or(StorageError::NoSuchAdapter { id: i })
-            }
-        }
+        let t = self.tier()?;
+        let slot = match id {
+            None => t.adapters().into_iter().next(),
+            Some(i) => t.slot(i),
+        };
+        slot.map(|s| crate::tier::describe_slot(&s))
+            .ok_or(StorageError::NoSuchAdapter { id: id.unwrap_or(0) })
     }
 
     /// Snapshots of every L2 adapter, in priority order (empty without L2).

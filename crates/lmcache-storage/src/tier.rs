@@ -718,7 +718,7 @@ impl L2Tier {
             .sum()
     }
 
-    fn slot(&self, id: u64) -> Option<Arc<AdapterSlot>> {
+    pub(crate) fn slot(&self, id: u64) -> Option<Arc<AdapterSlot>> {
         self.adapters().into_iter().find(|a| a.id == id)
     }
 
@@ -825,7 +825,7 @@ fn warn_isolated(slot: &AdapterSlot) {
     }
 }
 
-fn describe_slot(s: &AdapterSlot) -> AdapterInfo {
+pub(crate) fn describe_slot(s: &AdapterSlot) -> AdapterInfo {
     AdapterInfo {
         id: s.id,
         kind: s.built.kind.clone(),
