@@ -290,6 +290,19 @@ pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
             ));
         }
     }
+    if let Some(list) = st["refused_instances"].as_array() {
+        for i in list {
+            rows.push((
+                format!("Worker {} REFUSED", s(&i["instance_id"])),
+                format!(
+                    "{} ({}): {}",
+                    s(&i["model_name"]),
+                    s(&i["transfer_mode"]),
+                    s(&i["reason"])
+                ),
+            ));
+        }
+    }
     emit(common, "KV Cache Service", &rows, &st)
 }
 

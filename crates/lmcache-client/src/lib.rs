@@ -39,7 +39,8 @@ pub enum ClientError {
 }
 
 pub use lmcache_protocol::types::{
-    CacheKey, EngineDrivenRegistered, EngineDrivenRegistration, SlotDesc,
+    CacheKey, EngineDrivenRegistered, EngineDrivenRegistration, EngineGroupInfo, IpcDescriptor,
+    SlotDesc, TensorMeta,
 };
 
 /// A connection to an MP server.
@@ -142,6 +143,29 @@ impl Client {
     /// `end_session`.
     pub fn end_session(&mut self, request_id: &str) -> Result<(), ClientError> {
         self.call(Op::EndSession, &[Value::from(request_id)]).map(|_| ())
+    }
+
+    /// `register_kv_cache` (lmcache-driven): one descriptor per layer tensor, in layer order.
+    /// The reply is void whether or not the server accepted it (LMCache's contract); a
+    /// refusal shows in the server's `/status`.
+    pub fn register_kv_cache(
+        &mut self,
+        instance_id: u64,
+        kv_cache: &[IpcDescriptor],
+        model_name: &str,
+        world_size: u32,
+        engine_group_infos: &[EngineGroupInfo],
+    ) -> Result<(), ClientError> {
+        let params = [
+            Value::from(instance_id),
+            Value::Array(kv_cache.iter().map(IpcDescriptor::encode).collect()),
+            Value::from(model_name),
+            Value::from(world_size),
+            Value::from("vllm"),
+            Value::Map(Vec::new()),
+            Value::Array(engine_group_infos.iter().map(EngineGroupInfo::encode).collect()),
+        ];
+        self.call(Op::RegisterKvCache, &params).map(|_| ())
     }
 
     /// `register_kv_cache_engine_driven_context`: returns the pool to map.

@@ -62,6 +62,23 @@ pub enum ProtocolError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A worker whose registration was refused (or that cannot be served) sent an operation.
+    #[error("instance {instance_id}: {reason}")]
+    NotServable {
+        /// The worker's instance id.
+        instance_id: u64,
+        /// Why it cannot be served, with what to do about it.
+        reason: String,
+    },
+    /// A handler failed internally (a panic that was caught); the request got its failure
+    /// reply and the worker kept serving.
+    #[error("internal error handling {op}: {reason}")]
+    Internal {
+        /// The operation.
+        op: &'static str,
+        /// The panic message.
+        reason: String,
+    },
 }
 
 impl ProtocolError {
@@ -76,6 +93,8 @@ impl ProtocolError {
             Self::WrongType { .. } => "wrong_type",
             Self::MissingField { .. } => "missing_field",
             Self::OutOfRange { .. } => "out_of_range",
+            Self::NotServable { .. } => "not_servable",
+            Self::Internal { .. } => "panic",
         }
     }
 }

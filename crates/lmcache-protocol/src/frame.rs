@@ -21,8 +21,9 @@ pub struct Header {
     pub uid_frame: Vec<u8>,
     /// The op frame, verbatim.
     pub op_frame: Vec<u8>,
-    /// The decoded request uid.
-    pub uid: u64,
+    /// The decoded request uid; `None` when the uid frame is not a msgpack unsigned int
+    /// (the reply still echoes the frame byte for byte).
+    pub uid: Option<u64>,
 }
 
 /// A decoded request.
@@ -72,6 +73,15 @@ pub struct ParseFailure {
 }
 
 /// Parses a multipart message received on the ROUTER socket.
+///
+/// What cannot be answered, and what is:
+/// - fewer than 3 frames (`[identity, uid]` or less): no op frame to echo, so no reply the
+///   client could match; a failure without header;
+/// - an empty op frame is a stream control message: anything but `ack`/`cancel` after it is
+///   a failure without header (there is no request to answer);
+/// - an undecodable uid with a known op: a failure *with* header (uid frame echoed verbatim),
+///   so the server still sends the op's typed failure;
+/// - an unknown op or an undecodable parameter: a failure with header, as above.
 pub fn parse(mut frames: Vec<Vec<u8>>) -> Result<Incoming, ParseFailure> {
     let fail = |header, error| ParseFailure { header, error };
     if frames.len() < 3 {
@@ -81,9 +91,7 @@ pub fn parse(mut frames: Vec<Vec<u8>>) -> Result<Incoming, ParseFailure> {
     let op_frame = frames.pop().unwrap_or_default();
     let uid_frame = frames.pop().unwrap_or_default();
     let identity = frames.pop().unwrap_or_default();
-    let uid = value::decode(0, &uid_frame)
-        .and_then(|v| value::u64_("uid", &v))
-        .map_err(|e| fail(None, e))?;
+    let uid = value::decode(0, &uid_frame).and_then(|v| value::u64_("uid", &v));
     if op_frame.is_empty() {
         let control = match rest.first().map(Vec::as_slice) {
             Some(b"ack") => Control::Ack,
@@ -95,10 +103,16 @@ pub fn parse(mut frames: Vec<Vec<u8>>) -> Result<Incoming, ParseFailure> {
                 ));
             }
         };
-        return Ok(Incoming::Control { identity, uid_frame, control });
+        return match uid {
+            Ok(_) => Ok(Incoming::Control { identity, uid_frame, control }),
+            Err(e) => Err(fail(None, e)),
+        };
     }
-    let header = Header { identity, uid_frame, op_frame, uid };
-    let op_value = value::decode(1, &header.op_frame).map_err(|e| fail(None, e))?;
+    let header = Header { identity, uid_frame, op_frame, uid: uid.as_ref().ok().copied() };
+    let op_value = match value::decode(1, &header.op_frame) {
+        Ok(v) => v,
+        Err(e) => return Err(fail(Some(Box::new((header, None))), e)),
+    };
     let op = match &op_value {
         Value::Integer(i) => i.as_u64().and_then(Op::from_id),
         Value::String(s) => s.as_str().and_then(Op::from_name),
@@ -110,6 +124,9 @@ pub fn parse(mut frames: Vec<Vec<u8>>) -> Result<Incoming, ParseFailure> {
             ProtocolError::UnknownOp(op_value.to_string()),
         ));
     };
+    if let Err(e) = uid {
+        return Err(fail(Some(Box::new((header, Some(op)))), e));
+    }
     let mut params = Vec::with_capacity(rest.len());
     for (i, f) in rest.iter().enumerate() {
         match value::decode(i + 2, f) {
@@ -212,7 +229,23 @@ mod tests {
         let e = req(&[b"i", &[0x00], &[0x16], &[0xdc, 0xff]]).unwrap_err();
         assert!(matches!(e.error, ProtocolError::BadMsgpack { frame: 2, .. }));
         assert_eq!(e.header.unwrap().1, Some(Op::Ping));
+        // A str uid: refused, but with the header kept (uid frame verbatim) so the op's typed
+        // failure can still be sent.
         let e = req(&[b"i", b"\xa1x", &[0x16]]).unwrap_err();
         assert!(matches!(e.error, ProtocolError::WrongType { .. }), "str uid accepted");
+        let (h, op) = *e.header.unwrap();
+        assert_eq!((h.uid_frame.as_slice(), h.uid, op), (&b"\xa1x"[..], None, Some(Op::Ping)));
+        // Not msgpack at all, as a uid: the same.
+        let e = req(&[b"i", &[0xc1], &[0x06]]).unwrap_err();
+        assert_eq!(e.header.unwrap().1, Some(Op::Store));
+        // An op frame that is not msgpack: header kept, op unknown.
+        let e = req(&[b"i", &[0x01], &[0xdc, 0xff]]).unwrap_err();
+        assert!(matches!(e.error, ProtocolError::BadMsgpack { frame: 1, .. }));
+        assert_eq!(e.header.unwrap().1, None);
+        // Control messages: only ack/cancel, and only with a readable uid.
+        assert!(req(&[b"i", &[0x01], b""]).unwrap_err().header.is_none());
+        assert!(req(&[b"i", &[0x01], b"", b"nack"]).unwrap_err().header.is_none());
+        assert!(req(&[b"i", &[0xc1], b"", b"ack"]).unwrap_err().header.is_none());
+        assert!(matches!(req(&[]).unwrap_err().error, ProtocolError::TooFewFrames { got: 0, .. }));
     }
 }

@@ -257,6 +257,31 @@ impl IpcDescriptor {
         }
         Ok(Self::CpuShm { shm_name, nbytes, meta })
     }
+
+    /// The ext-type-1 value LMCache's client sends; [`Self::decode`] of it gives back `self`.
+    pub fn encode(&self) -> Value {
+        let list = |v: &[u64]| Value::Array(v.iter().map(|&x| Value::from(x)).collect());
+        let inner = match self {
+            Self::CpuShm { shm_name, nbytes, meta } => map(vec![
+                ("type", Value::from("cpu_shm")),
+                ("shm_name", Value::from(shm_name.as_str())),
+                ("nbytes", Value::from(*nbytes)),
+                ("version", Value::from(1)),
+                (
+                    "metadata",
+                    map(vec![
+                        ("dtype", Value::from(meta.dtype.as_str())),
+                        ("shape", list(&meta.shape)),
+                        ("stride", list(&meta.stride)),
+                        ("storage_offset", Value::from(meta.storage_offset)),
+                        ("device_uuid", Value::from(meta.device_uuid.as_str())),
+                    ]),
+                ),
+            ]),
+            Self::Device { kind } => map(vec![("type", Value::from(kind.as_str()))]),
+        };
+        Value::Ext(1, value::encode(&inner))
+    }
 }
 
 /// `EngineGroupInfo`: one LMCache KV group of a hybrid model.
@@ -273,6 +298,19 @@ pub struct EngineGroupInfo {
 }
 
 impl EngineGroupInfo {
+    /// The map LMCache's client sends; [`Self::decode`] of it gives back `self`.
+    pub fn encode(&self) -> Value {
+        map(vec![
+            ("engine_group_id", Value::from(self.engine_group_id)),
+            (
+                "layer_indices",
+                Value::Array(self.layer_indices.iter().map(|&x| Value::from(x)).collect()),
+            ),
+            ("tokens_per_block", Value::from(self.tokens_per_block)),
+            ("sw_size_tokens", Value::from(self.sw_size_tokens)),
+        ])
+    }
+
     /// Decodes one group (defaults as msgspec's for absent fields).
     pub fn decode(field: &str, v: &Value) -> Result<Self, ProtocolError> {
         let f = Fields::of(field, v)?;
@@ -695,6 +733,16 @@ mod tests {
             IpcDescriptor::decode("x", &cuda).unwrap(),
             IpcDescriptor::Device { kind: "cuda".into() }
         );
+        let back = IpcDescriptor::CpuShm { shm_name, nbytes, meta };
+        assert_eq!(IpcDescriptor::decode("x", &back.encode()).unwrap(), back);
+        assert_eq!(ext, back.encode(), "encodes the documented map, field for field");
+        let g = EngineGroupInfo {
+            engine_group_id: 1,
+            layer_indices: vec![0, 2],
+            tokens_per_block: 16,
+            sw_size_tokens: -1,
+        };
+        assert_eq!(EngineGroupInfo::decode("g", &g.encode()).unwrap(), g);
         assert!(IpcDescriptor::decode("x", &Value::Ext(2, vec![])).is_err());
         assert!(IpcDescriptor::decode("x", &Value::Ext(1, vec![0xc1])).is_err());
     }

@@ -166,9 +166,11 @@ impl KvEventLog {
         let g = self.inner.lock();
         let last = g.next_seq - 1;
         let first = g.log.front().map_or(last + 1, |r| r.seq);
-        batch.lost = cursor + 1 < first || cursor > last;
+        // The cursor comes from the wire: any u64, including u64::MAX.
+        let after = cursor.saturating_add(1);
+        batch.lost = after < first || cursor > last;
         batch.next_cursor = cursor.min(last);
-        let skip = (cursor + 1).saturating_sub(first) as usize;
+        let skip = usize::try_from(after.saturating_sub(first)).unwrap_or(usize::MAX);
         for r in g.log.iter().skip(skip) {
             batch.next_cursor = r.seq;
             if r.model == model {
@@ -224,6 +226,11 @@ mod tests {
         let b = log.read("m", 1, 10);
         assert!(b.lost);
         assert!(log.read("m", 99, 10).lost, "a cursor from the future means a restart");
+        // The largest cursor the wire can carry (this overflowed, panicking the socket thread
+        // in debug builds).
+        let b = log.read("m", u64::MAX, 10);
+        assert!(b.lost && b.events.is_empty());
+        assert_eq!(b.next_cursor, 5);
     }
 
     #[test]

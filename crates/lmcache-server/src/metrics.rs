@@ -104,6 +104,10 @@ pub struct Metrics {
     pub requests: Family<OpLabel, Counter>,
     /// Requests refused as malformed, per operation and kind.
     pub errors: Family<ErrorLabel, Counter>,
+    /// Handler panics caught (each also a `panic` error of its operation).
+    pub handler_panics: Counter,
+    /// Registrations refused as unservable (CUDA descriptors, several KV groups, ...).
+    pub refused_registrations: Counter,
     /// Handling time per operation, seconds (socket arrival to reply excluded: handler only).
     pub latency: Family<OpLabel, Histogram>,
     /// Completed lookups.
@@ -192,6 +196,8 @@ impl Default for Metrics {
             registry: Registry::default(),
             requests: Family::default(),
             errors: Family::default(),
+            handler_panics: Counter::default(),
+            refused_registrations: Counter::default(),
             latency: Family::new_with_constructor(|| {
                 Histogram::new([1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0])
             }),
@@ -374,6 +380,16 @@ impl Default for Metrics {
                 "mp_request_errors",
                 "MP requests refused as malformed, per operation and kind",
                 m.errors.clone(),
+            );
+            rs.register(
+                "handler_panics",
+                "Handler panics caught (the request got its failure reply; the worker went on)",
+                m.handler_panics.clone(),
+            );
+            rs.register(
+                "refused_registrations",
+                "Worker registrations refused as unservable (see /status refused_instances)",
+                m.refused_registrations.clone(),
             );
             rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());

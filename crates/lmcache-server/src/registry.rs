@@ -90,10 +90,28 @@ pub struct Instance {
     pub ping_proven: bool,
 }
 
-/// All registrations, keyed by `(transfer family, instance id)`.
+/// A registration the server refused: the worker believes it registered (the reply type is
+/// void), so every later operation of it fails naming this reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The model it named, if that much decoded.
+    pub model: Option<String>,
+    /// Its world size, if that much decoded.
+    pub world_size: Option<u32>,
+    /// Why, and what to do about it.
+    pub reason: String,
+    /// When (seconds since the Unix epoch).
+    pub at_unix: u64,
+}
+
+/// How many refusals are remembered (the oldest go first).
+const MAX_REFUSALS: usize = 256;
+
+/// All registrations, keyed by `(transfer family, instance id)`, and the refused ones.
 #[derive(Debug, Default)]
 pub struct Registry {
     instances: RwLock<HashMap<(bool, u64), Instance>>,
+    refused: RwLock<HashMap<(bool, u64), Refusal>>,
 }
 
 /// Which family a registration belongs to (LMCache keeps them apart).
@@ -106,20 +124,64 @@ pub enum Family {
 }
 
 impl Family {
+    /// The transfer mode's name, as `/status` shows it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::LmcacheDriven => "lmcache_driven",
+            Family::EngineDriven => "engine_driven",
+        }
+    }
+
     fn key(self, id: u64) -> (bool, u64) {
         (self == Family::EngineDriven, id)
     }
 }
 
 impl Registry {
-    /// Adds or replaces a registration.
+    /// Adds or replaces a registration (and forgets an earlier refusal of it).
     pub fn register(&self, family: Family, id: u64, instance: Instance) {
+        self.refused.write().remove(&family.key(id));
         self.instances.write().insert(family.key(id), instance);
     }
 
-    /// Removes a registration; false if unknown.
+    /// Removes a registration or a refusal; false if neither was known.
     pub fn unregister(&self, family: Family, id: u64) -> bool {
-        self.instances.write().remove(&family.key(id)).is_some()
+        let refused = self.refused.write().remove(&family.key(id)).is_some();
+        self.instances.write().remove(&family.key(id)).is_some() || refused
+    }
+
+    /// Records that `id`'s registration was refused. A registration it held before stays
+    /// dropped: the worker now believes its new one is in place.
+    pub fn refuse(&self, family: Family, id: u64, refusal: Refusal) {
+        self.instances.write().remove(&family.key(id));
+        let mut map = self.refused.write();
+        if map.len() >= MAX_REFUSALS && !map.contains_key(&family.key(id)) {
+            let oldest = map.iter().min_by_key(|(_, r)| r.at_unix).map(|(k, _)| *k);
+            if let Some(k) = oldest {
+                map.remove(&k);
+            }
+        }
+        map.insert(family.key(id), refusal);
+    }
+
+    /// Why `id`'s registration was refused, if it was (and it has not registered since).
+    pub fn refusal(&self, family: Family, id: u64) -> Option<Refusal> {
+        self.refused.read().get(&family.key(id)).cloned()
+    }
+
+    /// Every refusal, by instance id.
+    pub fn refusals(&self) -> Vec<(Family, u64, Refusal)> {
+        let mut v: Vec<_> = self
+            .refused
+            .read()
+            .iter()
+            .map(|((ed, id), r)| {
+                let fam = if *ed { Family::EngineDriven } else { Family::LmcacheDriven };
+                (fam, *id, r.clone())
+            })
+            .collect();
+        v.sort_by_key(|x| x.1);
+        v
     }
 
     /// A registration, refreshing its liveness.

@@ -61,9 +61,11 @@ pub struct PagedGeometry {
 }
 
 impl PagedGeometry {
-    /// Bytes of one block of one plane of one layer.
+    /// Bytes of one block of one plane of one layer. [`geometry`] checked that a block lies
+    /// inside its segment, so this cannot overflow for a validated geometry; it saturates
+    /// rather than wrap for any other.
     pub fn block_bytes(&self) -> u64 {
-        self.block_size * self.hidden * self.dtype.itemsize()
+        self.block_size.saturating_mul(self.hidden).saturating_mul(self.dtype.itemsize())
     }
 }
 
@@ -71,15 +73,22 @@ impl PagedGeometry {
 /// `[BS, D]`) must be contiguous, and the farthest element must lie inside the mapping.
 pub fn geometry(layer: &LayerTensor, mla: bool) -> Result<PagedGeometry, String> {
     let m = &layer.meta;
+    if m.stride.len() != m.shape.len() {
+        return Err(format!("{} dims but {} strides", m.shape.len(), m.stride.len()));
+    }
+    // Every product of wire numbers is checked: a shape from a client may be anything.
+    let mul = |a: u64, b: u64| a.checked_mul(b).ok_or_else(|| "shape overflow".to_owned());
     let (kv, nb, bs, hidden, inner_ok, block_stride_ok) = match (mla, m.shape.as_slice()) {
         (false, [2, nb, bs, nh, hs]) => {
             let s = &m.stride;
-            let ok = s[4] == 1 && s[3] == *hs && s[2] == nh * hs;
-            (2, *nb, *bs, nh * hs, ok, s[1] >= bs * nh * hs)
+            let hidden = mul(*nh, *hs)?;
+            let block = mul(*bs, hidden)?;
+            let ok = s[4] == 1 && s[3] == *hs && s[2] == hidden;
+            (2, *nb, *bs, hidden, ok, s[1] >= block)
         }
         (true, [nb, bs, d]) => {
             let s = &m.stride;
-            (1, *nb, *bs, *d, s[2] == 1 && s[1] == *d, s[0] >= bs * d)
+            (1, *nb, *bs, *d, s[2] == 1 && s[1] == *d, s[0] >= mul(*bs, *d)?)
         }
         _ => {
             return Err(format!(
@@ -161,18 +170,27 @@ impl<'a> CpuTransfer<'a> {
             return Err(TransferError::BlockOutOfRange { block: b, num_blocks: g.num_blocks });
         }
         let m = &self.layers[l].meta;
+        // Within the extent `geometry` checked, so these cannot overflow; checked anyway, as
+        // the segment copy is the last line of defence, not the first.
         let elem = if g.kv == 2 {
-            m.storage_offset + p * m.stride[0] + b * m.stride[1]
+            p.checked_mul(m.stride[0])
+                .zip(b.checked_mul(m.stride[1]))
+                .and_then(|(a, c)| m.storage_offset.checked_add(a)?.checked_add(c))
         } else {
-            m.storage_offset + b * m.stride[0]
+            b.checked_mul(m.stride[0]).and_then(|a| m.storage_offset.checked_add(a))
         };
-        Ok(elem * g.dtype.itemsize())
+        elem.and_then(|e| e.checked_mul(g.dtype.itemsize()))
+            .ok_or(TransferError::BlockOutOfRange { block: b, num_blocks: g.num_blocks })
     }
 
     fn check_object(&self, blocks: &[u64], len: usize) -> Result<u64, TransferError> {
         let g = &self.geometry;
         let run = g.block_bytes();
-        let expected = g.kv * self.layers.len() as u64 * blocks.len() as u64 * run;
+        let expected =
+            g.kv.checked_mul(self.layers.len() as u64)
+                .and_then(|x| x.checked_mul(blocks.len() as u64))
+                .and_then(|x| x.checked_mul(run))
+                .unwrap_or(u64::MAX);
         if len as u64 != expected {
             return Err(TransferError::ObjectSize { expected, got: len as u64 });
         }
@@ -334,7 +352,7 @@ pub fn compress_ranges(ids: &[u64]) -> Vec<serde_json::Value> {
     let mut i = 0;
     while i < ids.len() {
         let mut j = i;
-        while j + 1 < ids.len() && ids[j + 1] == ids[j] + 1 {
+        while j + 1 < ids.len() && ids[j].checked_add(1) == Some(ids[j + 1]) {
             j += 1;
         }
         if j - i >= 2 {
@@ -469,6 +487,20 @@ mod tests {
         assert!(geometry(&l, false).unwrap_err().contains("contiguous"));
         l.meta.shape = vec![4, 4];
         assert!(geometry(&l, false).is_err());
+        // Products of wire numbers that overflow u64 are refused, not wrapped or panicking
+        // (debug builds check overflow).
+        let big = 1u64 << 40;
+        l.meta.shape = vec![2, 4, big, big, big];
+        l.meta.stride = vec![1, 1, 1, big, 1];
+        assert_eq!(geometry(&l, false).unwrap_err(), "shape overflow");
+        l.meta.shape = vec![4, big, big];
+        l.meta.stride = vec![1, big, 1];
+        assert_eq!(geometry(&l, true).unwrap_err(), "shape overflow");
+        l.meta.shape = vec![2, 4, 4, 2, 8];
+        l.meta.stride = vec![u64::MAX, u64::MAX, 16, 8, 1];
+        assert!(geometry(&l, false).unwrap_err().contains("overflow"));
+        l.meta.stride = vec![1, 2, 3];
+        assert!(geometry(&l, false).unwrap_err().contains("strides"));
     }
 
     #[test]
@@ -478,5 +510,6 @@ mod tests {
         assert_eq!(j(&[5, 3, 1, 2, 4]), "[5,3,1,2,4]");
         assert_eq!(j(&[1, 2, 3, 4, 5, 7, 8]), "[[1,5],7,8]");
         assert_eq!(j(&[]), "[]");
+        assert_eq!(j(&[u64::MAX - 1, u64::MAX, 0]), format!("[{},{},0]", u64::MAX - 1, u64::MAX));
     }
 }

@@ -9,6 +9,7 @@
 //! joins the workers.
 
 use std::hash::{BuildHasher, Hasher};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -51,6 +52,24 @@ fn parse_subscription(req: &Request) -> Result<(u64, String, u64, usize), Protoc
         });
     }
     Ok((instance_id, model, cursor, max as usize))
+}
+
+/// The worker queues, and the count of requests handed to them and not yet answered.
+struct Pools {
+    normal: Sender<Request>,
+    transfer: Vec<Sender<Request>>,
+    /// Picks a client identity's transfer thread.
+    hasher: std::collections::hash_map::RandomState,
+    in_flight: AtomicU64,
+}
+
+impl Pools {
+    fn submit(&self, queue: &Sender<Request>, req: Request) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        if queue.send(req).is_err() {
+            self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// How long shutdown waits for in-flight replies.
@@ -155,10 +174,15 @@ impl Transport {
             );
         }
 
-        let in_flight = AtomicU64::new(0);
+        let pools = Pools {
+            normal: normal_tx,
+            transfer: transfer_tx,
+            hasher: std::collections::hash_map::RandomState::new(),
+            in_flight: AtomicU64::new(0),
+        };
+        let in_flight = &pools.in_flight;
         let mut stopping: Option<Instant> = None;
         let mut streams: Vec<Stream> = Vec::new();
-        let hasher = std::collections::hash_map::RandomState::new();
         loop {
             let mut items =
                 [self.router.as_poll_item(zmq::POLLIN), self.replies.as_poll_item(zmq::POLLIN)];
@@ -182,53 +206,24 @@ impl Transport {
                 }
                 continue;
             }
-            self.pump(&state, &mut streams);
+            // The socket thread must outlive any bug in the code it runs: a panic while
+            // streaming ends the streams (each subscriber sees its end-of-stream) and is
+            // counted; one while reading a message is counted, and the next message is read.
+            if let Err(p) = catch_unwind(AssertUnwindSafe(|| self.pump(&state, &mut streams))) {
+                self.socket_thread_panic(&state, "subscribe_kv_events", p.as_ref());
+                for s in streams.drain(..) {
+                    self.send(vec![s.header.identity, s.header.uid_frame, s.header.op_frame]);
+                }
+            }
             if !requests_ready {
                 continue;
             }
             while let Ok(frames) = self.router.recv_multipart(zmq::DONTWAIT) {
-                match frame::parse(frames) {
-                    Ok(Incoming::Request(req)) if req.op == Op::SubscribeKvEvents => {
-                        self.subscribe(&state, req, &mut streams);
-                    }
-                    Ok(Incoming::Request(req)) => match handlers::lane(req.op) {
-                        Lane::Inline => {
-                            let reply = handlers::handle(&state, req);
-                            self.send(reply.into_frames());
-                        }
-                        Lane::Normal => {
-                            in_flight.fetch_add(1, Ordering::Relaxed);
-                            if normal_tx.send(req).is_err() {
-                                in_flight.fetch_sub(1, Ordering::Relaxed);
-                            }
-                        }
-                        Lane::Transfer => {
-                            let mut h = hasher.build_hasher();
-                            h.write(&req.header.identity);
-                            let idx = (h.finish() % transfer_tx.len() as u64) as usize;
-                            in_flight.fetch_add(1, Ordering::Relaxed);
-                            if transfer_tx[idx].send(req).is_err() {
-                                in_flight.fetch_sub(1, Ordering::Relaxed);
-                            }
-                        }
-                    },
-                    Ok(Incoming::Control { identity, uid_frame, control }) => {
-                        let pos = streams.iter().position(|s| {
-                            s.header.identity == identity && s.header.uid_frame == uid_frame
-                        });
-                        match (pos, control) {
-                            (Some(i), Control::Ack) => streams[i].credits += 1,
-                            (Some(i), Control::Cancel) => {
-                                streams.swap_remove(i);
-                            }
-                            (None, _) => {}
-                        }
-                    }
-                    Err(failure) => {
-                        if let Some(reply) = handlers::handle_parse_failure(&state, failure) {
-                            self.send(reply.into_frames());
-                        }
-                    }
+                let step = catch_unwind(AssertUnwindSafe(|| {
+                    self.dispatch_message(&state, frames, &mut streams, &pools)
+                }));
+                if let Err(p) = step {
+                    self.socket_thread_panic(&state, "unknown", p.as_ref());
                 }
             }
         }
@@ -236,14 +231,68 @@ impl Transport {
         for s in streams.drain(..) {
             self.send(vec![s.header.identity, s.header.uid_frame, s.header.op_frame]);
         }
-        drop(normal_tx);
-        drop(transfer_tx);
+        drop(pools);
         for w in workers {
             if w.join().is_err() {
                 tracing::error!("a worker thread panicked");
             }
         }
         Ok(())
+    }
+
+    fn socket_thread_panic(&self, state: &ServerState, op: &str, p: &(dyn std::any::Any + Send)) {
+        let reason = handlers::panic_message(p);
+        tracing::error!(op, error = %reason, "socket thread caught a panic; serving on");
+        state.metrics.handler_panics.inc();
+        state.metrics.error(op, "panic");
+    }
+
+    /// Routes one received message: a stream control, a subscription, an inline request
+    /// (answered here), or a request for a worker pool.
+    fn dispatch_message(
+        &self,
+        state: &ServerState,
+        frames: Vec<Vec<u8>>,
+        streams: &mut Vec<Stream>,
+        pools: &Pools,
+    ) {
+        match frame::parse(frames) {
+            Ok(Incoming::Request(req)) if req.op == Op::SubscribeKvEvents => {
+                self.subscribe(state, req, streams);
+            }
+            Ok(Incoming::Request(req)) => match handlers::lane(req.op) {
+                Lane::Inline => {
+                    let reply = handlers::handle(state, req);
+                    self.send(reply.into_frames());
+                }
+                Lane::Normal => pools.submit(&pools.normal, req),
+                Lane::Transfer => {
+                    let mut h = pools.hasher.build_hasher();
+                    h.write(&req.header.identity);
+                    let idx = (h.finish() % pools.transfer.len() as u64) as usize;
+                    pools.submit(&pools.transfer[idx], req);
+                }
+            },
+            Ok(Incoming::Control { identity, uid_frame, control }) => {
+                let pos = streams
+                    .iter()
+                    .position(|s| s.header.identity == identity && s.header.uid_frame == uid_frame);
+                match (pos, control) {
+                    (Some(i), Control::Ack) => {
+                        streams[i].credits = streams[i].credits.saturating_add(1);
+                    }
+                    (Some(i), Control::Cancel) => {
+                        streams.swap_remove(i);
+                    }
+                    (None, _) => {}
+                }
+            }
+            Err(failure) => {
+                if let Some(reply) = handlers::handle_parse_failure(state, failure) {
+                    self.send(reply.into_frames());
+                }
+            }
+        }
     }
 
     fn subscribe(&self, state: &ServerState, req: Request, streams: &mut Vec<Stream>) {

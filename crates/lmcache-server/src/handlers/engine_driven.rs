@@ -21,7 +21,37 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
     match req.op {
         Op::RegisterKvCacheEngineDrivenContext => {
             req.expect_params(1)?;
-            let r = EngineDrivenRegistration::decode("payload", &req.params[0])?;
+            let r = match EngineDrivenRegistration::decode("payload", &req.params[0]) {
+                Ok(r) => r,
+                Err(e) => {
+                    // Refused loudly when at least the worker's id could be read.
+                    let field = |name: &str| match &req.params[0] {
+                        Value::Map(m) => {
+                            m.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v)
+                        }
+                        _ => None,
+                    };
+                    if let Some(id) = field("instance_id").and_then(Value::as_u64) {
+                        let model = field("model_name").and_then(Value::as_str).map(str::to_owned);
+                        let ws = field("world_size")
+                            .and_then(Value::as_u64)
+                            .and_then(|w| u32::try_from(w).ok());
+                        super::refuse_registration(state, Family::EngineDriven, id, model, ws, &e);
+                    }
+                    return Err(e);
+                }
+            };
+            let refuse = |e: ProtocolError| {
+                super::refuse_registration(
+                    state,
+                    Family::EngineDriven,
+                    r.instance_id,
+                    Some(r.model_name.to_string()),
+                    Some(r.world_size),
+                    &e,
+                );
+                e
+            };
             let slots = r.num_physical_slots.unwrap_or(state.chunk_size() as u64);
             let layout = ObjectLayout {
                 kv: if r.use_mla { 1 } else { 2 },
@@ -33,11 +63,22 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             let arena = state.l1().memory().arena();
             let fits = layout.bytes().is_some_and(|b| b > 0 && b <= arena.len());
             if !fits {
-                return Err(ProtocolError::OutOfRange {
+                return Err(refuse(ProtocolError::OutOfRange {
                     field: "payload".into(),
                     reason: format!("object layout {:?} does not fit the L1 pool", layout.shape()),
-                });
+                }));
             }
+            // Without a shared pool the client would fall back to pickle mode, which this
+            // server does not serve: every store would fail. Say so now.
+            let Some(name) = arena.shm_name() else {
+                return Err(refuse(ProtocolError::OutOfRange {
+                    field: "payload".into(),
+                    reason: "engine-driven transfer needs the L1 pool in POSIX shared memory, \
+                             and this server's is private (--l1-use-hugepages); restart it \
+                             without that flag"
+                        .into(),
+                }));
+            };
             // First stores should not pay for untouched memory: commit a few objects ahead.
             state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
             state.registry.register(
@@ -52,10 +93,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                     ping_proven: false,
                 },
             );
-            let (name, size) = match arena.shm_name() {
-                Some(n) => (n, arena.len()),
-                None => ("", 0),
-            };
+            let size = arena.len();
             tracing::info!(
                 instance_id = r.instance_id,
                 model = %r.model_name,
@@ -90,7 +128,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                     reason: "pickle mode is not supported; map the advertised SHM pool".into(),
                 });
             }
-            Ok(Some(Value::Boolean(commit_store(state, &key, id))))
+            Ok(Some(Value::Boolean(commit_store(state, &key, id)?)))
         }
         Op::PrepareRetrieve => {
             req.expect_params(2)?;
@@ -111,9 +149,10 @@ fn key_and_instance(req: &Request) -> Result<(CacheKey, u64), ProtocolError> {
 }
 
 fn instance(state: &ServerState, id: u64) -> Result<Instance, ProtocolError> {
-    state.registry.get(Family::EngineDriven, id).ok_or_else(|| ProtocolError::OutOfRange {
-        field: "instance_id".into(),
-        reason: format!("instance {id} is not registered for engine-driven transfer"),
+    state.registry.get(Family::EngineDriven, id).ok_or_else(|| {
+        super::unservable(state, Family::EngineDriven, id, || {
+            "not registered for engine-driven transfer".into()
+        })
     })
 }
 
@@ -164,13 +203,11 @@ fn discard_parked_writes(state: &ServerState, old: Option<(Instant, Vec<lmcache_
     }
 }
 
-fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
-    if instance(state, id).is_err() {
-        return false;
-    }
+fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<bool, ProtocolError> {
+    instance(state, id)?;
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let pk = PendingKey::new(id, key, &hashes);
-    let Some((_, ids)) = state.pending.stores.lock().remove(&pk) else { return false };
+    let Some((_, ids)) = state.pending.stores.lock().remove(&pk) else { return Ok(false) };
     // Every chunk prepare reserved must be committed, including any whose reservation expired.
     let expected = ids.len();
     let writes: Vec<_> = ids.into_iter().filter_map(|i| state.l1().take_write(i)).collect();
@@ -190,7 +227,7 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> bool {
         chunks: committed.len(),
         bytes: 0,
     });
-    committed.len() == expected
+    Ok(committed.len() == expected)
 }
 
 fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {

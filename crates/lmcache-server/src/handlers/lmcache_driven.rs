@@ -4,7 +4,8 @@
 //! A chunk is visible to lookups by the time its store reply is sent (LMCache commits after
 //! replying, so a lookup right after a store can miss). Chunks whose blocks are all the null
 //! block are skipped; a resident key is never rewritten; an unregistered instance gets
-//! `(b"", false)`.
+//! `(b"", false)`; one whose registration was refused gets the same reply, logged and counted
+//! with the refusal's reason.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -24,7 +25,13 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
     match req.op {
         Op::RegisterKvCache => {
             req.expect_params(7)?;
-            register(state, req)?;
+            let id = value::u64_("instance_id", &req.params[0])?;
+            if let Err(e) = register(state, id, req) {
+                let model = value::str_("model_name", &req.params[2]).ok().map(str::to_owned);
+                let world_size = value::u32_("world_size", &req.params[3]).ok();
+                super::refuse_registration(state, Family::LmcacheDriven, id, model, world_size, &e);
+                return Err(e);
+            }
             Ok(None)
         }
         Op::UnregisterKvCache => {
@@ -58,8 +65,14 @@ fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
     ProtocolError::OutOfRange { field: field.to_owned(), reason: reason.into() }
 }
 
-fn register(state: &ServerState, req: &Request) -> Result<(), ProtocolError> {
-    let id = value::u64_("instance_id", &req.params[0])?;
+/// The error of an operation from worker `id` that has no lmcache-driven registration: the
+/// refusal's reason when there was one.
+fn refused(state: &ServerState, id: u64) -> Option<ProtocolError> {
+    state.registry.refusal(Family::LmcacheDriven, id)?;
+    Some(super::unservable(state, Family::LmcacheDriven, id, String::new))
+}
+
+fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolError> {
     let descs = value::array("kv_cache", &req.params[1])?;
     let model = value::str_("model_name", &req.params[2])?;
     let model =
@@ -182,7 +195,9 @@ fn store(
 ) -> Result<bool, ProtocolError> {
     let t0 = Instant::now();
     state.metrics.submitted_stores.inc();
-    let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else { return Ok(false) };
+    let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
+        return refused(state, id).map_or(Ok(false), Err);
+    };
     let Some(r) = resolve(&inst, state) else { return Ok(false) };
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let n = hashes.len();
@@ -271,7 +286,7 @@ fn retrieve(
         || state.release_lookup_locks(&key.request_id, shard, first..first + hashes.len());
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
         release();
-        return Ok(false);
+        return refused(state, id).map_or(Ok(false), Err);
     };
     let Some(r) = resolve(&inst, state) else {
         release();

@@ -5,17 +5,32 @@
 //! one (`(b"", false)` for transfers, `false` for commits, `{success: false}` for
 //! prepare_retrieve, zero hits for lookups), a void reply otherwise; it is logged with the
 //! operation and the reason, and counted. It never goes unanswered and never stalls others.
+//!
+//! A handler that panics is caught here ([`guarded`]): the request gets its typed failure,
+//! the panic is logged and counted (`lmcache_rs_mp_request_errors{kind="panic"}` and
+//! `lmcache_rs_handler_panics`), and the worker thread keeps serving. Handlers hold their
+//! resources as RAII handles (leases, reservations), so unwinding hands them back.
+//!
+//! A registration the server cannot serve is refused loudly ([`refuse_registration`]): the
+//! reply type of `register_kv_cache` is void, so the worker cannot tell; the refusal is logged
+//! as an error saying what to do, shown in `/status` (`refused_instances`, and so in
+//! `lmcache describe kvcache`), counted, and every later operation of that worker fails naming
+//! the reason.
 
 mod engine_driven;
 mod lmcache_driven;
 mod lookup;
 mod management;
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
 use lmcache_protocol::frame::{Header, ParseFailure};
 use lmcache_protocol::types;
 use lmcache_protocol::{Op, ProtocolError, Reply, Request};
 use rmpv::Value;
 
+use crate::metrics::Metrics;
+use crate::registry::{Family, Refusal};
 use crate::state::ServerState;
 
 /// Where an operation runs.
@@ -75,18 +90,92 @@ pub fn handle(state: &ServerState, req: Request) -> Reply {
         bytes = tracing::field::Empty,
     );
     let _entered = span.enter();
-    let result = dispatch(state, &req);
+    let result = guarded(&state.metrics, op.name(), || dispatch(state, &req));
     state.metrics.observe(op.name(), started.elapsed().as_secs_f64());
     match result {
         Ok(Some(v)) => Reply::value(header, &v),
         Ok(None) => Reply::void(header),
         Err(e) => {
-            tracing::warn!(op = op.name(), error = %e, "refused request");
+            if matches!(e, ProtocolError::Internal { .. }) {
+                tracing::error!(op = op.name(), error = %e, "handler failed");
+            } else {
+                tracing::warn!(op = op.name(), error = %e, "refused request");
+            }
             state.metrics.error(op.name(), e.kind());
             state.bus.publish(crate::event_bus::Event::Refused { op: op.name(), kind: e.kind() });
             failure_reply(header, Some(op))
         }
     }
+}
+
+/// Runs `f`, turning a panic into [`ProtocolError::Internal`] (counted in
+/// `handler_panics`). What `f` held is dropped while unwinding, so leases and reservations go
+/// back as they would on an error.
+pub fn guarded<T>(
+    metrics: &Metrics,
+    op: &'static str,
+    f: impl FnOnce() -> Result<T, ProtocolError>,
+) -> Result<T, ProtocolError> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        metrics.handler_panics.inc();
+        Err(ProtocolError::Internal { op, reason: panic_message(payload.as_ref()) })
+    })
+}
+
+/// The message of a panic payload (`&str` or `String`, as `panic!` makes them).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// Records that worker `id` registered something this server cannot serve: an error log
+/// that says what to do, a refusal in the registry (shown in `/status`; later operations of
+/// the worker fail with it), and a count.
+pub(crate) fn refuse_registration(
+    state: &ServerState,
+    family: Family,
+    id: u64,
+    model: Option<String>,
+    world_size: Option<u32>,
+    error: &ProtocolError,
+) {
+    let advice = match error {
+        ProtocolError::OutOfRange { reason, .. } if reason.contains("GPU backend") => {
+            "; start the engine workers with LMCACHE_MP_TRANSFER_MODE=engine_driven \
+             (they then copy through this server's shared L1 pool), or register cpu_shm tensors"
+        }
+        _ => "",
+    };
+    let reason = format!("registration refused: {error}{advice}");
+    tracing::error!(
+        instance_id = id,
+        transfer_mode = family.as_str(),
+        model = model.as_deref().unwrap_or("?"),
+        "{reason}; every store and retrieve of this worker fails until it registers again"
+    );
+    state.metrics.refused_registrations.inc();
+    let at_unix = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    state.registry.refuse(family, id, Refusal { model, world_size, reason, at_unix });
+}
+
+/// The error for an operation of a worker that has no registration of `family`: the
+/// refusal's reason when its registration was refused, else `not_registered`.
+pub(crate) fn unservable(
+    state: &ServerState,
+    family: Family,
+    id: u64,
+    not_registered: impl FnOnce() -> String,
+) -> ProtocolError {
+    let reason = match state.registry.refusal(family, id) {
+        Some(r) => r.reason,
+        None => not_registered(),
+    };
+    ProtocolError::NotServable { instance_id: id, reason }
 }
 
 /// The reply to a message that failed to parse.
@@ -146,5 +235,31 @@ fn dispatch(state: &ServerState, req: &Request) -> Result<Option<Value>, Protoco
             lmcache_driven::handle(state, req)
         }
         other => Err(ProtocolError::UnsupportedOp(other.name())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> Header {
+        Header { identity: b"c".to_vec(), uid_frame: vec![7], op_frame: vec![6], uid: Some(7) }
+    }
+
+    #[test]
+    fn a_panicking_handler_becomes_a_counted_typed_failure() {
+        let m = Metrics::default();
+        let r: Result<(), _> = guarded(&m, "store", || panic!("boom {}", 42));
+        assert_eq!(r, Err(ProtocolError::Internal { op: "store", reason: "boom 42".into() }));
+        let r: Result<(), _> = guarded(&m, "store", || std::panic::panic_any(7u8));
+        assert!(
+            matches!(r, Err(ProtocolError::Internal { reason, .. }) if reason.contains("without"))
+        );
+        assert_eq!(m.handler_panics.get(), 2);
+        assert_eq!(guarded(&m, "store", || Ok(5)), Ok(5));
+        assert_eq!(m.handler_panics.get(), 2, "no panic, no count");
+        // What the client of a store then receives: (b"", false), not silence.
+        let frames = failure_reply(header(), Some(Op::Store)).into_frames();
+        assert_eq!(frames[3], vec![0x92, 0xc4, 0x00, 0xc2]);
     }
 }

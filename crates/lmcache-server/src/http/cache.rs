@@ -161,7 +161,8 @@ pub(super) async fn objects_list(
             v
         })
         .collect();
-    let next = (skip + entries.len() < total).then(|| (skip + entries.len()).to_string());
+    let shown = skip.saturating_add(entries.len());
+    let next = (shown < total).then(|| shown.to_string());
     Json(json!({"tier": "l1", "shared": false, "total": total, "entries": entries, "next_page_token": next}))
         .into_response()
 }

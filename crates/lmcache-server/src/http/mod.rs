@@ -9,6 +9,10 @@
 //! Errors are `{"detail": ...}` with a 4xx status naming what was wrong. With
 //! `--http-auth-token` (or `LMCACHE_RS_HTTP_TOKEN`) every route but `/healthcheck` requires
 //! `Authorization: Bearer <token>`; there is no route that dumps the environment or runs code.
+//!
+//! A handler that panics answers 500 `{"detail": "internal error: ..."}`, is logged and counted
+//! (`lmcache_rs_handler_panics`, `lmcache_rs_mp_request_errors{op="http",kind="panic"}`); the
+//! server keeps serving.
 
 use std::sync::Arc;
 
@@ -92,9 +96,68 @@ pub fn router(state: Shared) -> Router {
         .route("/quota", get(quota_list))
         .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
         .layer(guard)
+        .layer(catch_panics({
+            let state = Arc::clone(&state);
+            move || {
+                state.metrics.handler_panics.inc();
+                state.metrics.error("http", "panic");
+            }
+        }))
         .with_state(state)
+}
+
+/// Turns a handler panic into a 500 reply, logged and counted by `count`.
+fn catch_panics(
+    count: impl Fn() + Clone + Send + Sync + 'static,
+) -> tower_http::catch_panic::CatchPanicLayer<
+    impl Fn(Box<dyn std::any::Any + Send + 'static>) -> Response + Clone,
+> {
+    tower_http::catch_panic::CatchPanicLayer::custom(
+        move |payload: Box<dyn std::any::Any + Send>| {
+            let reason = crate::handlers::panic_message(payload.as_ref());
+            tracing::error!(error = %reason, "HTTP handler failed");
+            count();
+            error(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {reason}"))
+        },
+    )
 }
 
 fn error(code: StatusCode, detail: impl Into<String>) -> Response {
     (code, Json(json!({"detail": detail.into()}))).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tower::ServiceExt;
+
+    async fn boom() -> &'static str {
+        panic!("exploded on purpose")
+    }
+
+    #[tokio::test]
+    async fn a_panicking_route_answers_500_and_the_router_keeps_serving() {
+        let panics = Arc::new(AtomicU64::new(0));
+        let counted = Arc::clone(&panics);
+        let app = Router::new()
+            .route("/boom", get(boom))
+            .route("/ok", get(|| async { "fine" }))
+            .layer(catch_panics(move || {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }));
+        let call = |path: &str| {
+            let req = axum::http::Request::get(path).body(axum::body::Body::empty());
+            app.clone().oneshot(req.unwrap())
+        };
+        let r = call("/boom").await.unwrap();
+        assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["detail"], "internal error: exploded on purpose");
+        assert_eq!(panics.load(Ordering::Relaxed), 1);
+        assert_eq!(call("/ok").await.unwrap().status(), StatusCode::OK);
+        assert_eq!(panics.load(Ordering::Relaxed), 1);
+    }
+}
+

@@ -12,9 +12,25 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
         .map(|(fam, id, model, ws)| {
             json!({
                 "instance_id": id,
-                "transfer_mode": if fam == Family::EngineDriven { "engine_driven" } else { "lmcache_driven" },
+                "transfer_mode": fam.as_str(),
                 "model_name": model,
                 "world_size": ws,
+            })
+        })
+        .collect();
+    // Registrations refused as unservable: the worker cannot tell from the void reply.
+    let refused: Vec<Value> = s
+        .registry
+        .refusals()
+        .into_iter()
+        .map(|(fam, id, r)| {
+            json!({
+                "instance_id": id,
+                "transfer_mode": fam.as_str(),
+                "model_name": r.model,
+                "world_size": r.world_size,
+                "reason": r.reason,
+                "refused_at_unix": r.at_unix,
             })
         })
         .collect();
@@ -55,6 +71,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
         "active_sessions": s.sessions.len(),
         "uptime_seconds": s.started.elapsed().as_secs_f64(),
         "registered_instances": instances,
+        "refused_instances": refused,
         "storage_manager": {
             "l1_manager": {
                 "memory_total_bytes": u.capacity,
