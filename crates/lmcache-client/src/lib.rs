@@ -132,12 +132,33 @@ impl Client {
         value::bool_("ping", &v).map_err(|error| ClientError::BadReply { op: "ping", error })
     }
 
-    /// `lookup` (void), then `query_prefetch_status`: the hit count in chunks.
+    /// `lookup` (void), then `query_prefetch_status`: the hit count in chunks. While an L2
+    /// prefetch runs the status is nil; the client then waits on it (`wait_prefetch_status`)
+    /// until it settles or the call timeout passes.
     pub fn lookup(&mut self, key: &CacheKey) -> Result<u64, ClientError> {
+        const OP: &str = "query_prefetch_status";
         self.call(Op::Lookup, &[key.encode(), Value::from(1)])?;
-        let v = self.expect(Op::QueryPrefetchStatus, &[Value::from(key.request_id.as_str())])?;
-        value::u64_("hits", &v)
-            .map_err(|error| ClientError::BadReply { op: "query_prefetch_status", error })
+        let id = Value::from(key.request_id.as_str());
+        let hits = |v: &Value| {
+            value::u64_("hits", v).map_err(|error| ClientError::BadReply { op: OP, error })
+        };
+        match self.call(Op::QueryPrefetchStatus, std::slice::from_ref(&id))? {
+            Some(Value::Nil) | None => {}
+            Some(v) => return hits(&v),
+        }
+        let deadline = std::time::Instant::now() + self.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(ClientError::Timeout { op: OP, timeout: self.timeout });
+            }
+            // Leave the reply time to arrive within this call's own timeout.
+            let wait = Value::F64((left.as_secs_f64() * 0.8).max(0.001));
+            match self.call(Op::WaitPrefetchStatus, &[id.clone(), wait])? {
+                Some(Value::Nil) | None => {}
+                Some(v) => return hits(&v),
+            }
+        }
     }
 
     /// `end_session`.

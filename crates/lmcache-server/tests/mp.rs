@@ -482,6 +482,13 @@ fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
         assert!(t0.elapsed() < Duration::from_secs(5), "an abandoned prefetch kept its leases");
         std::thread::sleep(Duration::from_millis(20));
     }
+
+    // The Rust client's lookup (what `lmcache-rs bench server` uses) waits out a pending
+    // prefetch instead of failing on its nil status.
+    s.state().l1().clear(true);
+    let k = CacheKey::whole(model_m(), "y", tokens(11, 64), CHUNK);
+    assert_eq!(c.lookup(&k).unwrap(), 4, "a lookup served from L2");
+    c.end_session("y").unwrap();
 }
 
 /// A retrieve spends the locks its lookup took instead of locking every chunk again: what the

@@ -206,6 +206,12 @@ fn a_kv_event_cursor_at_u64_max_does_not_stop_the_server() {
     assert_eq!(f.req("lost").unwrap(), &Value::Boolean(true));
     let mut c2 = client(&s);
     assert_eq!(c2.get_chunk_size().unwrap(), CHUNK as u64, "server stopped serving");
+    // A wait of NaN or infinite seconds: answered (0 hits: no such lookup), without a panic
+    // (Duration::from_secs_f64(NaN) panics).
+    for t in [f64::NAN, f64::INFINITY, -1.0] {
+        let r = c2.call(Op::WaitPrefetchStatus, &[Value::from("none"), Value::F64(t)]).unwrap();
+        assert_eq!(r, Some(Value::from(0)), "timeout {t}");
+    }
     assert!(metric(&s, "lmcache_rs_handler_panics_total 0"));
 }
 

@@ -36,7 +36,9 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             req.expect_params(2)?;
             let id = value::str_("request_id", &req.params[0])?;
             let timeout = value::float("timeout", &req.params[1])?;
-            let limit = Duration::from_secs_f64(timeout.clamp(0.0, 60.0));
+            // NaN (any f64 may arrive) waits not at all; +inf waits the longest we allow.
+            let secs = if timeout.is_nan() { 0.0 } else { timeout.clamp(0.0, 60.0) };
+            let limit = Duration::from_secs_f64(secs);
             // Wait on the prefetch itself, without holding the sessions' lock.
             let waiter = state.sessions.with_existing(id, |s| match &s.lookup {
                 LookupState::Active { lookup, .. } => lookup.waiter(),

@@ -199,7 +199,7 @@ fn failure_reply(header: Header, op: Option<Op>) -> Reply {
         Some(Op::PrepareStore) => {
             Some(lmcache_protocol::value::map(vec![("context", Value::Map(Vec::new()))]))
         }
-        Some(Op::QueryPrefetchStatus) => Some(Value::from(0)),
+        Some(Op::QueryPrefetchStatus | Op::WaitPrefetchStatus) => Some(Value::from(0)),
         Some(Op::RegisterKvCacheEngineDrivenContext) => {
             Some(types::EngineDrivenRegistered { shm_name: String::new(), pool_size: 0 }.encode())
         }

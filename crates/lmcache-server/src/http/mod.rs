@@ -160,4 +160,3 @@ mod tests {
         assert_eq!(panics.load(Ordering::Relaxed), 1);
     }
 }
-
