@@ -253,3 +253,157 @@ fn messages_without_a_usable_header_are_handled_as_documented() {
         assert!(m.lines().any(|l| l == line), "missing {line}: {m}");
     }
 }
+
+/// Random msgpack values, nested a little, with the field names and numbers handlers read.
+fn random_value(rng: &mut impl rand::Rng, depth: u32) -> Value {
+    match rng.gen_range(0..if depth > 2 { 8 } else { 10 }) {
+        0 => Value::Nil,
+        1 => Value::Boolean(rng.r#gen()),
+        2 => Value::from(rng.gen_range(-5i64..300)),
+        3 => Value::from([0, 1, u64::MAX, u64::MAX / 2, 1 << 32, 1 << 63][rng.gen_range(0..6)]),
+        4 => Value::from(["m", "", "a@b", "x/y", "req", "cpu_shm", "cuda"][rng.gen_range(0..7)]),
+        5 => Value::Binary(vec![0xc1; rng.gen_range(0..4)]),
+        6 => Value::F64([f64::NAN, f64::INFINITY, -1.0, 0.5, 1e300][rng.gen_range(0..5)]),
+        7 => Value::Ext(rng.gen_range(0..3), vec![0x80; rng.gen_range(0..3)]),
+        8 => Value::Array((0..rng.gen_range(0..5)).map(|_| random_value(rng, depth + 1)).collect()),
+        _ => {
+            let names = [
+                "model_name",
+                "world_size",
+                "worker_id",
+                "token_ids",
+                "start",
+                "end",
+                "request_id",
+                "cache_salt",
+                "num_kv_readers",
+                "instance_id",
+                "type",
+                "block_size",
+                "num_layers",
+                "hidden_dim_size",
+                "dtype_str",
+                "use_mla",
+                "shape",
+                "stride",
+                "method",
+            ];
+            Value::Map(
+                (0..rng.gen_range(0..10))
+                    .map(|_| {
+                        let k = Value::from(names[rng.gen_range(0..names.len())]);
+                        (k, random_value(rng, depth + 1))
+                    })
+                    .collect(),
+            )
+        }
+    }
+}
+
+/// True when `payload` (`None`: a void reply) has `op`'s response type, as LMCache's client
+/// decodes it.
+fn reply_fits(op: Op, payload: Option<&Value>) -> bool {
+    let int = |v: &Value| matches!(v, Value::Integer(_));
+    let map_with = |v: Option<&Value>, keys: &[&str]| match v {
+        Some(Value::Map(m)) => keys.iter().all(|k| m.iter().any(|(x, _)| x.as_str() == Some(k))),
+        _ => false,
+    };
+    match op {
+        Op::Store | Op::Retrieve | Op::StoreQ | Op::CbRetrievePreComputed => matches!(
+            payload,
+            Some(Value::Array(a)) if a.len() == 2 && matches!(a[0], Value::Binary(_)) && a[1].is_bool()
+        ),
+        Op::CommitStore | Op::CommitRetrieve | Op::Ping => {
+            matches!(payload, Some(Value::Boolean(_)))
+        }
+        Op::PrepareStore => map_with(payload, &[]),
+        Op::PrepareRetrieve => map_with(payload, &["success"]),
+        Op::QueryPrefetchStatus | Op::WaitPrefetchStatus => {
+            payload.is_some_and(|v| int(v) || v.is_nil())
+        }
+        Op::RegisterKvCacheEngineDrivenContext => map_with(payload, &["shm_name", "pool_size"]),
+        Op::GetChunkSize | Op::P2pLookupAndLock => payload.is_some_and(int),
+        Op::GetExperimental | Op::CbReorderPlan => matches!(payload, Some(Value::Array(_))),
+        Op::P2pQueryLookupResults => matches!(payload, Some(Value::Array(_) | Value::Nil) | None),
+        Op::Noop => payload == Some(&Value::from("OK")),
+        Op::CbProtocolHandshake => matches!(
+            payload,
+            Some(Value::Array(a)) if a.len() == 2 && int(&a[0]) && a[1].is_bool()
+        ),
+        Op::ServerModuleCall => map_with(payload, &["success", "payload", "error"]),
+        // A stream: its first batch, or a payload-less end.
+        Op::SubscribeKvEvents => payload.is_none() || map_with(payload, &["events"]),
+        // Void operations (nil is read as None too).
+        _ => payload.is_none_or(Value::is_nil),
+    }
+}
+
+/// Every operation, with random uids (ints, strings, undecodable bytes), random parameter
+/// counts and values: exactly one reply per request, of its operation's response type (a
+/// subscription may also get its end of stream), none for messages without an op frame, and
+/// nothing that panics.
+#[test]
+fn random_messages_to_every_op_get_one_reply_of_the_ops_type() {
+    use rand::{Rng, SeedableRng};
+    use std::collections::HashMap;
+    let s = shm_server("fuzz");
+    let c = Client::connect(s.endpoint(), Duration::from_secs(3)).unwrap();
+    let seed = std::env::var("LMCACHE_RS_FUZZ_SEED").ok().and_then(|v| v.parse().ok());
+    let seed = seed.unwrap_or(0x5eed_u64);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let ops: Vec<Op> = Op::all().collect();
+    let mut sent: HashMap<Vec<u8>, Op> = HashMap::new();
+    let mut headerless = 0;
+    for i in 0..1500u64 {
+        let uid = match rng.gen_range(0..10) {
+            0 => value::encode(&Value::from(format!("u{i}"))),
+            1 => [&[0xdc, 0xff][..], &i.to_le_bytes()].concat(),
+            _ => value::encode(&Value::from((rng.r#gen::<u64>() & !0xffff) | i)),
+        };
+        if rng.gen_bool(0.02) {
+            // No op frame at all.
+            c.send_frames(&[uid]).unwrap();
+            headerless += 1;
+            continue;
+        }
+        let op = ops[i as usize % ops.len()];
+        let op_value = match (op.id(), rng.gen_bool(0.5)) {
+            (Some(id), true) => Value::from(id),
+            _ => Value::from(op.name()),
+        };
+        let mut frames = vec![uid.clone(), value::encode(&op_value)];
+        for _ in 0..rng.gen_range(0..9) {
+            if rng.gen_bool(0.05) {
+                frames.push((0..rng.gen_range(0..6)).map(|_| rng.r#gen::<u8>()).collect());
+            } else {
+                frames.push(value::encode(&random_value(&mut rng, 0)));
+            }
+        }
+        c.send_frames(&frames).unwrap();
+        sent.insert(uid, op);
+    }
+    let mut replies: HashMap<Vec<u8>, Vec<Option<Value>>> = HashMap::new();
+    while let Some(r) = c.recv_frames().unwrap() {
+        let payload = r.get(2).map(|p| value::decode(2, p).unwrap());
+        replies.entry(r[0].clone()).or_default().push(payload);
+    }
+    for (uid, op) in &sent {
+        let got = replies.remove(uid).unwrap_or_default();
+        let first = got.first().unwrap_or_else(|| panic!("{op:?} (uid {uid:x?}) got no reply"));
+        assert!(reply_fits(*op, first.as_ref()), "{op:?}: reply {first:?} is not its type");
+        match (op, got.len()) {
+            (_, 1) => {}
+            (Op::SubscribeKvEvents, 2) => assert_eq!(got[1], None, "a stream ends payload-less"),
+            _ => panic!("{op:?} (uid {uid:x?}) got {} replies: {got:?}", got.len()),
+        }
+    }
+    assert!(replies.is_empty(), "replies to nothing that was sent: {replies:?}");
+    let m = s.state().metrics.encode();
+    let too_few = format!(
+        "lmcache_rs_mp_request_errors_total{{op=\"unknown\",kind=\"too_few_frames\"}} {headerless}"
+    );
+    assert!(m.lines().any(|l| l == too_few), "{too_few}: {m}");
+    assert!(metric(&s, "lmcache_rs_handler_panics_total 0"), "a handler panicked");
+    let mut c = client(&s);
+    assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64, "server stopped serving");
+}

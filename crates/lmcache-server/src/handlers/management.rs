@@ -5,6 +5,12 @@ use rmpv::Value;
 
 use crate::state::ServerState;
 
+/// What `get_experimental` advertises.
+pub(super) fn capabilities(state: &ServerState) -> Value {
+    let caps = if state.events.enabled() { vec![Value::from("kv_event_stream")] } else { vec![] };
+    Value::Array(caps)
+}
+
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
     match req.op {
         Op::GetChunkSize => {
@@ -14,12 +20,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
         // "kv_event_stream": vLLM's router then takes block hashes from our event stream.
         Op::GetExperimental => {
             req.expect_params(0)?;
-            let caps = if state.events.enabled() {
-                vec![Value::from("kv_event_stream")]
-            } else {
-                Vec::new()
-            };
-            Ok(Some(Value::Array(caps)))
+            Ok(Some(capabilities(state)))
         }
         Op::Ping => {
             req.expect_params(1)?;
