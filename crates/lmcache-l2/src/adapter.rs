@@ -32,6 +32,32 @@ pub enum Stored {
     AlreadyPresent,
 }
 
+/// Which keys a listing returns: all, or those of one model and/or one cache salt (a
+/// tenant's listing shows only its own salt's objects).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct KeyFilter {
+    /// Only keys of this model.
+    pub model: Option<String>,
+    /// Only keys of this cache salt (`Some("")`: the unsalted ones).
+    pub cache_salt: Option<String>,
+}
+
+impl KeyFilter {
+    /// Every key.
+    pub const ALL: KeyFilter = KeyFilter { model: None, cache_salt: None };
+
+    /// Keys of `model`.
+    pub fn model(model: &str) -> Self {
+        Self { model: Some(model.to_owned()), cache_salt: None }
+    }
+
+    /// True when `key` passes.
+    pub fn matches(&self, key: &ObjectKey) -> bool {
+        self.model.as_deref().is_none_or(|m| key.model_name.as_str() == m)
+            && self.cache_salt.as_deref().is_none_or(|s| key.cache_salt.as_str() == s)
+    }
+}
+
 /// One page of a key listing.
 #[derive(Debug, Default, Clone)]
 pub struct KeyPage {
@@ -98,10 +124,10 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
     /// Deletes `keys`; returns how many were present.
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error>;
 
-    /// Lists stored keys, optionally of one model, a page at a time.
+    /// Lists stored keys that pass `filter`, a page at a time.
     async fn list(
         &self,
-        _model: Option<&str>,
+        _filter: &KeyFilter,
         _cursor: Option<&str>,
         _limit: usize,
     ) -> Result<KeyPage, L2Error> {
@@ -121,7 +147,9 @@ pub trait L2Adapter: Send + Sync + std::fmt::Debug {
         let mut out: Vec<(ObjectKey, u64)> = Vec::new();
         let mut cursor: Option<String> = None;
         while out.len() < limit {
-            let page = self.list(None, cursor.as_deref(), (limit - out.len()).min(1000)).await?;
+            let page = self
+                .list(&KeyFilter::ALL, cursor.as_deref(), (limit - out.len()).min(1000))
+                .await?;
             out.extend(page.keys);
             match page.next {
                 Some(c) => cursor = Some(c),
@@ -176,17 +204,17 @@ pub(crate) async fn load_direct_by_copy<A: L2Adapter + ?Sized>(
         .collect()
 }
 
-/// One page of `keys` (key, stored size) of `model` (all if `None`), in wire-key order: the
+/// One page of `keys` (key, stored size) that pass `filter`, in wire-key order: the
 /// listing of adapters that hold their keys in memory or get them in one scan.
 pub(crate) fn page_keys<'a>(
     keys: impl IntoIterator<Item = (&'a ObjectKey, u64)>,
-    model: Option<&str>,
+    filter: &KeyFilter,
     cursor: Option<&str>,
     limit: usize,
 ) -> KeyPage {
     let mut all: Vec<(String, ObjectKey, u64)> = keys
         .into_iter()
-        .filter(|(k, _)| model.is_none_or(|m| k.model_name.as_str() == m))
+        .filter(|(k, _)| filter.matches(k))
         .map(|(k, n)| (crate::wire_key::encode(k), k.clone(), n))
         .collect();
     all.sort_by(|a, b| a.0.cmp(&b.0));

@@ -18,7 +18,8 @@ pub mod error;
 pub mod wire_key;
 
 pub use adapter::{
-    DirectItem, DirectResult, FLOOR_BANDWIDTH, KeyPage, L2Adapter, PayloadSink, Stored, time_budget,
+    DirectItem, DirectResult, FLOOR_BANDWIDTH, KeyFilter, KeyPage, L2Adapter, PayloadSink, Stored,
+    time_budget,
 };
 pub use blob::{Blob, BlobError};
 pub use codec::Codec;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use lmcache_core::ObjectKey;
 use lmcache_l2::config::{self, BuiltAdapter};
-use lmcache_l2::{L2Adapter, Stored};
+use lmcache_l2::{KeyFilter, L2Adapter, Stored};
 use serde_json::{Value, json};
 
 fn rt() -> tokio::runtime::Runtime {
@@ -87,6 +87,20 @@ async fn conformance(b: &BuiltAdapter, sizes: &[usize]) {
         );
     }
     direct_loads(b, &keys, &items).await;
+    // Salt isolation in the key space: the same chunks under another salt are other objects,
+    // neither found nor loaded.
+    let intruder: Vec<ObjectKey> = (0..n).map(|i| key(i, "intruder")).collect();
+    assert_eq!(
+        a.lookup(&intruder).await.unwrap(),
+        vec![false; keys.len()],
+        "{}: another salt's objects found",
+        a.kind()
+    );
+    assert!(
+        a.load(&intruder).await.into_iter().all(|r| matches!(r, Ok(None))),
+        "{}: another salt's object loaded",
+        a.kind()
+    );
     // A blob loaded for the wrong key is refused.
     let other = a.load(&keys[..1]).await.pop().unwrap().unwrap().unwrap();
     assert!(b.codec.decode(&keys[1], &other).is_err(), "{}: misplaced blob accepted", a.kind());
@@ -106,12 +120,21 @@ async fn conformance(b: &BuiltAdapter, sizes: &[usize]) {
         "{}: deleted key loaded",
         a.kind()
     );
-    match a.list(Some("org/model-7b"), None, 1000).await {
+    match a.list(&KeyFilter::model("org/model-7b"), None, 1000).await {
         Ok(page) => {
             let listed: Vec<&ObjectKey> = page.keys.iter().map(|(k, _)| k).collect();
             for k in keys.iter().skip(1).step_by(2) {
                 assert!(listed.contains(&k), "{}: {k} not listed", a.kind());
             }
+            // A tenant's listing shows its own salt only.
+            let salt = |s: &str| KeyFilter { model: None, cache_salt: Some(s.into()) };
+            let page = a.list(&salt("tenant"), None, 1000).await.unwrap();
+            assert!(page.keys.iter().all(|(k, _)| k.cache_salt.as_str() == "tenant"));
+            for k in keys.iter().skip(1).step_by(2) {
+                assert!(page.keys.iter().any(|(x, _)| x == k), "{}: {k} not listed", a.kind());
+            }
+            let page = a.list(&salt("intruder"), None, 1000).await.unwrap();
+            assert!(page.keys.is_empty(), "{}: another salt's keys listed", a.kind());
         }
         Err(lmcache_l2::L2Error::Unsupported { .. }) => {}
         Err(e) => panic!("{}: list: {e}", a.kind()),
@@ -417,7 +440,7 @@ fn s3_conforms_including_multipart_and_listing() {
         let mut cursor: Option<String> = None;
         for page_no in 0.. {
             assert!(page_no < 100, "listing does not end: cursor stuck at {cursor:?}");
-            let page = b.adapter.list(None, cursor.as_deref(), 7).await.unwrap();
+            let page = b.adapter.list(&KeyFilter::ALL, cursor.as_deref(), 7).await.unwrap();
             assert!(page.keys.len() <= 7);
             seen.extend(page.keys.into_iter().map(|(k, _)| k));
             match page.next {
@@ -434,7 +457,7 @@ fn s3_conforms_including_multipart_and_listing() {
         assert!(!seen.iter().any(|k| foreign.contains(k)), "listed another prefix's objects");
         let scanned = b.adapter.scan(100_000).await.unwrap();
         assert!(!scanned.iter().any(|(k, _)| foreign.contains(k)), "scanned another prefix");
-        let theirs = other.adapter.list(None, None, 100).await.unwrap();
+        let theirs = other.adapter.list(&KeyFilter::ALL, None, 100).await.unwrap();
         assert_eq!(theirs.keys.len(), foreign.len(), "the prefixed adapter lists its own keys");
         b.adapter.delete(&keys).await.unwrap();
         other.adapter.delete(&foreign).await.unwrap();

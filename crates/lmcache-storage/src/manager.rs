@@ -286,14 +286,14 @@ impl StorageManager {
     pub async fn list_l2(
         &self,
         adapter: Option<u64>,
-        model: Option<String>,
+        filter: lmcache_l2::KeyFilter,
         cursor: Option<String>,
         limit: usize,
     ) -> Result<L2Listing, StorageError> {
         let t = self.tier()?;
         let info = self.l2_adapter(adapter)?;
         let page = t
-            .list(info.id, model, cursor, limit)
+            .list(info.id, filter, cursor, limit)
             .await
             .ok_or(StorageError::NoSuchAdapter { id: info.id })?;
         let (id, kind) = (info.id, info.kind);

@@ -746,18 +746,18 @@ impl L2Tier {
         .await?
     }
 
-    /// One page of adapter `id`'s keys (optionally of one model), or `None` if there is no
-    /// such adapter. Callable from any async runtime.
+    /// One page of adapter `id`'s keys that pass `filter`, or `None` if there is no such
+    /// adapter. Callable from any async runtime.
     pub async fn list(
         &self,
         id: u64,
-        model: Option<String>,
+        filter: lmcache_l2::KeyFilter,
         cursor: Option<String>,
         limit: usize,
     ) -> Option<Result<lmcache_l2::KeyPage, L2Error>> {
         let slot = self.slot(id)?;
         let page = self.on_tier(async move {
-            slot.built.adapter.list(model.as_deref(), cursor.as_deref(), limit).await
+            slot.built.adapter.list(&filter, cursor.as_deref(), limit).await
         });
         Some(page.await.and_then(|r| r))
     }

@@ -156,20 +156,26 @@ fn deletes_listings_and_quotas_go_through_the_manager() {
     assert_eq!(m.flush(Duration::from_secs(10)), 0);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        let page = m.list_l2(None, None, None, 100).await.unwrap();
+        let page = m.list_l2(None, lmcache_l2::KeyFilter::ALL, None, 100).await.unwrap();
         assert_eq!(page.page.keys.len(), 4);
         assert!(matches!(
-            m.list_l2(Some(7), None, None, 100).await,
+            m.list_l2(Some(7), lmcache_l2::KeyFilter::ALL, None, 100).await,
             Err(StorageError::NoSuchAdapter { id: 7 })
         ));
         // L1 only: L2 keeps them.
         let r = m.delete(DeleteScope::L1, None, keys[..2].to_vec(), false).await.unwrap();
         assert_eq!((r.deleted, r.skipped), (2, 0));
-        assert_eq!(m.list_l2(None, None, None, 100).await.unwrap().page.keys.len(), 4);
+        assert_eq!(
+            m.list_l2(None, lmcache_l2::KeyFilter::ALL, None, 100).await.unwrap().page.keys.len(),
+            4
+        );
         // Both tiers: two L1 objects and four L2 keys... of the two asked, both tiers count.
         let r = m.delete(DeleteScope::All, None, keys[2..].to_vec(), false).await.unwrap();
         assert_eq!((r.deleted, r.skipped), (4, 0));
-        assert_eq!(m.list_l2(None, None, None, 100).await.unwrap().page.keys.len(), 2);
+        assert_eq!(
+            m.list_l2(None, lmcache_l2::KeyFilter::ALL, None, 100).await.unwrap().page.keys.len(),
+            2
+        );
         assert!(matches!(
             m.delete(DeleteScope::L2, Some(9), keys.clone(), false).await,
             Err(StorageError::NoSuchAdapter { id: 9 })

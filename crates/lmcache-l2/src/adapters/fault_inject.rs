@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use lmcache_core::ObjectKey;
 
-use crate::adapter::{KeyPage, L2Adapter, Stored};
+use crate::adapter::{KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
 use crate::error::L2Error;
 use crate::wire_key;
@@ -196,12 +196,12 @@ impl L2Adapter for FaultInjectAdapter {
 
     async fn list(
         &self,
-        model: Option<&str>,
+        filter: &KeyFilter,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
         self.check_up()?;
-        self.inner.list(model, cursor, limit).await
+        self.inner.list(filter, cursor, limit).await
     }
 
     async fn ping(&self) -> Result<(), L2Error> {

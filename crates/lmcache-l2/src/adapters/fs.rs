@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 
 use super::aligned::AlignedBuf;
 use super::{blocking, blocking_each};
-use crate::adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, Stored};
+use crate::adapter::{DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
 use crate::error::L2Error;
 use crate::wire_key;
@@ -396,17 +396,15 @@ impl L2Adapter for FsAdapter {
 
     async fn list(
         &self,
-        model: Option<&str>,
+        filter: &KeyFilter,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
         let base = self.inner.config.base_path.clone();
-        let model = model.map(str::to_owned);
+        let filter = filter.clone();
         let cursor = cursor.map(str::to_owned);
         blocking(move || {
-            let mut all = walk(&base, usize::MAX, |k| {
-                model.as_deref().is_none_or(|m| k.model_name.as_str() == m)
-            })?;
+            let mut all = walk(&base, usize::MAX, |k| filter.matches(k))?;
             all.sort_by(|a, b| a.0.cmp(&b.0));
             Ok(crate::adapter::page_sorted(all, cursor.as_deref(), limit))
         })

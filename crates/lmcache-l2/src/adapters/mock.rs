@@ -8,7 +8,7 @@ use bytes::Bytes;
 use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 
-use crate::adapter::{KeyPage, L2Adapter, Stored};
+use crate::adapter::{KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
 use crate::error::L2Error;
 
@@ -113,13 +113,13 @@ impl L2Adapter for MockAdapter {
 
     async fn list(
         &self,
-        model: Option<&str>,
+        filter: &KeyFilter,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
         let g = self.objects.lock();
         let keys = g.0.iter().map(|(k, b)| (k, b.len() as u64));
-        Ok(crate::adapter::page_keys(keys, model, cursor, limit))
+        Ok(crate::adapter::page_keys(keys, filter, cursor, limit))
     }
 
     fn capacity(&self) -> Option<u64> {

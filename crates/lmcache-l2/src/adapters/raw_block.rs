@@ -33,7 +33,7 @@ use parking_lot::Mutex;
 
 use super::aligned::AlignedBuf;
 use super::{blocking, blocking_each};
-use crate::adapter::{KeyPage, L2Adapter, Stored};
+use crate::adapter::{KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::{self, Blob};
 use crate::error::L2Error;
 use crate::wire_key;
@@ -656,13 +656,13 @@ impl L2Adapter for RawBlockAdapter {
 
     async fn list(
         &self,
-        model: Option<&str>,
+        filter: &KeyFilter,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
         let st = self.inner.state.lock();
         let keys = st.index.iter().map(|(k, e)| (k, e.len));
-        Ok(crate::adapter::page_keys(keys, model, cursor, limit))
+        Ok(crate::adapter::page_keys(keys, filter, cursor, limit))
     }
 
     fn capacity(&self) -> Option<u64> {

@@ -24,7 +24,9 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::{RedisError, Value};
 
-use crate::adapter::{DirectItem, DirectResult, KeyPage, L2Adapter, Stored, time_budget};
+use crate::adapter::{
+    DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored, time_budget,
+};
 use crate::blob::Blob;
 use crate::error::L2Error;
 use crate::wire_key;
@@ -411,12 +413,12 @@ impl L2Adapter for RedisAdapter {
 
     async fn list(
         &self,
-        model: Option<&str>,
+        filter: &KeyFilter,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
         let all = self.scan(1 << 20).await?;
-        Ok(crate::adapter::page_keys(all.iter().map(|(k, n)| (k, *n)), model, cursor, limit))
+        Ok(crate::adapter::page_keys(all.iter().map(|(k, n)| (k, *n)), filter, cursor, limit))
     }
 
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {

@@ -20,7 +20,7 @@ use object_store::{
     ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig, WriteMultipart,
 };
 
-use crate::adapter::{KeyPage, L2Adapter, Stored};
+use crate::adapter::{KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
 use crate::error::L2Error;
 use crate::wire_key;
@@ -242,7 +242,7 @@ impl L2Adapter for S3Adapter {
     /// bucket, and the cursor (the last key's wire key) always moves forward.
     async fn list(
         &self,
-        model: Option<&str>,
+        filter: &KeyFilter,
         cursor: Option<&str>,
         limit: usize,
     ) -> Result<KeyPage, L2Error> {
@@ -257,7 +257,7 @@ impl L2Adapter for S3Adapter {
         while let Some(m) = stream.next().await {
             let m = m.map_err(map_err)?;
             let Some(k) = self.own_key(&m.location) else { continue };
-            if model.is_some_and(|want| k.model_name.as_str() != want) {
+            if !filter.matches(&k) {
                 continue;
             }
             if keys.len() == limit {

@@ -97,10 +97,25 @@ pub(super) struct ObjectsQuery {
     adapter: Option<u64>,
     #[serde(default)]
     model_name: Option<String>,
+    /// Only objects of this cache salt (`_default`, or an empty value: the unsalted ones).
+    #[serde(default)]
+    cache_salt: Option<String>,
     #[serde(default)]
     page_size: Option<usize>,
     #[serde(default)]
     page_token: Option<String>,
+}
+
+impl ObjectsQuery {
+    fn filter(&self) -> lmcache_l2::KeyFilter {
+        lmcache_l2::KeyFilter {
+            model: self.model_name.clone(),
+            cache_salt: self
+                .cache_salt
+                .as_ref()
+                .map(|s| if s == super::quota::DEFAULT_SALT { String::new() } else { s.clone() }),
+        }
+    }
 }
 
 pub(super) fn check_tier(s: &ServerState, tier: Option<&str>) -> Result<(), String> {
@@ -145,11 +160,9 @@ pub(super) async fn objects_list(
         }
     };
     // Filter before paging so pages stay full.
+    let filter = q.filter();
     let all = s.l1().resident_keys();
-    let matching: Vec<_> = all
-        .into_iter()
-        .filter(|(k, _)| q.model_name.as_deref().is_none_or(|m| k.model_name.as_str() == m))
-        .collect();
+    let matching: Vec<_> = all.into_iter().filter(|(k, _)| filter.matches(k)).collect();
     let total = matching.len();
     let entries: Vec<Value> = matching
         .iter()
@@ -246,7 +259,7 @@ pub(super) async fn objects_delete(State(s): State<Shared>, raw: axum::body::Byt
 
 /// `GET /cache/objects?tier=l2[&adapter=N]`: one adapter's keys, a page at a time.
 pub(super) async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usize) -> Response {
-    let listing = s.storage.list_l2(q.adapter, q.model_name.clone(), q.page_token.clone(), size);
+    let listing = s.storage.list_l2(q.adapter, q.filter(), q.page_token.clone(), size);
     match listing.await {
         Ok(L2Listing { adapter, kind, page }) => {
             let entries: Vec<Value> = page

@@ -7,9 +7,12 @@ use super::*;
 
 pub(super) const GB: f64 = (1u64 << 30) as f64;
 
+/// How paths and queries name the empty salt.
+pub(super) const DEFAULT_SALT: &str = "_default";
+
 /// `_default` in a path is the empty salt.
 pub(super) fn salt_from_path(raw: &str) -> Result<CacheSalt, String> {
-    let name = if raw == "_default" { "" } else { raw };
+    let name = if raw == DEFAULT_SALT { "" } else { raw };
     CacheSalt::new(name).map_err(|e| format!("cache_salt: {e}"))
 }
 
