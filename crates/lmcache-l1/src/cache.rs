@@ -707,6 +707,18 @@ impl State {
                         evicted_any = true;
                     }
                 }
+                Err(AllocError::BackingFull { requested, .. }) => {
+                    // /dev/shm is full (other processes filled it): only memory already
+                    // backed can be reused, so evict what the request needs and retry there.
+                    let freed = self.evict_with(None, requested.max(1), evict_unwritten);
+                    if freed == 0 {
+                        return Err(L1Error::OutOfMemory { requested, free: 0 });
+                    }
+                    if !evicted_any {
+                        self.stats.sync_evictions += 1;
+                        evicted_any = true;
+                    }
+                }
                 Err(_) => {
                     let size = sizes.iter().copied().max().unwrap_or(0);
                     return Err(L1Error::InvalidSize { size, capacity: memory.capacity() });

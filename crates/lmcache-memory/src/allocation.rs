@@ -30,6 +30,44 @@ struct Shared {
     high_water: AtomicU64,
     /// Least lead the prefaulter keeps once asked (see [`ArenaAllocator::expect_use`]).
     min_ahead: AtomicU64,
+    /// Shared-memory arenas: `[0, backed)` has file-system space reserved (`fallocate`), so
+    /// an allocation below it can be written without risking SIGBUS. Only grows.
+    backed: AtomicU64,
+    /// Serializes growing `backed`.
+    backing: Mutex<()>,
+}
+
+/// `backed` grows in steps of this size (one `fallocate` per step).
+const BACKING_STEP: u64 = 8 << 20;
+
+impl Shared {
+    /// Makes sure `[0, end)` of the arena is backed (see [`Arena::reserve`]).
+    fn ensure_backed(&self, end: u64) -> Result<(), AllocError> {
+        if self.backed.load(Ordering::Acquire) >= end || !self.arena.needs_reserve() {
+            return Ok(());
+        }
+        let _g = self.backing.lock();
+        let done = self.backed.load(Ordering::Acquire);
+        if done >= end {
+            return Ok(());
+        }
+        let len = self.arena.len();
+        let step = end.checked_next_multiple_of(BACKING_STEP).unwrap_or(len).min(len).max(end);
+        // A whole step if there is room, else just what this allocation needs.
+        let target = if self.arena.reserve(done, step - done).is_ok() {
+            step
+        } else {
+            match self.arena.reserve(done, end - done) {
+                Ok(()) => end,
+                Err(e) => {
+                    tracing::warn!(error = %e, backed = done, needed = end, "L1 pool cannot grow");
+                    return Err(AllocError::BackingFull { requested: end - done, backed: done });
+                }
+            }
+        };
+        self.backed.store(target, Ordering::Release);
+        Ok(())
+    }
 }
 
 /// An arena with its allocator: the source of [`Allocation`]s. Cheap to clone.
@@ -62,21 +100,37 @@ impl ArenaAllocator {
                 arena,
                 high_water: AtomicU64::new(0),
                 min_ahead: AtomicU64::new(0),
+                backed: AtomicU64::new(0),
+                backing: Mutex::new(()),
             }),
         })
     }
 
-    /// Allocates `len` bytes (aligned up internally).
+    /// Allocates `len` bytes (aligned up internally). On a shared-memory arena the range
+    /// is backed by /dev/shm first; [`AllocError::BackingFull`] when it cannot be.
     pub fn allocate(&self, len: u64) -> Result<Allocation, AllocError> {
         let block = self.shared.allocator.lock().allocate(len)?;
-        self.shared.high_water.fetch_max(block.offset() + block.size(), Ordering::Relaxed);
+        let end = block.offset() + block.size();
+        if let Err(e) = self.shared.ensure_backed(end) {
+            self.shared.allocator.lock().free(block);
+            return Err(e);
+        }
+        self.shared.high_water.fetch_max(end, Ordering::Relaxed);
         Ok(Allocation { shared: Arc::clone(&self.shared), block: Some(block), len })
     }
 
-    /// Allocates one allocation per entry of `lens`, all or nothing.
+    /// Allocates one allocation per entry of `lens`, all or nothing (backed, as
+    /// [`Self::allocate`]).
     pub fn allocate_batch(&self, lens: &[u64]) -> Result<Vec<Allocation>, AllocError> {
         let blocks = self.shared.allocator.lock().allocate_batch(lens)?;
         if let Some(end) = blocks.iter().map(|b| b.offset() + b.size()).max() {
+            if let Err(e) = self.shared.ensure_backed(end) {
+                let mut a = self.shared.allocator.lock();
+                for b in blocks {
+                    a.free(b);
+                }
+                return Err(e);
+            }
             self.shared.high_water.fetch_max(end, Ordering::Relaxed);
         }
         Ok(blocks
@@ -162,6 +216,12 @@ impl Prefaulter {
                 }
                 if done < target {
                     let step = PREFAULT_STEP.min(target - done);
+                    // Back the pages first (shared memory), so neither this nor a later write
+                    // can fault on a full /dev/shm; if it is full, commit nothing ahead.
+                    if alloc.shared.ensure_backed(done + step).is_err() {
+                        done = target;
+                        continue;
+                    }
                     alloc.arena().prefault(done, step);
                     done += step;
                     if !matches!(rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {

@@ -69,6 +69,19 @@ pub enum AllocError {
         /// The refused alignment.
         align: u64,
     },
+    /// The arena's range is free, but the file system behind it (/dev/shm) has no room left
+    /// to back it: writing there would kill the process with SIGBUS, so nothing was
+    /// allocated. Free memory already backed (eviction) and try again.
+    #[error(
+        "no room in /dev/shm to back {requested} more bytes of the L1 pool ({backed} bytes \
+         backed so far)"
+    )]
+    BackingFull {
+        /// Bytes the request needed.
+        requested: u64,
+        /// Bytes of the arena backed so far.
+        backed: u64,
+    },
 }
 
 /// A live block: `[offset, offset + size)`, aligned. Not `Clone`: exactly one value names a

@@ -192,6 +192,34 @@ impl Arena {
         }
     }
 
+    /// Allocates file-system space behind `[offset, offset + len)` of a shared-memory arena
+    /// (`fallocate`), so that touching it later cannot fault with SIGBUS when /dev/shm fills
+    /// up: a full file system is an error here instead. No-op for private memory (which the
+    /// kernel backs on touch, or the OOM killer reclaims).
+    pub fn reserve(&self, offset: u64, len: u64) -> Result<(), MemoryError> {
+        let Some(seg) = &self.shm else { return Ok(()) };
+        let bad = MemoryError::InvalidSize { size: len, reason: "range outside the arena" };
+        let end = offset.checked_add(len).ok_or(bad)?;
+        if end > self.len() {
+            return Err(MemoryError::InvalidSize { size: len, reason: "range outside the arena" });
+        }
+        let (off, n) = (
+            i64::try_from(offset)
+                .map_err(|_| MemoryError::InvalidSize { size: offset, reason: "offset" })?,
+            i64::try_from(len)
+                .map_err(|_| MemoryError::InvalidSize { size: len, reason: "length" })?,
+        );
+        use std::os::fd::AsRawFd;
+        let fd = seg.file().as_raw_fd();
+        nix::fcntl::fallocate(fd, nix::fcntl::FallocateFlags::empty(), off, n)
+            .map_err(|e| MemoryError::os("fallocate (backing the L1 pool in /dev/shm)", e))
+    }
+
+    /// True when the arena's pages need [`Self::reserve`] before use (shared memory).
+    pub fn needs_reserve(&self) -> bool {
+        self.shm.is_some()
+    }
+
     /// Base address of the mapping. Valid for `len()` bytes while `self` lives.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()
