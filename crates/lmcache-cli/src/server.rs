@@ -139,6 +139,11 @@ pub struct ServerArgs {
     /// base_path or device_path inside this directory (repeatable). Unset: any path.
     #[arg(long = "l2-allowed-root", value_name = "DIR")]
     pub l2_allowed_root: Vec<std::path::PathBuf>,
+    /// LMCache-driven cpu_shm registrations may map only shared-memory segments whose name
+    /// starts with this (e.g. lmcache_kv_). Unset: any segment owned by the server's uid
+    /// (never the server's own L1 pool).
+    #[arg(long, value_name = "PREFIX")]
+    pub allowed_shm_prefix: Option<String>,
     /// On SIGTERM/SIGINT, wait up to this many seconds for queued L2 write-behind to finish.
     #[arg(long, default_value_t = 10.0)]
     pub l2_flush_timeout_seconds: f64,
@@ -243,6 +248,7 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         ..lmcache_storage::TierConfig::default()
     };
     Ok(ServerConfig {
+        allowed_shm_prefix: args.allowed_shm_prefix.clone().filter(|p| !p.is_empty()),
         l2_adapters,
         l2,
         host: args.host.clone(),

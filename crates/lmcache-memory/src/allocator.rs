@@ -69,6 +69,10 @@ pub enum AllocError {
         /// The refused alignment.
         align: u64,
     },
+    /// The other process shrank its shared-memory segment while it was mapped: the copy hit
+    /// pages that no longer exist (SIGBUS, caught). Nothing it read or wrote can be trusted.
+    #[error("the client shrank its shared-memory segment while it was mapped; register again")]
+    SegmentTruncated,
     /// The arena's range is free, but the file system behind it (/dev/shm) has no room left
     /// to back it: writing there would kill the process with SIGBUS, so nothing was
     /// allocated. Free memory already backed (eviction) and try again.

@@ -138,6 +138,14 @@ impl Arena {
         self.kind
     }
 
+    /// `(device, inode)` of the shared-memory segment, for SHM arenas: what a mapping of it
+    /// under any name would show (see [`crate::ForeignSegment::file_id`]).
+    pub fn shm_file_id(&self) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = self.shm.as_ref()?.file().metadata().ok()?;
+        Some((meta.dev(), meta.ino()))
+    }
+
     /// The shared-memory segment name, for SHM arenas.
     pub fn shm_name(&self) -> Option<&str> {
         self.shm.as_ref().map(ShmSegment::name)

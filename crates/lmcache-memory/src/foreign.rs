@@ -20,7 +20,11 @@ use crate::shm::validate_name;
 #[derive(Debug)]
 pub struct ForeignSegment {
     name: String,
+    // Field order matters for drop: the guard unregisters before the mapping goes.
+    guard: crate::fault_guard::Guard,
     map: MmapRaw,
+    owner_uid: u32,
+    file_id: (u64, u64),
 }
 
 impl ForeignSegment {
@@ -36,7 +40,8 @@ impl ForeignSegment {
             nix::sys::mman::shm_open(format!("/{bare}").as_str(), OFlag::O_RDWR, Mode::empty())
                 .map_err(|e| MemoryError::os("shm_open (client segment)", e))?;
         let file = File::from(fd);
-        let actual = file.metadata().map_err(|e| MemoryError::os("fstat", e))?.len();
+        let meta = file.metadata().map_err(|e| MemoryError::os("fstat", e))?;
+        let actual = meta.len();
         if actual < len {
             return Err(MemoryError::InvalidSize { size: len, reason: "segment is shorter" });
         }
@@ -47,7 +52,30 @@ impl ForeignSegment {
             .len(len)
             .map_raw(&file)
             .map_err(|e| MemoryError::os("mmap client segment", e))?;
-        Ok(Self { name: bare.to_owned(), map })
+        let guard = crate::fault_guard::guard(map.as_ptr(), map.len());
+        use std::os::unix::fs::MetadataExt;
+        Ok(Self {
+            name: bare.to_owned(),
+            guard,
+            map,
+            owner_uid: meta.uid(),
+            file_id: (meta.dev(), meta.ino()),
+        })
+    }
+
+    /// The uid that owns the segment.
+    pub fn owner_uid(&self) -> u32 {
+        self.owner_uid
+    }
+
+    /// `(device, inode)` of the segment: the same for every name of one segment.
+    pub fn file_id(&self) -> (u64, u64) {
+        self.file_id
+    }
+
+    /// True once its owner shrank it under us (see [`crate::fault_guard`]): every copy fails.
+    pub fn truncated(&self) -> bool {
+        self.guard.faulted()
     }
 
     /// The segment's name.
@@ -66,6 +94,9 @@ impl ForeignSegment {
     }
 
     fn check(&self, offset: u64, len: usize) -> Result<usize, AllocError> {
+        if self.guard.faulted() {
+            return Err(AllocError::SegmentTruncated);
+        }
         let oob = AllocError::OutOfBounds { offset, len: len as u64, size: self.len() };
         let end = offset.checked_add(len as u64).ok_or(oob)?;
         if end > self.len() {
@@ -83,6 +114,10 @@ impl ForeignSegment {
         unsafe {
             std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
         };
+        // A SIGBUS during the copy (the owner shrank the segment) left zeros in `dst`.
+        if self.guard.faulted() {
+            return Err(AllocError::SegmentTruncated);
+        }
         Ok(())
     }
 
@@ -94,6 +129,9 @@ impl ForeignSegment {
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len())
         };
+        if self.guard.faulted() {
+            return Err(AllocError::SegmentTruncated);
+        }
         Ok(())
     }
 }
@@ -118,5 +156,33 @@ mod tests {
         assert!(ForeignSegment::open(&name, 8192).is_err(), "mapping beyond the segment");
         assert!(ForeignSegment::open("no_such_segment_xyz", 10).is_err());
         assert!(ForeignSegment::open("../etc/passwd", 10).is_err());
+    }
+
+    #[test]
+    fn a_segment_shrunk_under_us_fails_its_copies_instead_of_killing_the_process() {
+        let name = format!("lmcache_rs_test_shrunk_{}", std::process::id());
+        let owner = ShmSegment::create(&name, 1 << 20).unwrap();
+        let other_name = format!("lmcache_rs_test_intact_{}", std::process::id());
+        let _other_owner = ShmSegment::create(&other_name, 8192).unwrap();
+        let seg = ForeignSegment::open(&name, 1 << 20).unwrap();
+        let other = ForeignSegment::open(&other_name, 8192).unwrap();
+        seg.write(0, &[7; 4096]).unwrap();
+        assert_eq!(seg.owner_uid(), nix::unistd::geteuid().as_raw());
+        // The owner shrinks it to one page: every page past it is gone.
+        owner.file().set_len(4096).unwrap();
+        let mut buf = vec![0u8; 8192];
+        assert_eq!(seg.read(4096, &mut buf), Err(AllocError::SegmentTruncated));
+        assert!(seg.truncated());
+        assert_eq!(seg.write(8192, &[1; 100]), Err(AllocError::SegmentTruncated));
+        assert_eq!(seg.read(0, &mut buf[..10]), Err(AllocError::SegmentTruncated), "stays failed");
+        // Other segments are unaffected.
+        other.write(0, &[3; 8192]).unwrap();
+        other.read(0, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 3));
+        drop(seg);
+        // A new mapping of the (now small) segment within its size works.
+        let again = ForeignSegment::open(&name, 4096).unwrap();
+        again.read(0, &mut buf[..4096]).unwrap();
+        assert!(buf[..4096].iter().all(|&b| b == 7));
     }
 }

@@ -14,7 +14,8 @@
 //!   exact-size bins that make same-size allocation O(1), all-or-nothing batches. Pure logic,
 //!   no pointers.
 //! - [`foreign`]: [`ForeignSegment`], another process's shm segment, reached only by
-//!   bounds-checked raw copies.
+//!   bounds-checked raw copies; [`fault_guard`] turns the SIGBUS of a segment its owner
+//!   shrank under us into a failed copy.
 //! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
 //!   arena, gives `&[u8]`/`&mut [u8]` to it, and returns it to the allocator on drop.
 
@@ -22,6 +23,7 @@ pub mod allocation;
 pub mod allocator;
 pub mod arena;
 pub mod error;
+pub mod fault_guard;
 pub mod foreign;
 pub mod shm;
 

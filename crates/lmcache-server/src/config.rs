@@ -48,6 +48,10 @@ pub struct ServerConfig {
     pub l2_adapters: Vec<serde_json::Value>,
     /// Settings of the L2 store and prefetch controllers.
     pub l2: lmcache_storage::TierConfig,
+    /// LMCache-driven `cpu_shm` registrations may map only segments whose name starts with
+    /// this (after any leading `/`). `None`: any name (still only segments of the server's
+    /// uid, and never its own L1 pool).
+    pub allowed_shm_prefix: Option<String>,
 }
 
 impl ServerConfig {
@@ -75,6 +79,7 @@ impl ServerConfig {
             align: lmcache_memory::DEFAULT_ALIGN,
             l2_adapters: Vec::new(),
             l2: lmcache_storage::TierConfig::default(),
+            allowed_shm_prefix: None,
         }
     }
 

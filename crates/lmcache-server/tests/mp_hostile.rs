@@ -407,3 +407,58 @@ fn random_messages_to_every_op_get_one_reply_of_the_ops_type() {
     let mut c = client(&s);
     assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64, "server stopped serving");
 }
+
+/// LMCache-driven registrations map only segments of the server's uid, never its own L1
+/// pool, within --allowed-shm-prefix; a client that shrinks a mapped segment fails its own
+/// transfers and nothing else.
+#[test]
+fn client_segments_must_be_the_clients_own_and_may_not_shrink_under_us() {
+    let pool = format!("lmcache_rs_hostile_own_{}", std::process::id());
+    let s = Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        http_port: Some(0),
+        allowed_shm_prefix: Some("lmrs_ok_".into()),
+        ..ServerConfig::local(ArenaConfig {
+            size: 16 << 20,
+            backing: ArenaBacking::SharedMemory { name: pool.clone() },
+            mlock: false,
+        })
+    })
+    .unwrap();
+    let mut c = client(&s);
+    let pid = std::process::id();
+    let bytes = 2 * 8 * 16 * 2 * 8 * 2;
+    let reason = |c: &mut Client, id: u64, seg: &str| {
+        c.register_kv_cache(id, &[layer(seg, bytes, 8, 16, 2, 8)], "m", 1, &[]).unwrap();
+        refusal(&s, id).map(|r| r["reason"].as_str().unwrap().to_owned())
+    };
+    // Outside the prefix (checked before anything is opened).
+    let outside = format!("lmrs_other_{pid}");
+    let _o = ShmSegment::create(&outside, bytes).unwrap();
+    assert!(reason(&mut c, 1, &outside).unwrap().contains("--allowed-shm-prefix"));
+    // The server's own L1 pool, even under the prefix's rules: refused (without a prefix).
+    let s2 = shm_server("ownpool");
+    let own = s2.state().l1().memory().arena().shm_name().unwrap().to_owned();
+    let mut c2 = client(&s2);
+    c2.register_kv_cache(2, &[layer(&own, bytes, 8, 16, 2, 8)], "m", 1, &[]).unwrap();
+    let r = refusal(&s2, 2).expect("own pool accepted");
+    assert!(r["reason"].as_str().unwrap().contains("own L1 pool"), "{r}");
+    // A segment of another user.
+    let theirs = format!("lmrs_ok_theirs_{pid}");
+    let t = ShmSegment::create(&theirs, bytes).unwrap();
+    std::os::unix::fs::fchown(t.file(), Some(65534), Some(65534)).unwrap();
+    assert!(reason(&mut c, 3, &theirs).unwrap().contains("owned by uid 65534"));
+    // A good one registers; then its owner shrinks it: the store fails, the server lives.
+    let good = format!("lmrs_ok_good_{pid}");
+    let g = ShmSegment::create(&good, bytes).unwrap();
+    assert_eq!(reason(&mut c, 4, &good), None);
+    assert_eq!(store_request(&mut c, 4), Some(lmcache_protocol::types::transfer_result(true)));
+    g.file().set_len(0).unwrap();
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), "r2", vec![2; CHUNK], CHUNK);
+    let blocks = Value::Array(vec![Value::Array(vec![Value::from(1)])]);
+    let params = [key.for_worker(0).encode(), Value::from(4), blocks, Value::Binary(vec![])];
+    let r = c.call(Op::Store, &params).unwrap();
+    assert_eq!(r, Some(lmcache_protocol::types::transfer_result(false)), "a shrunk segment");
+    assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64, "the server died");
+    assert!(s.state().l1().usage().resident_objects == 1, "the failed store left an object");
+}

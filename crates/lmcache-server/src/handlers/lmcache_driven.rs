@@ -65,6 +65,34 @@ fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
     ProtocolError::OutOfRange { field: field.to_owned(), reason: reason.into() }
 }
 
+/// A client segment name the server may map: inside `--allowed-shm-prefix` when one is set.
+fn check_segment_name(state: &ServerState, name: &str) -> Result<(), String> {
+    let bare = name.strip_prefix('/').unwrap_or(name);
+    match &state.config.allowed_shm_prefix {
+        Some(p) if !bare.starts_with(p.as_str()) => {
+            Err(format!("segment {name:?} is outside --allowed-shm-prefix {p:?}"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A mapped client segment the server may use: owned by the server's own uid (a segment of
+/// another user is not this client's to hand over), and not the server's own L1 pool (which
+/// a client could otherwise have the server copy over itself).
+fn check_segment(state: &ServerState, name: &str, seg: &ForeignSegment) -> Result<(), String> {
+    let me = nix::unistd::geteuid().as_raw();
+    if seg.owner_uid() != me {
+        return Err(format!(
+            "segment {name:?} is owned by uid {}, not the server's uid {me}",
+            seg.owner_uid()
+        ));
+    }
+    if state.l1().memory().arena().shm_file_id() == Some(seg.file_id()) {
+        return Err(format!("segment {name:?} is the server's own L1 pool"));
+    }
+    Ok(())
+}
+
 /// The error of an operation from worker `id` that has no lmcache-driven registration: the
 /// refusal's reason when there was one.
 fn refused(state: &ServerState, id: u64) -> Option<ProtocolError> {
@@ -108,8 +136,11 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
                 let seg = match segments.get(&shm_name) {
                     Some(s) if s.len() >= nbytes => Arc::clone(s),
                     _ => {
+                        check_segment_name(state, &shm_name).map_err(|r| bad(&field, r))?;
                         let s = ForeignSegment::open(&shm_name, nbytes)
                             .map_err(|e| bad(&field, format!("cannot map {shm_name:?}: {e}")))?;
+                        // Nothing of it was touched yet: refusing now reads and writes nothing.
+                        check_segment(state, &shm_name, &s).map_err(|r| bad(&field, r))?;
                         let s = Arc::new(s);
                         segments.insert(shm_name.clone(), Arc::clone(&s));
                         s
