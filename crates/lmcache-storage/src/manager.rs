@@ -67,6 +67,16 @@ pub enum StorageError {
     /// An adapter spec was refused.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// An adapter's codec cannot serve a layout (e.g. fp8 bound to another element type).
+    #[error("L2 adapter {id} ({kind}) cannot store this layout: {reason}")]
+    Layout {
+        /// Its id.
+        id: u64,
+        /// Its type.
+        kind: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// What a delete did, tier by tier.
@@ -323,6 +333,13 @@ impl StorageManager {
     /// and attaches it at the lowest priority; returns its id.
     pub async fn add_adapter(&self, spec: Value) -> Result<u64, StorageError> {
         Ok(self.tier()?.add_adapter_async(spec).await?)
+    }
+
+    /// Tells the L2 codecs the element type of a layout a worker registers (fp8 quantizes
+    /// by it): Err when an adapter cannot serve it, and then nothing changed. No-op without L2.
+    pub fn bind_layout_dtype(&self, dtype: lmcache_core::Dtype) -> Result<(), StorageError> {
+        let Some(t) = &self.l2 else { return Ok(()) };
+        t.bind_dtype(dtype).map_err(|(id, kind, reason)| StorageError::Layout { id, kind, reason })
     }
 
     /// Detaches and closes adapter `id`.

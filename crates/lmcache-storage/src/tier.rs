@@ -418,6 +418,8 @@ pub(crate) struct Shared {
     pub(crate) processed: Mutex<u64>,
     pub(crate) progress: parking_lot::Condvar,
     next_id: AtomicU64,
+    /// Element types of the layouts registered so far: adapters added later bind them too.
+    dtypes: Mutex<Vec<lmcache_core::Dtype>>,
 }
 
 impl Shared {
@@ -588,6 +590,7 @@ impl L2Tier {
             processed: Mutex::new(0),
             progress: parking_lot::Condvar::new(),
             next_id: AtomicU64::new(0),
+            dtypes: Mutex::new(Vec::new()),
         });
         for b in built {
             let id = shared.next_id.fetch_add(1, Ordering::Relaxed);
@@ -640,7 +643,7 @@ impl L2Tier {
         let built =
             std::thread::scope(|s| s.spawn(|| self.rt.block_on(config::build(index, spec))).join())
                 .map_err(|_| ConfigError::field("l2-adapter", "adapter construction panicked"))??;
-        Ok(self.attach(built))
+        self.attach(built)
     }
 
     /// As [`Self::add_adapter`], awaited from any async runtime: the backend is connected on
@@ -652,17 +655,40 @@ impl L2Tier {
             .on_tier(async move { config::build(index, &spec).await })
             .await
             .map_err(|e| ConfigError::field("l2-adapter", e.to_string()))??;
-        Ok(self.attach(built))
+        self.attach(built)
     }
 
-    fn attach(&self, built: BuiltAdapter) -> u64 {
+    /// Binds a registered layout's element type to every adapter's codec (fp8 quantizes by
+    /// it), all or none: `Err((adapter id, kind, reason))` when one cannot serve it.
+    pub fn bind_dtype(&self, dtype: lmcache_core::Dtype) -> Result<(), (u64, String, String)> {
+        let adapters = self.adapters();
+        for dry_run in [true, false] {
+            for s in &adapters {
+                s.built
+                    .codec
+                    .bind_dtype(dtype, dry_run)
+                    .map_err(|r| (s.id, s.built.kind.clone(), r))?;
+            }
+        }
+        let mut d = self.shared.dtypes.lock();
+        if !d.contains(&dtype) {
+            d.push(dtype);
+        }
+        Ok(())
+    }
+
+    fn attach(&self, built: BuiltAdapter) -> Result<u64, ConfigError> {
+        // An adapter added at run time serves the layouts already registered.
+        for &d in self.shared.dtypes.lock().iter() {
+            built.codec.bind_dtype(d, false).map_err(|r| ConfigError::field("serde", r))?;
+        }
         let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
         let slot = Arc::new(AdapterSlot::new(id, built));
         warn_isolated(&slot);
         self.shared.adapters.write().push(slot.clone());
         self.rt.spawn(seed(self.shared.clone(), slot));
         tracing::info!(id, "L2 adapter added");
-        id
+        Ok(id)
     }
 
     /// Detaches adapter `id` (in-flight operations on it finish; new ones go elsewhere) and

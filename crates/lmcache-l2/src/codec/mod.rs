@@ -6,7 +6,7 @@
 //! | `lz4` | 1 | yes | fast compression |
 //! | `zstd` | 2 | yes | `level` (default 1) |
 //! | `aesgcm` | 3 | yes | AES-256-GCM, key per cache_salt (HKDF-SHA256 of `master_key_path`), the wire key bound as associated data |
-//! | `fp8` | 4 | **no** | e4m3 with one f32 scale per `block_size` elements of `dtype`; opt-in |
+//! | `fp8` | 4 | **no** | e4m3 with one f32 scale per `block_size` elements of the registered layout's dtype (bound at the first registration, or `dtype`; other dtypes refused); NaN kept, an infinity refuses the object; opt-in |
 
 mod aes;
 mod fp8;
@@ -90,6 +90,20 @@ impl Codec {
                 "serde.type",
                 format!("unknown codec {other:?} (none|lz4|zstd|aesgcm|fp8)"),
             )),
+        }
+    }
+
+    /// Binds the element type of a registered layout (fp8 quantizes by it; the other codecs
+    /// are byte-exact and take any). Err when this codec cannot serve `dtype`; with
+    /// `dry_run` nothing is bound.
+    pub fn bind_dtype(&self, dtype: lmcache_core::Dtype, dry_run: bool) -> Result<(), String> {
+        match self {
+            Self::Fp8(c) => {
+                let d = KvDtype::of_layout(dtype)
+                    .ok_or_else(|| format!("the fp8 codec cannot quantize {dtype} objects"))?;
+                if dry_run { c.can_bind(d) } else { c.bind(d) }
+            }
+            _ => Ok(()),
         }
     }
 

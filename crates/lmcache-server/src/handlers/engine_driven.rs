@@ -79,6 +79,12 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                         .into(),
                 }));
             };
+            if let Err(e) = state.storage.bind_layout_dtype(layout.dtype) {
+                return Err(refuse(ProtocolError::OutOfRange {
+                    field: "payload.dtype_str".into(),
+                    reason: e.to_string(),
+                }));
+            }
             // First stores should not pay for untouched memory: commit a few objects ahead.
             state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
             state.registry.register(

@@ -180,6 +180,9 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
         hidden: geo.hidden,
         dtype: geo.dtype,
     };
+    state.storage.bind_layout_dtype(layout.dtype).map_err(|e| {
+        bad("kv_cache", format!("{e}; use another serde codec for {}", layout.dtype))
+    })?;
     tracing::info!(instance_id = id, model = %model, world_size, layers = layers.len(), shape = ?layout.shape(), dtype = %geo.dtype, "lmcache-driven worker registered");
     // First stores should not pay for untouched memory: commit a few objects ahead.
     state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
