@@ -75,7 +75,12 @@ impl Client {
 
     /// Receives one raw reply, or `None` on timeout.
     pub fn recv_frames(&self) -> Result<Option<Vec<Vec<u8>>>, ClientError> {
-        let ms = i64::try_from(self.timeout.as_millis()).unwrap_or(i64::MAX);
+        self.recv_frames_within(self.timeout)
+    }
+
+    /// Receives one raw reply, or `None` if none arrives within `wait`.
+    pub fn recv_frames_within(&self, wait: Duration) -> Result<Option<Vec<Vec<u8>>>, ClientError> {
+        let ms = i64::try_from(wait.as_millis()).unwrap_or(i64::MAX);
         if self.sock.poll(zmq::POLLIN, ms)? == 0 {
             return Ok(None);
         }

@@ -187,6 +187,32 @@ fn metrics_use_lmcache_names() {
     assert!(rss > 1e6, "implausible RSS {rss}");
 }
 
+/// `(method, path)` of every route in the router's source, path parameters filled in.
+fn declared_routes() -> Vec<(String, String)> {
+    let src = include_str!("../src/http/mod.rs");
+    let body = &src[src.find("Router::new()").unwrap()..];
+    let body = &body[..body.find(".layer(").unwrap()];
+    let mut out = Vec::new();
+    for part in body.split(".route(").skip(1) {
+        let path = part.split('"').nth(1).unwrap();
+        let path = path
+            .replace("{backend}", "lmcache")
+            .replace("{operation}", "add")
+            .replace("{salt}", "tenant")
+            .replace("{request_id}", "x");
+        let calls = part.split_once(',').unwrap().1;
+        for (call, method) in
+            [("get(", "GET"), ("post(", "POST"), ("put(", "PUT"), ("delete(", "DELETE")]
+        {
+            let direct = calls.trim_start().starts_with(call);
+            if direct || calls.contains(&format!(".{call}")) {
+                out.push((method.to_owned(), path.clone()));
+            }
+        }
+    }
+    out
+}
+
 #[test]
 fn bearer_token_guards_every_route_but_healthcheck() {
     let arena = ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false };
@@ -197,12 +223,50 @@ fn bearer_token_guards_every_route_but_healthcheck() {
     })
     .unwrap();
     assert_eq!(http(&s, "GET", "/healthcheck", None).0, 200, "health must stay open");
-    for (method, path) in
-        [("GET", "/status"), ("GET", "/metrics"), ("POST", "/cache/clear"), ("GET", "/quota")]
-    {
-        let (code, body) = http(&s, method, path, None);
-        assert_eq!(code, 401, "{method} {path} open without a token");
-        assert!(body.contains("authorization"), "{body}");
+    // Every route the router declares (read from its source, so a new route is covered the
+    // day it is added), every method of it, with a body that would do something.
+    let key = lmcache_core::ObjectKey::new([9; 32], "m", 1, 0, 0, "").unwrap();
+    let w = s.state().l1().reserve_write(&[lmcache_l1::WriteRequest::new(key.clone(), 4096)]);
+    w.into_iter().next().unwrap().unwrap().commit().unwrap();
+    let routes = declared_routes();
+    assert!(routes.len() >= 20, "the route list looks wrong: {routes:?}");
+    let body = |path: &str| -> Option<String> {
+        Some(match path {
+            p if p.starts_with("/cache/objects") => format!(
+                r#"{{"keys": [{{"chunk_hash_hex": "{}", "model_name": "m", "kv_rank": {}, "object_group_id": 0, "cache_salt": ""}}], "force": true}}"#,
+                key.chunk_hash.to_hex(),
+                key.kv_rank.packed()
+            ),
+            p if p.starts_with("/quota/") => r#"{"limit_gb": 1}"#.into(),
+            p if p.contains("/l2/") => r#"{"type": "mock", "max_size_gb": 1}"#.into(),
+            _ => "{}".into(),
+        })
+    };
+    for (method, path) in &routes {
+        if path == "/healthcheck" {
+            continue;
+        }
+        let (code, text) = http(&s, method, path, body(path).as_deref());
+        assert_eq!(code, 401, "{method} {path} open without a token: {text}");
+        assert!(text.contains("authorization"), "{text}");
+    }
+    // Nothing any of them asked for happened.
+    assert!(s.state().l1().contains(&key), "an unauthorized delete or clear removed an object");
+    let quotas = s.state().storage.quotas(lmcache_storage::TierName::L1).unwrap();
+    assert!(quotas.is_empty(), "an unauthorized caller set a quota");
+    assert!(s.state().storage.describe_l2().is_empty(), "an unauthorized caller added an adapter");
+    // With the token every route answers (whatever it answers, it is not 401).
+    for (method, path) in &routes {
+        let b = body(path).unwrap_or_default();
+        let mut c = TcpStream::connect(s.http_addr().unwrap()).unwrap();
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer s3cret\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{b}",
+            b.len()
+        );
+        c.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        c.read_to_string(&mut out).unwrap();
+        assert_ne!(&out[9..12], "401", "{method} {path} refused the right token: {out}");
     }
     let addr = s.http_addr().unwrap();
     for (token, want) in [("s3cret", "200"), ("s3cres", "401"), ("s3cret2", "401")] {

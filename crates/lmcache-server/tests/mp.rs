@@ -295,7 +295,8 @@ fn kv_event_stream_announces_stores_and_removals_with_credits() {
     // No credit left: a store is not delivered until the ack.
     let key = CacheKey::whole(model_m(), "r", tokens(4, 32), CHUNK);
     store(&mut c, &pool, &key.for_worker(0), 3, |_| 5);
-    std::thread::sleep(Duration::from_millis(50));
+    let early = sub.recv_frames_within(Duration::from_millis(300)).unwrap();
+    assert_eq!(early, None, "a batch arrived before the ack granted a credit");
     sub.send_frames(&[uid.clone(), Vec::new(), b"ack".to_vec()]).unwrap();
     let got = sub.recv_frames().unwrap().expect("stored events after the ack");
     let (events, cursor) = batch_events(&got);

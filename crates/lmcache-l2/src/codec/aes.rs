@@ -157,6 +157,30 @@ mod tests {
         assert_ne!(c.seal(&a, b"secret kv").unwrap(), ct, "nonce reused");
     }
 
+    /// The per-salt keys themselves differ: with the same nonce and the same associated data
+    /// (so only the key can tell them apart), salt b's cipher neither reproduces salt a's
+    /// ciphertext nor opens it. (The test above would pass on the associated data alone.)
+    #[test]
+    fn two_salts_get_two_keys_not_just_two_labels() {
+        let c = AesGcmCodec::new([1; 32], PathBuf::new());
+        let nonce = Nonce::from([7u8; NONCE]);
+        let p = |msg: &'static [u8]| Payload { msg, aad: b"same associated data" };
+        let ct_a = c.cipher("a").encrypt(&nonce, p(b"secret kv")).unwrap();
+        let ct_b = c.cipher("b").encrypt(&nonce, p(b"secret kv")).unwrap();
+        assert_ne!(ct_a, ct_b, "salts a and b encrypt with one key");
+        let opened =
+            c.cipher("b").decrypt(&nonce, Payload { msg: &ct_a, aad: b"same associated data" });
+        assert!(opened.is_err(), "salt b's key opened salt a's ciphertext");
+        // And the derivation is stable: the same salt gets the same key again.
+        let again =
+            c.cipher("a").decrypt(&nonce, Payload { msg: &ct_a, aad: b"same associated data" });
+        assert_eq!(again.unwrap(), b"secret kv");
+        let fresh = AesGcmCodec::new([1; 32], PathBuf::new());
+        assert_eq!(fresh.cipher("a").encrypt(&nonce, p(b"secret kv")).unwrap(), ct_a);
+        // The empty salt is a salt like any other.
+        assert_ne!(c.cipher("").encrypt(&nonce, p(b"secret kv")).unwrap(), ct_a);
+    }
+
     #[test]
     fn hex_and_raw_keys_parse() {
         assert_eq!(parse_key(&[7; 32]), Some([7; 32]));
