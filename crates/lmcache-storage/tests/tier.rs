@@ -178,6 +178,69 @@ fn corrupt_truncated_and_failing_loads_are_misses_never_wrong_bytes() {
     }
 }
 
+/// Faults on store, lookup and load, at rates from 0 to 1, in every mode that applies: every
+/// key the injector chose stays out of L1 (not only the first of a prefix), every other key
+/// comes back with its own bytes (or, once failures mark the adapter down, misses), and each
+/// is prefetched on its own so one fault cannot hide another behind a prefix miss.
+#[test]
+fn faults_at_any_rate_never_let_a_faulty_key_into_l1() {
+    use lmcache_l2::adapters::fault_inject::chosen_by;
+    const N: u32 = 48;
+    let cases: &[(&str, &[&str])] = &[
+        ("store", &["fail"]),
+        ("lookup", &["fail", "miss"]),
+        ("load", &["fail", "miss", "corrupt", "truncate"]),
+    ];
+    for &(op, modes) in cases {
+        for &mode in modes {
+            for rate in [0.0, 0.1, 0.5, 0.9, 1.0] {
+                let seed = 7 + (rate * 100.0) as u64;
+                let l1 = l1(64 << 20);
+                let spec = json!({"type": "fault_inject", "rate": rate, "seed": seed,
+                    "mode": mode, "ops": [op], "inner": {"type": "mock", "max_size_gb": 1}});
+                let tier = L2Tier::start(l1.clone(), &[spec], TierConfig::default()).unwrap();
+                for i in 0..N {
+                    put(&l1, i);
+                }
+                tier.submit_store((0..N).map(key));
+                wait_stored(&tier, u64::from(N));
+                l1.clear(true);
+                let (mut faulted, mut sound_hits) = (0, 0);
+                for i in 0..N {
+                    let chosen = chosen_by(seed, rate, &key(i));
+                    faulted += u32::from(chosen);
+                    let out = tier.prefetch_blocking(PrefetchRequest {
+                        shards: vec![vec![key(i)]],
+                        readers: 1,
+                    });
+                    let case = format!("{op}/{mode} at {rate}, key {i}");
+                    if chosen {
+                        assert_eq!(out.hits, 0, "{case}: a faulted key hit");
+                        assert!(!l1.contains(&key(i)), "{case}: a faulted key entered L1");
+                    } else if out.hits == 1 {
+                        assert_eq!(out.leases[0][0].bytes(), &pattern(i)[..], "{case}: bytes");
+                        sound_hits += 1;
+                    } else {
+                        // Failing operations (not misses or bad bytes) count against the
+                        // adapter's health: once marked down, sound keys miss too.
+                        assert_eq!(mode, "fail", "{case}: a sound key missed");
+                    }
+                }
+                if rate <= 0.5 {
+                    assert!(sound_hits > 0, "{op}/{mode} at {rate}: nothing came back");
+                }
+                let want = match rate {
+                    0.0 => 0..=0,
+                    1.0 => N..=N,
+                    _ => 1..=N - 1,
+                };
+                assert!(want.contains(&faulted), "{op}/{mode} at {rate}: {faulted} chosen");
+                l1.check_invariants().unwrap();
+            }
+        }
+    }
+}
+
 #[test]
 fn higher_priority_adapter_serves_and_lower_fills_gaps() {
     let l1 = l1(64 << 20);

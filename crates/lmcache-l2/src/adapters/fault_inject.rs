@@ -56,6 +56,18 @@ pub struct FaultConfig {
     pub mode: FaultMode,
 }
 
+/// True when a fault injector with `seed` and `rate` chooses `key` (for the operations it
+/// faults): what tests use to know which keys to expect faulted.
+pub fn chosen_by(seed: u64, rate: f64, key: &ObjectKey) -> bool {
+    if rate <= 0.0 {
+        return false;
+    }
+    let mut s = seed.to_le_bytes().to_vec();
+    s.extend_from_slice(wire_key::encode(key).as_bytes());
+    let h = crate::blob::xxh3_64(&s);
+    (h as f64 / u64::MAX as f64) < rate
+}
+
 /// The fault-injecting wrapper.
 #[derive(Debug)]
 pub struct FaultInjectAdapter {
@@ -76,13 +88,7 @@ impl FaultInjectAdapter {
     }
 
     fn chosen(&self, op: FaultOp, key: &ObjectKey) -> bool {
-        if !self.config.ops.contains(&op) || self.config.rate <= 0.0 {
-            return false;
-        }
-        let mut s = self.config.seed.to_le_bytes().to_vec();
-        s.extend_from_slice(wire_key::encode(key).as_bytes());
-        let h = crate::blob::xxh3_64(&s);
-        (h as f64 / u64::MAX as f64) < self.config.rate
+        self.config.ops.contains(&op) && chosen_by(self.config.seed, self.config.rate, key)
     }
 
     fn check_up(&self) -> Result<(), L2Error> {
