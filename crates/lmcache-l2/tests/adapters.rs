@@ -272,6 +272,51 @@ fn raw_block_conforms_with_and_without_odirect() {
     });
 }
 
+/// The checkpoint area must hold the index of a full device: a geometry where it cannot
+/// (even with the shortest keys) is refused up front, naming the size to use; keys longer
+/// than that make a checkpoint drop the oldest entries instead of failing every store (and
+/// every restart) from then on. (A full 200-slot device with 64 KiB of metadata could not
+/// be reopened after a crash.)
+#[test]
+fn raw_block_checkpoints_always_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = |meta: u64, slots: u64, name: &str| {
+        json!({"type": "raw_block", "device_path": dir.path().join(name), "slot_bytes": 8192,
+            "capacity_bytes": meta + slots * 8192, "meta_total_bytes": meta})
+    };
+    rt().block_on(async {
+        let e = config::build(0, &spec(64 << 10, 200, "small")).await.unwrap_err();
+        assert!(e.to_string().contains("use at least"), "{e}");
+        assert!(!dir.path().join("small").exists(), "a refused geometry created its file");
+        // 64 slots fit 64 KiB of metadata with short keys; 200-character model names do not:
+        // the journal (4 KiB records = 256) fills, the checkpoint keeps what fits.
+        let b = build(spec(64 << 10, 64, "long")).await;
+        let long = "x".repeat(200);
+        let k = |i: u32| {
+            let mut h = [0u8; 32];
+            h[..4].copy_from_slice(&i.to_le_bytes());
+            ObjectKey::new(h, &long, 1, 0, 0, "").unwrap()
+        };
+        for i in 0..600 {
+            let blob = b.codec.encode(&k(i), Bytes::from(payload(i, 1000))).unwrap();
+            let r = b.adapter.store(vec![(k(i), blob)]).await.pop().unwrap();
+            assert!(r.is_ok(), "store {i}: {r:?}");
+        }
+        b.adapter.close().await;
+        let b = build(spec(64 << 10, 64, "long")).await;
+        let keys: Vec<ObjectKey> = (0..600).map(k).collect();
+        let found = b.adapter.lookup(&keys).await.unwrap();
+        let n = found.iter().filter(|&&f| f).count();
+        assert!((20..=64).contains(&n), "{n} keys after reopening");
+        assert!(found[599], "the newest key was dropped");
+        for (i, r) in b.adapter.load(&keys).await.into_iter().enumerate() {
+            if let Some(bytes) = r.unwrap() {
+                assert_eq!(b.codec.decode(&keys[i], &bytes).unwrap(), payload(i as u32, 1000));
+            }
+        }
+    });
+}
+
 #[test]
 fn raw_block_evicts_oldest_when_full_and_refuses_foreign_devices() {
     let dir = tempfile::tempdir().unwrap();

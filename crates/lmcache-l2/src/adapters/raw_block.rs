@@ -44,6 +44,9 @@ const REC_MAGIC: u32 = 0x4a52_4e31;
 const REC: usize = 64;
 const OP_PUT: u8 = 1;
 const OP_DEL: u8 = 2;
+/// Checkpoint bytes of one entry with the shortest key: slot, length and checksum (24),
+/// key length (2), and the wire key of a one-letter model without salt (77).
+const MIN_CKPT_ENTRY: u64 = 24 + 2 + 77;
 
 /// Settings of the raw_block adapter.
 #[derive(Debug, Clone)]
@@ -188,6 +191,17 @@ impl Geometry {
             ));
         }
         let slots = (capacity - c.meta_total_bytes) / c.slot_bytes;
+        // A checkpoint of a full device must fit its container, at least with the shortest
+        // keys; longer keys make the checkpoint drop the oldest entries (see `checkpoint`).
+        let need = slots.saturating_mul(MIN_CKPT_ENTRY).saturating_add(4096);
+        if ckpt_len < need {
+            let meta = c.meta_total_bytes;
+            let want = (need * 2 + journal_off + meta / 4).next_multiple_of(a) * 4 / 3;
+            return Err(format!(
+                "meta_total_bytes {meta} cannot checkpoint the index of {slots} slots (each \
+                 checkpoint container needs at least {need} bytes); use at least {want}"
+            ));
+        }
         Ok(Self {
             align: a,
             slot: c.slot_bytes,
@@ -500,6 +514,29 @@ impl Inner {
 
     fn checkpoint(&self, st: &mut State) -> Result<(), L2Error> {
         let g = self.geo;
+        // Keys too long for the container: drop the oldest entries (it is a cache; their
+        // slots become free) rather than fail every store, or every restart, from now on.
+        let size = |k: &ObjectKey| 26 + wire_key::encode(k).len() as u64;
+        let mut total: u64 = st.index.keys().map(size).sum();
+        let mut dropped = 0u64;
+        while total > g.ckpt_len - 4096 {
+            let Some(victim) = st.order.pop_front() else { break };
+            if let Some(k) = st.by_slot.remove(&victim) {
+                total -= size(&k);
+                st.index.remove(&k);
+                st.free.push(victim);
+                st.evictions += 1;
+                dropped += 1;
+            }
+        }
+        if dropped > 0 {
+            tracing::warn!(
+                dropped,
+                path = %self.config.device_path.display(),
+                "raw_block: keys too long for the checkpoint area; dropped the oldest entries \
+                 (raise meta_total_bytes)"
+            );
+        }
         let mut p = Vec::with_capacity(st.index.len() * 128);
         for (k, e) in &st.index {
             let wk = wire_key::encode(k);
