@@ -6,6 +6,7 @@
 #![allow(missing_docs, clippy::allow_attributes)]
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use lmcache_core::ObjectKey;
@@ -506,6 +507,43 @@ fn s3_conforms_including_multipart_and_listing() {
         assert_eq!(theirs.keys.len(), foreign.len(), "the prefixed adapter lists its own keys");
         b.adapter.delete(&keys).await.unwrap();
         other.adapter.delete(&foreign).await.unwrap();
+    });
+}
+
+/// A store cancelled in the middle of a multipart upload (its caller gave up) leaves no
+/// incomplete upload in the bucket: the upload runs to its end, or is aborted.
+#[test]
+fn s3_a_cancelled_multipart_upload_leaves_nothing_behind() {
+    let Some(endpoint) = external("LMCACHE_RS_TEST_S3") else { return };
+    let uploads = || {
+        let url = format!("{endpoint}/lmcache-rs-test?uploads");
+        ureq::get(&url).call().unwrap().into_body().read_to_string().unwrap()
+    };
+    rt().block_on(async {
+        let spec = json!({"type": "s3", "endpoint_url": endpoint, "bucket": "lmcache-rs-test",
+            "aws_access_key_id": "test", "aws_secret_access_key": "test",
+            "multipart_threshold_bytes": 6 << 20, "part_size_bytes": 5 << 20});
+        let b = build(spec).await;
+        for (i, after_ms) in [(4242u32, 5u64), (4243, 60), (4244, 200)] {
+            let k = key(i, "");
+            let hex = k.chunk_hash.to_hex();
+            let blob = b.codec.encode(&k, Bytes::from(payload(i, 24 << 20))).unwrap();
+            let store = b.adapter.store(vec![(k.clone(), blob)]);
+            let cancelled = tokio::time::timeout(Duration::from_millis(after_ms), store).await;
+            let t0 = Instant::now();
+            while uploads().contains(&hex) {
+                assert!(t0.elapsed() < Duration::from_secs(30), "an incomplete upload was left");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            // Whole or absent, never torn.
+            match b.adapter.load(std::slice::from_ref(&k)).await.pop().unwrap().unwrap() {
+                Some(bytes) => {
+                    assert_eq!(b.codec.decode(&k, &bytes).unwrap(), payload(i, 24 << 20))
+                }
+                None => assert!(cancelled.is_err(), "a store that returned is missing"),
+            }
+            let _ = b.adapter.delete(&[k]).await;
+        }
     });
 }
 

@@ -142,12 +142,22 @@ impl S3Adapter {
             let payload = PutPayload::from_iter([blob.header, blob.payload]);
             self.store.put(&path, payload).await.map_err(map_err)?;
         } else {
-            let upload = self.store.put_multipart(&path).await.map_err(map_err)?;
-            let mut w = WriteMultipart::new_with_chunk_size(upload, self.config.part_size);
-            w.put(blob.header);
-            w.put(blob.payload);
-            if let Err(e) = w.finish().await {
-                return Err(map_err(e));
+            // The upload runs in a task of its own: if this store is cancelled (a batch that
+            // timed out, a shutdown), the upload still completes, or fails and is aborted
+            // (`finish` aborts on error), so no incomplete multipart upload (invisible, and
+            // billed) is left in the bucket.
+            let (store, part_size) = (Arc::clone(&self.store), self.config.part_size);
+            let task = tokio::spawn(async move {
+                let upload = store.put_multipart(&path).await?;
+                let mut w = WriteMultipart::new_with_chunk_size(upload, part_size);
+                w.put(blob.header);
+                w.put(blob.payload);
+                w.finish().await
+            });
+            match task.await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(map_err(e)),
+                Err(e) => return Err(L2Error::transient(format!("multipart upload task: {e}"))),
             }
         }
         Ok(Stored::Written(len as u64))
