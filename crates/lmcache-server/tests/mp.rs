@@ -508,6 +508,44 @@ fn requests_on_the_same_prefix_never_touch_each_others_transfers() {
     assert_eq!(s.state().l1().usage().locked_objects, 0);
 }
 
+/// commit_store answers true only when every chunk its prepare reserved became visible: a
+/// client whose reservations expired (it took longer than the write lease) hears false, and
+/// the chunks are not visible.
+#[test]
+fn commit_store_is_false_when_a_reservation_expired() {
+    let arena = ArenaConfig {
+        size: 16 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_mp_test_expire_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let s = Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        l1: lmcache_l1::L1Config {
+            write_ttl: Duration::from_millis(100),
+            maintenance_interval: Duration::from_millis(20),
+            ..lmcache_l1::L1Config::default()
+        },
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
+    let mut c = client(&s);
+    let pool = register(&mut c, 9, 1);
+    let key = CacheKey::whole(model_m(), "slow", tokens(41, 32), CHUNK).for_worker(0);
+    let slots = c.prepare_store(&key, 9).unwrap();
+    assert_eq!(slots.len(), 2);
+    std::thread::sleep(Duration::from_millis(400));
+    for (i, slot) in &slots {
+        pool.write(slot.offset, &vec![*i as u8; slot.length as usize]).unwrap();
+    }
+    assert!(!c.commit_store(&key, 9).unwrap(), "expired reservations reported committed");
+    let q = CacheKey::whole(model_m(), "q", tokens(41, 32), CHUNK);
+    assert_eq!(c.lookup(&q).unwrap(), 0);
+    // In time, the same store commits.
+    assert_eq!(store(&mut c, &pool, &key, 9, |i| i as u8), 2);
+}
+
 /// A retrieve hands out slots only for objects of the layout its instance registered: an
 /// object stored by an instance with another layout is never given as a slot of the wrong
 /// length.
