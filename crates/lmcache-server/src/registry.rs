@@ -123,7 +123,19 @@ pub enum Family {
     EngineDriven,
 }
 
+/// A map's entries with their family and instance id, by instance id.
+fn by_instance<T: Clone>(map: &HashMap<(bool, u64), T>) -> Vec<(Family, u64, T)> {
+    let mut v: Vec<_> =
+        map.iter().map(|((ed, id), x)| (Family::of_key(*ed), *id, x.clone())).collect();
+    v.sort_by_key(|x| x.1);
+    v
+}
+
 impl Family {
+    fn of_key(engine_driven: bool) -> Self {
+        if engine_driven { Family::EngineDriven } else { Family::LmcacheDriven }
+    }
+
     /// The transfer mode's name, as `/status` shows it.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -171,17 +183,7 @@ impl Registry {
 
     /// Every refusal, by instance id.
     pub fn refusals(&self) -> Vec<(Family, u64, Refusal)> {
-        let mut v: Vec<_> = self
-            .refused
-            .read()
-            .iter()
-            .map(|((ed, id), r)| {
-                let fam = if *ed { Family::EngineDriven } else { Family::LmcacheDriven };
-                (fam, *id, r.clone())
-            })
-            .collect();
-        v.sort_by_key(|x| x.1);
-        v
+        by_instance(&self.refused.read())
     }
 
     /// A registration, refreshing its liveness.
@@ -234,17 +236,7 @@ impl Registry {
 
     /// Every registration, with its instance id and family.
     pub fn snapshot(&self) -> Vec<(Family, u64, Instance)> {
-        let mut v: Vec<_> = self
-            .instances
-            .read()
-            .iter()
-            .map(|((ed, id), i)| {
-                let fam = if *ed { Family::EngineDriven } else { Family::LmcacheDriven };
-                (fam, *id, i.clone())
-            })
-            .collect();
-        v.sort_by_key(|x| x.1);
-        v
+        by_instance(&self.instances.read())
     }
 
     /// `(family, instance id, model, world size)` of every registration.
@@ -253,10 +245,7 @@ impl Registry {
             .instances
             .read()
             .iter()
-            .map(|((ed, id), i)| {
-                let fam = if *ed { Family::EngineDriven } else { Family::LmcacheDriven };
-                (fam, *id, i.model.to_string(), i.world_size)
-            })
+            .map(|((ed, id), i)| (Family::of_key(*ed), *id, i.model.to_string(), i.world_size))
             .collect();
         v.sort_by_key(|x| x.1);
         v

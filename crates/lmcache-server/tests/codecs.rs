@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use half::{bf16, f16};
-use lmcache_client::{CacheKey, Client, EngineDrivenRegistration};
+use lmcache_client::{CacheKey, Client};
 use lmcache_core::{Dtype, ModelName};
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
 use lmcache_server::{Server, ServerConfig};
@@ -35,17 +35,7 @@ fn server(tag: &str, serde: Value) -> Server {
 }
 
 fn register(c: &mut Client, id: u64, model: &str, dtype: Dtype) -> Option<ForeignSegment> {
-    let reg = EngineDrivenRegistration {
-        instance_id: id,
-        model_name: ModelName::new(model).unwrap(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 32,
-        dtype,
-        use_mla: false,
-        num_physical_slots: None,
-    };
+    let reg = common::small_registration(id, model, dtype);
     let pool = c.register_engine_driven(&reg).unwrap();
     (pool.pool_size > 0).then(|| ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap())
 }

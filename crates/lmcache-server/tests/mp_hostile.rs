@@ -148,17 +148,7 @@ fn engine_driven_registrations_the_pool_cannot_serve_are_refused() {
     // this server does not serve, so every store would fail. Refused at registration.
     let s = server(ArenaBacking::Anonymous);
     let mut c = client(&s);
-    let reg = lmcache_client::EngineDrivenRegistration {
-        instance_id: 4,
-        model_name: ModelName::new("m").unwrap(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 32,
-        dtype: Dtype::Float16,
-        use_mla: false,
-        num_physical_slots: None,
-    };
+    let reg = common::small_registration(4, "m", Dtype::Float16);
     let pool = c.register_engine_driven(&reg).unwrap();
     assert_eq!((pool.shm_name.as_str(), pool.pool_size), ("", 0));
     let r = refusal(&s, 4).expect("refused");

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use lmcache_client::{CacheKey, Client, EngineDrivenRegistration};
+use lmcache_client::{CacheKey, Client};
 use lmcache_core::{CacheSalt, Dtype, ModelName};
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
 use lmcache_server::{Server, ServerConfig};
@@ -104,17 +104,7 @@ fn one_salt_never_reads_another_salts_objects() {
     })
     .unwrap();
     let mut c = Client::connect(s.endpoint(), Duration::from_secs(5)).unwrap();
-    let reg = EngineDrivenRegistration {
-        instance_id: ID,
-        model_name: model(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 32,
-        dtype: Dtype::Float16,
-        use_mla: false,
-        num_physical_slots: None,
-    };
+    let reg = common::small_registration(ID, "m", Dtype::Float16);
     let pool = c.register_engine_driven(&reg).unwrap();
     let pool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
 

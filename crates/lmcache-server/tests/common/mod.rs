@@ -7,6 +7,26 @@ use std::time::Duration;
 
 use lmcache_server::Server;
 
+/// An engine-driven registration of a small model (`[2, 2 layers, chunk slots, 32]`, blocks
+/// of 16 tokens, one shard).
+pub fn small_registration(
+    instance_id: u64,
+    model: &str,
+    dtype: lmcache_core::Dtype,
+) -> lmcache_protocol::types::EngineDrivenRegistration {
+    lmcache_protocol::types::EngineDrivenRegistration {
+        instance_id,
+        model_name: lmcache_core::ModelName::new(model).unwrap(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 2,
+        hidden_dim_size: 32,
+        dtype,
+        use_mla: false,
+        num_physical_slots: None,
+    }
+}
+
 /// One request to the server's HTTP API, waiting at most `timeout` for the answer; returns
 /// (status, body).
 pub fn http_raw(
