@@ -503,7 +503,11 @@ fn build_inner(
                             Some("store") => Ok(FaultOp::Store),
                             Some("lookup") => Ok(FaultOp::Lookup),
                             Some("load") => Ok(FaultOp::Load),
-                            _ => Err(ConfigError::field("ops", format!("{o}: store|lookup|load"))),
+                            Some("delete") => Ok(FaultOp::Delete),
+                            _ => Err(ConfigError::field(
+                                "ops",
+                                format!("{o}: store|lookup|load|delete"),
+                            )),
                         })
                         .collect::<Result<_, _>>()?,
                     Some(_) => return Err(ConfigError::field("ops", "must be a list")),

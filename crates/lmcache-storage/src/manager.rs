@@ -280,10 +280,13 @@ impl StorageManager {
                 return Err(StorageError::NoSuchAdapter { id });
             }
             let n = keys.len();
-            let held = t.delete(adapter, keys).await.map_err(|source| StorageError::Adapter {
-                id: adapter.unwrap_or(0),
-                kind: "l2".into(),
-                source,
+            let held = t.delete(adapter, keys).await.map_err(|(who, source)| match who {
+                Some((id, kind)) => StorageError::Adapter { id, kind, source },
+                None => StorageError::Adapter {
+                    id: adapter.unwrap_or(0),
+                    kind: "l2 tier".into(),
+                    source,
+                },
             })? as usize;
             report.deleted += held;
             report.skipped += n.saturating_sub(held);

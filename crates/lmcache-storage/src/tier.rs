@@ -758,18 +758,37 @@ impl L2Tier {
 
     /// Deletes `keys` from adapter `id` (every adapter if `None`) and from its ledger;
     /// returns how many were held. Callable from any async runtime.
-    pub async fn delete(&self, id: Option<u64>, keys: Vec<ObjectKey>) -> Result<u64, L2Error> {
+    ///
+    /// Every adapter asked is tried, even after one fails (the others' copies still go);
+    /// the first failure is returned with the adapter's id and type.
+    pub async fn delete(
+        &self,
+        id: Option<u64>,
+        keys: Vec<ObjectKey>,
+    ) -> Result<u64, (Option<(u64, String)>, L2Error)> {
         let slots: Vec<_> =
             self.adapters().into_iter().filter(|a| id.is_none_or(|i| a.id == i)).collect();
-        self.on_tier(async move {
+        let done = self.on_tier(async move {
             let mut total = 0;
+            let mut failed = None;
             for slot in slots {
-                total += slot.built.adapter.delete(&keys).await?;
-                slot.ledger.forget(&keys);
+                match slot.built.adapter.delete(&keys).await {
+                    Ok(n) => {
+                        total += n;
+                        slot.ledger.forget(&keys);
+                    }
+                    Err(e) => {
+                        tracing::warn!(id = slot.id, error = %e, "L2 delete failed");
+                        failed.get_or_insert((Some((slot.id, slot.built.kind.clone())), e));
+                    }
+                }
             }
-            Ok(total)
-        })
-        .await?
+            match failed {
+                None => Ok(total),
+                Some(f) => Err(f),
+            }
+        });
+        done.await.map_err(|e| (None, e))?
     }
 
     /// One page of adapter `id`'s keys that pass `filter`, or `None` if there is no such

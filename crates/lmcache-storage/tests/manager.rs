@@ -197,3 +197,42 @@ fn deletes_listings_and_quotas_go_through_the_manager() {
     m.set_quota(TierName::L2, &salt, None).unwrap();
     assert!(m.quotas(TierName::L2).unwrap().is_empty());
 }
+
+/// A delete across adapters where one fails: the error names that adapter (id and type, not
+/// "adapter 0"), and the other adapters' copies are deleted anyway.
+#[test]
+fn a_failed_l2_delete_names_its_adapter_and_the_others_still_delete() {
+    let l1 = common::l1(8 << 20);
+    let tier = lmcache_storage::L2Tier::start(
+        l1.clone(),
+        &[
+            json!({"type": "mock", "max_size_gb": 1}),
+            json!({"type": "fault_inject", "rate": 1.0, "mode": "fail", "ops": ["delete"],
+                   "inner": {"type": "mock", "max_size_gb": 1}}),
+            json!({"type": "mock", "max_size_gb": 1}),
+        ],
+        TierConfig::default(),
+    )
+    .unwrap();
+    let m = StorageManager::new(l1.clone(), Some(tier));
+    let keys: Vec<ObjectKey> = (0..3).map(|i| key(0, i)).collect();
+    for k in &keys {
+        put(&m, k, 1);
+    }
+    assert_eq!(m.flush(Duration::from_secs(10)), 0);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        match m.delete(DeleteScope::L2, None, keys.clone(), false).await {
+            Err(StorageError::Adapter { id, kind, .. }) => {
+                assert_eq!((id, kind.as_str()), (1, "fault_inject"));
+            }
+            other => panic!("expected the fault_inject adapter's failure, got {other:?}"),
+        }
+        for id in [0, 2] {
+            let left = m.list_l2(Some(id), lmcache_l2::KeyFilter::ALL, None, 100).await.unwrap();
+            assert!(left.page.keys.is_empty(), "adapter {id} kept keys after the delete");
+        }
+        let kept = m.list_l2(Some(1), lmcache_l2::KeyFilter::ALL, None, 100).await.unwrap();
+        assert_eq!(kept.page.keys.len(), 3, "the failing adapter lost keys");
+    });
+}

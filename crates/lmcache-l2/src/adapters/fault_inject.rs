@@ -26,6 +26,8 @@ pub enum FaultOp {
     Lookup,
     /// load
     Load,
+    /// delete (mode `fail`: the whole call fails when it names a chosen key)
+    Delete,
 }
 
 /// What a fault does.
@@ -188,6 +190,11 @@ impl L2Adapter for FaultInjectAdapter {
 
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
         self.check_up()?;
+        if self.config.mode == FaultMode::Fail
+            && keys.iter().any(|k| self.chosen(FaultOp::Delete, k))
+        {
+            return Err(L2Error::transient("fault_inject: delete failed"));
+        }
         self.inner.delete(keys).await
     }
 
