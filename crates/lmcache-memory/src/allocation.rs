@@ -41,6 +41,23 @@ struct Shared {
 const BACKING_STEP: u64 = 8 << 20;
 
 impl Shared {
+    /// Fresh blocks, backed (see [`Self::ensure_backed`]) and counted in the high-water
+    /// mark; on failure they go back to the allocator.
+    fn back(&self, blocks: Vec<Block>) -> Result<Vec<Block>, AllocError> {
+        let Some(end) = blocks.iter().map(|b| b.offset() + b.size()).max() else {
+            return Ok(blocks);
+        };
+        if let Err(e) = self.ensure_backed(end) {
+            let mut a = self.allocator.lock();
+            for b in blocks {
+                a.free(b);
+            }
+            return Err(e);
+        }
+        self.high_water.fetch_max(end, Ordering::Relaxed);
+        Ok(blocks)
+    }
+
     /// Makes sure `[0, end)` of the arena is backed (see [`Arena::reserve`]).
     fn ensure_backed(&self, end: u64) -> Result<(), AllocError> {
         if self.backed.load(Ordering::Acquire) >= end || !self.arena.needs_reserve() {
@@ -110,30 +127,18 @@ impl ArenaAllocator {
     /// is backed by /dev/shm first; [`AllocError::BackingFull`] when it cannot be.
     pub fn allocate(&self, len: u64) -> Result<Allocation, AllocError> {
         let block = self.shared.allocator.lock().allocate(len)?;
-        let end = block.offset() + block.size();
-        if let Err(e) = self.shared.ensure_backed(end) {
-            self.shared.allocator.lock().free(block);
-            return Err(e);
-        }
-        self.shared.high_water.fetch_max(end, Ordering::Relaxed);
-        Ok(Allocation { shared: Arc::clone(&self.shared), block: Some(block), len })
+        let mut v = self.shared.back(vec![block])?;
+        let block = v.pop();
+        Ok(Allocation { shared: Arc::clone(&self.shared), block, len })
     }
 
     /// Allocates one allocation per entry of `lens`, all or nothing (backed, as
     /// [`Self::allocate`]).
     pub fn allocate_batch(&self, lens: &[u64]) -> Result<Vec<Allocation>, AllocError> {
         let blocks = self.shared.allocator.lock().allocate_batch(lens)?;
-        if let Some(end) = blocks.iter().map(|b| b.offset() + b.size()).max() {
-            if let Err(e) = self.shared.ensure_backed(end) {
-                let mut a = self.shared.allocator.lock();
-                for b in blocks {
-                    a.free(b);
-                }
-                return Err(e);
-            }
-            self.shared.high_water.fetch_max(end, Ordering::Relaxed);
-        }
-        Ok(blocks
+        Ok(self
+            .shared
+            .back(blocks)?
             .into_iter()
             .zip(lens)
             .map(|(block, &len)| Allocation {

@@ -33,7 +33,6 @@ static TABLE: [Slot; SLOTS] = [const {
     Slot { start: AtomicUsize::new(0), len: AtomicUsize::new(0), faulted: AtomicBool::new(false) }
 }; SLOTS];
 static INSTALL: Once = Once::new();
-static INSTALLED: AtomicBool = AtomicBool::new(false);
 /// The handler that was installed before ours, to pass faults that are not ours on to.
 static PREVIOUS: OnceLock<libc::sigaction> = OnceLock::new();
 
@@ -48,11 +47,6 @@ impl Guard {
     /// nothing read or written through it can be trusted.
     pub fn faulted(&self) -> bool {
         self.slot.is_some_and(|i| TABLE[i].faulted.load(Ordering::Acquire))
-    }
-
-    /// True when the handler is installed and this mapping has a slot.
-    pub fn active(&self) -> bool {
-        self.slot.is_some() && INSTALLED.load(Ordering::Acquire)
     }
 }
 
@@ -100,7 +94,6 @@ fn install() {
         }
         let _ = PREVIOUS.set(old);
     }
-    INSTALLED.store(true, Ordering::Release);
 }
 
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use lmcache_protocol::frame::{self, Control, Header, Incoming, Request};
+use lmcache_protocol::frame::{self, Control, Header, Incoming, Reply, Request};
 use lmcache_protocol::{Op, ProtocolError, value};
 use thiserror::Error;
 
@@ -212,7 +212,7 @@ impl Transport {
             if let Err(p) = catch_unwind(AssertUnwindSafe(|| self.pump(&state, &mut streams))) {
                 self.socket_thread_panic(&state, "subscribe_kv_events", p.as_ref());
                 for s in streams.drain(..) {
-                    self.send(vec![s.header.identity, s.header.uid_frame, s.header.op_frame]);
+                    self.end_stream(s.header);
                 }
             }
             if !requests_ready {
@@ -229,7 +229,7 @@ impl Transport {
         }
         // End every stream: a reply without payload tells the subscriber it is over.
         for s in streams.drain(..) {
-            self.send(vec![s.header.identity, s.header.uid_frame, s.header.op_frame]);
+            self.end_stream(s.header);
         }
         drop(pools);
         for w in workers {
@@ -308,8 +308,7 @@ impl Transport {
             Ok((instance_id, model, cursor, max_events)) => {
                 // One subscription per worker: a new one ends the old.
                 if let Some(i) = streams.iter().position(|s| s.instance_id == instance_id) {
-                    let old = streams.swap_remove(i);
-                    self.send(vec![old.header.identity, old.header.uid_frame, old.header.op_frame]);
+                    self.end_stream(streams.swap_remove(i).header);
                 }
                 streams.push(Stream {
                     header: req.header,
@@ -326,8 +325,7 @@ impl Transport {
             Err(e) => {
                 tracing::warn!(op = "subscribe_kv_events", error = %e, "refused subscription");
                 state.metrics.error("subscribe_kv_events", e.kind());
-                let h = req.header;
-                self.send(vec![h.identity, h.uid_frame, h.op_frame]);
+                self.end_stream(req.header);
             }
         }
     }
@@ -342,8 +340,7 @@ impl Transport {
                     instance_id = s.instance_id,
                     "ending the KV event stream of a departed worker"
                 );
-                let h = &s.header;
-                self.send(vec![h.identity.clone(), h.uid_frame.clone(), h.op_frame.clone()]);
+                self.end_stream(s.header.clone());
                 return false;
             }
             s.was_registered |= registered;
@@ -355,16 +352,14 @@ impl Transport {
             if s.first || !batch.events.is_empty() || batch.lost || !batch.enabled {
                 s.first = false;
                 s.credits -= 1;
-                let h = &s.header;
-                let payload = value::encode(&batch.to_value());
-                self.send(vec![
-                    h.identity.clone(),
-                    h.uid_frame.clone(),
-                    h.op_frame.clone(),
-                    payload,
-                ]);
+                self.send(Reply::value(s.header.clone(), &batch.to_value()).into_frames());
             }
         }
+    }
+
+    /// Ends a stream (or refuses a subscription): a reply without payload.
+    fn end_stream(&self, header: Header) {
+        self.send(Reply::void(header).into_frames());
     }
 
     fn send(&self, frames: Vec<Vec<u8>>) {

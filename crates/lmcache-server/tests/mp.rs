@@ -16,6 +16,11 @@ const LAYERS: u64 = 2;
 const HIDDEN: u64 = 32;
 
 fn server(tag: &str) -> Server {
+    server_with(tag, |_| {})
+}
+
+/// A server over a 64 MiB shm L1 with two transfer threads, after `tweak`.
+fn server_with(tag: &str, tweak: impl FnOnce(&mut ServerConfig)) -> Server {
     let arena = ArenaConfig {
         size: 64 << 20,
         backing: ArenaBacking::SharedMemory {
@@ -23,12 +28,10 @@ fn server(tag: &str) -> Server {
         },
         mlock: false,
     };
-    Server::start(ServerConfig {
-        chunk_size: CHUNK,
-        max_gpu_workers: 2,
-        ..ServerConfig::local(arena)
-    })
-    .unwrap()
+    let mut config =
+        ServerConfig { chunk_size: CHUNK, max_gpu_workers: 2, ..ServerConfig::local(arena) };
+    tweak(&mut config);
+    Server::start(config).unwrap()
 }
 
 fn model_m() -> ModelName {
@@ -237,20 +240,10 @@ fn replies_are_not_blocked_by_many_pipelined_requests() {
 #[test]
 fn silent_workers_are_reaped_and_lookups_then_miss() {
     // A server whose reaper drops workers after 100 ms of silence.
-    let arena = ArenaConfig {
-        size: 16 << 20,
-        backing: ArenaBacking::SharedMemory {
-            name: format!("lmcache_rs_mp_test_reap_{}", std::process::id()),
-        },
-        mlock: false,
-    };
-    let s = Server::start(ServerConfig {
-        chunk_size: CHUNK,
-        worker_reap_timeout: Duration::from_millis(100),
-        worker_registration_grace: Duration::from_millis(100),
-        ..ServerConfig::local(arena)
-    })
-    .unwrap();
+    let s = server_with("reap", |c| {
+        c.worker_reap_timeout = Duration::from_millis(100);
+        c.worker_registration_grace = Duration::from_millis(100);
+    });
     let mut c = client(&s);
     let pool = register(&mut c, 5, 1);
     assert!(c.ping(Some(5)).unwrap());
@@ -341,20 +334,10 @@ fn kv_event_stream_announces_stores_and_removals_with_credits() {
 #[test]
 fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
     // A slow L2 (250 ms a call): chunks evicted from L1 come back through a prefetch.
-    let arena = ArenaConfig {
-        size: 64 << 20,
-        backing: ArenaBacking::SharedMemory {
-            name: format!("lmcache_rs_mp_test_l2wait_{}", std::process::id()),
-        },
-        mlock: false,
-    };
-    let s = Server::start(ServerConfig {
-        chunk_size: CHUNK,
-        max_gpu_workers: 2,
-        l2_adapters: vec![serde_json::json!({"type": "mock", "max_size_gb": 1, "latency_ms": 250})],
-        ..ServerConfig::local(arena)
-    })
-    .unwrap();
+    let s = server_with("l2wait", |c| {
+        c.l2_adapters =
+            vec![serde_json::json!({"type": "mock", "max_size_gb": 1, "latency_ms": 250})];
+    });
     let mut c = client(&s);
     let pool = register(&mut c, 3, 1);
     let key = CacheKey::whole(model_m(), "w", tokens(11, 64), CHUNK);
@@ -513,23 +496,13 @@ fn requests_on_the_same_prefix_never_touch_each_others_transfers() {
 /// the chunks are not visible.
 #[test]
 fn commit_store_is_false_when_a_reservation_expired() {
-    let arena = ArenaConfig {
-        size: 16 << 20,
-        backing: ArenaBacking::SharedMemory {
-            name: format!("lmcache_rs_mp_test_expire_{}", std::process::id()),
-        },
-        mlock: false,
-    };
-    let s = Server::start(ServerConfig {
-        chunk_size: CHUNK,
-        l1: lmcache_l1::L1Config {
+    let s = server_with("expire", |c| {
+        c.l1 = lmcache_l1::L1Config {
             write_ttl: Duration::from_millis(100),
             maintenance_interval: Duration::from_millis(20),
             ..lmcache_l1::L1Config::default()
-        },
-        ..ServerConfig::local(arena)
-    })
-    .unwrap();
+        };
+    });
     let mut c = client(&s);
     let pool = register(&mut c, 9, 1);
     let key = CacheKey::whole(model_m(), "slow", tokens(41, 32), CHUNK).for_worker(0);

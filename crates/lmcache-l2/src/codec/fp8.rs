@@ -99,6 +99,11 @@ pub struct Fp8Codec {
     table: [f32; 127],
 }
 
+/// Why a codec bound to `bound` cannot take a layout of `d`.
+fn mismatch(bound: KvDtype, d: KvDtype) -> String {
+    format!("the fp8 codec quantizes {}, and this layout is {}", bound.name(), d.name())
+}
+
 /// e4m3fn's NaN (either sign); it has no infinities.
 const NAN_CODE: u8 = 0x7f;
 
@@ -138,11 +143,10 @@ impl Fp8Codec {
                 .ok_or_else(|| ConfigError::field("serde.block_size", "must be 1..=65536"))?
                 as usize,
         };
-        let c = Self::unbound(block);
-        if let Some(d) = dtype {
-            c.dtype.store(d.code(), Ordering::Release);
-        }
-        Ok(c)
+        Ok(match dtype {
+            Some(d) => Self::new(d, block),
+            None => Self::unbound(block),
+        })
     }
 
     /// A codec for `dtype` with `block` elements per scale.
@@ -169,11 +173,7 @@ impl Fp8Codec {
     /// Whether [`Self::bind`] of `d` would succeed (nothing is changed).
     pub fn can_bind(&self, d: KvDtype) -> Result<(), String> {
         match self.dtype() {
-            Some(b) if b != d => Err(format!(
-                "the fp8 codec quantizes {}, and this layout is {}",
-                b.name(),
-                d.name()
-            )),
+            Some(b) if b != d => Err(mismatch(b, d)),
             _ => Ok(()),
         }
     }
@@ -184,11 +184,11 @@ impl Fp8Codec {
         match self.dtype.compare_exchange(0, d.code(), Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => Ok(()),
             Err(c) if c == d.code() => Ok(()),
-            Err(c) => Err(format!(
-                "the fp8 codec quantizes {}, and this layout is {}",
-                KvDtype::from_code(c).map_or("?", KvDtype::name),
-                d.name()
-            )),
+            // Only `KvDtype::code`s are ever stored, so `from_code` finds it.
+            Err(c) => {
+                Err(KvDtype::from_code(c)
+                    .map_or_else(|| "fp8: bad dtype".into(), |b| mismatch(b, d)))
+            }
         }
     }
 

@@ -25,12 +25,8 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                 Ok(r) => r,
                 Err(e) => {
                     // Refused loudly when at least the worker's id could be read.
-                    let field = |name: &str| match &req.params[0] {
-                        Value::Map(m) => {
-                            m.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v)
-                        }
-                        _ => None,
-                    };
+                    let f = value::Fields::of("payload", &req.params[0]).ok();
+                    let field = |name: &str| f.as_ref().and_then(|f| f.get(name));
                     if let Some(id) = field("instance_id").and_then(Value::as_u64) {
                         let model = field("model_name").and_then(Value::as_str).map(str::to_owned);
                         let ws = field("world_size")
@@ -156,8 +152,11 @@ fn key_and_instance(req: &Request) -> Result<(CacheKey, u64), ProtocolError> {
 
 fn instance(state: &ServerState, id: u64) -> Result<Instance, ProtocolError> {
     state.registry.get(Family::EngineDriven, id).ok_or_else(|| {
-        super::unservable(state, Family::EngineDriven, id, || {
-            "not registered for engine-driven transfer".into()
+        super::refused(state, Family::EngineDriven, id).unwrap_or_else(|| {
+            ProtocolError::NotServable {
+                instance_id: id,
+                reason: "not registered for engine-driven transfer".into(),
+            }
         })
     })
 }

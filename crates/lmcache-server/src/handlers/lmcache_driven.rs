@@ -93,13 +93,6 @@ fn check_segment(state: &ServerState, name: &str, seg: &ForeignSegment) -> Resul
     Ok(())
 }
 
-/// The error of an operation from worker `id` that has no lmcache-driven registration: the
-/// refusal's reason when there was one.
-fn refused(state: &ServerState, id: u64) -> Option<ProtocolError> {
-    state.registry.refusal(Family::LmcacheDriven, id)?;
-    Some(super::unservable(state, Family::LmcacheDriven, id, String::new))
-}
-
 fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolError> {
     let descs = value::array("kv_cache", &req.params[1])?;
     let model = value::str_("model_name", &req.params[2])?;
@@ -152,7 +145,10 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
                 return Err(bad(
                     &field,
                     format!(
-                        "{kind:?} memory needs a GPU backend; this server copies on the CPU (cpu_shm)"
+                        "{kind:?} memory needs a GPU backend; this server copies on the CPU \
+                         (cpu_shm); start the engine workers with \
+                         LMCACHE_MP_TRANSFER_MODE=engine_driven (they then copy through this \
+                         server's shared L1 pool), or register cpu_shm tensors"
                     ),
                 ));
             }
@@ -230,7 +226,7 @@ fn store(
     let t0 = Instant::now();
     state.metrics.submitted_stores.inc();
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
-        return refused(state, id).map_or(Ok(false), Err);
+        return super::refused(state, Family::LmcacheDriven, id).map_or(Ok(false), Err);
     };
     let Some(r) = resolve(&inst, state) else { return Ok(false) };
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
@@ -320,7 +316,7 @@ fn retrieve(
         || state.release_lookup_locks(&key.request_id, shard, first..first + hashes.len());
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
         release();
-        return refused(state, id).map_or(Ok(false), Err);
+        return super::refused(state, Family::LmcacheDriven, id).map_or(Ok(false), Err);
     };
     let Some(r) = resolve(&inst, state) else {
         release();

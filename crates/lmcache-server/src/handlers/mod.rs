@@ -142,14 +142,8 @@ pub(crate) fn refuse_registration(
     world_size: Option<u32>,
     error: &ProtocolError,
 ) {
-    let advice = match error {
-        ProtocolError::OutOfRange { reason, .. } if reason.contains("GPU backend") => {
-            "; start the engine workers with LMCACHE_MP_TRANSFER_MODE=engine_driven \
-             (they then copy through this server's shared L1 pool), or register cpu_shm tensors"
-        }
-        _ => "",
-    };
-    let reason = format!("registration refused: {error}{advice}");
+    // Each refusal's reason says what to do (the error that made it carries the advice).
+    let reason = format!("registration refused: {error}");
     tracing::error!(
         instance_id = id,
         transfer_mode = family.as_str(),
@@ -163,19 +157,11 @@ pub(crate) fn refuse_registration(
     state.registry.refuse(family, id, Refusal { model, world_size, reason, at_unix });
 }
 
-/// The error for an operation of a worker that has no registration of `family`: the
-/// refusal's reason when its registration was refused, else `not_registered`.
-pub(crate) fn unservable(
-    state: &ServerState,
-    family: Family,
-    id: u64,
-    not_registered: impl FnOnce() -> String,
-) -> ProtocolError {
-    let reason = match state.registry.refusal(family, id) {
-        Some(r) => r.reason,
-        None => not_registered(),
-    };
-    ProtocolError::NotServable { instance_id: id, reason }
+/// The error for an operation of a worker with no registration of `family` whose
+/// registration was refused: the refusal's reason. `None` when it was never refused.
+pub(crate) fn refused(state: &ServerState, family: Family, id: u64) -> Option<ProtocolError> {
+    let r = state.registry.refusal(family, id)?;
+    Some(ProtocolError::NotServable { instance_id: id, reason: r.reason })
 }
 
 /// The reply to a message that failed to parse.
