@@ -4,6 +4,7 @@
 mod bench;
 mod bench_l2;
 mod config_file;
+mod coordinator;
 mod ops;
 mod otel;
 mod server;
@@ -30,6 +31,8 @@ struct Cli {
 enum Command {
     /// Run the cache server (every flag has a default; LMCache's flag names).
     Server(Box<server::ServerArgs>),
+    /// Run the fleet coordinator (LMCache's `lmcache coordinator` API on port 9300).
+    Coordinator(Box<coordinator::CoordinatorArgs>),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -115,6 +118,7 @@ fn run() -> anyhow::Result<()> {
 fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Server(args) => server::run(*args),
+        Command::Coordinator(args) => coordinator::run(*args),
         Command::Bench(BenchCommand::Server(args)) => bench::run(args),
         Command::Bench(BenchCommand::L2(args)) => bench_l2::run(args),
         Command::Ping { target, common } => ops::ping(target, &common),

@@ -154,9 +154,84 @@ pub struct ServerArgs {
     /// Accepted for LMCache compatibility: tracing is on when --otlp-endpoint is given.
     #[arg(long)]
     pub enable_tracing: bool,
+    /// This server's id in a coordinator's fleet (default: a random id).
+    #[arg(long, default_value = "")]
+    pub instance_id: String,
+    /// Register with this fleet coordinator (LMCache's `lmcache coordinator` or
+    /// `lmcache-rs coordinator`), e.g. http://10.0.0.5:9300; needs the HTTP server.
+    #[arg(long, env = "LMCACHE_COORDINATOR_URL", value_name = "URL")]
+    pub coordinator_url: Option<String>,
+    /// Address the coordinator should call this server at (default: the local address that
+    /// reaches the coordinator).
+    #[arg(long, env = "LMCACHE_COORDINATOR_ADVERTISE_IP", default_value = "")]
+    pub coordinator_advertise_ip: String,
+    /// Seconds between heartbeats to the coordinator.
+    #[arg(long, env = "LMCACHE_COORDINATOR_HEARTBEAT_INTERVAL", default_value_t = 5.0)]
+    pub coordinator_heartbeat_interval: f64,
+    /// Report L1 and L2 cache events (stores, evictions, deletes) to the coordinator.
+    #[arg(long, env = "LMCACHE_COORDINATOR_EVENT_REPORTING", value_parser = clap::builder::FalseyValueParser::new(), num_args = 0..=1, default_missing_value = "true")]
+    pub coordinator_event_reporting: bool,
+    /// Seconds between cache-event flushes to the coordinator.
+    #[arg(long, env = "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL", default_value_t = 1.0)]
+    pub coordinator_event_flush_interval: f64,
+    /// How cache events travel: http (POST /events). Kafka is not available.
+    #[arg(long, default_value = "http", value_parser = ["http", "kafka"])]
+    pub coordinator_event_transport: String,
     /// Exit after this many seconds (for tests and benchmarks); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
+}
+
+fn coordinator_reporting(
+    args: &ServerArgs,
+) -> anyhow::Result<Option<lmcache_server::fleet_report::CoordinatorReporting>> {
+    let Some(url) = args.coordinator_url.clone().filter(|u| !u.is_empty()) else {
+        return Ok(None);
+    };
+    if args.coordinator_event_transport != "http" {
+        bail!(
+            "--coordinator-event-transport {}: only http is available",
+            args.coordinator_event_transport
+        );
+    }
+    let secs = |name: &str, v: f64| {
+        Duration::try_from_secs_f64(v)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .with_context(|| format!("--{name}: {v} is not a positive number of seconds"))
+    };
+    let instance_id =
+        if args.instance_id.is_empty() { default_instance_id() } else { args.instance_id.clone() };
+    Ok(Some(lmcache_server::fleet_report::CoordinatorReporting {
+        url,
+        instance_id,
+        advertise_ip: args.coordinator_advertise_ip.clone(),
+        heartbeat_interval: secs(
+            "coordinator-heartbeat-interval",
+            args.coordinator_heartbeat_interval,
+        )?,
+        event_reporting: args.coordinator_event_reporting,
+        flush_interval: secs(
+            "coordinator-event-flush-interval",
+            args.coordinator_event_flush_interval,
+        )?,
+    }))
+}
+
+/// A random id (LMCache mints a UUID v4): 32 hex digits of BLAKE3 over the time, the pid and
+/// the kernel's random UUID.
+fn default_instance_id() -> String {
+    let mut h = blake3::Hasher::new();
+    h.update(
+        &std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos()
+            .to_le_bytes(),
+    );
+    h.update(&std::process::id().to_le_bytes());
+    h.update(&std::fs::read("/proc/sys/kernel/random/uuid").unwrap_or_default());
+    h.finalize().to_hex()[..32].to_string()
 }
 
 /// LMCache `server` flags that lmcache-rs does not implement yet: refused by name.
@@ -175,7 +250,9 @@ pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
     "--enable",
     "--p2p-advertise-url",
     "--p2p-listen-url",
-    "--coordinator-url",
+    "--coordinator-kafka-bootstrap-servers",
+    "--coordinator-kafka-topic",
+    "--coordinator-kafka-delivery-timeout",
     "--run-script-api-enabled",
 ];
 
@@ -248,6 +325,7 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         ..lmcache_storage::TierConfig::default()
     };
     Ok(ServerConfig {
+        coordinator: coordinator_reporting(args)?,
         allowed_shm_prefix: args.allowed_shm_prefix.clone().filter(|p| !p.is_empty()),
         l2_adapters,
         l2,

@@ -135,13 +135,16 @@ struct IndexSlot {
     resident: bool,
 }
 
-/// Told when a resident object leaves L1 (evicted, deleted or cleared), for KV events.
+/// Told when an object becomes resident in L1 and when it leaves (evicted, deleted or
+/// cleared), for KV events and the coordinator's cache events.
 ///
 /// Called with the L1 lock held: implementations must be quick and must not call back into
 /// the cache.
 pub trait L1Listener: Send + Sync + std::fmt::Debug {
     /// `key` is no longer resident.
     fn removed(&self, key: &ObjectKey);
+    /// `key` became resident with `bytes` (a store or a load from L2 committed).
+    fn committed(&self, _key: &ObjectKey, _bytes: u64) {}
 }
 
 #[derive(Debug)]
@@ -881,6 +884,9 @@ impl State {
         self.staged_bytes -= e.bytes;
         self.stats.committed += 1;
         let e = &self.entries[id];
+        if let (Some(l), false) = (&self.listener, e.temporary) {
+            l.committed(&key, e.bytes);
+        }
         let (key_hash, cache_salt) = self.key_meta(shared, e);
         let meta = EntryMeta { key_hash, cache_salt, bytes: e.bytes };
         self.policy.on_insert(id, meta);

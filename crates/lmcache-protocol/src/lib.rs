@@ -13,8 +13,11 @@
 //!   each failure naming the field and what was found.
 //! - [`types`]: the payload types (`IPCCacheServerKey`, registration payloads, IPC
 //!   descriptors, transfer responses) with their decoders and encoders.
+//! - [`coordinator`]: the JSON contract with LMCache's coordinator (registration, cache-event
+//!   batches, directory answers).
 #![forbid(unsafe_code)]
 
+pub mod coordinator;
 pub mod error;
 pub mod frame;
 pub mod op;

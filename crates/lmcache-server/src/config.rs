@@ -52,6 +52,9 @@ pub struct ServerConfig {
     /// this (after any leading `/`). `None`: any name (still only segments of the server's
     /// uid, and never its own L1 pool).
     pub allowed_shm_prefix: Option<String>,
+    /// Registration and cache-event reporting to a fleet coordinator (`--coordinator-url`);
+    /// needs the HTTP server.
+    pub coordinator: Option<crate::fleet_report::CoordinatorReporting>,
 }
 
 impl ServerConfig {
@@ -80,6 +83,7 @@ impl ServerConfig {
             l2_adapters: Vec::new(),
             l2: lmcache_storage::TierConfig::default(),
             allowed_shm_prefix: None,
+            coordinator: None,
         }
     }
 

@@ -258,9 +258,9 @@ mod tests {
     }
 }
 
-/// Forwards the L2 tier's reports to the server's bus.
+/// Forwards the L2 tier's reports to the server's bus (and to the coordinator reporter).
 #[derive(Debug)]
-pub struct TierEvents(pub Publisher);
+pub struct TierEvents(pub Publisher, pub Option<Arc<crate::fleet_report::Reporter>>);
 
 impl TierEvents {
     fn publish(&self, e: Event) {
@@ -270,7 +270,22 @@ impl TierEvents {
 
 impl lmcache_storage::TierObserver for TierEvents {
     fn stored(&self, r: &lmcache_storage::StoreReport) {
-        self.publish(Event::L2Stored(r.clone()));
+        if let Some(rep) = &self.1 {
+            rep.l2_stored(r.adapter, &r.keys);
+        }
+        let mut r = r.clone();
+        r.keys = Vec::new();
+        self.publish(Event::L2Stored(r));
+    }
+    fn evicted(&self, adapter: u64, keys: &[lmcache_core::ObjectKey], _bytes: u64) {
+        if let Some(rep) = &self.1 {
+            rep.l2_removed(adapter, keys);
+        }
+    }
+    fn deleted(&self, adapter: u64, keys: &[lmcache_core::ObjectKey]) {
+        if let Some(rep) = &self.1 {
+            rep.l2_removed(adapter, keys);
+        }
     }
     fn prefetched(&self, r: &lmcache_storage::PrefetchReport) {
         self.publish(Event::L2Prefetched(r.clone()));
@@ -291,10 +306,20 @@ pub struct L1Events {
     pub kv: Arc<crate::kv_events::KvEventLog>,
     /// The server's bus.
     pub bus: Publisher,
+    /// The coordinator reporter, when reporting.
+    pub reporter: Option<Arc<crate::fleet_report::Reporter>>,
 }
 
 impl lmcache_l1::L1Listener for L1Events {
+    fn committed(&self, key: &lmcache_core::ObjectKey, bytes: u64) {
+        if let Some(rep) = &self.reporter {
+            rep.l1_stored(key, bytes);
+        }
+    }
     fn removed(&self, key: &lmcache_core::ObjectKey) {
+        if let Some(rep) = &self.reporter {
+            rep.l1_removed(key);
+        }
         lmcache_l1::L1Listener::removed(self.kv.as_ref(), key);
         self.bus.publish(Event::L1Removed {
             model: key.model_name.as_str().to_owned(),

@@ -15,6 +15,7 @@
 
 pub mod config;
 pub mod event_bus;
+pub mod fleet_report;
 pub mod handlers;
 pub mod http;
 pub mod kv_events;

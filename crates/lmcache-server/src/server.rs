@@ -68,6 +68,7 @@ pub struct Server {
     transport: Option<JoinHandle<Result<(), TransportError>>>,
     http: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
     reaper: Option<(Sender<()>, JoinHandle<()>)>,
+    reporter: Option<JoinHandle<()>>,
     maintenance: Option<Maintenance>,
     prefaulter: Option<Prefaulter>,
 }
@@ -112,12 +113,26 @@ impl Server {
         )
         .map_err(io("starting the event bus"))?;
         let storage = lmcache_storage::StorageManager::new(l1, l2);
+        let reporter = match (&config.coordinator, config.http_port) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(ServerError::Config(
+                    "--coordinator-url needs the HTTP server (the coordinator calls it): set --http-port".into(),
+                ));
+            }
+            (Some(c), Some(_)) => Some(crate::fleet_report::Reporter::new(c.clone())),
+        };
         storage.set_observers(
-            Arc::new(crate::event_bus::TierEvents(bus.publisher())),
-            Arc::new(crate::event_bus::L1Events { kv: events.clone(), bus: bus.publisher() }),
+            Arc::new(crate::event_bus::TierEvents(bus.publisher(), reporter.clone())),
+            Arc::new(crate::event_bus::L1Events {
+                kv: events.clone(),
+                bus: bus.publisher(),
+                reporter: reporter.clone(),
+            }),
         );
         let state = Arc::new(ServerState {
             http_prefetches: parking_lot::Mutex::default(),
+            reporter,
             storage,
             bus,
             events,
@@ -144,6 +159,13 @@ impl Server {
                 .map_err(io("starting the socket thread"))?
         };
         let reaper = start_reaper(Arc::clone(&state))?;
+        let reporter = match (&state.reporter, http_addr) {
+            (Some(r), Some(addr)) => {
+                r.set_topology(compartments(&state), l2_identities(&state));
+                Some(r.start(addr.port()).map_err(io("starting the coordinator reporter"))?)
+            }
+            _ => None,
+        };
         tracing::info!(
             endpoint = %endpoint,
             http = ?http_addr,
@@ -158,6 +180,7 @@ impl Server {
             transport: Some(transport),
             http,
             reaper: Some(reaper),
+            reporter,
             maintenance: Some(maintenance),
             prefaulter: Some(prefaulter),
         })
@@ -201,6 +224,11 @@ impl Server {
             let _ = j.join();
         }
         self.state.storage.shutdown();
+        // After the write-behind flushed, so its last L2 events are reported; then deregister.
+        if let (Some(r), Some(j)) = (&self.state.reporter, self.reporter.take()) {
+            r.stop();
+            let _ = j.join();
+        }
         self.maintenance.take();
         self.prefaulter.take();
         self.state.sessions.clear();
@@ -213,6 +241,44 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop_all();
     }
+}
+
+/// What the server declares to a coordinator: L1 `dram` at its size, each L2 adapter by type
+/// (capacity when bounded; `shared` from its spec).
+fn compartments(state: &ServerState) -> Vec<crate::fleet_report::Compartment> {
+    use lmcache_protocol::coordinator::WireTier;
+    let mut out = vec![crate::fleet_report::Compartment {
+        tier: WireTier::L1,
+        backend: "dram".into(),
+        capacity: state.l1().usage().capacity,
+        shared: false,
+    }];
+    for a in state.storage.describe_l2() {
+        out.push(crate::fleet_report::Compartment {
+            tier: WireTier::L2,
+            shared: a.spec.get("shared").and_then(serde_json::Value::as_bool).unwrap_or(false),
+            backend: a.kind,
+            capacity: a.capacity.unwrap_or(0),
+        });
+    }
+    out
+}
+
+fn l2_identities(state: &ServerState) -> std::collections::HashMap<u64, (String, bool)> {
+    state
+        .storage
+        .describe_l2()
+        .into_iter()
+        .map(|a| {
+            (
+                a.id,
+                (
+                    a.kind,
+                    a.spec.get("shared").and_then(serde_json::Value::as_bool).unwrap_or(false),
+                ),
+            )
+        })
+        .collect()
 }
 
 type HttpParts = (SocketAddr, tokio::sync::oneshot::Sender<()>, JoinHandle<()>);

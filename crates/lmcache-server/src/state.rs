@@ -98,6 +98,8 @@ pub struct ServerState {
     /// Prefetches asked over HTTP: request id → `None` while running, then
     /// `(found_keys, total_keys)` until polled once.
     pub http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
+    /// Reporting to a fleet coordinator, when `--coordinator-url` is set.
+    pub reporter: Option<std::sync::Arc<crate::fleet_report::Reporter>>,
 }
 
 impl ServerState {
@@ -223,10 +225,20 @@ impl ServerState {
         let span = tracing::Span::current();
         span.record("request_id", key.request_id.as_str());
         span.record("chunks", committed.len());
+        let c = self.chunk_size();
+        if let Some(rep) = &self.reporter {
+            for &j in committed {
+                let abs = first + j;
+                if let (Some(h), Some(tokens)) =
+                    (hashes.get(j), key.token_ids.get(abs * c..(abs + 1) * c))
+                {
+                    rep.bind_tokens(h, tokens, abs * c);
+                }
+            }
+        }
         if key.worker_id.unwrap_or(0) != 0 || !self.events.enabled() {
             return;
         }
-        let c = self.chunk_size();
         for &j in committed {
             let abs = first + j;
             let Some(tokens) = key.token_ids.get(abs * c..(abs + 1) * c) else { continue };

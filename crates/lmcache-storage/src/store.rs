@@ -114,6 +114,7 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
         skipped: 0,
         failed: 0,
         bytes: 0,
+        keys: Vec::new(),
     };
     // 1. Skip what the adapter already has.
     let present = match adapter.lookup(keys).await {
@@ -195,9 +196,11 @@ async fn store_to(shared: &Shared, slot: &AdapterSlot, keys: &[ObjectKey]) -> Ve
                     stats.stored_keys.fetch_add(1, Ordering::Relaxed);
                     stats.stored_bytes.fetch_add(n, Ordering::Relaxed);
                     adm.commit(&k, n);
+                    report.keys.push((k, n));
                 }
                 Ok(Stored::AlreadyPresent) => {
                     held[i] = true;
+                    report.keys.push((k.clone(), b.len() as u64));
                     report.skipped += 1;
                     stats.skipped_keys.fetch_add(1, Ordering::Relaxed);
                     adm.commit(&k, b.len() as u64);

@@ -283,6 +283,8 @@ pub trait TierObserver: Send + Sync + std::fmt::Debug {
     fn blob_refused(&self, _adapter: u64, _key: &ObjectKey, _reason: &str) {}
     /// Keys were evicted from an adapter (capacity, watermark or quota).
     fn evicted(&self, _adapter: u64, _keys: &[ObjectKey], _bytes: u64) {}
+    /// Keys were deleted from an adapter on request (HTTP delete).
+    fn deleted(&self, _adapter: u64, _keys: &[ObjectKey]) {}
 }
 
 /// One store batch to one adapter.
@@ -300,6 +302,9 @@ pub struct StoreReport {
     pub failed: usize,
     /// Bytes written.
     pub bytes: u64,
+    /// The keys the adapter holds after this batch because it wrote them (or found them
+    /// already written), with their stored bytes.
+    pub keys: Vec<(ObjectKey, u64)>,
 }
 
 /// One finished prefetch.
@@ -768,6 +773,7 @@ impl L2Tier {
     ) -> Result<u64, (Option<(u64, String)>, L2Error)> {
         let slots: Vec<_> =
             self.adapters().into_iter().filter(|a| id.is_none_or(|i| a.id == i)).collect();
+        let shared = Arc::clone(&self.shared);
         let done = self.on_tier(async move {
             let mut total = 0;
             let mut failed = None;
@@ -776,6 +782,7 @@ impl L2Tier {
                     Ok(n) => {
                         total += n;
                         slot.ledger.forget(&keys);
+                        shared.observe(|o| o.deleted(slot.id, &keys));
                     }
                     Err(e) => {
                         tracing::warn!(id = slot.id, error = %e, "L2 delete failed");

@@ -1,0 +1,172 @@
+//! `lmcache-rs coordinator`: the fleet coordinator, with `lmcache coordinator`'s flags.
+
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use lmcache_coordinator::{Coordinator, CoordinatorConfig};
+use nix::sys::signal::{SigSet, Signal};
+
+/// Run the fleet coordinator: cache servers register, heartbeat and report their cache
+/// events to it; routers ask it which server holds a request's prefix.
+#[derive(Debug, clap::Args)]
+pub struct CoordinatorArgs {
+    /// Address the HTTP server binds to.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub host: String,
+    /// Port the HTTP server binds to.
+    #[arg(long, default_value_t = 9300)]
+    pub port: u16,
+    /// Seconds without a heartbeat after which an instance is dropped (its L1 placements go).
+    #[arg(long, default_value_t = 30.0)]
+    pub instance_timeout: f64,
+    /// Seconds between health sweeps; 0 disables them.
+    #[arg(long, default_value_t = 10.0)]
+    pub health_check_interval: f64,
+    /// Seconds between fleet L2 eviction sweeps (accepted; quotas are not served yet, so
+    /// there is nothing to evict).
+    #[arg(long, default_value_t = 5.0)]
+    pub eviction_check_interval: f64,
+    /// Fraction of a salt's keys an eviction sweep removes (accepted, see above).
+    #[arg(long, default_value_t = 0.2)]
+    pub eviction_ratio: f64,
+    /// Usage / quota ratio that triggers eviction (accepted, see above).
+    #[arg(long, default_value_t = 1.0)]
+    pub trigger_watermark: f64,
+    /// Tokens per chunk; must equal the servers' --chunk-size.
+    #[arg(long, default_value_t = 256)]
+    pub chunk_size: usize,
+    /// Token hash algorithm; must equal the servers'. Only blake3 (the default) is served.
+    #[arg(long, default_value = "blake3")]
+    pub hash_algorithm: String,
+    /// Chunk hashes whose token ids are kept for lookup answers (1 KiB each at 256 tokens);
+    /// past it new chunks are indexed without their tokens.
+    #[arg(long, default_value_t = 262_144)]
+    pub max_token_bindings: usize,
+    /// Index stored chunk content for /directory/blend-lookup (not available yet: refused).
+    #[arg(long)]
+    pub enable_blend_lookup: bool,
+    /// Positions between CacheBlend probes (used with --enable-blend-lookup).
+    #[arg(long, default_value_t = 1)]
+    pub blend_probe_stride: usize,
+    /// File to checkpoint the directory to (not available yet: refused).
+    #[arg(long)]
+    pub checkpoint_path: Option<std::path::PathBuf>,
+    /// Seconds between checkpoints.
+    #[arg(long, default_value_t = 60.0)]
+    pub checkpoint_interval: f64,
+    /// JSON object of settings for out-of-tree controllers (LMCache's Python plug-ins; none
+    /// are loaded here, so any key is refused).
+    #[arg(long)]
+    pub extra_config: Option<String>,
+    /// File for pins and quotas (not available yet: refused).
+    #[arg(long)]
+    pub metadata_path: Option<std::path::PathBuf>,
+    /// Seconds idle connections stay open (accepted; connections stay open until closed).
+    #[arg(long, default_value_t = 10.0)]
+    pub timeout_keep_alive: f64,
+    /// Do not serve /metrics.
+    #[arg(long)]
+    pub disable_metrics: bool,
+    /// OTLP metrics push (not available: /metrics is pulled; refused).
+    #[arg(long)]
+    pub otlp_endpoint: Option<String>,
+    /// Transport cache events arrive on: http (POST /events). Kafka cannot be tested on
+    /// these machines and is refused.
+    #[arg(long, default_value = "http", value_parser = ["http", "kafka"])]
+    pub event_transport: String,
+    /// Kafka bootstrap servers (with --event-transport kafka).
+    #[arg(long)]
+    pub kafka_bootstrap_servers: Option<String>,
+    /// Kafka topic.
+    #[arg(long, default_value = "lmcache-cache-events")]
+    pub kafka_topic: String,
+    /// Kafka consumer group.
+    #[arg(long, default_value = "lmcache-coordinator")]
+    pub kafka_group_id: String,
+    /// Exit after this many seconds (tests); 0 runs until a signal.
+    #[arg(long, default_value_t = 0, hide = true)]
+    pub exit_after_seconds: u64,
+}
+
+fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .with_context(|| format!("--{name}: {v} is not a number of seconds"))
+}
+
+fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
+    if a.enable_blend_lookup {
+        bail!(
+            "--enable-blend-lookup: the fleet fingerprint directory is not available in lmcache-rs yet"
+        );
+    }
+    if a.checkpoint_path.is_some() {
+        bail!("--checkpoint-path: coordinator checkpoints are not available in lmcache-rs yet");
+    }
+    if a.metadata_path.is_some() {
+        bail!("--metadata-path: pins and quotas are not served by lmcache-rs's coordinator yet");
+    }
+    if a.otlp_endpoint.is_some() {
+        bail!("--otlp-endpoint: metrics are served for Prometheus on /metrics only");
+    }
+    if a.event_transport != "http" {
+        bail!("--event-transport {}: only http is available (POST /events)", a.event_transport);
+    }
+    if let Some(extra) = &a.extra_config {
+        let v: serde_json::Value =
+            serde_json::from_str(extra).context("--extra-config: not JSON")?;
+        match v.as_object() {
+            Some(o) if o.is_empty() => {}
+            Some(o) => bail!(
+                "--extra-config: keys {:?} name Python controllers; lmcache-rs loads none",
+                o.keys().collect::<Vec<_>>()
+            ),
+            None => bail!("--extra-config: must be a JSON object"),
+        }
+    }
+    for (name, v) in
+        [("eviction-ratio", a.eviction_ratio), ("trigger-watermark", a.trigger_watermark)]
+    {
+        if !(v.is_finite() && v >= 0.0) {
+            bail!("--{name}: {v} must be a finite number >= 0");
+        }
+    }
+    seconds("eviction-check-interval", a.eviction_check_interval)?;
+    seconds("timeout-keep-alive", a.timeout_keep_alive)?;
+    Ok(CoordinatorConfig {
+        host: a.host.clone(),
+        port: a.port,
+        instance_timeout: seconds("instance-timeout", a.instance_timeout)?,
+        health_check_interval: seconds("health-check-interval", a.health_check_interval)?,
+        chunk_size: a.chunk_size,
+        hash_algorithm: a.hash_algorithm.clone(),
+        max_token_bindings: a.max_token_bindings,
+        checkpoint_path: None,
+        checkpoint_interval: seconds("checkpoint-interval", a.checkpoint_interval)?,
+        metadata_path: None,
+        metrics_enabled: !a.disable_metrics,
+    })
+}
+
+/// Runs the coordinator until SIGINT/SIGTERM.
+pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGTERM);
+    signals.thread_block().context("blocking shutdown signals")?;
+    let c = Coordinator::start(config(&args)?).context("starting the coordinator")?;
+    tracing::info!(http = %c.addr(), chunk_size = args.chunk_size, "lmcache-rs coordinator serving");
+    if args.exit_after_seconds > 0 {
+        let after = Duration::from_secs(args.exit_after_seconds);
+        std::thread::Builder::new()
+            .name("exit-after".into())
+            .spawn(move || {
+                std::thread::sleep(after);
+                let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), Signal::SIGTERM);
+            })
+            .context("starting the exit timer")?;
+    }
+    let sig = signals.wait().context("waiting for a shutdown signal")?;
+    tracing::info!(signal = ?sig, "shutting down");
+    c.stop();
+    Ok(())
+}

@@ -1,0 +1,357 @@
+//! LMCache's coordinator HTTP API (axum), its routes, JSON shapes and status codes, plus
+//! `POST /directory/route` (the routing answer LMCache leaves to routers).
+//!
+//! Errors are `{"detail": ...}`: 422 for a body LMCache's models would refuse, 400 for a
+//! request that cannot be served (too many tokens), 404 for an unknown instance. A handler
+//! that panics answers 500 and the coordinator keeps serving.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, Json, Path, Query, Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use lmcache_directory::{KeyFilter, Tier};
+use lmcache_protocol::coordinator::{
+    CacheEventsRequest, DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse,
+    EncodedObjectKey, RegisterRequest, WireTier,
+};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use crate::fleet::{Fleet, FleetError};
+
+type Shared = Arc<Fleet>;
+
+/// The largest request body accepted (bytes).
+pub const MAX_BODY: usize = 64 << 20;
+
+/// A JSON body whose rejection is a 422 naming the problem (FastAPI's status for any
+/// undecodable body), not axum's 400/415 split.
+struct Body<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = Response;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(v)) => Ok(Body(v)),
+            Err(e) => Err(error(StatusCode::UNPROCESSABLE_ENTITY, rejection(&e))),
+        }
+    }
+}
+
+fn rejection(e: &JsonRejection) -> String {
+    use std::error::Error as _;
+    let mut msg = e.body_text();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let t = s.to_string();
+        if !msg.contains(&t) {
+            msg = format!("{msg}: {t}");
+        }
+        src = s.source();
+    }
+    msg
+}
+
+fn error(code: StatusCode, detail: impl Into<String>) -> Response {
+    (code, Json(json!({"detail": detail.into()}))).into_response()
+}
+
+fn fail(s: &Fleet, e: FleetError) -> Response {
+    let code = match &e {
+        FleetError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
+        FleetError::BadRequest(_) => StatusCode::BAD_REQUEST,
+        FleetError::UnknownInstance(_) => StatusCode::NOT_FOUND,
+        FleetError::Directory(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    if code != StatusCode::NOT_FOUND {
+        s.metrics.invalid_requests.inc();
+        tracing::warn!(error = %e, status = code.as_u16(), "coordinator request refused");
+    }
+    error(code, e.to_string())
+}
+
+/// The router.
+pub fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { Json(json!({"status": "healthy"})) }))
+        .route("/metrics", get(metrics))
+        .route("/instances", post(register).get(instances))
+        .route("/instances/usage", get(usage))
+        .route("/instances/{id}/usage", get(instance_usage))
+        .route("/instances/{id}/heartbeat", put(heartbeat))
+        .route("/instances/{id}", axum::routing::delete(deregister))
+        .route("/events", post(events))
+        .route("/directory/lookup", post(lookup))
+        .route("/directory/keys", get(keys))
+        .route("/directory/stats", get(stats))
+        .route("/directory/blend-lookup", post(blend_lookup))
+        .route("/directory/route", post(route))
+        // Bodies of LMCache's sizes: a 1,000,000-token lookup, or event batches with tokens.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(catch_panics())
+        .with_state(state)
+}
+
+fn catch_panics() -> tower_http::catch_panic::CatchPanicLayer<
+    impl Fn(Box<dyn std::any::Any + Send + 'static>) -> Response + Clone,
+> {
+    tower_http::catch_panic::CatchPanicLayer::custom(|payload: Box<dyn std::any::Any + Send>| {
+        let reason = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into());
+        tracing::error!(error = %reason, "coordinator handler failed");
+        error(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {reason}"))
+    })
+}
+
+async fn metrics(State(s): State<Shared>) -> Response {
+    if !s.config().metrics_enabled {
+        return error(StatusCode::NOT_FOUND, "metrics are disabled");
+    }
+    let (l1, l2, keys) = s.totals();
+    s.metrics.set_tiers(l1, l2);
+    s.metrics.keys.set(keys as i64);
+    s.metrics.instances.set(s.instances().len() as i64);
+    for st in s.streams() {
+        let l = crate::metrics::InstanceLabel { instance_id: st.instance_id };
+        s.metrics.stream_gap.get_or_create(&l).set(i64::from(st.gap_detected));
+        s.metrics.stream_staleness.get_or_create(&l).set(st.seconds_since_last_batch);
+    }
+    (
+        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        s.metrics.encode(),
+    )
+        .into_response()
+}
+
+async fn register(State(s): State<Shared>, Body(req): Body<RegisterRequest>) -> Response {
+    match s.register(req) {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => fail(&s, e),
+    }
+}
+
+async fn heartbeat(State(s): State<Shared>, Path(id): Path<String>) -> Response {
+    if s.heartbeat(&id) {
+        Json(json!({"instance_id": id})).into_response()
+    } else {
+        (
+            StatusCode::NOT_FOUND,
+            Json(json!({"error": format!("unknown instance {id}; re-register")})),
+        )
+            .into_response()
+    }
+}
+
+async fn deregister(State(s): State<Shared>, Path(id): Path<String>) -> StatusCode {
+    tokio::task::block_in_place(|| s.deregister(&id));
+    StatusCode::NO_CONTENT
+}
+
+async fn instances(State(s): State<Shared>) -> Response {
+    Json(json!({"instances": s.instances()})).into_response()
+}
+
+async fn usage(State(s): State<Shared>) -> Response {
+    Json(s.usage()).into_response()
+}
+
+async fn instance_usage(State(s): State<Shared>, Path(id): Path<String>) -> Response {
+    match s.usage().instances.into_iter().find(|i| i.instance_id == id) {
+        Some(i) => Json(i).into_response(),
+        None => error(StatusCode::NOT_FOUND, format!("unknown instance {id}")),
+    }
+}
+
+async fn events(State(s): State<Shared>, Body(req): Body<CacheEventsRequest>) -> Response {
+    match tokio::task::block_in_place(|| s.ingest(&req.batches)) {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => fail(&s, e),
+    }
+}
+
+async fn lookup(State(s): State<Shared>, Body(req): Body<DirectoryLookupRequest>) -> Response {
+    if req.keys.is_empty() == req.token_ids.is_empty() {
+        return fail(&s, FleetError::Invalid("supply exactly one of 'keys' or 'token_ids'".into()));
+    }
+    let (chunks, keys) = if req.keys.is_empty() {
+        if req.model_name.is_empty() {
+            return fail(
+                &s,
+                FleetError::Invalid("'model_name' is required with 'token_ids'".into()),
+            );
+        }
+        match s.resolve_tokens(&req.token_ids, &req.model_name, req.world_size, &req.cache_salt) {
+            Ok(r) => r,
+            Err(e) => return fail(&s, e),
+        }
+    } else {
+        (req.keys.len(), req.keys)
+    };
+    match s.lookup(&keys) {
+        Ok(results) => {
+            Json(DirectoryLookupResponse { chunks: chunks as u64, results }).into_response()
+        }
+        Err(e) => fail(&s, e),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct ListQuery {
+    #[serde(default)]
+    tier: WireTier,
+    #[serde(default)]
+    instance_id: String,
+    #[serde(default)]
+    backend: String,
+    #[serde(default)]
+    offset: usize,
+    #[serde(default = "thousand")]
+    limit: usize,
+}
+
+fn thousand() -> usize {
+    1000
+}
+
+async fn keys(
+    State(s): State<Shared>,
+    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Query(q) = match q {
+        Ok(q) => q,
+        Err(e) => return fail(&s, FleetError::Invalid(e.body_text())),
+    };
+    if !(1..=10_000).contains(&q.limit) {
+        return fail(&s, FleetError::Invalid(format!("limit: {} is not in 1..10000", q.limit)));
+    }
+    let filter = KeyFilter {
+        tier: match q.tier {
+            WireTier::L1 => Some(Tier::L1),
+            WireTier::L2 => Some(Tier::L2),
+            WireTier::All => None,
+        },
+        instance: (!q.instance_id.is_empty()).then_some(q.instance_id),
+        backend: (!q.backend.is_empty()).then_some(q.backend),
+    };
+    let (total, keys) = tokio::task::block_in_place(|| s.list(&filter, q.offset, q.limit));
+    Json(DirectoryListResponse { total, keys }).into_response()
+}
+
+async fn stats(State(s): State<Shared>) -> Response {
+    Json(s.directory_stats()).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+struct BlendLookupRequest {
+    #[serde(default)]
+    tokens_b64: String,
+    #[serde(default)]
+    model_name: String,
+}
+
+/// The fingerprint directory is not built yet: like LMCache's with blend lookup disabled,
+/// every query matches nothing (but bodies are still checked).
+async fn blend_lookup(State(s): State<Shared>, Body(req): Body<BlendLookupRequest>) -> Response {
+    if !req.tokens_b64.is_empty() && req.model_name.is_empty() {
+        return fail(&s, FleetError::Invalid("'model_name' is required with 'tokens_b64'".into()));
+    }
+    Json(json!({"matches": []})).into_response()
+}
+
+fn half() -> f64 {
+    0.5
+}
+
+fn one_f() -> f64 {
+    1.0
+}
+
+fn one_u() -> u32 {
+    1
+}
+
+/// `POST /directory/route` body: a request's tokens (its whole sequence from position 0) or
+/// its chunk hashes, and how to weigh L2 and load.
+#[derive(Debug, Deserialize)]
+struct RouteRequest {
+    #[serde(default)]
+    token_ids: Vec<u32>,
+    /// Hex chunk hashes, in prefix order (instead of `token_ids`).
+    #[serde(default)]
+    chunk_hashes: Vec<String>,
+    #[serde(default)]
+    model_name: String,
+    #[serde(default = "one_u")]
+    world_size: u32,
+    #[serde(default)]
+    cache_salt: String,
+    /// Value of a chunk loaded from L2 relative to one in L1.
+    #[serde(default = "half")]
+    l2_weight: f64,
+    /// Cost of one unit of `loads` in chunks.
+    #[serde(default = "one_f")]
+    load_weight: f64,
+    /// The router's view of each instance's load (e.g. queued prefill chunks).
+    #[serde(default)]
+    loads: BTreeMap<String, f64>,
+}
+
+async fn route(State(s): State<Shared>, Body(req): Body<RouteRequest>) -> Response {
+    if req.model_name.is_empty() {
+        return fail(&s, FleetError::Invalid("'model_name' is required".into()));
+    }
+    if req.token_ids.is_empty() == req.chunk_hashes.is_empty() {
+        return fail(
+            &s,
+            FleetError::Invalid("supply exactly one of 'token_ids' or 'chunk_hashes'".into()),
+        );
+    }
+    if ![req.l2_weight, req.load_weight].iter().all(|w| w.is_finite())
+        || req.loads.values().any(|l| !l.is_finite())
+    {
+        return fail(&s, FleetError::Invalid("weights and loads must be finite numbers".into()));
+    }
+    let (chunks, keys) = if req.chunk_hashes.is_empty() {
+        match s.resolve_tokens(&req.token_ids, &req.model_name, req.world_size, &req.cache_salt) {
+            Ok(r) => r,
+            Err(e) => return fail(&s, e),
+        }
+    } else {
+        let ranks = match lmcache_core::KvRank::all(req.world_size) {
+            Ok(r) => r.map(lmcache_core::KvRank::packed).collect::<Vec<_>>(),
+            Err(e) => return fail(&s, FleetError::Invalid(format!("world_size: {e}"))),
+        };
+        let keys = req
+            .chunk_hashes
+            .iter()
+            .flat_map(|h| {
+                ranks.iter().map(|&kv_rank| EncodedObjectKey {
+                    chunk_hash_hex: h.clone(),
+                    model_name: req.model_name.clone(),
+                    kv_rank,
+                    object_group_id: 0,
+                    cache_salt: req.cache_salt.clone(),
+                })
+            })
+            .collect();
+        (req.chunk_hashes.len(), keys)
+    };
+    let per_chunk = req.world_size.max(1) as usize;
+    match s.route(&keys, per_chunk, req.l2_weight, req.load_weight, &req.loads) {
+        Ok(cands) => {
+            let best = cands.first().map(|c| c.instance_id.clone());
+            Json(json!({"chunks": chunks, "best": best, "instances": cands})).into_response()
+        }
+        Err(e) => fail(&s, e),
+    }
+}

@@ -1,0 +1,183 @@
+//! The directory on the coordinator-anchors §8 workload: W servers × S sequences of 64 chunks
+//! (16 from one of 1,000 shared "system prompts", 48 unique), one store batch per sequence.
+//! Reports apply rate (G1), lookup latency of a stored sequence's 64-chunk prefix over the
+//! servers (G3/G4: `prefix_runs`), bytes per membership (G7, RSS growth over the generated
+//! trace), and RSS over rounds of prefix churn (G8: every sequence replaced by a new one).
+//!
+//! `cargo bench -p lmcache-directory --bench directory -- [servers] [sequences] [churn_rounds]`
+//! (defaults 64 2500 0: 10.24 M memberships).
+
+#![expect(clippy::needless_range_loop, reason = "server × sequence indices read clearer")]
+
+use std::time::Instant;
+
+use lmcache_directory::{
+    DirKey, Directory, DirectoryConfig, Entry, EventKind, Namespace, RunQuery, SiteId, Tier,
+};
+use rand::{Rng, SeedableRng};
+
+const LEN: usize = 64;
+const SHARED: usize = 16;
+const POOL: u64 = 1000;
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * 4096
+}
+
+fn hash(a: u64, b: u64) -> [u8; 32] {
+    *blake3::hash(&[a.to_le_bytes(), b.to_le_bytes()].concat()).as_bytes()
+}
+
+/// Sequence `s` of generation `g`: its 64 chunk hashes (prefix-chained in spirit: a shared
+/// head then a unique tail).
+fn sequence(pool_id: u64, uniq: u64) -> Vec<[u8; 32]> {
+    (0..LEN as u64)
+        .map(|i| {
+            if (i as usize) < SHARED {
+                hash(pool_id, i)
+            } else {
+                hash(uniq ^ 0x5eed_0000_0000_0000, i)
+            }
+        })
+        .collect()
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let servers = args.first().copied().unwrap_or(64);
+    let seqs = args.get(1).copied().unwrap_or(2500);
+    let churn = args.get(2).copied().unwrap_or(0);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    // The trace, generated before measuring: per server, its sequences.
+    let trace: Vec<Vec<(u64, Vec<[u8; 32]>)>> = (0..servers)
+        .map(|w| {
+            (0..seqs)
+                .map(|s| {
+                    let uniq = (w * seqs + s) as u64;
+                    let pool = rng.gen_range(0..POOL);
+                    (pool, sequence(pool, uniq))
+                })
+                .collect()
+        })
+        .collect();
+    let memberships = servers * seqs * LEN;
+    let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0 });
+    let ns = d
+        .namespace(&Namespace {
+            model: "m".into(),
+            kv_rank: 0x0100_0100,
+            object_group: 0,
+            cache_salt: "".into(),
+        })
+        .unwrap();
+    let insts: Vec<_> = (0..servers).map(|w| d.instance(&format!("server-{w}")).unwrap()).collect();
+    let sites: Vec<SiteId> =
+        insts.iter().map(|&i| d.site(i, Tier::L1, "dram", false).unwrap()).collect();
+    let rss0 = rss_bytes();
+    let t = Instant::now();
+    let mut entries: Vec<Entry<'_>> = Vec::with_capacity(LEN);
+    for s in 0..seqs {
+        for w in 0..servers {
+            entries.clear();
+            entries.extend(trace[w][s].1.iter().map(|h| Entry {
+                key: DirKey { hash: *h, ns },
+                size: 32 << 20,
+                tokens: &[],
+                token_offset: -1,
+            }));
+            d.apply(insts[w], 1, EventKind::Store, sites[w], 0.0, &entries).unwrap();
+        }
+    }
+    let apply = t.elapsed();
+    let rss1 = rss_bytes();
+    let st = d.stats();
+    println!(
+        "workload: {servers} servers x {seqs} sequences x {LEN} chunks = {memberships} memberships, {} distinct keys",
+        st.keys
+    );
+    println!(
+        "G1 apply: {:.2} M chunk events/s ({:.2} s on one thread)",
+        memberships as f64 / apply.as_secs_f64() / 1e6,
+        apply.as_secs_f64()
+    );
+    println!(
+        "G7 memory: {:.1} B/membership, {:.1} B/key (RSS +{} MiB; table {} MiB)",
+        (rss1 - rss0) as f64 / memberships as f64,
+        (rss1 - rss0) as f64 / st.keys as f64,
+        (rss1 - rss0) >> 20,
+        d.table_bytes() >> 20
+    );
+    // Lookups of stored sequences.
+    let n = 100_000;
+    let mut lat = Vec::with_capacity(n);
+    let mut matched = 0u64;
+    let mut keys: Vec<DirKey> = Vec::with_capacity(LEN);
+    for _ in 0..n {
+        let w = rng.gen_range(0..servers);
+        let s = rng.gen_range(0..seqs);
+        keys.clear();
+        keys.extend(trace[w][s].1.iter().map(|h| DirKey { hash: *h, ns }));
+        let t = Instant::now();
+        let runs = d.prefix_runs(RunQuery { keys: &keys, per_chunk: 1 });
+        lat.push(t.elapsed().as_nanos() as u64);
+        matched += runs.len() as u64;
+        assert!(
+            runs.first().is_some_and(|r| r.l1 == LEN as u32),
+            "the storing server holds the whole prefix"
+        );
+    }
+    lat.sort_unstable();
+    let p = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)] as f64 / 1000.0;
+    println!(
+        "G3/G4 lookup (64-chunk prefix, avg {:.1} servers per answer): p50 {:.2} us, p99 {:.2} us, p99.9 {:.2} us",
+        matched as f64 / n as f64,
+        p(0.5),
+        p(0.99),
+        p(0.999)
+    );
+    if churn > 0 {
+        let mut rss = vec![rss_bytes()];
+        let mut events = 0usize;
+        let t = Instant::now();
+        let mut current: Vec<Vec<Vec<[u8; 32]>>> =
+            trace.iter().map(|w| w.iter().map(|(_, s)| s.clone()).collect()).collect();
+        for round in 1..=churn {
+            for w in 0..servers {
+                for s in 0..seqs {
+                    let uniq = ((round * servers + w) * seqs + s) as u64 + (1 << 40);
+                    let fresh = sequence(uniq % (POOL * 1000) + POOL, uniq);
+                    entries.clear();
+                    entries.extend(current[w][s].iter().map(|h| Entry {
+                        key: DirKey { hash: *h, ns },
+                        size: 0,
+                        tokens: &[],
+                        token_offset: -1,
+                    }));
+                    d.apply(insts[w], 1, EventKind::Delete, sites[w], 0.0, &entries).unwrap();
+                    entries.clear();
+                    entries.extend(fresh.iter().map(|h| Entry {
+                        key: DirKey { hash: *h, ns },
+                        size: 32 << 20,
+                        tokens: &[],
+                        token_offset: -1,
+                    }));
+                    d.apply(insts[w], 1, EventKind::Store, sites[w], 0.0, &entries).unwrap();
+                    events += 2 * LEN;
+                    current[w][s] = fresh;
+                }
+            }
+            rss.push(rss_bytes());
+            if round == 5 || round == churn {
+                println!("G8 churn round {round}: RSS {} MiB", rss[round] >> 20);
+            }
+        }
+        println!(
+            "G8 churn: {:.2} M store+remove events/s; RSS after fill {} MiB -> after {churn} rounds {} MiB ({:+.1}%)",
+            events as f64 / t.elapsed().as_secs_f64() / 1e6,
+            rss[0] >> 20,
+            rss[churn] >> 20,
+            (rss[churn] as f64 / rss[0] as f64 - 1.0) * 100.0
+        );
+    }
+}

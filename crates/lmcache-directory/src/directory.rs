@@ -1,0 +1,640 @@
+//! The key table and the events that change it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+
+use crate::DirectoryError;
+use crate::ids::{DirKey, InstanceId, Interner, Namespace, NsId, Site, SiteId, Tier};
+use crate::tokens::{Bindings, TokenBinding};
+
+/// Limits.
+#[derive(Debug, Clone)]
+pub struct DirectoryConfig {
+    /// Chunk hashes whose tokens are kept (each costs its tokens: 1 KiB for 256 tokens).
+    pub max_token_bindings: usize,
+}
+
+impl Default for DirectoryConfig {
+    fn default() -> Self {
+        Self { max_token_bindings: 262_144 }
+    }
+}
+
+/// What a batch of events does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// The keys were written at the site (new placement, or its size replaced).
+    Store,
+    /// The keys left the site (deleted or evicted).
+    Delete,
+    /// The keys were used (recency and a count; no placement change).
+    Access,
+}
+
+/// One key of an event batch.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry<'a> {
+    /// The key.
+    pub key: DirKey,
+    /// Bytes stored (store only).
+    pub size: u64,
+    /// The chunk's tokens when the reporter had them (store only; may be empty).
+    pub tokens: &'a [u32],
+    /// Position of the chunk's first token; -1 when unknown.
+    pub token_offset: i64,
+}
+
+/// 16 bytes: the site, who reported it at which incarnation (an interned [`Epoch`]), bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Placement {
+    site: SiteId,
+    epoch: u32,
+    size: u64,
+}
+
+/// An (instance, incarnation) pair, interned: placements name their reporter through it.
+type Epoch = (InstanceId, u64);
+
+/// 32 bytes: one placement inline (most keys have one), the access count, the last access in
+/// whole seconds, and whether the key holds a reference on its chunk's token binding.
+#[derive(Debug, Clone, Default)]
+struct Record {
+    placements: SmallVec<[Placement; 1]>,
+    access_count: u32,
+    last_access: u32,
+    bound: bool,
+}
+
+fn seconds(ts: f64) -> u32 {
+    // Wall-clock seconds fit u32 until 2106; NaN and negatives become 0.
+    if ts.is_finite() && ts > 0.0 { ts.min(f64::from(u32::MAX)) as u32 } else { 0 }
+}
+
+/// Placements and bytes of one site.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SiteStats {
+    /// Placements.
+    pub count: u64,
+    /// Bytes the placements reported.
+    pub bytes: u64,
+}
+
+/// A placement as answers show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacementView {
+    /// The instance that reported it last (the owner, for a private site).
+    pub instance: Arc<str>,
+    /// Its incarnation at that report.
+    pub incarnation: u64,
+    /// Tier.
+    pub tier: Tier,
+    /// Backend.
+    pub backend: Arc<str>,
+    /// Bytes.
+    pub size: u64,
+    /// Whether the site is a shared pool.
+    pub shared: bool,
+}
+
+/// Which placements a listing shows.
+#[derive(Debug, Clone, Default)]
+pub struct KeyFilter {
+    /// Only this tier.
+    pub tier: Option<Tier>,
+    /// Only placements this instance reported.
+    pub instance: Option<String>,
+    /// Only this backend.
+    pub backend: Option<String>,
+}
+
+/// Totals, kept as events apply (O(1) to read).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DirectoryStats {
+    /// Keys with a placement.
+    pub keys: u64,
+    /// Placements in L1 and L2.
+    pub l1: SiteStats,
+    /// Placements in L2.
+    pub l2: SiteStats,
+    /// Chunk hashes whose tokens are kept.
+    pub token_bindings: u64,
+    /// Chunk hashes whose tokens were not kept (over `max_token_bindings`).
+    pub token_bindings_dropped: u64,
+}
+
+type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// The directory. Not thread-safe by itself: the coordinator holds it under one lock.
+#[derive(Debug)]
+pub struct Directory {
+    table: FastMap<DirKey, Record>,
+    namespaces: Interner<Namespace>,
+    instances: Interner<Arc<str>>,
+    epochs: Interner<Epoch>,
+    sites: Interner<Site>,
+    /// Per site: placements and bytes.
+    site_stats: Vec<SiteStats>,
+    /// Per shared site: the instances that mount it (reported to it), sorted.
+    mounts: Vec<Vec<InstanceId>>,
+    /// Per namespace: bytes in L1 and L2.
+    ns_bytes: Vec<[u64; 2]>,
+    bindings: Bindings,
+    stats: DirectoryStats,
+}
+
+impl Directory {
+    /// An empty directory.
+    pub fn new(config: DirectoryConfig) -> Self {
+        Self {
+            table: FastMap::default(),
+            namespaces: Interner::new("namespace"),
+            instances: Interner::new("instance"),
+            epochs: Interner::new("epoch"),
+            sites: Interner::new("site"),
+            site_stats: Vec::new(),
+            mounts: Vec::new(),
+            ns_bytes: Vec::new(),
+            bindings: Bindings::new(config.max_token_bindings),
+            stats: DirectoryStats::default(),
+        }
+    }
+
+    /// The id of `ns`, interning it.
+    pub fn namespace(&mut self, ns: &Namespace) -> Result<NsId, DirectoryError> {
+        let id = self.namespaces.intern(ns)?;
+        if self.ns_bytes.len() <= id as usize {
+            self.ns_bytes.resize(id as usize + 1, [0; 2]);
+        }
+        Ok(NsId(id))
+    }
+
+    /// The id of `ns` if any event named it (a key of an unknown namespace has no placement).
+    pub fn find_namespace(&self, ns: &Namespace) -> Option<NsId> {
+        self.namespaces.find(ns).map(NsId)
+    }
+
+    /// The namespace of `id`.
+    pub fn namespace_of(&self, id: NsId) -> Result<&Namespace, DirectoryError> {
+        self.namespaces.get(id.0)
+    }
+
+    /// The id of instance `name`, interning it.
+    pub fn instance(&mut self, name: &str) -> Result<InstanceId, DirectoryError> {
+        self.instances.intern(&Arc::from(name)).map(InstanceId)
+    }
+
+    /// The id of instance `name` if known.
+    pub fn find_instance(&self, name: &str) -> Option<InstanceId> {
+        self.instances.find(&Arc::from(name)).map(InstanceId)
+    }
+
+    /// The name of instance `id`.
+    pub fn instance_name(&self, id: InstanceId) -> Result<&Arc<str>, DirectoryError> {
+        self.instances.get(id.0)
+    }
+
+    /// Instances interned so far.
+    pub fn instance_count(&self) -> usize {
+        self.instances.len()
+    }
+
+    /// The site for a placement: `reporter`'s own, or the shared pool of (tier, backend).
+    /// A shared site remembers `reporter` as one of its mounts.
+    pub fn site(
+        &mut self,
+        reporter: InstanceId,
+        tier: Tier,
+        backend: &str,
+        shared: bool,
+    ) -> Result<SiteId, DirectoryError> {
+        self.instances.get(reporter.0)?;
+        let site = Site { tier, backend: Arc::from(backend), owner: (!shared).then_some(reporter) };
+        let id = self.sites.intern(&site)?;
+        if self.site_stats.len() <= id as usize {
+            self.site_stats.resize(id as usize + 1, SiteStats::default());
+            self.mounts.resize(id as usize + 1, Vec::new());
+        }
+        if shared {
+            let m = &mut self.mounts[id as usize];
+            if let Err(at) = m.binary_search(&reporter) {
+                m.insert(at, reporter);
+            }
+        }
+        Ok(SiteId(id))
+    }
+
+    /// The site of `id`.
+    pub fn site_of(&self, id: SiteId) -> Result<&Site, DirectoryError> {
+        self.sites.get(id.0)
+    }
+
+    /// Placements and bytes at `id`.
+    pub fn site_stats(&self, id: SiteId) -> SiteStats {
+        self.site_stats.get(id.0 as usize).copied().unwrap_or_default()
+    }
+
+    /// Every site with its id, in id order.
+    pub fn sites(&self) -> impl Iterator<Item = (SiteId, &Site)> {
+        (0..self.sites.len() as u32).filter_map(|i| self.sites.get(i).ok().map(|s| (SiteId(i), s)))
+    }
+
+    /// The instances mounting shared site `id` (empty for a private site).
+    pub fn mounts(&self, id: SiteId) -> &[InstanceId] {
+        self.mounts.get(id.0 as usize).map(Vec::as_slice).unwrap_or_default()
+    }
+
+    /// Applies one batch of events that `reporter` (at `incarnation`) reported at `site`
+    /// (not even checked for [`EventKind::Access`]). Idempotent: a store replaces the
+    /// placement of the same site, a delete of an absent placement does nothing.
+    pub fn apply(
+        &mut self,
+        reporter: InstanceId,
+        incarnation: u64,
+        kind: EventKind,
+        site: SiteId,
+        ts: f64,
+        entries: &[Entry<'_>],
+    ) -> Result<(), DirectoryError> {
+        self.instances.get(reporter.0)?;
+        let tier = match kind {
+            EventKind::Access => Tier::L1,
+            _ => self.sites.get(site.0)?.tier,
+        };
+        for e in entries {
+            self.namespaces.get(e.key.ns.0)?;
+        }
+        match kind {
+            EventKind::Store => {
+                let epoch = self.epochs.intern(&(reporter, incarnation))?;
+                let ts = seconds(ts);
+                let (mut count, mut bytes) = (0i64, 0i64);
+                for e in entries {
+                    let (c, b) = self.store(epoch, site, ts, e);
+                    count += c;
+                    bytes += b;
+                    if let Some(nb) = self.ns_bytes.get_mut(e.key.ns.0 as usize) {
+                        nb[tier as usize] = nb[tier as usize].saturating_add_signed(b);
+                    }
+                }
+                self.account(site, tier, count, bytes);
+            }
+            EventKind::Delete => {
+                for e in entries {
+                    self.delete(site, tier, &e.key);
+                }
+            }
+            EventKind::Access => self.access(ts, entries.iter().map(|e| e.key)),
+        }
+        Ok(())
+    }
+
+    fn account(&mut self, site: SiteId, tier: Tier, count: i64, bytes: i64) {
+        let s = &mut self.site_stats[site.0 as usize];
+        s.count = s.count.saturating_add_signed(count);
+        s.bytes = s.bytes.saturating_add_signed(bytes);
+        let t = match tier {
+            Tier::L1 => &mut self.stats.l1,
+            Tier::L2 => &mut self.stats.l2,
+        };
+        t.count = t.count.saturating_add_signed(count);
+        t.bytes = t.bytes.saturating_add_signed(bytes);
+    }
+
+    /// Upserts one placement; returns the (placements, bytes) it added.
+    fn store(&mut self, epoch: u32, site: SiteId, ts: u32, e: &Entry<'_>) -> (i64, i64) {
+        let new = Placement { site, epoch, size: e.size };
+        let record = match self.table.entry(e.key) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                self.stats.keys += 1;
+                v.insert(Record::default())
+            }
+        };
+        record.last_access = record.last_access.max(ts);
+        let delta = match record.placements.iter_mut().find(|p| p.site == site) {
+            Some(p) => {
+                let old = p.size;
+                *p = new;
+                (0, e.size as i64 - old as i64)
+            }
+            None => {
+                record.placements.push(new);
+                (1, e.size as i64)
+            }
+        };
+        // Token bindings exist only for chunks some store carried tokens for; every key of
+        // the chunk stored since holds a reference.
+        if !record.bound && (!e.tokens.is_empty() || self.bindings.holds(&e.key.hash)) {
+            record.bound = self.bindings.add_ref(&e.key.hash, e.tokens, e.token_offset);
+        } else if record.bound && !e.tokens.is_empty() {
+            self.bindings.set(&e.key.hash, e.tokens, e.token_offset);
+        }
+        delta
+    }
+
+    fn delete(&mut self, site: SiteId, tier: Tier, key: &DirKey) {
+        let Some(record) = self.table.get_mut(key) else { return };
+        let Some(at) = record.placements.iter().position(|p| p.site == site) else { return };
+        let gone = record.placements.remove(at);
+        if record.placements.is_empty() {
+            let bound = record.bound;
+            self.table.remove(key);
+            self.stats.keys -= 1;
+            if bound {
+                self.bindings.release(&key.hash);
+            }
+        }
+        self.account(site, tier, -1, -(gone.size as i64));
+        if let Some(nb) = self.ns_bytes.get_mut(key.ns.0 as usize) {
+            nb[tier as usize] = nb[tier as usize].saturating_sub(gone.size);
+        }
+    }
+
+    /// Drops every L1 placement `instance` owns (it restarted, or stopped heartbeating) and
+    /// returns how many. L2 placements stay: they outlive the process.
+    pub fn fence_l1(&mut self, instance: InstanceId) -> u64 {
+        let doomed: Vec<bool> = (0..self.sites.len() as u32)
+            .map(|i| {
+                self.sites.get(i).is_ok_and(|s| s.tier == Tier::L1 && s.owner == Some(instance))
+                    && self.site_stats[i as usize].count > 0
+            })
+            .collect();
+        if !doomed.contains(&true) {
+            return 0;
+        }
+        let mut removed: Vec<(SiteId, NsId, u64)> = Vec::new();
+        let mut emptied = 0u64;
+        let mut released: Vec<[u8; 32]> = Vec::new();
+        self.table.retain(|key, record| {
+            record.placements.retain(|p| {
+                let drop = doomed[p.site.0 as usize];
+                if drop {
+                    removed.push((p.site, key.ns, p.size));
+                }
+                !drop
+            });
+            if record.placements.is_empty() {
+                emptied += 1;
+                if record.bound {
+                    released.push(key.hash);
+                }
+                false
+            } else {
+                true
+            }
+        });
+        for (site, ns, size) in &removed {
+            self.account(*site, Tier::L1, -1, -(*size as i64));
+            if let Some(nb) = self.ns_bytes.get_mut(ns.0 as usize) {
+                nb[0] = nb[0].saturating_sub(*size);
+            }
+        }
+        self.stats.keys -= emptied;
+        for h in &released {
+            self.bindings.release(h);
+        }
+        removed.len() as u64
+    }
+
+    /// The placements of `key`, sorted by instance, tier and backend (empty when unknown).
+    pub fn placements(&self, key: &DirKey) -> Vec<PlacementView> {
+        let Some(r) = self.table.get(key) else { return Vec::new() };
+        self.views(r.placements.iter())
+    }
+
+    fn views<'a>(&self, ps: impl Iterator<Item = &'a Placement>) -> Vec<PlacementView> {
+        let mut out: Vec<PlacementView> = ps
+            .filter_map(|p| {
+                let site = self.sites.get(p.site.0).ok()?;
+                let (reporter, incarnation) = *self.epochs.get(p.epoch).ok()?;
+                Some(PlacementView {
+                    instance: self.instances.get(reporter.0).ok()?.clone(),
+                    incarnation,
+                    tier: site.tier,
+                    backend: site.backend.clone(),
+                    size: p.size,
+                    shared: site.owner.is_none(),
+                })
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            (&a.instance, a.tier, &a.backend).cmp(&(&b.instance, b.tier, &b.backend))
+        });
+        out
+    }
+
+    /// How often `key` was accessed (0 when unknown).
+    pub fn access_count(&self, key: &DirKey) -> u64 {
+        self.table.get(key).map_or(0, |r| u64::from(r.access_count))
+    }
+
+    /// The tokens known for chunk `hash`.
+    pub fn tokens(&self, hash: &[u8; 32]) -> Option<&TokenBinding> {
+        self.bindings.get(hash).filter(|b| !b.tokens.is_empty())
+    }
+
+    /// A page of keys with at least one placement matching `filter`, in table order (stable
+    /// while nothing changes), and the total number of such keys.
+    pub fn list(
+        &self,
+        filter: &KeyFilter,
+        offset: usize,
+        limit: usize,
+    ) -> (u64, Vec<(DirKey, Vec<PlacementView>)>) {
+        let instance = match &filter.instance {
+            Some(name) => match self.find_instance(name) {
+                Some(i) => Some(i),
+                None => return (0, Vec::new()),
+            },
+            None => None,
+        };
+        let site_ok: Vec<bool> = (0..self.sites.len() as u32)
+            .map(|i| {
+                self.sites.get(i).is_ok_and(|s| {
+                    filter.tier.is_none_or(|t| t == s.tier)
+                        && filter.backend.as_deref().is_none_or(|b| *s.backend == *b)
+                })
+            })
+            .collect();
+        let reporter_of = |p: &Placement| self.epochs.get(p.epoch).ok().map(|e| e.0);
+        let keep = |p: &Placement| {
+            site_ok[p.site.0 as usize] && instance.is_none_or(|i| reporter_of(p) == Some(i))
+        };
+        let mut total = 0u64;
+        let mut page = Vec::new();
+        for (key, r) in &self.table {
+            if !r.placements.iter().any(keep) {
+                continue;
+            }
+            if total >= offset as u64 && page.len() < limit {
+                page.push((*key, self.views(r.placements.iter().filter(|p| keep(p)))));
+            }
+            total += 1;
+        }
+        (total, page)
+    }
+
+    /// Every key an instance holds in its own L1 (or at any of its sites with `all_tiers`).
+    pub fn keys_of(&self, instance: InstanceId, tier: Option<Tier>) -> Vec<DirKey> {
+        let mine: Vec<bool> = (0..self.sites.len() as u32)
+            .map(|i| {
+                self.sites
+                    .get(i)
+                    .is_ok_and(|s| s.owner == Some(instance) && tier.is_none_or(|t| t == s.tier))
+            })
+            .collect();
+        self.table
+            .iter()
+            .filter(|(_, r)| r.placements.iter().any(|p| mine[p.site.0 as usize]))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    /// Totals.
+    pub fn stats(&self) -> DirectoryStats {
+        DirectoryStats {
+            token_bindings: self.bindings.len() as u64,
+            token_bindings_dropped: self.bindings.dropped,
+            ..self.stats.clone()
+        }
+    }
+
+    /// Keys held per instance in its own L1 sites (placements, one per backend).
+    pub fn l1_keys_by_instance(&self) -> Vec<(Arc<str>, u64)> {
+        let mut out: FastMap<InstanceId, u64> = FastMap::default();
+        for (id, site) in self.sites() {
+            if let (Tier::L1, Some(owner)) = (site.tier, site.owner) {
+                *out.entry(owner).or_default() += self.site_stats(id).count;
+            }
+        }
+        let mut v: Vec<(Arc<str>, u64)> = out
+            .into_iter()
+            .filter_map(|(i, n)| Some((self.instances.get(i.0).ok()?.clone(), n)))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Bytes per cache salt in `tier`.
+    pub fn bytes_by_salt(&self, tier: Tier) -> Vec<(Arc<str>, u64)> {
+        let mut out: FastMap<Arc<str>, u64> = FastMap::default();
+        for (i, b) in self.ns_bytes.iter().enumerate() {
+            if let Ok(ns) = self.namespaces.get(i as u32) {
+                if b[tier as usize] > 0 {
+                    *out.entry(ns.cache_salt.clone()).or_default() += b[tier as usize];
+                }
+            }
+        }
+        let mut v: Vec<_> = out.into_iter().collect();
+        v.sort();
+        v
+    }
+
+    /// The sites holding `key`.
+    pub(crate) fn record_sites(&self, key: &DirKey) -> impl Iterator<Item = SiteId> + '_ {
+        self.table.get(key).into_iter().flat_map(|r| r.placements.iter()).map(|p| p.site)
+    }
+
+    /// Site `id` (a crate-internal read that cannot fail for ids from `record_sites`).
+    pub(crate) fn site_ref(&self, id: SiteId) -> Option<&Site> {
+        self.sites.get(id.0).ok()
+    }
+
+    /// Records a use of each of `keys` (recency and count; unknown keys are ignored).
+    pub fn access(&mut self, ts: f64, keys: impl IntoIterator<Item = DirKey>) {
+        let ts = seconds(ts);
+        for k in keys {
+            if let Some(r) = self.table.get_mut(&k) {
+                r.access_count = r.access_count.saturating_add(1);
+                r.last_access = r.last_access.max(ts);
+            }
+        }
+    }
+
+    /// Approximate bytes the table itself uses (keys, records, slack; not spilled vectors).
+    pub fn table_bytes(&self) -> usize {
+        self.table.capacity() * (std::mem::size_of::<(DirKey, Record)>() + 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ns(d: &mut Directory) -> NsId {
+        d.namespace(&Namespace {
+            model: "m".into(),
+            kv_rank: 0x0100_0100,
+            object_group: 0,
+            cache_salt: "".into(),
+        })
+        .unwrap()
+    }
+
+    fn key(ns: NsId, b: u8) -> DirKey {
+        DirKey { hash: [b; 32], ns }
+    }
+
+    fn entry(key: DirKey, size: u64) -> Entry<'static> {
+        Entry { key, size, tokens: &[], token_offset: -1 }
+    }
+
+    #[test]
+    fn store_replace_delete_keep_totals() {
+        let mut d = Directory::new(DirectoryConfig::default());
+        let n = ns(&mut d);
+        let a = d.instance("a").unwrap();
+        let l1 = d.site(a, Tier::L1, "dram", false).unwrap();
+        d.apply(a, 1, EventKind::Store, l1, 1.0, &[entry(key(n, 1), 10), entry(key(n, 2), 20)])
+            .unwrap();
+        d.apply(a, 1, EventKind::Store, l1, 2.0, &[entry(key(n, 1), 15)]).unwrap();
+        assert_eq!(d.stats().l1, SiteStats { count: 2, bytes: 35 });
+        assert_eq!(d.stats().keys, 2);
+        d.apply(a, 1, EventKind::Delete, l1, 3.0, &[entry(key(n, 1), 0), entry(key(n, 9), 0)])
+            .unwrap();
+        assert_eq!(d.stats().l1, SiteStats { count: 1, bytes: 20 });
+        assert!(d.placements(&key(n, 1)).is_empty());
+        assert_eq!(d.placements(&key(n, 2))[0].size, 20);
+    }
+
+    #[test]
+    fn shared_placements_are_one_per_pool_and_fencing_keeps_l2() {
+        let mut d = Directory::new(DirectoryConfig::default());
+        let n = ns(&mut d);
+        let a = d.instance("a").unwrap();
+        let b = d.instance("b").unwrap();
+        let s3a = d.site(a, Tier::L2, "s3", true).unwrap();
+        let s3b = d.site(b, Tier::L2, "s3", true).unwrap();
+        assert_eq!(s3a, s3b);
+        assert_eq!(d.mounts(s3a), &[a, b]);
+        let l1 = d.site(a, Tier::L1, "dram", false).unwrap();
+        d.apply(a, 1, EventKind::Store, s3a, 0.0, &[entry(key(n, 1), 5)]).unwrap();
+        d.apply(b, 1, EventKind::Store, s3b, 0.0, &[entry(key(n, 1), 5)]).unwrap();
+        d.apply(a, 1, EventKind::Store, l1, 0.0, &[entry(key(n, 1), 5), entry(key(n, 2), 5)])
+            .unwrap();
+        let p = d.placements(&key(n, 1));
+        assert_eq!(p.len(), 2);
+        assert!(p.iter().any(|p| p.shared && &*p.instance == "b"), "latest reporter: {p:?}");
+        assert_eq!(d.fence_l1(a), 2);
+        assert_eq!(d.placements(&key(n, 1)).len(), 1);
+        assert!(d.placements(&key(n, 2)).is_empty());
+        assert_eq!(d.stats().keys, 1);
+        assert_eq!(d.fence_l1(a), 0);
+    }
+
+    #[test]
+    fn unknown_ids_are_refused_before_anything_changes() {
+        let mut d = Directory::new(DirectoryConfig::default());
+        let n = ns(&mut d);
+        let a = d.instance("a").unwrap();
+        let l1 = d.site(a, Tier::L1, "dram", false).unwrap();
+        let bad = DirKey { hash: [1; 32], ns: NsId(7) };
+        let err = d
+            .apply(a, 1, EventKind::Store, l1, 0.0, &[entry(key(n, 1), 1), entry(bad, 1)])
+            .unwrap_err();
+        assert_eq!(err, DirectoryError::UnknownId { what: "namespace", id: 7 });
+        assert_eq!(d.stats().keys, 0);
+    }
+}

@@ -1,0 +1,47 @@
+//! The coordinator's fleet key directory.
+//!
+//! It records, from the cache events servers report, which server holds which object key in
+//! which tier and backend (a *placement*), and answers two questions: the placements of given
+//! keys (LMCache's `/directory/lookup`) and, for a request's chunks, each server's longest
+//! leading run of chunks it can serve from L1 and from L1 or L2 (the routing answer LMCache's
+//! coordinator leaves to the router).
+//!
+//! Everything here is plain data and arithmetic: no IO, no locks, no clocks (timestamps come
+//! in with the events). Names (models, salts, instances, backends) are interned once into
+//! small ids ([`NsId`], [`InstanceId`], [`SiteId`]), so a placement costs 16 bytes and a key
+//! 36 bytes plus its record.
+//!
+//! Placement identity follows LMCache's key directory: a private placement is one per
+//! (instance, tier, backend); a placement in a shared pool (one S3 bucket mounted by several
+//! servers) is one per (tier, backend) whoever reports it, and names its latest reporter.
+//! Fencing an instance (restart, lost heartbeat) drops its L1 placements only; L2 placements
+//! live on persistent storage and leave through delete events.
+
+mod directory;
+mod ids;
+mod runs;
+mod tokens;
+
+pub use directory::{
+    Directory, DirectoryConfig, DirectoryStats, Entry, EventKind, KeyFilter, PlacementView,
+    SiteStats,
+};
+pub use ids::{DirKey, InstanceId, Namespace, NsId, Site, SiteId, Tier};
+pub use runs::{PrefixRun, RunQuery};
+pub use tokens::TokenBinding;
+
+/// Errors from applying events.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DirectoryError {
+    /// An id that this directory never handed out.
+    #[error("unknown {what} id {id}")]
+    UnknownId {
+        /// Which kind of id.
+        what: &'static str,
+        /// The id.
+        id: u32,
+    },
+    /// More distinct names than ids of this kind (2^32).
+    #[error("too many distinct {0}")]
+    Exhausted(&'static str),
+}

@@ -1,0 +1,280 @@
+//! The directory against a reference model on random traces: stores, replacements, deletes
+//! (including of absent keys), accesses and fences, over private and shared sites, two ranks
+//! and holes. After every step the placements of every key, the totals and the routing runs
+//! of every prefix must equal the model's: zero over-credit, zero under-credit.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use lmcache_directory::{
+    DirKey, Directory, DirectoryConfig, Entry, EventKind, InstanceId, Namespace, NsId, PrefixRun,
+    RunQuery, Tier,
+};
+use proptest::prelude::*;
+
+const INSTANCES: u8 = 3;
+const CHUNKS: u8 = 6;
+const RANKS: u8 = 2;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum SiteKind {
+    L1,
+    L2Private,
+    L2Shared,
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store { inst: u8, site: SiteKind, keys: Vec<(u8, u8)>, size: u16 },
+    Delete { inst: u8, site: SiteKind, keys: Vec<(u8, u8)> },
+    Access { inst: u8, keys: Vec<(u8, u8)> },
+    Fence { inst: u8 },
+}
+
+fn keys() -> impl Strategy<Value = Vec<(u8, u8)>> {
+    prop::collection::vec((0..CHUNKS, 0..RANKS), 1..8)
+}
+
+fn site() -> impl Strategy<Value = SiteKind> {
+    prop_oneof![Just(SiteKind::L1), Just(SiteKind::L2Private), Just(SiteKind::L2Shared)]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0..INSTANCES, site(), keys(), 1..1000u16).prop_map(|(inst, site, keys, size)| Op::Store { inst, site, keys, size }),
+        2 => (0..INSTANCES, site(), keys()).prop_map(|(inst, site, keys)| Op::Delete { inst, site, keys }),
+        1 => (0..INSTANCES, keys()).prop_map(|(inst, keys)| Op::Access { inst, keys }),
+        1 => (0..INSTANCES).prop_map(|inst| Op::Fence { inst }),
+    ]
+}
+
+/// Placement identity in the model: (site kind, owner or none when shared).
+type Ident = (SiteKind, Option<u8>);
+
+#[derive(Default)]
+struct Model {
+    /// (chunk, rank) → identity → (reporter, size)
+    keys: BTreeMap<(u8, u8), BTreeMap<Ident, (u8, u64)>>,
+    mounts: BTreeSet<u8>,
+}
+
+impl Model {
+    fn ident(inst: u8, site: SiteKind) -> Ident {
+        (site, (site != SiteKind::L2Shared).then_some(inst))
+    }
+
+    fn apply(&mut self, op: &Op) {
+        match op {
+            Op::Store { inst, site, keys, size } => {
+                if *site == SiteKind::L2Shared {
+                    self.mounts.insert(*inst);
+                }
+                for k in keys {
+                    self.keys
+                        .entry(*k)
+                        .or_default()
+                        .insert(Self::ident(*inst, *site), (*inst, u64::from(*size)));
+                }
+            }
+            Op::Delete { inst, site, keys } => {
+                if *site == SiteKind::L2Shared {
+                    self.mounts.insert(*inst);
+                }
+                for k in keys {
+                    if let Some(p) = self.keys.get_mut(k) {
+                        p.remove(&Self::ident(*inst, *site));
+                        if p.is_empty() {
+                            self.keys.remove(k);
+                        }
+                    }
+                }
+            }
+            Op::Access { .. } => {}
+            Op::Fence { inst } => {
+                for p in self.keys.values_mut() {
+                    p.remove(&(SiteKind::L1, Some(*inst)));
+                }
+                self.keys.retain(|_, p| !p.is_empty());
+            }
+        }
+    }
+
+    fn runs(&self, from: u8) -> Vec<(u8, u32, u32)> {
+        let mut out = Vec::new();
+        for inst in 0..INSTANCES {
+            let l1_ok = |c: u8| {
+                (0..RANKS).all(|r| {
+                    self.keys
+                        .get(&(c, r))
+                        .is_some_and(|p| p.contains_key(&(SiteKind::L1, Some(inst))))
+                })
+            };
+            let any_ok = |c: u8| {
+                (0..RANKS).all(|r| {
+                    self.keys.get(&(c, r)).is_some_and(|p| {
+                        p.keys().any(|(kind, owner)| {
+                            *owner == Some(inst)
+                                || (*kind == SiteKind::L2Shared && self.mounts.contains(&inst))
+                        })
+                    })
+                })
+            };
+            let l1 = (from..CHUNKS).take_while(|&c| l1_ok(c)).count() as u32;
+            let any = (from..CHUNKS).take_while(|&c| any_ok(c)).count() as u32;
+            if any > 0 {
+                out.push((inst, l1, any));
+            }
+        }
+        out.sort_by(|a, b| b.2.cmp(&a.2).then(b.1.cmp(&a.1)).then(a.0.cmp(&b.0)));
+        out
+    }
+}
+
+struct Subject {
+    d: Directory,
+    ns: Vec<NsId>,
+    inst: Vec<InstanceId>,
+}
+
+impl Subject {
+    fn new() -> Self {
+        let mut d = Directory::new(DirectoryConfig::default());
+        let ns = (0..RANKS)
+            .map(|r| {
+                let r = u32::from(r);
+                let ns = Namespace {
+                    model: "m".into(),
+                    kv_rank: 2 << 24 | r << 16 | 2 << 8 | r,
+                    object_group: 0,
+                    cache_salt: "t".into(),
+                };
+                d.namespace(&ns).unwrap()
+            })
+            .collect();
+        let inst = (0..INSTANCES).map(|i| d.instance(&format!("i{i}")).unwrap()).collect();
+        Self { d, ns, inst }
+    }
+
+    fn key(&self, (c, r): (u8, u8)) -> DirKey {
+        DirKey { hash: [c; 32], ns: self.ns[r as usize] }
+    }
+
+    fn site(&mut self, inst: u8, site: SiteKind) -> lmcache_directory::SiteId {
+        let (tier, backend, shared) = match site {
+            SiteKind::L1 => (Tier::L1, "dram", false),
+            SiteKind::L2Private => (Tier::L2, "fs", false),
+            SiteKind::L2Shared => (Tier::L2, "s3", true),
+        };
+        self.d.site(self.inst[inst as usize], tier, backend, shared).unwrap()
+    }
+
+    fn apply(&mut self, op: &Op, step: usize) {
+        let ts = step as f64;
+        match op {
+            Op::Store { inst, site, keys, size } => {
+                let s = self.site(*inst, *site);
+                let e: Vec<Entry<'_>> = keys
+                    .iter()
+                    .map(|k| Entry {
+                        key: self.key(*k),
+                        size: u64::from(*size),
+                        tokens: &[],
+                        token_offset: -1,
+                    })
+                    .collect();
+                self.d.apply(self.inst[*inst as usize], 1, EventKind::Store, s, ts, &e).unwrap();
+            }
+            Op::Delete { inst, site, keys } => {
+                let s = self.site(*inst, *site);
+                let e: Vec<Entry<'_>> = keys
+                    .iter()
+                    .map(|k| Entry { key: self.key(*k), size: 0, tokens: &[], token_offset: -1 })
+                    .collect();
+                self.d.apply(self.inst[*inst as usize], 1, EventKind::Delete, s, ts, &e).unwrap();
+            }
+            Op::Access { inst, keys } => {
+                let s = self.site(*inst, SiteKind::L1);
+                let e: Vec<Entry<'_>> = keys
+                    .iter()
+                    .map(|k| Entry { key: self.key(*k), size: 0, tokens: &[], token_offset: -1 })
+                    .collect();
+                self.d.apply(self.inst[*inst as usize], 1, EventKind::Access, s, ts, &e).unwrap();
+            }
+            Op::Fence { inst } => {
+                self.d.fence_l1(self.inst[*inst as usize]);
+            }
+        }
+    }
+}
+
+fn check(m: &Model, s: &Subject) {
+    let mut want_keys = 0;
+    let (mut l1, mut l2) = ((0u64, 0u64), (0u64, 0u64));
+    for c in 0..CHUNKS {
+        for r in 0..RANKS {
+            let got: BTreeSet<(String, Tier, String, u64, bool)> = s
+                .d
+                .placements(&s.key((c, r)))
+                .into_iter()
+                .map(|p| (p.instance.to_string(), p.tier, p.backend.to_string(), p.size, p.shared))
+                .collect();
+            let want: BTreeSet<(String, Tier, String, u64, bool)> = m
+                .keys
+                .get(&(c, r))
+                .into_iter()
+                .flatten()
+                .map(|((kind, _), (reporter, size))| {
+                    let (tier, backend) = match kind {
+                        SiteKind::L1 => (Tier::L1, "dram"),
+                        SiteKind::L2Private => (Tier::L2, "fs"),
+                        SiteKind::L2Shared => (Tier::L2, "s3"),
+                    };
+                    if tier == Tier::L1 {
+                        l1 = (l1.0 + 1, l1.1 + size);
+                    } else {
+                        l2 = (l2.0 + 1, l2.1 + size);
+                    }
+                    (
+                        format!("i{reporter}"),
+                        tier,
+                        backend.to_string(),
+                        *size,
+                        *kind == SiteKind::L2Shared,
+                    )
+                })
+                .collect();
+            assert_eq!(got, want, "placements of chunk {c} rank {r}");
+            want_keys += u64::from(!want.is_empty());
+        }
+    }
+    let st = s.d.stats();
+    assert_eq!(st.keys, want_keys);
+    assert_eq!((st.l1.count, st.l1.bytes), l1);
+    assert_eq!((st.l2.count, st.l2.bytes), l2);
+    for from in 0..CHUNKS {
+        let q: Vec<DirKey> = (from..CHUNKS)
+            .flat_map(|c| (0..RANKS).map(move |r| (c, r)))
+            .map(|k| s.key(k))
+            .collect();
+        let got: Vec<(u8, u32, u32)> =
+            s.d.prefix_runs(RunQuery { keys: &q, per_chunk: RANKS as usize })
+                .into_iter()
+                .map(|PrefixRun { instance, l1, any }| (instance.index() as u8, l1, any))
+                .collect();
+        assert_eq!(got, m.runs(from), "runs from chunk {from}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn directory_equals_the_reference_model(ops in prop::collection::vec(op(), 1..60)) {
+        let mut m = Model::default();
+        let mut s = Subject::new();
+        for (i, op) in ops.iter().enumerate() {
+            m.apply(op);
+            s.apply(op, i);
+            check(&m, &s);
+        }
+    }
+}

@@ -1,0 +1,433 @@
+//! The JSON wire contract between cache servers and LMCache 0.5.6's coordinator
+//! (`lmcache coordinator`, port 9300): registration, heartbeats, cache-event batches and
+//! the directory's answers, with LMCache's field names and defaults. Both ends use these
+//! types: `lmcache-rs server` to report, `lmcache-rs coordinator` to serve.
+//!
+//! Decoding is serde's (unknown fields ignored, as pydantic does); the checks LMCache's
+//! models make beyond types (non-empty ids, `seq ≥ 1`, hex keys...) are [`CacheEventBatch::validate`]
+//! and friends, each error naming the field.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// `CACHE_EVENT_SCHEMA_VERSION` of LMCache 0.5.6.
+pub const CACHE_EVENT_SCHEMA_VERSION: u32 = 1;
+
+/// The token-form cap of LMCache's key resolver (`MAX_TOKEN_IDS`).
+pub const MAX_TOKEN_IDS: usize = 1_000_000;
+
+/// A tier name on this wire.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum WireTier {
+    /// L1.
+    L1,
+    /// L2.
+    L2,
+    /// Both (filters and deletes only; never an event's tier).
+    #[default]
+    All,
+}
+
+/// `EncodedObjectKey`: an object key with its chunk hash in hex.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EncodedObjectKey {
+    /// Hex of the 32-byte chunk hash.
+    pub chunk_hash_hex: String,
+    /// Model.
+    pub model_name: String,
+    /// Packed kv rank.
+    pub kv_rank: u32,
+    /// Object group.
+    #[serde(default)]
+    pub object_group_id: u32,
+    /// Tenant salt.
+    #[serde(default)]
+    pub cache_salt: String,
+}
+
+impl EncodedObjectKey {
+    /// The chunk hash's bytes, or what is wrong with it.
+    pub fn chunk_hash(&self) -> Result<[u8; 32], String> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(&self.chunk_hash_hex, &mut out)
+            .map_err(|e| format!("chunk_hash_hex must be 64 hex digits (32 bytes): {e}"))?;
+        Ok(out)
+    }
+
+    /// Checks what LMCache's `ObjectKey` checks.
+    pub fn validate(&self) -> Result<(), String> {
+        self.chunk_hash()?;
+        if self.model_name.is_empty() {
+            return Err("model_name must be non-empty".into());
+        }
+        if self.kv_rank >> 24 == 0 {
+            return Err(format!("kv_rank {:#x} packs world size 0", self.kv_rank));
+        }
+        Ok(())
+    }
+}
+
+/// `POST /instances` body.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RegisterRequest {
+    /// Empty: the coordinator assigns `mp-<uuid hex>`.
+    #[serde(default)]
+    pub instance_id: String,
+    /// Address the coordinator calls the server's HTTP API at.
+    pub ip: String,
+    /// The server's HTTP port, 1..=65535.
+    pub http_port: u32,
+    /// Free-form hints.
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// P2P URL; empty when not a P2P peer.
+    #[serde(default)]
+    pub p2p_advertised_url: String,
+    /// P2P message-queue port; 0 when not a P2P peer.
+    #[serde(default)]
+    pub mq_port: u32,
+}
+
+impl RegisterRequest {
+    /// Trims what pydantic trims and checks its bounds.
+    pub fn validate(&mut self) -> Result<(), String> {
+        self.instance_id = self.instance_id.trim().to_string();
+        self.ip = self.ip.trim().to_string();
+        self.p2p_advertised_url = self.p2p_advertised_url.trim().to_string();
+        if self.ip.is_empty() {
+            return Err("ip: must be non-empty".into());
+        }
+        if !(1..=65535).contains(&self.http_port) {
+            return Err(format!("http_port: {} is not in 1..65535", self.http_port));
+        }
+        if self.mq_port > 65535 {
+            return Err(format!("mq_port: {} is not in 0..65535", self.mq_port));
+        }
+        Ok(())
+    }
+}
+
+/// `POST /instances` reply.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterResponse {
+    /// The registered id.
+    pub instance_id: String,
+    /// Whether it replaced a registration of the same id.
+    pub re_registered: bool,
+}
+
+/// One registered instance, as `GET /instances` lists it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceInfo {
+    /// Id.
+    pub instance_id: String,
+    /// Address.
+    pub ip: String,
+    /// HTTP port.
+    pub http_port: u32,
+    /// Wall-clock seconds of its registration.
+    pub registration_time: f64,
+    /// Hints.
+    pub metadata: BTreeMap<String, String>,
+    /// P2P URL.
+    pub p2p_advertised_url: String,
+    /// P2P port.
+    pub mq_port: u32,
+}
+
+/// What a batch reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheEventType {
+    /// Placements committed.
+    Store,
+    /// Placements removed (deletes and evictions).
+    Delete,
+    /// Keys used.
+    Access,
+    /// A capacity declaration (no entries).
+    Config,
+}
+
+fn unknown_offset() -> i64 {
+    -1
+}
+
+/// `CacheEventEntry`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheEventEntry {
+    /// The key.
+    pub key: EncodedObjectKey,
+    /// Bytes (store only).
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// The chunk's tokens (store only, when known).
+    #[serde(default)]
+    pub token_ids: Vec<u32>,
+    /// Position of the chunk's first token; -1 when unknown.
+    #[serde(default = "unknown_offset")]
+    pub token_offset: i64,
+}
+
+/// `CacheEventBatch`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CacheEventBatch {
+    /// Emitter id.
+    pub instance_id: String,
+    /// Emitter restart counter (LMCache: start time in seconds).
+    pub incarnation: u64,
+    /// Per (instance, incarnation) batch counter from 1.
+    pub seq: u64,
+    /// What happened.
+    pub event_type: CacheEventType,
+    /// `l1` or `l2`.
+    pub tier: WireTier,
+    /// Backend; empty only for access batches.
+    #[serde(default)]
+    pub backend: String,
+    /// The keys.
+    #[serde(default)]
+    pub entries: Vec<CacheEventEntry>,
+    /// Whether the backend is a pool several instances mount.
+    #[serde(default)]
+    pub shared: bool,
+    /// Emitter wall-clock seconds.
+    #[serde(default)]
+    pub ts: f64,
+    /// Config only: the compartment's capacity (0 = undeclared).
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    /// Config only: which declaration this batch belongs to.
+    #[serde(default)]
+    pub capacity_revision: u64,
+}
+
+impl CacheEventBatch {
+    /// LMCache's `__post_init__` checks plus key decoding, naming the field.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.instance_id.is_empty() {
+            return Err("instance_id must be non-empty".into());
+        }
+        if self.backend.is_empty() && self.event_type != CacheEventType::Access {
+            return Err(format!("backend must be non-empty for {:?} batches", self.event_type)
+                .to_lowercase());
+        }
+        if self.event_type == CacheEventType::Config && !self.entries.is_empty() {
+            return Err("config batches declare capacity and carry no entries".into());
+        }
+        if self.seq < 1 {
+            return Err(format!("seq must be >= 1 (got {})", self.seq));
+        }
+        if self.tier == WireTier::All {
+            return Err("cache events must target a concrete tier (got 'all')".into());
+        }
+        if !self.ts.is_finite() || self.ts < 0.0 {
+            return Err(format!("ts must be a finite number >= 0 (got {})", self.ts));
+        }
+        for (i, e) in self.entries.iter().enumerate() {
+            e.key.validate().map_err(|m| format!("entries[{i}].key: {m}"))?;
+            if e.token_offset < -1 {
+                return Err(format!(
+                    "entries[{i}].token_offset must be >= 0 or -1, got {}",
+                    e.token_offset
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `POST /events` body.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct CacheEventsRequest {
+    /// Batches in emission order.
+    #[serde(default)]
+    pub batches: Vec<CacheEventBatch>,
+}
+
+/// `POST /events` reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CacheEventsResponse {
+    /// Batches applied.
+    pub applied: u64,
+    /// Replays dropped.
+    pub duplicates: u64,
+    /// Batches of an older incarnation dropped.
+    pub stale: u64,
+}
+
+/// A placement in directory answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// Latest reporter.
+    pub instance_id: String,
+    /// Its incarnation then.
+    pub incarnation: u64,
+    /// Tier.
+    pub tier: WireTier,
+    /// Backend.
+    pub backend: String,
+    /// Bytes.
+    pub size_bytes: u64,
+    /// Whether in a shared pool.
+    pub shared: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// `POST /directory/lookup` body: `keys`, or `token_ids` with `model_name`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct DirectoryLookupRequest {
+    /// Keys form.
+    #[serde(default)]
+    pub keys: Vec<EncodedObjectKey>,
+    /// Tokens form: the request's whole token sequence from position 0.
+    #[serde(default)]
+    pub token_ids: Vec<u32>,
+    /// Tokens form: model.
+    #[serde(default)]
+    pub model_name: String,
+    /// Tokens form: world size (rank fan-out).
+    #[serde(default = "one")]
+    pub world_size: u32,
+    /// Tokens form: salt.
+    #[serde(default)]
+    pub cache_salt: String,
+}
+
+/// One key's answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectoryKeyPlacements {
+    /// The key.
+    pub key: EncodedObjectKey,
+    /// Its placements, sorted by instance, tier, backend.
+    pub placements: Vec<Placement>,
+    /// The chunk's tokens when known.
+    pub token_ids: Vec<u32>,
+    /// Accesses reported.
+    pub access_count: u64,
+}
+
+/// `POST /directory/lookup` reply.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DirectoryLookupResponse {
+    /// Chunks resolved (tokens form) or keys asked (keys form).
+    pub chunks: u64,
+    /// One per key, in request order (tokens form: chunk-major, ranks within).
+    pub results: Vec<DirectoryKeyPlacements>,
+}
+
+/// One listed key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectoryKeyInfo {
+    /// The key.
+    pub key: EncodedObjectKey,
+    /// Placements matching the filters.
+    pub placements: Vec<Placement>,
+    /// Tokens known for its chunk.
+    pub num_tokens: u64,
+    /// Accesses reported.
+    pub access_count: u64,
+}
+
+/// `GET /directory/keys` reply.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct DirectoryListResponse {
+    /// Keys matching.
+    pub total: u64,
+    /// This page.
+    pub keys: Vec<DirectoryKeyInfo>,
+}
+
+/// A compartment's usage and capacity.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModuleMemoryStatus {
+    /// Tier.
+    pub tier: WireTier,
+    /// Backend.
+    pub backend: String,
+    /// Shared pool.
+    pub shared: bool,
+    /// Bytes held.
+    pub used_bytes: u64,
+    /// Declared capacity (0 = undeclared).
+    pub capacity_bytes: u64,
+    /// `used / capacity`, null when undeclared.
+    pub usage_ratio: Option<f64>,
+}
+
+/// One instance's compartments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstanceMemoryStatus {
+    /// Instance.
+    pub instance_id: String,
+    /// Whether registered now.
+    pub registered: bool,
+    /// Whether it declared any capacity.
+    pub declared_capacity: bool,
+    /// Private compartments, by tier then backend.
+    pub modules: Vec<ModuleMemoryStatus>,
+}
+
+/// `GET /instances/usage` reply.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct FleetMemoryResponse {
+    /// Per instance, by id.
+    pub instances: Vec<InstanceMemoryStatus>,
+    /// Shared pools, counted once.
+    pub shared_modules: Vec<ModuleMemoryStatus>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_decode_with_lmcache_defaults_and_validate() {
+        let b: CacheEventBatch = serde_json::from_str(
+            r#"{"instance_id":"a","incarnation":5,"seq":1,"event_type":"store","tier":"l1","backend":"dram",
+                "entries":[{"key":{"chunk_hash_hex":"ab","model_name":"m","kv_rank":16777472}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(b.entries[0].token_offset, -1);
+        assert_eq!(b.entries[0].key.object_group_id, 0);
+        assert!(b.validate().unwrap_err().contains("entries[0].key: chunk_hash_hex"));
+        let mut ok = b.clone();
+        ok.entries[0].key.chunk_hash_hex = "ab".repeat(32);
+        assert_eq!(ok.validate(), Ok(()));
+        for (edit, want) in [
+            (
+                Box::new(|b: &mut CacheEventBatch| b.seq = 0) as Box<dyn Fn(&mut CacheEventBatch)>,
+                "seq",
+            ),
+            (Box::new(|b: &mut CacheEventBatch| b.tier = WireTier::All), "concrete tier"),
+            (Box::new(|b: &mut CacheEventBatch| b.backend.clear()), "backend"),
+            (Box::new(|b: &mut CacheEventBatch| b.instance_id.clear()), "instance_id"),
+            (Box::new(|b: &mut CacheEventBatch| b.ts = f64::NAN), "ts"),
+            (Box::new(|b: &mut CacheEventBatch| b.event_type = CacheEventType::Config), "config"),
+        ] {
+            let mut bad = ok.clone();
+            edit(&mut bad);
+            assert!(bad.validate().unwrap_err().contains(want), "{want}");
+        }
+    }
+
+    #[test]
+    fn registration_is_trimmed_and_bounded() {
+        let mut r: RegisterRequest =
+            serde_json::from_str(r#"{"ip":" 10.0.0.1 ","http_port":8080}"#).unwrap();
+        assert_eq!(r.validate(), Ok(()));
+        assert_eq!(r.ip, "10.0.0.1");
+        r.http_port = 0;
+        assert!(r.validate().unwrap_err().starts_with("http_port"));
+        r.http_port = 1;
+        r.ip = "  ".into();
+        assert!(r.validate().unwrap_err().starts_with("ip"));
+    }
+}

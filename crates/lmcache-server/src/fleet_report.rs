@@ -1,0 +1,577 @@
+//! Reporting to a fleet coordinator (LMCache's `lmcache coordinator` or `lmcache-rs
+//! coordinator`), as LMCache's MP server does with `--coordinator-url`:
+//!
+//! - **membership**: register (`POST /instances`), heartbeat every
+//!   `--coordinator-heartbeat-interval`, re-register when the coordinator answers 404,
+//!   deregister at shutdown;
+//! - **capacity**: after every registration, one `config` batch per compartment (L1 `dram`,
+//!   each L2 adapter by type, `shared` from the adapter's spec);
+//! - **cache events** (with `--coordinator-event-reporting`): L1 commits and removals, L2
+//!   writes, evictions and deletes, coalesced into batches of one (type, tier, backend) and
+//!   sent every `--coordinator-event-flush-interval`. Store entries carry the chunk's tokens
+//!   and position when the store path saw them (a bounded cache of 65,536 chunks, as
+//!   LMCache's).
+//!
+//! Unlike LMCache's emitter, a failed `POST /events` loses nothing: the batches keep their
+//! sequence numbers and are sent again (the coordinator drops what it already applied as
+//! duplicates). Only past 65,536 queued entries are new events dropped, counted and logged,
+//! which the coordinator then sees as a sequence gap.
+//!
+//! Listeners run under the L1 lock or on the L2 runtime: they only push onto a queue. All
+//! HTTP happens on this module's own thread (`coordinator-report`).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lmcache_core::{ChunkHash, ObjectKey};
+use lmcache_protocol::coordinator::{
+    CacheEventBatch, CacheEventEntry, CacheEventType, CacheEventsRequest, EncodedObjectKey,
+    RegisterRequest, RegisterResponse, WireTier,
+};
+use parking_lot::{Condvar, Mutex};
+
+/// Entries queued at most; past it new events are dropped and counted.
+const MAX_QUEUED: usize = 65_536;
+/// Chunks whose tokens are remembered for stamping store entries.
+const TOKEN_CACHE: usize = 65_536;
+/// Entries in one batch at most.
+const MAX_BATCH: usize = 4096;
+
+/// How to report (LMCache's `--coordinator-*` flags).
+#[derive(Debug, Clone)]
+pub struct CoordinatorReporting {
+    /// `--coordinator-url`.
+    pub url: String,
+    /// `--instance-id` (empty: the coordinator assigns one).
+    pub instance_id: String,
+    /// `--coordinator-advertise-ip` (empty: the address the server reaches the coordinator from).
+    pub advertise_ip: String,
+    /// `--coordinator-heartbeat-interval` (5 s).
+    pub heartbeat_interval: Duration,
+    /// `--coordinator-event-reporting`.
+    pub event_reporting: bool,
+    /// `--coordinator-event-flush-interval` (1 s).
+    pub flush_interval: Duration,
+}
+
+/// One compartment's declared capacity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Compartment {
+    /// Tier.
+    pub tier: WireTier,
+    /// Backend (`dram`, or the adapter type).
+    pub backend: String,
+    /// Capacity in bytes (0: undeclared).
+    pub capacity: u64,
+    /// Whether a pool other servers mount.
+    pub shared: bool,
+}
+
+#[derive(Debug)]
+struct Queued {
+    event_type: CacheEventType,
+    tier: WireTier,
+    backend: String,
+    shared: bool,
+    entries: Vec<CacheEventEntry>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    batches: VecDeque<Queued>,
+    entries: usize,
+}
+
+#[derive(Debug, Default)]
+struct TokenCache {
+    map: HashMap<[u8; 32], (Vec<u32>, i64)>,
+    order: VecDeque<[u8; 32]>,
+}
+
+/// Counters for /metrics.
+#[derive(Debug, Default)]
+pub struct ReportStats {
+    /// Batches the coordinator accepted (applied or duplicate).
+    pub batches_sent: AtomicU64,
+    /// Entries in them.
+    pub entries_sent: AtomicU64,
+    /// Entries dropped because the queue was full.
+    pub entries_dropped: AtomicU64,
+    /// Failed calls to the coordinator (registration, heartbeat, events).
+    pub failures: AtomicU64,
+    /// Registrations (first and re-registrations).
+    pub registrations: AtomicU64,
+}
+
+/// The reporter: listeners push into it; its thread talks to the coordinator.
+#[derive(Debug)]
+pub struct Reporter {
+    cfg: CoordinatorReporting,
+    http_port: std::sync::atomic::AtomicU32,
+    incarnation: u64,
+    l2: Mutex<HashMap<u64, (String, bool)>>,
+    capacities: Mutex<Vec<Compartment>>,
+    queue: Mutex<Queue>,
+    tokens: Mutex<TokenCache>,
+    wake: Condvar,
+    stop: AtomicBool,
+    /// Counters.
+    pub stats: ReportStats,
+    /// The id the coordinator knows this server by, once registered.
+    pub registered_as: Mutex<Option<String>>,
+}
+
+fn encoded(k: &ObjectKey) -> EncodedObjectKey {
+    EncodedObjectKey {
+        chunk_hash_hex: k.chunk_hash.to_hex(),
+        model_name: k.model_name.as_str().to_owned(),
+        kv_rank: k.kv_rank.packed(),
+        object_group_id: k.object_group_id,
+        cache_salt: k.cache_salt.as_str().to_owned(),
+    }
+}
+
+impl Reporter {
+    /// A reporter; [`Reporter::start`] begins reporting.
+    pub fn new(cfg: CoordinatorReporting) -> Arc<Self> {
+        let incarnation = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        Arc::new(Self {
+            cfg,
+            http_port: std::sync::atomic::AtomicU32::new(0),
+            incarnation,
+            l2: Mutex::default(),
+            capacities: Mutex::default(),
+            queue: Mutex::default(),
+            tokens: Mutex::default(),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+            stats: ReportStats::default(),
+            registered_as: Mutex::new(None),
+        })
+    }
+
+    /// Sets the compartments to declare and the L2 adapters' (type, shared) by id.
+    pub fn set_topology(&self, capacities: Vec<Compartment>, l2: HashMap<u64, (String, bool)>) {
+        *self.capacities.lock() = capacities;
+        *self.l2.lock() = l2;
+    }
+
+    /// This process's incarnation (start time, seconds).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    fn push(
+        &self,
+        event_type: CacheEventType,
+        tier: WireTier,
+        backend: &str,
+        shared: bool,
+        entries: impl Iterator<Item = CacheEventEntry>,
+    ) {
+        if !self.cfg.event_reporting {
+            return;
+        }
+        let mut q = self.queue.lock();
+        for e in entries {
+            if q.entries >= MAX_QUEUED {
+                self.stats.entries_dropped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let same = q.batches.back().is_some_and(|b| {
+                b.event_type == event_type
+                    && b.tier == tier
+                    && b.shared == shared
+                    && b.backend == backend
+                    && b.entries.len() < MAX_BATCH
+            });
+            if !same {
+                q.batches.push_back(Queued {
+                    event_type,
+                    tier,
+                    backend: backend.to_owned(),
+                    shared,
+                    entries: Vec::new(),
+                });
+            }
+            if let Some(b) = q.batches.back_mut() {
+                b.entries.push(e);
+                q.entries += 1;
+            }
+        }
+    }
+
+    fn entry(k: &ObjectKey, size: u64) -> CacheEventEntry {
+        CacheEventEntry {
+            key: encoded(k),
+            size_bytes: size,
+            token_ids: Vec::new(),
+            token_offset: -1,
+        }
+    }
+
+    /// L1 committed `key`.
+    pub fn l1_stored(&self, key: &ObjectKey, bytes: u64) {
+        self.push(
+            CacheEventType::Store,
+            WireTier::L1,
+            "dram",
+            false,
+            std::iter::once(Self::entry(key, bytes)),
+        );
+    }
+
+    /// `key` left L1.
+    pub fn l1_removed(&self, key: &ObjectKey) {
+        self.push(
+            CacheEventType::Delete,
+            WireTier::L1,
+            "dram",
+            false,
+            std::iter::once(Self::entry(key, 0)),
+        );
+    }
+
+    fn adapter(&self, id: u64) -> (String, bool) {
+        self.l2.lock().get(&id).cloned().unwrap_or_else(|| (format!("l2-{id}"), false))
+    }
+
+    /// An L2 adapter now holds `keys`.
+    pub fn l2_stored(&self, adapter: u64, keys: &[(ObjectKey, u64)]) {
+        let (kind, shared) = self.adapter(adapter);
+        self.push(
+            CacheEventType::Store,
+            WireTier::L2,
+            &kind,
+            shared,
+            keys.iter().map(|(k, n)| Self::entry(k, *n)),
+        );
+    }
+
+    /// `keys` left an L2 adapter.
+    pub fn l2_removed(&self, adapter: u64, keys: &[ObjectKey]) {
+        let (kind, shared) = self.adapter(adapter);
+        self.push(
+            CacheEventType::Delete,
+            WireTier::L2,
+            &kind,
+            shared,
+            keys.iter().map(|k| Self::entry(k, 0)),
+        );
+    }
+
+    /// The store path saw chunk `hash`'s tokens, starting at token `offset` of its sequence.
+    pub fn bind_tokens(&self, hash: &ChunkHash, tokens: &[u32], offset: usize) {
+        if !self.cfg.event_reporting {
+            return;
+        }
+        let mut t = self.tokens.lock();
+        if t.map.insert(hash.0, (tokens.to_vec(), offset as i64)).is_none() {
+            t.order.push_back(hash.0);
+            while t.order.len() > TOKEN_CACHE {
+                if let Some(old) = t.order.pop_front() {
+                    t.map.remove(&old);
+                }
+            }
+        }
+    }
+
+    /// Starts the reporting thread, registering the HTTP API at `http_port`.
+    pub fn start(self: &Arc<Self>, http_port: u16) -> std::io::Result<JoinHandle<()>> {
+        self.http_port.store(u32::from(http_port), Ordering::Relaxed);
+        let me = Arc::clone(self);
+        std::thread::Builder::new().name("coordinator-report".into()).spawn(move || me.run())
+    }
+
+    /// Asks the thread to flush, deregister and exit.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        let _g = self.queue.lock();
+        self.wake.notify_all();
+    }
+
+    fn run(&self) {
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_secs(2)))
+            .http_status_as_error(false)
+            .build()
+            .into();
+        let base = self.cfg.url.trim_end_matches('/').to_owned();
+        let mut id: Option<String> = None;
+        let mut revision = 0u64;
+        let mut next_seq = 1u64;
+        let mut inflight: Vec<CacheEventBatch> = Vec::new();
+        let mut next_beat = Instant::now();
+        let mut next_flush = Instant::now() + self.cfg.flush_interval;
+        loop {
+            let stopping = self.stop.load(Ordering::Acquire);
+            let now = Instant::now();
+            if now >= next_beat && !stopping {
+                next_beat = now + self.cfg.heartbeat_interval;
+                match &id {
+                    None => {
+                        if let Some(new) = self.register(&agent, &base) {
+                            *self.registered_as.lock() = Some(new.clone());
+                            id = Some(new.clone());
+                            revision += 1;
+                            inflight.extend(self.declarations(&new, revision, &mut next_seq));
+                        }
+                    }
+                    Some(cur) => match agent
+                        .put(&format!("{base}/instances/{cur}/heartbeat"))
+                        .send_empty()
+                    {
+                        Ok(r) if r.status() == 404 => {
+                            tracing::info!(instance = %cur, "the coordinator no longer knows this server; re-registering");
+                            id = None;
+                            next_beat = now;
+                        }
+                        Ok(r) if r.status().is_success() => {}
+                        Ok(r) => self.failed("heartbeat", &format!("HTTP {}", r.status().as_u16())),
+                        Err(e) => self.failed("heartbeat", &e.to_string()),
+                    },
+                }
+            }
+            if let (Some(cur), true) = (&id, now >= next_flush || stopping) {
+                next_flush = now + self.cfg.flush_interval;
+                self.take_batches(cur, &mut next_seq, &mut inflight);
+                if !inflight.is_empty() && self.send(&agent, &base, &inflight) {
+                    inflight.clear();
+                }
+            }
+            if stopping {
+                if let Some(cur) = id {
+                    match agent.delete(&format!("{base}/instances/{cur}")).call() {
+                        Ok(_) => {
+                            tracing::info!(instance = %cur, "deregistered from the coordinator")
+                        }
+                        Err(e) => self.failed("deregistration", &e.to_string()),
+                    }
+                }
+                return;
+            }
+            let wait = next_beat
+                .min(next_flush)
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(5));
+            let mut q = self.queue.lock();
+            if !self.stop.load(Ordering::Acquire) {
+                self.wake.wait_for(&mut q, wait);
+            }
+        }
+    }
+
+    fn failed(&self, what: &str, why: &str) {
+        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(coordinator = %self.cfg.url, "coordinator {what} failed: {why}");
+    }
+
+    fn register(&self, agent: &ureq::Agent, base: &str) -> Option<String> {
+        let ip = if self.cfg.advertise_ip.is_empty() {
+            outbound_ip(base)
+        } else {
+            self.cfg.advertise_ip.clone()
+        };
+        let body = RegisterRequest {
+            instance_id: self.cfg.instance_id.clone(),
+            ip,
+            http_port: self.http_port.load(Ordering::Relaxed),
+            metadata: Default::default(),
+            p2p_advertised_url: String::new(),
+            mq_port: 0,
+        };
+        match agent.post(&format!("{base}/instances")).send_json(&body) {
+            Ok(mut r) if r.status().is_success() => {
+                match r.body_mut().read_json::<RegisterResponse>() {
+                    Ok(reg) => {
+                        self.stats.registrations.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(instance = %reg.instance_id, coordinator = %base, "registered with the coordinator");
+                        Some(reg.instance_id)
+                    }
+                    Err(e) => {
+                        self.failed("registration", &format!("bad reply: {e}"));
+                        None
+                    }
+                }
+            }
+            Ok(mut r) => {
+                let text = r.body_mut().read_to_string().unwrap_or_default();
+                self.failed("registration", &format!("HTTP {}: {text}", r.status().as_u16()));
+                None
+            }
+            Err(e) => {
+                self.failed("registration", &e.to_string());
+                None
+            }
+        }
+    }
+
+    fn declarations(&self, id: &str, revision: u64, next_seq: &mut u64) -> Vec<CacheEventBatch> {
+        if !self.cfg.event_reporting {
+            return Vec::new();
+        }
+        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        self.capacities
+            .lock()
+            .iter()
+            .map(|c| {
+                let seq = *next_seq;
+                *next_seq += 1;
+                CacheEventBatch {
+                    instance_id: id.to_owned(),
+                    incarnation: self.incarnation,
+                    seq,
+                    event_type: CacheEventType::Config,
+                    tier: c.tier,
+                    backend: c.backend.clone(),
+                    entries: Vec::new(),
+                    shared: c.shared,
+                    ts,
+                    capacity_bytes: c.capacity,
+                    capacity_revision: revision,
+                }
+            })
+            .collect()
+    }
+
+    fn take_batches(&self, id: &str, next_seq: &mut u64, out: &mut Vec<CacheEventBatch>) {
+        let drained: Vec<Queued> = {
+            let mut q = self.queue.lock();
+            q.entries = 0;
+            q.batches.drain(..).collect()
+        };
+        if drained.is_empty() {
+            return;
+        }
+        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let tokens = self.tokens.lock();
+        for mut b in drained {
+            if b.event_type == CacheEventType::Store {
+                for e in &mut b.entries {
+                    if let Ok(h) = e.key.chunk_hash()
+                        && let Some((t, off)) = tokens.map.get(&h)
+                    {
+                        e.token_ids.clone_from(t);
+                        e.token_offset = *off;
+                    }
+                }
+            }
+            let seq = *next_seq;
+            *next_seq += 1;
+            out.push(CacheEventBatch {
+                instance_id: id.to_owned(),
+                incarnation: self.incarnation,
+                seq,
+                event_type: b.event_type,
+                tier: b.tier,
+                backend: b.backend,
+                entries: b.entries,
+                shared: b.shared,
+                ts,
+                capacity_bytes: 0,
+                capacity_revision: 0,
+            });
+        }
+    }
+
+    fn send(&self, agent: &ureq::Agent, base: &str, batches: &[CacheEventBatch]) -> bool {
+        let body = CacheEventsRequest { batches: batches.to_vec() };
+        match agent.post(&format!("{base}/events")).send_json(&body) {
+            Ok(r) if r.status().is_success() => {
+                self.stats.batches_sent.fetch_add(batches.len() as u64, Ordering::Relaxed);
+                let n: usize = batches.iter().map(|b| b.entries.len()).sum();
+                self.stats.entries_sent.fetch_add(n as u64, Ordering::Relaxed);
+                true
+            }
+            Ok(mut r) => {
+                let status = r.status().as_u16();
+                let text = r.body_mut().read_to_string().unwrap_or_default();
+                self.failed("event report", &format!("HTTP {status}: {text}"));
+                // A refused body will be refused again: drop it rather than block the stream.
+                (400..500).contains(&status)
+            }
+            Err(e) => {
+                self.failed("event report", &e.to_string());
+                false
+            }
+        }
+    }
+}
+
+/// The local address this host reaches `base` from (what LMCache's `get_ip` finds), or
+/// 127.0.0.1.
+fn outbound_ip(base: &str) -> String {
+    let host = base.split("://").nth(1).unwrap_or(base).split('/').next().unwrap_or("");
+    std::net::UdpSocket::bind("0.0.0.0:0")
+        .and_then(|s| {
+            let target = if host.contains(':') { host.to_owned() } else { format!("{host}:80") };
+            s.connect(target)?;
+            s.local_addr()
+        })
+        .map_or_else(|_| "127.0.0.1".to_owned(), |a| a.ip().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reporter(events: bool) -> Arc<Reporter> {
+        Reporter::new(CoordinatorReporting {
+            url: "http://127.0.0.1:1".into(),
+            instance_id: "me".into(),
+            advertise_ip: "127.0.0.1".into(),
+            heartbeat_interval: Duration::from_secs(5),
+            event_reporting: events,
+            flush_interval: Duration::from_secs(1),
+        })
+    }
+
+    fn key(b: u8) -> ObjectKey {
+        ObjectKey::new([b; 32], "m", 1, 0, 0, "").unwrap()
+    }
+
+    #[test]
+    fn events_coalesce_per_kind_and_carry_the_tokens_seen() {
+        let r = reporter(true);
+        r.l1_stored(&key(1), 10);
+        r.l1_stored(&key(2), 10);
+        r.l1_removed(&key(1));
+        r.l1_stored(&key(3), 10);
+        r.bind_tokens(&ChunkHash([2; 32]), &[5, 6], 256);
+        let mut seq = 1;
+        let mut out = Vec::new();
+        r.take_batches("me", &mut seq, &mut out);
+        let kinds: Vec<(CacheEventType, usize)> =
+            out.iter().map(|b| (b.event_type, b.entries.len())).collect();
+        assert_eq!(
+            kinds,
+            vec![
+                (CacheEventType::Store, 2),
+                (CacheEventType::Delete, 1),
+                (CacheEventType::Store, 1)
+            ]
+        );
+        assert_eq!(out.iter().map(|b| b.seq).collect::<Vec<_>>(), vec![1, 2, 3]);
+        assert_eq!(out[0].entries[1].token_ids, vec![5, 6]);
+        assert_eq!(out[0].entries[1].token_offset, 256);
+        assert_eq!(out[0].entries[0].token_offset, -1);
+        assert!(out.iter().all(|b| b.validate().is_ok()), "every batch passes LMCache's checks");
+    }
+
+    #[test]
+    fn a_full_queue_drops_and_counts_and_reporting_off_queues_nothing() {
+        let r = reporter(true);
+        for i in 0..(MAX_QUEUED + 5) {
+            r.l1_removed(&ObjectKey::new([(i % 251) as u8; 32], "m", 1, 0, 0, "").unwrap());
+        }
+        assert_eq!(r.stats.entries_dropped.load(Ordering::Relaxed), 5);
+        let off = reporter(false);
+        off.l1_stored(&key(1), 1);
+        let mut out = Vec::new();
+        off.take_batches("me", &mut 1, &mut out);
+        assert!(out.is_empty());
+    }
+}

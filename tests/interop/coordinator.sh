@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Interop: fleets of cache servers reporting to a coordinator, checked by coordinator.py
+# through vLLM's own LMCache MP adapters (LMCache 0.5.6 from the cached virtualenv):
+#   1. LMCache's `lmcache server` reports into `lmcache-rs coordinator`;
+#   2. `lmcache-rs server` reports into LMCache's `lmcache coordinator`;
+#   3. a mixed fleet (one of each) reports into `lmcache-rs coordinator`;
+# and each time every stored chunk must be placed on the server that stored it.
+# Usage: tests/interop/coordinator.sh PATH/TO/lmcache-rs
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN=${1:?usage: coordinator.sh PATH/TO/lmcache-rs}
+VENV=$(./scripts/lmcache-venv)
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONWARNINGS=ignore
+WORK=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+wait_http() { # url log
+  for _ in $(seq 300); do
+    python3 -c "import urllib.request; urllib.request.urlopen('$1', timeout=1)" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  echo "not up: $1"; tail -30 "$2"; return 1
+}
+start_coordinator() { # kind -> $cport
+  cport=$(free_port)
+  if [ "$1" = lmcache-rs ]; then
+    "$BIN" coordinator --host 127.0.0.1 --port "$cport" --exit-after-seconds 600 \
+        > "$WORK/coordinator-$cport.log" 2>&1 &
+  else
+    timeout 600 "$VENV/bin/lmcache" coordinator --host 127.0.0.1 --port "$cport" \
+        > "$WORK/coordinator-$cport.log" 2>&1 &
+  fi
+  pids+=($!)
+  wait_http "http://127.0.0.1:$cport/healthz" "$WORK/coordinator-$cport.log"
+}
+start_server() { # kind name -> appends "name=tcp://..=http://.." to $fleet
+  local kind=$1 name=$2 port http
+  port=$(free_port); http=$(free_port)
+  local report=(--instance-id "$name" --coordinator-url "http://127.0.0.1:$cport"
+                --coordinator-event-reporting --coordinator-event-flush-interval 0.2
+                --coordinator-heartbeat-interval 1 --coordinator-advertise-ip 127.0.0.1)
+  if [ "$kind" = lmcache-rs ]; then
+    "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
+        --shm-name "lmcache_rs_coord_$$_$name" --max-workers 2 --exit-after-seconds 600 \
+        "${report[@]}" > "$WORK/$name.log" 2>&1 &
+  else
+    timeout 600 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" \
+        --http-host 127.0.0.1 --http-port "$http" --l1-size-gb 1 --eviction-policy LRU \
+        --supported-transfer-mode auto --shm-name "lmc_coord_$$_$name" \
+        "${report[@]}" > "$WORK/$name.log" 2>&1 &
+  fi
+  pids+=($!)
+  wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/$name.log"
+  fleet+=("$name=tcp://127.0.0.1:$port=http://127.0.0.1:$http")
+}
+run_case() { # title coordinator-kind server-kinds...
+  local title=$1 ckind=$2; shift 2
+  echo "== $title"
+  start_coordinator "$ckind"
+  fleet=()
+  local n=0
+  for k in "$@"; do n=$((n + 1)); start_server "$k" "$k-$n-$$"; done
+  if ! (cd tests/interop && LMCACHE_LOG_LEVEL=WARNING "$VENV/bin/python" coordinator.py \
+          "http://127.0.0.1:$cport" "$ckind" "${fleet[@]}") > "$WORK/check-$cport.log" 2>&1; then
+    echo "FAILED: $title"; tail -30 "$WORK/check-$cport.log"
+    echo "-- coordinator"; tail -20 "$WORK/coordinator-$cport.log"
+    for f in "$WORK"/*-"$$".log; do echo "-- $f"; tail -20 "$f"; done
+    exit 1
+  fi
+  tail -1 "$WORK/check-$cport.log"
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  pids=()
+}
+
+run_case "LMCache's server into lmcache-rs coordinator" lmcache-rs lmcache
+run_case "lmcache-rs server into LMCache's coordinator" lmcache lmcache-rs
+run_case "mixed fleet into lmcache-rs coordinator" lmcache-rs lmcache lmcache-rs
+echo "coordinator interop: 3 passed"
