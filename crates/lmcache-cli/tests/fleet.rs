@@ -1,7 +1,11 @@
 //! An lmcache-rs server reporting to an lmcache-rs coordinator, both in this process:
 //! registration, L1 store and removal events, deregistration at shutdown, and a coordinator
-//! that is down for a while (events queue and arrive, with no gap, once it answers).
+//! that is down for a while (events queue and arrive, with no gap, once it answers), and a
+//! lossy path to it (1% of batches lost, a restart without deregistration) repaired to the
+//! server's exact L1.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lmcache_coordinator::{Coordinator, CoordinatorConfig};
@@ -118,5 +122,202 @@ fn events_wait_for_a_coordinator_that_is_down_and_arrive_without_a_gap() {
     until("re-registered", || {
         get(&c, "/instances")["instances"].as_array().is_some_and(|a| a.len() == 1)
     });
+    s.shutdown();
+}
+
+/// An HTTP proxy in front of a coordinator that loses every 100th event batch (1%) and,
+/// when told, the deregistration (as a crashed server never sends it).
+struct LossyProxy {
+    port: u16,
+    dropped: Arc<AtomicU64>,
+    lose_deregistration: Arc<AtomicBool>,
+}
+
+impl LossyProxy {
+    fn start(upstream: std::net::SocketAddr) -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let dropped = Arc::new(AtomicU64::new(0));
+        let lose_deregistration = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(AtomicU64::new(0));
+        let (d, l) = (Arc::clone(&dropped), Arc::clone(&lose_deregistration));
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { return };
+                let (d, l, seen) = (Arc::clone(&d), Arc::clone(&l), Arc::clone(&seen));
+                std::thread::spawn(move || Self::serve(conn, upstream, &d, &l, &seen));
+            }
+        });
+        Self { port, dropped, lose_deregistration }
+    }
+
+    fn serve(
+        conn: std::net::TcpStream,
+        upstream: std::net::SocketAddr,
+        dropped: &AtomicU64,
+        lose: &AtomicBool,
+        seen: &AtomicU64,
+    ) {
+        use std::io::{BufRead, BufReader, Read, Write};
+        let agent: ureq::Agent =
+            ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let mut out = conn.try_clone().unwrap();
+        let mut r = BufReader::new(conn);
+        loop {
+            let mut line = String::new();
+            if r.read_line(&mut line).unwrap_or(0) == 0 {
+                return;
+            }
+            let mut parts = line.split_whitespace();
+            let (method, path) =
+                (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
+            let mut len = 0usize;
+            loop {
+                let mut h = String::new();
+                r.read_line(&mut h).unwrap();
+                if h.trim().is_empty() {
+                    break;
+                }
+                if let Some((k, v)) = h.split_once(':')
+                    && k.eq_ignore_ascii_case("content-length")
+                {
+                    len = v.trim().parse().unwrap();
+                }
+            }
+            let mut body = vec![0; len];
+            r.read_exact(&mut body).unwrap();
+            if method == "POST" && path == "/events" {
+                let mut v: Value = serde_json::from_slice(&body).unwrap();
+                let batches = v["batches"].as_array_mut().unwrap();
+                batches.retain(|_| {
+                    let keep = seen.fetch_add(1, Ordering::Relaxed) % 100 != 37;
+                    if !keep {
+                        dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    keep
+                });
+                body = serde_json::to_vec(&v).unwrap();
+            }
+            let (status, text) = if method == "DELETE" && lose.load(Ordering::Relaxed) {
+                (204, String::new())
+            } else {
+                let url = format!("http://{upstream}{path}");
+                let resp = match method.as_str() {
+                    "POST" => {
+                        agent.post(&url).header("content-type", "application/json").send(&body[..])
+                    }
+                    "PUT" => agent.put(&url).send(&body[..]),
+                    "DELETE" => agent.delete(&url).call(),
+                    _ => agent.get(&url).call(),
+                };
+                let mut resp = resp.unwrap();
+                (resp.status().as_u16(), resp.body_mut().read_to_string().unwrap_or_default())
+            };
+            let head = format!(
+                "HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                text.len()
+            );
+            if out.write_all(head.as_bytes()).and_then(|()| out.write_all(text.as_bytes())).is_err()
+            {
+                return;
+            }
+        }
+    }
+}
+
+/// The chunk hashes the coordinator places in `id`'s L1.
+fn coordinator_l1(c: &Coordinator, id: &str) -> std::collections::BTreeSet<String> {
+    let v = get(c, &format!("/directory/keys?instance_id={id}&tier=l1&limit=10000"));
+    v["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["key"]["chunk_hash_hex"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// What the server holds in L1: the reference the coordinator must converge to.
+fn server_l1(s: &Server) -> std::collections::BTreeSet<String> {
+    s.state().l1().resident_keys().into_iter().map(|(k, _)| k.chunk_hash.to_hex()).collect()
+}
+
+fn churn(s: &Server, rounds: usize, seed: u64) {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    for _ in 0..rounds {
+        // A wide key space: most keys are stored once and later evicted once, so a lost
+        // batch is never corrected by a later event for the same key.
+        let wide = |n: u32| {
+            let mut h = [0u8; 32];
+            h[..4].copy_from_slice(&n.to_le_bytes());
+            ObjectKey::new(h, "m", 1, 0, 0, "").unwrap()
+        };
+        let reqs: Vec<WriteRequest> =
+            (0..6).map(|_| WriteRequest::new(wide(rng.gen_range(0..100_000)), 64 << 10)).collect();
+        let res: Vec<_> =
+            s.state().l1().reserve_write(&reqs).into_iter().filter_map(Result::ok).collect();
+        s.state().l1().commit_batch(res);
+        let resident = s.state().l1().resident_keys();
+        if !resident.is_empty() {
+            let victim = resident[rng.gen_range(0..resident.len())].0.clone();
+            s.state().l1().delete(&[victim], true);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[test]
+fn lost_batches_and_a_restart_mid_stream_are_repaired_to_exactly_the_servers_l1() {
+    let c = coordinator(0);
+    let proxy = LossyProxy::start(c.addr());
+    // 4 MiB of L1 holds 64 objects of 64 KiB: stores evict, deletes remove; every change is
+    // an event.
+    let start = |id: &str| {
+        let arena = ArenaConfig { size: 4 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+        Server::start(ServerConfig {
+            http_port: Some(0),
+            coordinator: Some(CoordinatorReporting {
+                url: format!("http://127.0.0.1:{}", proxy.port),
+                instance_id: id.into(),
+                advertise_ip: "127.0.0.1".into(),
+                heartbeat_interval: Duration::from_millis(200),
+                event_reporting: true,
+                flush_interval: Duration::from_millis(5),
+            }),
+            ..ServerConfig::local(arena)
+        })
+        .unwrap()
+    };
+    let s = start("lossy");
+    until("registered", || {
+        get(&c, "/instances")["instances"].as_array().is_some_and(|a| a.len() == 1)
+    });
+    churn(&s, 400, 1);
+    let stopped = Instant::now();
+    until("the coordinator's view equals the server's L1", || {
+        coordinator_l1(&c, "lossy") == server_l1(&s)
+    });
+    let converged = stopped.elapsed();
+    assert!(proxy.dropped.load(Ordering::Relaxed) >= 2, "the proxy lost batches");
+    let st = get(&c, "/directory/stats");
+    let stream = &st["streams"][0];
+    assert!(stream["repairs"].as_u64().unwrap() >= 1, "{st}");
+    assert_eq!(stream["gap_detected"], false, "every gap repaired: {st}");
+    assert!(converged < Duration::from_secs(2), "converged {converged:?} after the last change");
+    eprintln!(
+        "lossy stream: {} of {} batches lost, {} repairs (last {:.3} s), view exact {converged:?} after the last change",
+        proxy.dropped.load(Ordering::Relaxed),
+        stream["last_seq"],
+        stream["repairs"],
+        stream["last_repair_seconds"].as_f64().unwrap_or(0.0)
+    );
+    // A crash-like restart mid-stream: no deregistration reaches the coordinator; the new
+    // incarnation's stream fences the old L1 placements.
+    churn(&s, 50, 2);
+    proxy.lose_deregistration.store(true, Ordering::Relaxed);
+    s.shutdown();
+    let s = start("lossy");
+    churn(&s, 100, 3);
+    until("the restarted server's L1 only", || coordinator_l1(&c, "lossy") == server_l1(&s));
     s.shutdown();
 }

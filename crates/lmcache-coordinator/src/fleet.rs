@@ -48,6 +48,40 @@ struct Registration {
     last_heartbeat: Instant,
 }
 
+/// A resync of one instance's L1 placements from its snapshot, in progress.
+#[derive(Debug)]
+struct Repair {
+    incarnation: u64,
+    /// Keys L1 events named since the repair began: newer than any snapshot page.
+    touched: std::collections::HashSet<DirKey>,
+    /// Keys the snapshot listed.
+    listed: std::collections::HashSet<DirKey>,
+    started: Instant,
+    /// Another gap came during this repair: run again after it.
+    again: bool,
+}
+
+/// Where a repair fetches from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RepairTarget {
+    /// `http://ip:port`.
+    pub base_url: String,
+    /// The incarnation being repaired.
+    pub incarnation: u64,
+}
+
+/// How a repair ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepairOutcome {
+    /// The snapshot replaced the instance's L1 placements.
+    Repaired,
+    /// No snapshot could be had: the instance's L1 placements were dropped (never wrong,
+    /// possibly short until new events come).
+    Fenced,
+    /// A newer incarnation (or a deregistration) made it moot.
+    Superseded,
+}
+
 /// Per emitter: where its stream stands.
 #[derive(Debug, Clone)]
 struct Cursor {
@@ -55,9 +89,13 @@ struct Cursor {
     last_seq: u64,
     /// Batches missing between admitted ones, ever (this incarnation).
     missing: u64,
-    /// Whether a gap was seen since the cursor (re)started.
+    /// Whether a gap is open (seen and not yet repaired).
     gap: bool,
     last_admitted: Instant,
+    /// Repairs completed for this emitter.
+    repairs: u64,
+    /// How long the last repair took.
+    last_repair: Option<Duration>,
 }
 
 /// One instance's capacity declaration.
@@ -73,6 +111,7 @@ struct Views {
     dir: Directory,
     cursors: HashMap<String, Cursor>,
     declarations: HashMap<String, Declaration>,
+    repairs: HashMap<String, Repair>,
 }
 
 /// Admission of one batch.
@@ -92,8 +131,14 @@ pub struct StreamStats {
     pub incarnation: u64,
     /// Last admitted seq.
     pub last_seq: u64,
-    /// Whether a gap was seen in this incarnation.
+    /// Whether a gap is open (seen, not yet repaired).
     pub gap_detected: bool,
+    /// Whether a resync is running.
+    pub repairing: bool,
+    /// Resyncs completed.
+    pub repairs: u64,
+    /// Seconds the last resync took.
+    pub last_repair_seconds: Option<f64>,
     /// Batches missing in gaps, this incarnation.
     pub missing_batches: u64,
     /// Seconds since its last admitted batch.
@@ -128,6 +173,8 @@ pub struct Fleet {
     hasher: TokenHasher,
     views: Mutex<Views>,
     registry: Mutex<HashMap<String, Registration>>,
+    /// Instances whose stream needs a resync, for the repair thread.
+    repair_tx: Mutex<Option<std::sync::mpsc::Sender<String>>>,
     /// Metrics (shared with the HTTP layer).
     pub metrics: Arc<Metrics>,
 }
@@ -187,8 +234,14 @@ impl Fleet {
         Ok(Self {
             config,
             hasher,
-            views: Mutex::new(Views { dir, cursors: HashMap::new(), declarations: HashMap::new() }),
+            views: Mutex::new(Views {
+                dir,
+                cursors: HashMap::new(),
+                declarations: HashMap::new(),
+                repairs: HashMap::new(),
+            }),
             registry: Mutex::new(HashMap::new()),
+            repair_tx: Mutex::new(None),
             metrics: Arc::new(Metrics::new()),
         })
     }
@@ -292,6 +345,119 @@ impl Fleet {
             self.metrics.fenced_placements.inc_by(n);
         }
         v.cursors.remove(id);
+        v.repairs.remove(id);
+    }
+
+    // ---- repair ---------------------------------------------------------------------------
+
+    /// Installs the channel gaps are reported on (the service's repair thread reads it).
+    pub fn set_repairer(&self, tx: std::sync::mpsc::Sender<String>) {
+        *self.repair_tx.lock() = Some(tx);
+    }
+
+    /// A gap in `id`'s stream at `incarnation`: starts a resync (or asks the running one to
+    /// run again).
+    fn want_repair(&self, v: &mut Views, id: &str, incarnation: u64) {
+        match v.repairs.get_mut(id) {
+            Some(r) if r.incarnation == incarnation => r.again = true,
+            _ => {
+                let Some(tx) = self.repair_tx.lock().clone() else { return };
+                v.repairs.insert(
+                    id.to_string(),
+                    Repair {
+                        incarnation,
+                        touched: Default::default(),
+                        listed: Default::default(),
+                        started: Instant::now(),
+                        again: false,
+                    },
+                );
+                let _ = tx.send(id.to_string());
+            }
+        }
+    }
+
+    /// The incarnation of `id`'s pending repair.
+    pub fn repair_incarnation(&self, id: &str) -> Option<u64> {
+        self.views.lock().repairs.get(id).map(|r| r.incarnation)
+    }
+
+    /// Where to fetch `id`'s snapshot, if it is registered and a repair is pending.
+    pub fn repair_target(&self, id: &str) -> Option<RepairTarget> {
+        let incarnation = self.views.lock().repairs.get(id)?.incarnation;
+        let reg = self.registry.lock();
+        let info = &reg.get(id)?.info;
+        let host = if info.ip.contains(':') { format!("[{}]", info.ip) } else { info.ip.clone() };
+        Some(RepairTarget { base_url: format!("http://{host}:{}", info.http_port), incarnation })
+    }
+
+    /// Applies one snapshot page: each listed key not named by a newer event becomes an L1
+    /// placement at `backend`. False when the repair is gone (superseded).
+    pub fn resync_page(
+        &self,
+        id: &str,
+        incarnation: u64,
+        backend: &str,
+        entries: &[(EncodedObjectKey, u64)],
+    ) -> Result<bool, FleetError> {
+        let mut guard = self.views.lock();
+        let v = &mut *guard;
+        if v.repairs.get(id).is_none_or(|r| r.incarnation != incarnation) {
+            return Ok(false);
+        }
+        let inst = v.dir.instance(id)?;
+        let site = v.dir.site(inst, Tier::L1, backend, false)?;
+        let mut keys = Vec::with_capacity(entries.len());
+        for (k, size) in entries {
+            k.validate().map_err(FleetError::Invalid)?;
+            let ns = v.dir.namespace(&namespace(k))?;
+            keys.push((DirKey { hash: k.chunk_hash().map_err(FleetError::Invalid)?, ns }, *size));
+        }
+        let Some(r) = v.repairs.get_mut(id) else { return Ok(false) };
+        let mut fresh = Vec::with_capacity(keys.len());
+        for (dk, size) in keys {
+            r.listed.insert(dk);
+            if !r.touched.contains(&dk) {
+                fresh.push(Entry { key: dk, size, tokens: &[], token_offset: -1 });
+            }
+        }
+        v.dir.apply(inst, incarnation, EventKind::Store, site, wall_clock(), &fresh)?;
+        Ok(true)
+    }
+
+    /// Ends a repair: with the snapshot complete, L1 placements it did not list (and no
+    /// newer event named) go. With `failed`, all of the instance's L1 placements go instead.
+    pub fn resync_finish(&self, id: &str, incarnation: u64, failed: bool) -> RepairOutcome {
+        let mut guard = self.views.lock();
+        let v = &mut *guard;
+        let Some(r) = v.repairs.remove(id) else { return RepairOutcome::Superseded };
+        if r.incarnation != incarnation
+            || v.cursors.get(id).is_none_or(|c| c.incarnation != incarnation)
+        {
+            return RepairOutcome::Superseded;
+        }
+        let removed = match v.dir.find_instance(id) {
+            Some(inst) if failed => v.dir.fence_l1(inst),
+            Some(inst) => v.dir.sweep_l1(inst, |k| r.listed.contains(k) || r.touched.contains(k)),
+            None => 0,
+        };
+        let took = r.started.elapsed();
+        if let Some(c) = v.cursors.get_mut(id) {
+            c.gap = false;
+            c.repairs += 1;
+            c.last_repair = Some(took);
+        }
+        let outcome = if failed { RepairOutcome::Fenced } else { RepairOutcome::Repaired };
+        tracing::info!(instance = %id, ?outcome, listed = r.listed.len(), removed,
+            took_ms = took.as_millis() as u64, "L1 placements resynced");
+        self.metrics.repaired(if failed { "fenced" } else { "repaired" }, took);
+        if failed {
+            self.metrics.fenced_placements.inc_by(removed);
+        }
+        if r.again {
+            self.want_repair(v, id, incarnation);
+        }
+        outcome
     }
 
     // ---- events ---------------------------------------------------------------------------
@@ -336,9 +502,13 @@ impl Fleet {
                     c.gap = true;
                     c.missing += missing;
                     self.metrics.missing_batches.inc_by(missing);
+                    c.last_seq = b.seq;
+                    c.last_admitted = now;
+                    self.want_repair(v, &b.instance_id, b.incarnation);
+                } else {
+                    c.last_seq = b.seq;
+                    c.last_admitted = now;
                 }
-                c.last_seq = b.seq;
-                c.last_admitted = now;
             }
             existing => {
                 if let Some(c) = existing {
@@ -361,8 +531,14 @@ impl Fleet {
                         missing: b.seq - 1,
                         gap,
                         last_admitted: now,
+                        repairs: 0,
+                        last_repair: None,
                     },
                 );
+                v.repairs.remove(&b.instance_id);
+                if gap {
+                    self.want_repair(v, &b.instance_id, b.incarnation);
+                }
             }
         }
         self.apply(v, b)?;
@@ -423,6 +599,11 @@ impl Fleet {
                 token_offset: e.token_offset,
             });
         }
+        if tier == Tier::L1 && kind != EventKind::Access {
+            if let Some(r) = v.repairs.get_mut(&b.instance_id) {
+                r.touched.extend(entries.iter().map(|e| e.key));
+            }
+        }
         match site {
             Some(site) => v.dir.apply(reporter, b.incarnation, kind, site, b.ts, &entries)?,
             None => v.dir.access(b.ts, entries.iter().map(|e| e.key)),
@@ -443,6 +624,9 @@ impl Fleet {
                 incarnation: c.incarnation,
                 last_seq: c.last_seq,
                 gap_detected: c.gap,
+                repairing: v.repairs.contains_key(id),
+                repairs: c.repairs,
+                last_repair_seconds: c.last_repair.map(|d| d.as_secs_f64()),
                 missing_batches: c.missing,
                 seconds_since_last_batch: now
                     .saturating_duration_since(c.last_admitted)

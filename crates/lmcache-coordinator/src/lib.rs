@@ -14,6 +14,7 @@ pub mod config;
 pub mod fleet;
 pub mod http;
 pub mod metrics;
+mod repair;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -46,6 +47,8 @@ pub struct Coordinator {
     addr: SocketAddr,
     stop: Option<tokio::sync::watch::Sender<bool>>,
     thread: Option<JoinHandle<()>>,
+    repair_stop: Arc<std::sync::atomic::AtomicBool>,
+    repair: Option<JoinHandle<()>>,
 }
 
 impl Coordinator {
@@ -104,8 +107,25 @@ impl Coordinator {
                 });
             })
             .map_err(io("starting the HTTP thread".into()))?;
+        let (repair_tx, repair_rx) = std::sync::mpsc::channel();
+        fleet.set_repairer(repair_tx);
+        let repair_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let repair = {
+            let (f, stop) = (Arc::clone(&fleet), Arc::clone(&repair_stop));
+            std::thread::Builder::new()
+                .name("coordinator-repair".into())
+                .spawn(move || repair::run(f, repair_rx, stop))
+                .map_err(io("starting the repair thread".into()))?
+        };
         tracing::info!(addr = %local, "coordinator listening");
-        Ok(Self { fleet, addr: local, stop: Some(stop), thread: Some(thread) })
+        Ok(Self {
+            fleet,
+            addr: local,
+            stop: Some(stop),
+            thread: Some(thread),
+            repair_stop,
+            repair: Some(repair),
+        })
     }
 
     /// Where it listens.
@@ -128,6 +148,10 @@ impl Coordinator {
             let _ = s.send(true);
         }
         if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.repair_stop.store(true, std::sync::atomic::Ordering::Release);
+        if let Some(t) = self.repair.take() {
             let _ = t.join();
         }
     }

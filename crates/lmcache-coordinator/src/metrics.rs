@@ -66,6 +66,10 @@ pub struct Metrics {
     pub stream_gap: Family<InstanceLabel, Gauge>,
     /// Per stream: seconds since its last admitted batch.
     pub stream_staleness: Family<InstanceLabel, FloatGauge>,
+    /// Resyncs by outcome (`repaired`, `fenced`).
+    pub repairs: Family<ResultLabel, Counter>,
+    /// Seconds the last resync took.
+    pub last_repair_seconds: FloatGauge,
 }
 
 impl Default for Metrics {
@@ -94,6 +98,8 @@ impl Metrics {
             invalid_requests: Counter::default(),
             stream_gap: Family::default(),
             stream_staleness: Family::default(),
+            repairs: Family::default(),
+            last_repair_seconds: FloatGauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -167,7 +173,23 @@ impl Metrics {
             "Seconds since an emitter's last admitted batch",
             m.stream_staleness.clone(),
         );
+        registry.register(
+            "lmcache_rs_coordinator_repairs",
+            "Resyncs of an instance's L1 placements after a stream gap, by outcome",
+            m.repairs.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_last_repair_seconds",
+            "Seconds the last resync took (gap seen to placements replaced)",
+            m.last_repair_seconds.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Counts a finished resync.
+    pub fn repaired(&self, outcome: &str, took: std::time::Duration) {
+        self.repairs.get_or_create(&ResultLabel { result: outcome.into() }).inc();
+        self.last_repair_seconds.set(took.as_secs_f64());
     }
 
     /// Counts `n` batches of `result`.

@@ -149,7 +149,10 @@ fn registration_heartbeat_and_deregistration_follow_lmcache() {
 #[test]
 fn events_are_gated_per_emitter_and_restarts_fence_l1_only() {
     let api = Api::new();
-    api.register("a");
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (s, _) =
+        api.post("/instances", json!({"instance_id": "a", "ip": "127.0.0.1", "http_port": closed}));
+    assert_eq!(s, 200);
     let v = api.events(json!([
         batch("a", 5, 1, "store", "l1", "dram", &[1, 2]),
         batch("a", 5, 2, "store", "l2", "fs", &[1])
@@ -160,14 +163,27 @@ fn events_are_gated_per_emitter_and_restarts_fence_l1_only() {
         json!({"applied": 0, "duplicates": 1, "stale": 0})
     );
     assert!(placements(&api, 3).is_empty(), "a duplicate is not applied");
-    // A gap is admitted, reported and counted.
+    // A gap is admitted, counted and repaired: a's registered address serves no snapshot, so
+    // its L1 placements are fenced (short until new events, never over-credited).
     api.events(json!([batch("a", 5, 5, "store", "l1", "dram", &[3])]));
     let (_, st) = api.get("/directory/stats");
-    assert_eq!(st["streams"][0]["gap_detected"], true);
     assert_eq!(st["streams"][0]["missing_batches"], 2);
     assert_eq!(metric(&api, "lmcache_rs_coordinator_missing_batches_total"), 2.0);
+    let t = std::time::Instant::now();
+    while metric(&api, "lmcache_rs_coordinator_repairs_total") < 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "no repair");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(placements(&api, 1), vec![("a".into(), "l2".into(), "fs".into())]);
+    assert!(placements(&api, 3).is_empty());
+    let (_, st) = api.get("/directory/stats");
+    assert_eq!(
+        (st["streams"][0]["gap_detected"].as_bool(), st["streams"][0]["repairs"].as_u64()),
+        (Some(false), Some(1))
+    );
     assert_eq!(api.events(json!([batch("a", 4, 9, "store", "l1", "dram", &[4])]))["stale"], 1);
     // A new incarnation fences a's L1 placements; its L2 placement stays.
+    api.events(json!([batch("a", 5, 6, "store", "l1", "dram", &[1, 2])]));
     assert_eq!(placements(&api, 1).len(), 2);
     api.events(json!([batch("a", 6, 1, "store", "l1", "dram", &[9])]));
     assert_eq!(placements(&api, 1), vec![("a".into(), "l2".into(), "fs".into())]);

@@ -355,6 +355,12 @@ impl Directory {
     /// Drops every L1 placement `instance` owns (it restarted, or stopped heartbeating) and
     /// returns how many. L2 placements stay: they outlive the process.
     pub fn fence_l1(&mut self, instance: InstanceId) -> u64 {
+        self.sweep_l1(instance, |_| false)
+    }
+
+    /// Drops the L1 placements `instance` owns of keys `keep` refuses (a resync from a
+    /// snapshot keeps what the snapshot and newer events name); returns how many went.
+    pub fn sweep_l1(&mut self, instance: InstanceId, keep: impl Fn(&DirKey) -> bool) -> u64 {
         let doomed: Vec<bool> = (0..self.sites.len() as u32)
             .map(|i| {
                 self.sites.get(i).is_ok_and(|s| s.tier == Tier::L1 && s.owner == Some(instance))
@@ -368,6 +374,9 @@ impl Directory {
         let mut emptied = 0u64;
         let mut released: Vec<[u8; 32]> = Vec::new();
         self.table.retain(|key, record| {
+            if keep(key) {
+                return true;
+            }
             record.placements.retain(|p| {
                 let drop = doomed[p.site.0 as usize];
                 if drop {

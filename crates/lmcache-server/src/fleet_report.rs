@@ -137,7 +137,11 @@ fn encoded(k: &ObjectKey) -> EncodedObjectKey {
 impl Reporter {
     /// A reporter; [`Reporter::start`] begins reporting.
     pub fn new(cfg: CoordinatorReporting) -> Arc<Self> {
-        let incarnation = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        // Milliseconds (LMCache uses seconds): a restart within the same second still gets a
+        // higher incarnation, so the coordinator fences the old one instead of dropping the
+        // new stream's first batches as duplicates.
+        let incarnation =
+            SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
         Arc::new(Self {
             cfg,
             http_port: std::sync::atomic::AtomicU32::new(0),
@@ -159,7 +163,7 @@ impl Reporter {
         *self.l2.lock() = l2;
     }
 
-    /// This process's incarnation (start time, seconds).
+    /// This process's incarnation (start time, milliseconds).
     pub fn incarnation(&self) -> u64 {
         self.incarnation
     }

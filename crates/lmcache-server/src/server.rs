@@ -133,6 +133,7 @@ impl Server {
         let state = Arc::new(ServerState {
             http_prefetches: parking_lot::Mutex::default(),
             reporter,
+            fleet_snapshots: parking_lot::Mutex::default(),
             storage,
             bus,
             events,

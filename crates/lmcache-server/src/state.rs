@@ -100,6 +100,8 @@ pub struct ServerState {
     pub http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
     /// Reporting to a fleet coordinator, when `--coordinator-url` is set.
     pub reporter: Option<std::sync::Arc<crate::fleet_report::Reporter>>,
+    /// Frozen key lists of `GET /fleet/snapshot`.
+    pub fleet_snapshots: crate::http::fleet::Snapshots,
 }
 
 impl ServerState {

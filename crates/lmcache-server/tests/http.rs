@@ -324,3 +324,46 @@ fn cache_objects_list_pages_and_deletes() {
     assert_eq!(http(&s, "GET", "/cache/objects?page_size=0", None).0, 400);
     assert_eq!(http(&s, "GET", "/cache/objects?page_token=abc", None).0, 400);
 }
+
+#[test]
+fn fleet_snapshot_pages_come_from_one_frozen_list() {
+    let s = server();
+    let l1 = s.state().l1();
+    let store = |b: u8| {
+        let key = lmcache_core::ObjectKey::new([b; 32], "m", 1, 0, 0, "").unwrap();
+        let w =
+            l1.reserve_write(&[lmcache_l1::WriteRequest::new(key, 4096)]).pop().unwrap().unwrap();
+        w.commit().unwrap();
+    };
+    for b in 1..=5 {
+        store(b);
+    }
+    let page = |q: &str| -> serde_json::Value {
+        let (code, body) = http(&s, "GET", &format!("/fleet/snapshot{q}"), None);
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+    let first = page("?page_size=2");
+    assert_eq!((first["total"].as_u64(), first["tier"].as_str()), (Some(5), Some("l1")));
+    // Changes after the first page do not reach the later ones.
+    store(6);
+    let mut seen: Vec<String> = Vec::new();
+    let mut p = first;
+    loop {
+        for e in p["entries"].as_array().unwrap() {
+            assert_eq!(e["size_bytes"], 4096);
+            seen.push(e["key"]["chunk_hash_hex"].as_str().unwrap().to_string());
+        }
+        match p["next_page_token"].as_str() {
+            Some(t) => p = page(&format!("?page_size=2&page_token={t}")),
+            None => break,
+        }
+    }
+    seen.sort();
+    let want: Vec<String> = (1..=5u8).map(|b| format!("{b:02x}").repeat(32)).collect();
+    assert_eq!(seen, want, "every key of the frozen list once, none added later");
+    assert_eq!(page("")["total"], 6, "a new snapshot sees the new key");
+    for (q, code) in [("?page_token=zz", 400), ("?page_token=99:0", 410), ("?page_size=0", 400)] {
+        assert_eq!(http(&s, "GET", &format!("/fleet/snapshot{q}"), None).0, code, "{q}");
+    }
+}

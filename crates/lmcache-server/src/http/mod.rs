@@ -4,7 +4,8 @@
 //! - [`cache`]: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`;
 //! - [`quota`]: `GET /quota`, `GET|PUT|DELETE /quota/{cache_salt}` (`_default` is the empty
 //!   salt; `?tier=l1`, the default, or `?tier=l2`);
-//! - [`l2`]: `/reconfigure/{backend}/l2/...` and `/cache/prefetches`.
+//! - [`l2`]: `/reconfigure/{backend}/l2/...` and `/cache/prefetches`;
+//! - [`fleet`]: `GET /fleet/snapshot`, the resident keys a coordinator resyncs from.
 //!
 //! Errors are `{"detail": ...}` with a 4xx status naming what was wrong. With
 //! `--http-auth-token` (or `LMCACHE_RS_HTTP_TOKEN`) every route but `/healthcheck` requires
@@ -30,6 +31,7 @@ use crate::state::ServerState;
 use crate::transfer::{CpuTransfer, checksums, compress_ranges};
 
 mod cache;
+pub mod fleet;
 mod l2;
 mod quota;
 mod status;
@@ -93,6 +95,7 @@ pub fn router(state: Shared) -> Router {
         .route("/cache/clear", post(clear))
         .route("/cache/objects", get(objects_list).delete(objects_delete))
         .route("/cache/checksums", post(cache_checksums))
+        .route("/fleet/snapshot", get(fleet::snapshot))
         .route("/quota", get(quota_list))
         .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
         .layer(guard)
