@@ -4,7 +4,8 @@
 #   1. LMCache's `lmcache server` reports into `lmcache-rs coordinator`;
 #   2. `lmcache-rs server` reports into LMCache's `lmcache coordinator`;
 #   3. a mixed fleet (one of each) reports into `lmcache-rs coordinator`;
-# and each time every stored chunk must be placed on the server that stored it.
+# and each time every stored chunk must be placed on the server that stored it; LMCache's own
+# `lmcache query coordinator` reads ours.
 # Usage: tests/interop/coordinator.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -75,6 +76,17 @@ run_case() { # title coordinator-kind server-kinds...
     exit 1
   fi
   tail -1 "$WORK/check-$cport.log"
+  if [ "$ckind" = lmcache-rs ]; then
+    # LMCache's own CLI reads our coordinator.
+    for api in health instances usage directory keys metrics; do
+      if ! timeout 120 "$VENV/bin/lmcache" query coordinator --api "$api" --url "http://127.0.0.1:$cport" \
+          > "$WORK/query-$api.log" 2>&1; then
+        echo "FAILED: lmcache query coordinator --api $api"; tail -20 "$WORK/query-$api.log"; exit 1
+      fi
+    done
+    grep -q "${fleet[0]%%=*}" "$WORK/query-instances.log" || { echo "FAILED: instances lack ${fleet[0]%%=*}"; cat "$WORK/query-instances.log"; exit 1; }
+    echo "lmcache query coordinator --api health|instances|usage|directory|keys|metrics: ok"
+  fi
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
   pids=()

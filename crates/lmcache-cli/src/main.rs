@@ -7,6 +7,7 @@ mod config_file;
 mod coordinator;
 mod ops;
 mod otel;
+mod query;
 mod server;
 
 use clap::{Parser, Subcommand};
@@ -58,6 +59,9 @@ enum Command {
     /// Per-tenant (cache_salt) quotas; `_default` is the empty salt.
     #[command(subcommand)]
     Quota(ops::QuotaCommand),
+    /// Read a fleet coordinator's APIs (ours or LMCache's).
+    #[command(subcommand)]
+    Query(query::QueryCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -125,5 +129,6 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Describe { target, common } => ops::describe(target, &common),
         Command::Kvcache(cmd) => ops::kvcache(&cmd),
         Command::Quota(cmd) => ops::quota(&cmd),
+        Command::Query(cmd) => query::run(&cmd),
     }
 }

@@ -109,7 +109,7 @@ pub enum QuotaCommand {
     },
 }
 
-fn base(url: &str) -> String {
+pub(crate) fn base(url: &str) -> String {
     let url = if url.starts_with("http://") || url.starts_with("https://") {
         url.to_owned()
     } else {
@@ -119,7 +119,7 @@ fn base(url: &str) -> String {
 }
 
 /// Percent-encodes one path segment (RFC 3986 unreserved characters pass through).
-fn segment(raw: &str) -> String {
+pub(crate) fn segment(raw: &str) -> String {
     raw.bytes()
         .map(|b| match b {
             b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
@@ -143,7 +143,12 @@ fn agent() -> ureq::Agent {
 }
 
 /// Sends a request; returns the JSON body of a 2xx reply, or the server's error message.
-fn call(common: &Common, method: &str, url: &str, body: Option<Value>) -> anyhow::Result<Value> {
+pub(crate) fn call(
+    common: &Common,
+    method: &str,
+    url: &str,
+    body: Option<Value>,
+) -> anyhow::Result<Value> {
     let a = agent();
     let auth = common.token.as_ref().map(|t| format!("Bearer {t}"));
     let auth = auth.as_deref().unwrap_or("");
@@ -170,7 +175,7 @@ fn call(common: &Common, method: &str, url: &str, body: Option<Value>) -> anyhow
 }
 
 /// Prints `rows` as a two-column table under `title`, or `doc` as JSON.
-fn emit(
+pub(crate) fn emit(
     common: &Common,
     title: &str,
     rows: &[(String, String)],

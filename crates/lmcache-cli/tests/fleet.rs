@@ -321,3 +321,42 @@ fn lost_batches_and_a_restart_mid_stream_are_repaired_to_exactly_the_servers_l1(
     until("the restarted server's L1 only", || coordinator_l1(&c, "lossy") == server_l1(&s));
     s.shutdown();
 }
+
+#[test]
+fn query_coordinator_reads_every_api_as_tables_and_json() {
+    let c = coordinator(0);
+    let url = format!("http://{}", c.addr());
+    let s = server(c.addr().port(), "rs-q");
+    store(&s, &[1, 2]);
+    until("placed", || (1..=2).all(|b| placed_on(&c, b) == ["rs-q"]));
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lmcache-rs"))
+            .args(["query", "coordinator", "--url", &url])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (ok, text, _) = run(&["--api", "instances"]);
+    assert!(ok && text.contains("rs-q") && text.contains("127.0.0.1:"), "{text}");
+    let (ok, text, _) = run(&["--api", "usage"]);
+    assert!(ok && text.contains("rs-q l1/dram") && text.contains("8.0 KiB of 16.0 MiB"), "{text}");
+    let (ok, text, _) = run(&["--api", "keys", "--format", "json"]);
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert!(ok && v["total"] == 2, "{text}");
+    let (ok, text, _) = run(&["--api", "directory"]);
+    assert!(ok && text.contains("Stream rs-q"), "{text}");
+    let (ok, text, _) = run(&["--api", "health"]);
+    assert!(ok && text.contains("healthy"), "{text}");
+    let (ok, text, _) = run(&["--api", "metrics"]);
+    assert!(ok && text.contains("lmcache_coordinator_key_directory_placements"), "{text}");
+    let (ok, _, err) = run(&["--api", "prefetch"]);
+    assert!(!ok && err.contains("--instance and --request-id"), "{err}");
+    let (ok, _, err) = run(&["--api", "quota"]);
+    assert!(!ok && err.contains("404"), "quotas are not served yet, and the CLI says so: {err}");
+    s.shutdown();
+}

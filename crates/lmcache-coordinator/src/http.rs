@@ -1,5 +1,7 @@
 //! LMCache's coordinator HTTP API (axum), its routes, JSON shapes and status codes, plus
-//! `POST /directory/route` (the routing answer LMCache leaves to routers).
+//! `POST /directory/route` (the routing answer LMCache leaves to routers) and the
+//! Mooncake RFC #1403 indexer queries `POST /query` and `POST /query_by_hash` that Dynamo's
+//! and Mooncake's routers speak.
 //!
 //! Errors are `{"detail": ...}`: 422 for a body LMCache's models would refuse, 400 for a
 //! request that cannot be served (too many tokens), 404 for an unknown instance. A handler
@@ -93,6 +95,8 @@ pub fn router(state: Shared) -> Router {
         .route("/directory/stats", get(stats))
         .route("/directory/blend-lookup", post(blend_lookup))
         .route("/directory/route", post(route))
+        .route("/query", post(rfc_query))
+        .route("/query_by_hash", post(rfc_query))
         // Bodies of LMCache's sizes: a 1,000,000-token lookup, or event batches with tokens.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(catch_panics())
@@ -351,6 +355,111 @@ async fn route(State(s): State<Shared>, Body(req): Body<RouteRequest>) -> Respon
         Ok(cands) => {
             let best = cands.first().map(|c| c.instance_id.clone());
             Json(json!({"chunks": chunks, "best": best, "instances": cands})).into_response()
+        }
+        Err(e) => fail(&s, e),
+    }
+}
+
+fn default_tenant() -> String {
+    "default".into()
+}
+
+/// Mooncake RFC #1403 `POST /query` (`token_ids`) and `POST /query_by_hash` (`seq_hashes`, or
+/// the older `block_hash`). LMCache chunk hashes are 32-byte BLAKE3 prefix chains, so hashes
+/// are taken as 64-hex strings; `block_size` must be the fleet's chunk size. `world_size`
+/// (an lmcache-rs extension, default 1) selects the rank fan-out. Media: `CPU` is the L1 run,
+/// `DISK` the run reachable from L1 or L2 (cumulative, as Dynamo's indexer reports tiers),
+/// `GPU` 0 (engine memory is not reported to this coordinator).
+#[derive(Debug, Deserialize)]
+struct RfcQuery {
+    model: String,
+    #[serde(default)]
+    lora_name: Option<String>,
+    #[serde(default)]
+    token_ids: Vec<u32>,
+    #[serde(default)]
+    seq_hashes: Vec<serde_json::Value>,
+    #[serde(default)]
+    block_hash: Vec<serde_json::Value>,
+    #[serde(default = "default_tenant")]
+    tenant_id: String,
+    #[serde(default)]
+    instance_id: Option<String>,
+    block_size: usize,
+    #[serde(default)]
+    cache_salt: String,
+    #[serde(default = "one_u")]
+    world_size: u32,
+}
+
+async fn rfc_query(State(s): State<Shared>, Body(req): Body<RfcQuery>) -> Response {
+    if req.lora_name.as_deref().is_some_and(|l| !l.is_empty()) {
+        return fail(&s, FleetError::BadRequest(
+            "lora_name: LoRA adapters are not part of LMCache's chunk keys; query the adapter's own model name".into(),
+        ));
+    }
+    let chunk = s.config().chunk_size;
+    if req.block_size != chunk {
+        return fail(
+            &s,
+            FleetError::BadRequest(format!(
+                "block_size: {} differs from the fleet's chunk size {chunk}",
+                req.block_size
+            )),
+        );
+    }
+    let hashes: Vec<serde_json::Value> =
+        if req.seq_hashes.is_empty() { req.block_hash } else { req.seq_hashes };
+    let keys = if hashes.is_empty() {
+        match s.resolve_tokens(&req.token_ids, &req.model, req.world_size, &req.cache_salt) {
+            Ok((_, keys)) => keys,
+            Err(e) => return fail(&s, e),
+        }
+    } else {
+        let ranks = match lmcache_core::KvRank::all(req.world_size) {
+            Ok(r) => r.map(lmcache_core::KvRank::packed).collect::<Vec<_>>(),
+            Err(e) => return fail(&s, FleetError::Invalid(format!("world_size: {e}"))),
+        };
+        let mut keys = Vec::with_capacity(hashes.len() * ranks.len());
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(hex) = h.as_str() else {
+                return fail(
+                    &s,
+                    FleetError::BadRequest(format!(
+                        "seq_hashes[{i}]: LMCache chunk hashes are 32-byte BLAKE3 values; give them as 64 hex digits (or query by token_ids)"
+                    )),
+                );
+            };
+            for &kv_rank in &ranks {
+                keys.push(EncodedObjectKey {
+                    chunk_hash_hex: hex.to_string(),
+                    model_name: req.model.clone(),
+                    kv_rank,
+                    object_group_id: 0,
+                    cache_salt: req.cache_salt.clone(),
+                });
+            }
+        }
+        keys
+    };
+    let per_chunk = req.world_size.max(1) as usize;
+    match s.route(&keys, per_chunk, 1.0, 0.0, &BTreeMap::new()) {
+        Ok(cands) => {
+            let instances: serde_json::Map<String, serde_json::Value> = cands
+                .into_iter()
+                .filter(|c| req.instance_id.as_deref().is_none_or(|i| i == c.instance_id))
+                .map(|c| {
+                    let answer = json!({
+                        "longest_matched": c.l1_l2_tokens,
+                        "GPU": 0,
+                        "CPU": c.l1_tokens,
+                        "DISK": c.l1_l2_tokens,
+                        "DP": {"0": c.l1_l2_tokens},
+                    });
+                    (c.instance_id, answer)
+                })
+                .collect();
+            Json(json!({ req.tenant_id: instances })).into_response()
         }
         Err(e) => fail(&s, e),
     }

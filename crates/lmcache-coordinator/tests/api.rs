@@ -449,3 +449,49 @@ fn metrics_carry_lmcache_names() {
         Api::start(CoordinatorConfig { metrics_enabled: false, ..CoordinatorConfig::default() });
     assert_eq!(off.get("/metrics").0, 404);
 }
+
+#[test]
+fn mooncake_rfc_1403_queries_answer_per_tenant_and_instance() {
+    let api = Api::new();
+    api.register("a");
+    api.register("b");
+    let tokens: Vec<u32> = (0..768).collect();
+    let hashes = lmcache_core::TokenHasher::new(256).unwrap().hash_tokens(&tokens);
+    let store = |inst: &str, tier: &str, backend: &str, n: usize| {
+        let entries: Vec<Value> = hashes[..n]
+            .iter()
+            .map(|h| json!({"key": {"chunk_hash_hex": h.to_hex(), "model_name": "m", "kv_rank": 0x0100_0100}, "size_bytes": 1}))
+            .collect();
+        json!({"instance_id": inst, "incarnation": 1, "seq": 1, "event_type": "store", "tier": tier, "backend": backend, "entries": entries})
+    };
+    api.events(json!([store("a", "l1", "dram", 3)]));
+    api.events(json!([store("b", "l2", "fs", 2)]));
+    let (s, v) = api.post("/query", json!({"model": "m", "token_ids": tokens, "block_size": 256}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v["default"]["a"],
+        json!({"longest_matched": 768, "GPU": 0, "CPU": 768, "DISK": 768, "DP": {"0": 768}})
+    );
+    assert_eq!(v["default"]["b"]["CPU"], 0);
+    assert_eq!(v["default"]["b"]["longest_matched"], 512);
+    let hex: Vec<String> = hashes.iter().map(|h| h.to_hex()).collect();
+    let (s, v) = api.post("/query_by_hash", json!({"model": "m", "seq_hashes": hex, "block_size": 256, "tenant_id": "t1", "instance_id": "b"}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v,
+        json!({"t1": {"b": {"longest_matched": 512, "GPU": 0, "CPU": 0, "DISK": 512, "DP": {"0": 512}}}})
+    );
+    for (path, body) in [
+        ("/query", json!({"model": "m", "token_ids": [1], "block_size": 16})),
+        ("/query", json!({"model": "m", "token_ids": [1], "block_size": 256, "lora_name": "x"})),
+        ("/query_by_hash", json!({"model": "m", "seq_hashes": [12345], "block_size": 256})),
+    ] {
+        let (s, v) = api.post(path, body);
+        assert_eq!(s, 400, "{v}");
+    }
+    assert_eq!(
+        api.post("/query", json!({"token_ids": [1]})).0,
+        422,
+        "model and block_size are required"
+    );
+}
