@@ -48,10 +48,11 @@ pub struct CoordinatorArgs {
     /// Positions between CacheBlend probes (used with --enable-blend-lookup).
     #[arg(long, default_value_t = 1)]
     pub blend_probe_stride: usize,
-    /// File to checkpoint the directory to (not available yet: refused).
+    /// File to checkpoint the coordinator's state to (registry, stream cursors, capacity
+    /// declarations, the directory), so a restart resumes instead of starting cold. Unset: off.
     #[arg(long)]
     pub checkpoint_path: Option<std::path::PathBuf>,
-    /// Seconds between checkpoints.
+    /// Seconds between checkpoint writes; 0 writes only at a clean stop.
     #[arg(long, default_value_t = 60.0)]
     pub checkpoint_interval: f64,
     /// JSON object of settings for out-of-tree controllers (LMCache's Python plug-ins; none
@@ -99,9 +100,7 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
             "--enable-blend-lookup: the fleet fingerprint directory is not available in lmcache-rs yet"
         );
     }
-    if a.checkpoint_path.is_some() {
-        bail!("--checkpoint-path: coordinator checkpoints are not available in lmcache-rs yet");
-    }
+
     if a.metadata_path.is_some() {
         bail!("--metadata-path: pins and quotas are not served by lmcache-rs's coordinator yet");
     }
@@ -140,7 +139,7 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         chunk_size: a.chunk_size,
         hash_algorithm: a.hash_algorithm.clone(),
         max_token_bindings: a.max_token_bindings,
-        checkpoint_path: None,
+        checkpoint_path: a.checkpoint_path.clone(),
         checkpoint_interval: seconds("checkpoint-interval", a.checkpoint_interval)?,
         metadata_path: None,
         metrics_enabled: !a.disable_metrics,

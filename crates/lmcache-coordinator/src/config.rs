@@ -20,9 +20,10 @@ pub struct CoordinatorConfig {
     pub hash_algorithm: String,
     /// Chunk hashes whose tokens are kept for answers that echo them.
     pub max_token_bindings: usize,
-    /// Where a checkpoint of the directory would go (not written yet: see the docs).
+    /// The checkpoint file (registry, stream cursors, declarations, directory): restored at
+    /// start, written every `checkpoint_interval` and at stop. `None`: no checkpoint.
     pub checkpoint_path: Option<PathBuf>,
-    /// Seconds between checkpoints (60).
+    /// Seconds between checkpoints (60; zero writes only at stop).
     pub checkpoint_interval: Duration,
     /// Where pins and quotas would be kept (not written yet).
     pub metadata_path: Option<PathBuf>,

@@ -8,8 +8,12 @@
 //!
 //! - [`fleet`]: the state and every operation on it, no HTTP (tests and benches drive it).
 //! - [`http`]: the routes.
-//! - [`Coordinator`]: the running service (its own thread and tokio runtime, the health sweep).
+//! - [`checkpoint`]: the checkpoint file (restored at start, written every interval and at
+//!   stop).
+//! - [`Coordinator`]: the running service (its own thread and tokio runtime, the health sweep,
+//!   the repair and checkpoint threads).
 
+pub mod checkpoint;
 pub mod config;
 pub mod fleet;
 pub mod http;
@@ -49,12 +53,56 @@ pub struct Coordinator {
     thread: Option<JoinHandle<()>>,
     repair_stop: Arc<std::sync::atomic::AtomicBool>,
     repair: Option<JoinHandle<()>>,
+    checkpointer: Option<JoinHandle<()>>,
+}
+
+/// Loads the checkpoint at `path` into a fresh fleet; a missing or damaged one leaves it cold
+/// (logged and counted), and the emitters' next batches resync it.
+fn restore(fleet: &Fleet, path: &std::path::Path) {
+    let t = std::time::Instant::now();
+    let result = std::fs::read(path)
+        .map_err(checkpoint::CheckpointError::from)
+        .and_then(|b| fleet.restore(&b));
+    match result {
+        Ok(st) => {
+            tracing::info!(path = %path.display(), keys = st.keys, placements = st.placements, instances = st.instances,
+                ms = t.elapsed().as_millis() as u64, "checkpoint restored");
+            fleet.metrics.restores("restored");
+        }
+        Err(checkpoint::CheckpointError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            tracing::info!(path = %path.display(), "no checkpoint yet: starting cold");
+            fleet.metrics.restores("missing");
+        }
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "checkpoint not used: starting cold; emitters resync");
+            fleet.metrics.restores("corrupt");
+        }
+    }
+}
+
+/// Writes a checkpoint of `fleet` to `path` (logged on failure; the old file stays).
+fn save(fleet: &Fleet, path: &std::path::Path) {
+    let t = std::time::Instant::now();
+    let bytes = fleet.checkpoint();
+    match checkpoint::write_atomic(path, &bytes) {
+        Ok(()) => {
+            tracing::debug!(path = %path.display(), bytes = bytes.len(), ms = t.elapsed().as_millis() as u64, "checkpoint written");
+            fleet.metrics.checkpoints_written.inc();
+        }
+        Err(e) => {
+            tracing::error!(path = %path.display(), error = %e, "checkpoint write failed");
+            fleet.metrics.checkpoint_failures.inc();
+        }
+    }
 }
 
 impl Coordinator {
     /// Binds `host:port` and serves.
     pub fn start(config: CoordinatorConfig) -> Result<Self, CoordinatorError> {
         let fleet = Arc::new(Fleet::new(config)?);
+        if let Some(path) = &fleet.config().checkpoint_path {
+            restore(&fleet, path);
+        }
         let c = fleet.config();
         let addr = format!("{}:{}", c.host, c.port);
         let io = |what: String| move |source| CoordinatorError::Io { what, source };
@@ -117,6 +165,28 @@ impl Coordinator {
                 .spawn(move || repair::run(f, repair_rx, stop))
                 .map_err(io("starting the repair thread".into()))?
         };
+        let checkpointer = match fleet.config().checkpoint_path.clone() {
+            Some(path) if !fleet.config().checkpoint_interval.is_zero() => {
+                let (f, stop) = (Arc::clone(&fleet), Arc::clone(&repair_stop));
+                let every = fleet.config().checkpoint_interval;
+                Some(
+                    std::thread::Builder::new()
+                        .name("coordinator-checkpoint".into())
+                        .spawn(move || {
+                            let mut next = std::time::Instant::now() + every;
+                            while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                                std::thread::sleep(std::time::Duration::from_millis(50));
+                                if std::time::Instant::now() >= next {
+                                    save(&f, &path);
+                                    next = std::time::Instant::now() + every;
+                                }
+                            }
+                        })
+                        .map_err(io("starting the checkpoint thread".into()))?,
+                )
+            }
+            _ => None,
+        };
         tracing::info!(addr = %local, "coordinator listening");
         Ok(Self {
             fleet,
@@ -125,6 +195,7 @@ impl Coordinator {
             thread: Some(thread),
             repair_stop,
             repair: Some(repair),
+            checkpointer,
         })
     }
 
@@ -153,6 +224,12 @@ impl Coordinator {
         self.repair_stop.store(true, std::sync::atomic::Ordering::Release);
         if let Some(t) = self.repair.take() {
             let _ = t.join();
+        }
+        if let Some(t) = self.checkpointer.take() {
+            let _ = t.join();
+        }
+        if let Some(path) = self.fleet.config().checkpoint_path.clone() {
+            save(&self.fleet, &path);
         }
     }
 }

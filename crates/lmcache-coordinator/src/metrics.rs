@@ -70,6 +70,12 @@ pub struct Metrics {
     pub repairs: Family<ResultLabel, Counter>,
     /// Seconds the last resync took.
     pub last_repair_seconds: FloatGauge,
+    /// Checkpoint loads at start by result (`restored`, `missing`, `corrupt`).
+    pub restores_total: Family<ResultLabel, Counter>,
+    /// Checkpoints written.
+    pub checkpoints_written: Counter,
+    /// Checkpoint writes that failed.
+    pub checkpoint_failures: Counter,
 }
 
 impl Default for Metrics {
@@ -100,6 +106,9 @@ impl Metrics {
             stream_staleness: Family::default(),
             repairs: Family::default(),
             last_repair_seconds: FloatGauge::default(),
+            restores_total: Family::default(),
+            checkpoints_written: Counter::default(),
+            checkpoint_failures: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -183,7 +192,27 @@ impl Metrics {
             "Seconds the last resync took (gap seen to placements replaced)",
             m.last_repair_seconds.clone(),
         );
+        registry.register(
+            "lmcache_rs_coordinator_checkpoint_restores",
+            "Checkpoint loads at start, by result (restored, missing, corrupt)",
+            m.restores_total.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_checkpoints_written",
+            "Checkpoints written",
+            m.checkpoints_written.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_checkpoint_failures",
+            "Checkpoint writes that failed (the previous file stays)",
+            m.checkpoint_failures.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Counts a checkpoint load.
+    pub fn restores(&self, result: &str) {
+        self.restores_total.get_or_create(&ResultLabel { result: result.into() }).inc();
     }
 
     /// Counts a finished resync.

@@ -2,7 +2,8 @@
 //! (16 from one of 1,000 shared "system prompts", 48 unique), one store batch per sequence.
 //! Reports apply rate (G1), lookup latency of a stored sequence's 64-chunk prefix over the
 //! servers (G3/G4: `prefix_runs`), bytes per membership (G7, RSS growth over the generated
-//! trace), and RSS over rounds of prefix churn (G8: every sequence replaced by a new one).
+//! trace), checkpoint encode/decode (G9), and RSS over rounds of prefix churn (G8: every
+//! sequence replaced by a new one).
 //!
 //! `cargo bench -p lmcache-directory --bench directory -- [servers] [sequences] [churn_rounds]`
 //! (defaults 64 2500 0: 10.24 M memberships).
@@ -108,6 +109,24 @@ fn main() {
         (rss1 - rss0) >> 20,
         d.table_bytes() >> 20
     );
+    // G9: the checkpoint image, encoded and decoded.
+    let t = Instant::now();
+    let mut image = Vec::new();
+    d.encode(&mut image);
+    let enc = t.elapsed();
+    let t = Instant::now();
+    let restored = Directory::decode(&image, DirectoryConfig { max_token_bindings: 0 }).unwrap();
+    let dec = t.elapsed();
+    assert_eq!(restored.stats(), d.stats());
+    drop(restored);
+    println!(
+        "G9 restore: image {} MiB, encode {:.2} s, decode {:.2} s ({:.1} M memberships/s)",
+        image.len() >> 20,
+        enc.as_secs_f64(),
+        dec.as_secs_f64(),
+        memberships as f64 / dec.as_secs_f64() / 1e6
+    );
+    drop(image);
     // Lookups of stored sequences.
     let n = 100_000;
     let mut lat = Vec::with_capacity(n);

@@ -55,7 +55,7 @@ struct Placement {
 }
 
 /// An (instance, incarnation) pair, interned: placements name their reporter through it.
-type Epoch = (InstanceId, u64);
+pub(crate) type Epoch = (InstanceId, u64);
 
 /// 32 bytes: one placement inline (most keys have one), the access count, the last access in
 /// whole seconds, and whether the key holds a reference on its chunk's token binding.
@@ -125,6 +125,18 @@ pub struct DirectoryStats {
 }
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// A token binding as the checkpoint saves it: chunk hash, offset, tokens, holders.
+pub(crate) type SavedBinding = ([u8; 32], i64, Vec<u32>, Vec<NsId>);
+
+/// The interned tables, in id order, for encoding.
+pub(crate) struct Parts<'a> {
+    pub(crate) namespaces: Vec<&'a Namespace>,
+    pub(crate) instances: Vec<&'a Arc<str>>,
+    pub(crate) epochs: Vec<Epoch>,
+    pub(crate) sites: Vec<&'a Site>,
+    pub(crate) mounts: &'a [Vec<InstanceId>],
+}
 
 /// The directory. Not thread-safe by itself: the coordinator holds it under one lock.
 #[derive(Debug)]
@@ -560,6 +572,147 @@ impl Directory {
                 r.last_access = r.last_access.max(ts);
             }
         }
+    }
+
+    // ---- persistence support (see persist.rs) -----------------------------------------------
+
+    pub(crate) fn parts(&self) -> Parts<'_> {
+        Parts {
+            namespaces: (0..self.namespaces.len() as u32)
+                .filter_map(|i| self.namespaces.get(i).ok())
+                .collect(),
+            instances: (0..self.instances.len() as u32)
+                .filter_map(|i| self.instances.get(i).ok())
+                .collect(),
+            epochs: (0..self.epochs.len() as u32)
+                .filter_map(|i| self.epochs.get(i).ok().copied())
+                .collect(),
+            sites: (0..self.sites.len() as u32).filter_map(|i| self.sites.get(i).ok()).collect(),
+            mounts: &self.mounts,
+        }
+    }
+
+    pub(crate) fn for_each_record(
+        &self,
+        mut f: impl FnMut(&DirKey, &[(SiteId, u32, u64)], u32, u32),
+    ) {
+        let mut buf: Vec<(SiteId, u32, u64)> = Vec::new();
+        for (k, r) in &self.table {
+            buf.clear();
+            buf.extend(r.placements.iter().map(|p| (p.site, p.epoch, p.size)));
+            f(k, &buf, r.access_count, r.last_access);
+        }
+    }
+
+    /// Every token binding with the namespaces of the keys holding it.
+    pub(crate) fn bindings_list(&self) -> Vec<SavedBinding> {
+        let mut holders: FastMap<[u8; 32], Vec<NsId>> = FastMap::default();
+        for (k, r) in &self.table {
+            if r.bound {
+                holders.entry(k.hash).or_default().push(k.ns);
+            }
+        }
+        holders
+            .into_iter()
+            .filter_map(|(h, ns)| {
+                let b = self.bindings.get(&h)?;
+                Some((h, b.offset, b.tokens.to_vec(), ns))
+            })
+            .collect()
+    }
+
+    pub(crate) fn namespace_count(&self) -> usize {
+        self.namespaces.len()
+    }
+
+    pub(crate) fn epoch_count(&self) -> usize {
+        self.epochs.len()
+    }
+
+    /// Installs decoded epochs and sites (ids in order) into an empty directory.
+    pub(crate) fn restore_tables(
+        &mut self,
+        epochs: Vec<Epoch>,
+        sites: Vec<(Site, Vec<InstanceId>)>,
+    ) -> Result<(), DirectoryError> {
+        for e in &epochs {
+            let id = self.epochs.intern(e)?;
+            if id as usize + 1 != self.epochs.len() {
+                return Err(DirectoryError::Exhausted("distinct epochs"));
+            }
+        }
+        for (site, mut mounts) in sites {
+            let id = self.sites.intern(&site)?;
+            if id as usize + 1 != self.sites.len() {
+                return Err(DirectoryError::Exhausted("distinct sites"));
+            }
+            mounts.sort_unstable();
+            mounts.dedup();
+            self.site_stats.push(SiteStats::default());
+            self.mounts.push(mounts);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.table.reserve(n);
+    }
+
+    /// Inserts a decoded key; false if it is already there or names a site twice.
+    pub(crate) fn restore_record(
+        &mut self,
+        key: DirKey,
+        placements: &[(SiteId, u32, u64)],
+        access_count: u32,
+        last_access: u32,
+    ) -> bool {
+        if self.table.contains_key(&key) {
+            return false;
+        }
+        let mut record = Record { access_count, last_access, ..Record::default() };
+        for &(site, epoch, size) in placements {
+            if record.placements.iter().any(|p| p.site == site) {
+                return false;
+            }
+            record.placements.push(Placement { site, epoch, size });
+        }
+        for &(site, _, size) in placements {
+            let tier = match self.sites.get(site.0) {
+                Ok(s) => s.tier,
+                Err(_) => return false,
+            };
+            self.account(site, tier, 1, size as i64);
+            if let Some(nb) = self.ns_bytes.get_mut(key.ns.0 as usize) {
+                nb[tier as usize] = nb[tier as usize].saturating_add(size);
+            }
+        }
+        self.table.insert(key, record);
+        self.stats.keys += 1;
+        true
+    }
+
+    /// Installs a decoded token binding held by the keys of `hash` in `holders`; false if
+    /// one of them is not a key of this directory or already holds one.
+    pub(crate) fn restore_binding(
+        &mut self,
+        hash: &[u8; 32],
+        tokens: &[u32],
+        offset: i64,
+        holders: &[NsId],
+    ) -> bool {
+        for ns in holders {
+            match self.table.get_mut(&DirKey { hash: *hash, ns: *ns }) {
+                Some(r) if !r.bound => r.bound = true,
+                _ => return false,
+            }
+        }
+        if !self.bindings.add_ref(hash, tokens, offset) {
+            return false;
+        }
+        for _ in 1..holders.len() {
+            self.bindings.add_ref(hash, &[], -1);
+        }
+        true
     }
 
     /// Approximate bytes the table itself uses (keys, records, slack; not spilled vectors).

@@ -19,6 +19,7 @@
 
 mod directory;
 mod ids;
+mod persist;
 mod runs;
 mod tokens;
 
@@ -27,6 +28,7 @@ pub use directory::{
     SiteStats,
 };
 pub use ids::{DirKey, InstanceId, Namespace, NsId, Site, SiteId, Tier};
+pub use persist::DecodeError;
 pub use runs::{PrefixRun, RunQuery};
 pub use tokens::TokenBinding;
 

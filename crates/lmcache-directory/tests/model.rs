@@ -1,7 +1,8 @@
 //! The directory against a reference model on random traces: stores, replacements, deletes
 //! (including of absent keys), accesses and fences, over private and shared sites, two ranks
 //! and holes. After every step the placements of every key, the totals and the routing runs
-//! of every prefix must equal the model's: zero over-credit, zero under-credit.
+//! of every prefix must equal the model's: zero over-credit, zero under-credit. The
+//! checkpoint image of the final state restores to the same answers; damaged images never panic.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -276,5 +277,58 @@ proptest! {
             s.apply(op, i);
             check(&m, &s);
         }
+        // The checkpoint image restores the same directory.
+        let mut image = Vec::new();
+        s.d.encode(&mut image);
+        let restored = Subject { d: Directory::decode(&image, DirectoryConfig::default()).unwrap(), ns: s.ns.clone(), inst: s.inst.clone() };
+        check(&m, &restored);
+        let mut again = Vec::new();
+        restored.d.encode(&mut again);
+        prop_assert_eq!(again.len(), image.len());
     }
+
+    #[test]
+    fn damaged_images_are_refused_or_decoded_never_a_panic(
+        ops in prop::collection::vec(op(), 1..30),
+        cuts in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
+        truncate in any::<prop::sample::Index>(),
+    ) {
+        let mut s = Subject::new();
+        for (i, op) in ops.iter().enumerate() {
+            s.apply(op, i);
+        }
+        let mut image = Vec::new();
+        s.d.encode(&mut image);
+        let mut bad = image.clone();
+        for (at, byte) in &cuts {
+            let i = at.index(bad.len());
+            bad[i] ^= byte | 1;
+        }
+        let _ = Directory::decode(&bad, DirectoryConfig::default());
+        let _ = Directory::decode(&image[..truncate.index(image.len())], DirectoryConfig::default());
+    }
+}
+
+#[test]
+fn a_truncated_or_foreign_image_names_the_problem() {
+    let mut s = Subject::new();
+    s.apply(&Op::Store { inst: 0, site: SiteKind::L1, keys: vec![(1, 0)], size: 5 }, 0);
+    let mut image = Vec::new();
+    s.d.encode(&mut image);
+    assert!(Directory::decode(&image, DirectoryConfig::default()).is_ok());
+    assert_eq!(
+        Directory::decode(b"NOTADIR!....", DirectoryConfig::default()).unwrap_err(),
+        lmcache_directory::DecodeError::Magic
+    );
+    assert!(matches!(
+        Directory::decode(&image[..image.len() - 3], DirectoryConfig::default()),
+        Err(lmcache_directory::DecodeError::Truncated(_)
+            | lmcache_directory::DecodeError::Invalid { .. })
+    ));
+    let mut long = image.clone();
+    long.push(0);
+    assert_eq!(
+        Directory::decode(&long, DirectoryConfig::default()).unwrap_err(),
+        lmcache_directory::DecodeError::Trailing(1)
+    );
 }

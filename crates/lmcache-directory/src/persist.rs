@@ -1,0 +1,307 @@
+//! The directory as bytes, for the coordinator's checkpoint: a compact little-endian layout
+//! (a key with one placement is 58 bytes) that restores at memory speed. Decoding checks every
+//! id against the tables before it and never panics on any input; derived state (totals,
+//! per-site and per-namespace bytes, token references) is recomputed, not trusted.
+//!
+//! Layout: `LMRSDIR1`, then namespaces, instances, epochs, sites (with mounts), keys with
+//! their placements, token bindings. Strings are `u32` length + UTF-8.
+
+use std::sync::Arc;
+
+use crate::directory::{Directory, DirectoryConfig};
+use crate::ids::{DirKey, InstanceId, Namespace, NsId, Site, SiteId, Tier};
+
+const MAGIC: &[u8; 8] = b"LMRSDIR1";
+
+/// Why bytes are not a directory.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Not written by [`Directory::encode`] (or another version).
+    #[error("not a directory image (bad magic)")]
+    Magic,
+    /// The bytes end early.
+    #[error("truncated at byte {0}")]
+    Truncated(usize),
+    /// A name is not UTF-8.
+    #[error("invalid UTF-8 at byte {0}")]
+    Utf8(usize),
+    /// An id refers past its table, or a value is out of range.
+    #[error("invalid {what} at byte {at}")]
+    Invalid {
+        /// What.
+        what: &'static str,
+        /// Where.
+        at: usize,
+    },
+    /// Bytes after the end.
+    #[error("{0} trailing bytes")]
+    Trailing(usize),
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or(DecodeError::Truncated(self.at))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(w))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(w))
+    }
+    fn hash(&mut self) -> Result<[u8; 32], DecodeError> {
+        let mut h = [0u8; 32];
+        h.copy_from_slice(self.take(32)?);
+        Ok(h)
+    }
+    fn str(&mut self) -> Result<Arc<str>, DecodeError> {
+        let n = self.u32()? as usize;
+        let at = self.at;
+        let s = self.take(n)?;
+        std::str::from_utf8(s).map(Arc::from).map_err(|_| DecodeError::Utf8(at))
+    }
+    /// A count whose items take at least `min` bytes each: refused when the rest cannot hold
+    /// them (so a forged count cannot make us reserve gigabytes).
+    fn count(&mut self, min: usize) -> Result<usize, DecodeError> {
+        let at = self.at;
+        let n = self.u64()? as usize;
+        if n.checked_mul(min).is_none_or(|need| need > self.b.len() - self.at) {
+            return Err(DecodeError::Invalid { what: "count", at });
+        }
+        Ok(n)
+    }
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+impl Directory {
+    /// Appends this directory's image to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(MAGIC);
+        let p = self.parts();
+        out.extend_from_slice(&(p.namespaces.len() as u64).to_le_bytes());
+        for ns in p.namespaces {
+            put_str(out, &ns.model);
+            out.extend_from_slice(&ns.kv_rank.to_le_bytes());
+            out.extend_from_slice(&ns.object_group.to_le_bytes());
+            put_str(out, &ns.cache_salt);
+        }
+        out.extend_from_slice(&(p.instances.len() as u64).to_le_bytes());
+        for i in p.instances {
+            put_str(out, i);
+        }
+        out.extend_from_slice(&(p.epochs.len() as u64).to_le_bytes());
+        for (inst, inc) in p.epochs {
+            out.extend_from_slice(&inst.0.to_le_bytes());
+            out.extend_from_slice(&inc.to_le_bytes());
+        }
+        out.extend_from_slice(&(p.sites.len() as u64).to_le_bytes());
+        for (site, mounts) in p.sites.iter().zip(p.mounts) {
+            out.push(site.tier as u8);
+            put_str(out, &site.backend);
+            match site.owner {
+                Some(o) => {
+                    out.push(1);
+                    out.extend_from_slice(&o.0.to_le_bytes());
+                }
+                None => out.push(0),
+            }
+            out.extend_from_slice(&(mounts.len() as u64).to_le_bytes());
+            for m in mounts {
+                out.extend_from_slice(&m.0.to_le_bytes());
+            }
+        }
+        out.extend_from_slice(&(self.stats().keys).to_le_bytes());
+        self.for_each_record(|key, placements, access_count, last_access| {
+            out.extend_from_slice(&key.hash);
+            out.extend_from_slice(&key.ns.0.to_le_bytes());
+            out.extend_from_slice(&access_count.to_le_bytes());
+            out.extend_from_slice(&last_access.to_le_bytes());
+            out.push(placements.len().min(255) as u8);
+            for (site, epoch, size) in placements.iter().take(255) {
+                out.extend_from_slice(&site.0.to_le_bytes());
+                out.extend_from_slice(&epoch.to_le_bytes());
+                out.extend_from_slice(&size.to_le_bytes());
+            }
+        });
+        let bindings = self.bindings_list();
+        out.extend_from_slice(&(bindings.len() as u64).to_le_bytes());
+        for (hash, offset, tokens, holders) in bindings {
+            out.extend_from_slice(&hash);
+            out.extend_from_slice(&offset.to_le_bytes());
+            out.extend_from_slice(&(tokens.len() as u32).to_le_bytes());
+            for t in tokens {
+                out.extend_from_slice(&t.to_le_bytes());
+            }
+            out.extend_from_slice(&(holders.len() as u32).to_le_bytes());
+            for ns in holders {
+                out.extend_from_slice(&ns.0.to_le_bytes());
+            }
+        }
+    }
+
+    /// A directory from an image [`Directory::encode`] wrote.
+    pub fn decode(bytes: &[u8], config: DirectoryConfig) -> Result<Directory, DecodeError> {
+        let mut r = Reader { b: bytes, at: 0 };
+        if r.take(8)? != MAGIC {
+            return Err(DecodeError::Magic);
+        }
+        let mut d = Directory::new(config);
+        let n = r.count(16)?;
+        for _ in 0..n {
+            let ns = Namespace {
+                model: r.str()?,
+                kv_rank: r.u32()?,
+                object_group: r.u32()?,
+                cache_salt: r.str()?,
+            };
+            let at = r.at;
+            if ns.world_size() == 0 {
+                return Err(DecodeError::Invalid { what: "kv_rank", at });
+            }
+            let id =
+                d.namespace(&ns).map_err(|_| DecodeError::Invalid { what: "namespace", at })?;
+            if id.0 as usize + 1 != d.namespace_count() {
+                return Err(DecodeError::Invalid { what: "duplicate namespace", at });
+            }
+        }
+        let n_ns = d.namespace_count();
+        let n = r.count(4)?;
+        for _ in 0..n {
+            let at = r.at;
+            let name = r.str()?;
+            let id =
+                d.instance(&name).map_err(|_| DecodeError::Invalid { what: "instance", at })?;
+            if id.0 as usize + 1 != d.instance_count() {
+                return Err(DecodeError::Invalid { what: "duplicate instance", at });
+            }
+        }
+        let n_inst = d.instance_count() as u32;
+        let n = r.count(12)?;
+        let mut epochs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let at = r.at;
+            let inst = r.u32()?;
+            let inc = r.u64()?;
+            if inst >= n_inst {
+                return Err(DecodeError::Invalid { what: "epoch instance", at });
+            }
+            epochs.push((InstanceId(inst), inc));
+        }
+        let n = r.count(14)?;
+        let mut sites = Vec::with_capacity(n);
+        for _ in 0..n {
+            let at = r.at;
+            let tier = match r.u8()? {
+                0 => Tier::L1,
+                1 => Tier::L2,
+                _ => return Err(DecodeError::Invalid { what: "tier", at }),
+            };
+            let backend = r.str()?;
+            let owner = match r.u8()? {
+                0 => None,
+                1 => {
+                    let o = r.u32()?;
+                    if o >= n_inst {
+                        return Err(DecodeError::Invalid { what: "site owner", at });
+                    }
+                    Some(InstanceId(o))
+                }
+                _ => return Err(DecodeError::Invalid { what: "site owner flag", at }),
+            };
+            let m = r.count(4)?;
+            let mut mounts = Vec::with_capacity(m);
+            for _ in 0..m {
+                let at = r.at;
+                let i = r.u32()?;
+                if i >= n_inst {
+                    return Err(DecodeError::Invalid { what: "mount", at });
+                }
+                mounts.push(InstanceId(i));
+            }
+            sites.push((Site { tier, backend, owner }, mounts));
+        }
+        d.restore_tables(epochs, sites)
+            .map_err(|_| DecodeError::Invalid { what: "site table", at: r.at })?;
+        let n_sites = d.sites().count() as u32;
+        let n_epochs = d.epoch_count() as u32;
+        let n = r.count(45)?;
+        d.reserve(n);
+        for _ in 0..n {
+            let at = r.at;
+            let hash = r.hash()?;
+            let ns = r.u32()?;
+            if ns as usize >= n_ns {
+                return Err(DecodeError::Invalid { what: "key namespace", at });
+            }
+            let access_count = r.u32()?;
+            let last_access = r.u32()?;
+            let k = r.u8()? as usize;
+            if k == 0 {
+                return Err(DecodeError::Invalid { what: "key without placements", at });
+            }
+            let mut placements = Vec::with_capacity(k);
+            for _ in 0..k {
+                let at = r.at;
+                let (site, epoch, size) = (r.u32()?, r.u32()?, r.u64()?);
+                if site >= n_sites || epoch >= n_epochs {
+                    return Err(DecodeError::Invalid { what: "placement", at });
+                }
+                placements.push((SiteId(site), epoch, size));
+            }
+            if !d.restore_record(
+                DirKey { hash, ns: NsId(ns) },
+                &placements,
+                access_count,
+                last_access,
+            ) {
+                return Err(DecodeError::Invalid { what: "duplicate key or placement", at });
+            }
+        }
+        let n = r.count(48)?;
+        for _ in 0..n {
+            let hash = r.hash()?;
+            let offset = r.u64()? as i64;
+            let at = r.at;
+            let t = r.u32()? as usize;
+            if t == 0 || t.checked_mul(4).is_none_or(|need| need > bytes.len() - r.at) {
+                return Err(DecodeError::Invalid { what: "token count", at });
+            }
+            let tokens: Vec<u32> = (0..t).map(|_| r.u32()).collect::<Result<_, _>>()?;
+            let at = r.at;
+            let h = r.u32()? as usize;
+            if h == 0 || h.checked_mul(4).is_none_or(|need| need > bytes.len() - r.at) {
+                return Err(DecodeError::Invalid { what: "binding holders", at });
+            }
+            let holders: Vec<NsId> = (0..h).map(|_| r.u32().map(NsId)).collect::<Result<_, _>>()?;
+            if !d.restore_binding(&hash, &tokens, offset, &holders) {
+                return Err(DecodeError::Invalid { what: "binding", at });
+            }
+        }
+        if r.at != bytes.len() {
+            return Err(DecodeError::Trailing(bytes.len() - r.at));
+        }
+        Ok(d)
+    }
+}
