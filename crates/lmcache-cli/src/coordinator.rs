@@ -22,14 +22,13 @@ pub struct CoordinatorArgs {
     /// Seconds between health sweeps; 0 disables them.
     #[arg(long, default_value_t = 10.0)]
     pub health_check_interval: f64,
-    /// Seconds between fleet L2 eviction sweeps (accepted; quotas are not served yet, so
-    /// there is nothing to evict).
+    /// Seconds between fleet L2 eviction sweeps (salts over their quota); 0 disables them.
     #[arg(long, default_value_t = 5.0)]
     pub eviction_check_interval: f64,
-    /// Fraction of a salt's keys an eviction sweep removes (accepted, see above).
+    /// Fraction of an over-quota salt's L2 keys a sweep removes, least recently used first.
     #[arg(long, default_value_t = 0.2)]
     pub eviction_ratio: f64,
-    /// Usage / quota ratio that triggers eviction (accepted, see above).
+    /// Usage / quota ratio at which a salt is evicted.
     #[arg(long, default_value_t = 1.0)]
     pub trigger_watermark: f64,
     /// Tokens per chunk; must equal the servers' --chunk-size.
@@ -59,7 +58,8 @@ pub struct CoordinatorArgs {
     /// are loaded here, so any key is refused).
     #[arg(long)]
     pub extra_config: Option<String>,
-    /// File for pins and quotas (not available yet: refused).
+    /// File for operator-set state (L2 pins and per-cache_salt quotas), LMCache's JSON
+    /// document, rewritten by every change. Unset: that state is lost on restart.
     #[arg(long)]
     pub metadata_path: Option<std::path::PathBuf>,
     /// Seconds idle connections stay open (accepted; connections stay open until closed).
@@ -101,9 +101,6 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         );
     }
 
-    if a.metadata_path.is_some() {
-        bail!("--metadata-path: pins and quotas are not served by lmcache-rs's coordinator yet");
-    }
     if a.otlp_endpoint.is_some() {
         bail!("--otlp-endpoint: metrics are served for Prometheus on /metrics only");
     }
@@ -129,7 +126,7 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
             bail!("--{name}: {v} must be a finite number >= 0");
         }
     }
-    seconds("eviction-check-interval", a.eviction_check_interval)?;
+
     seconds("timeout-keep-alive", a.timeout_keep_alive)?;
     Ok(CoordinatorConfig {
         host: a.host.clone(),
@@ -141,7 +138,10 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         max_token_bindings: a.max_token_bindings,
         checkpoint_path: a.checkpoint_path.clone(),
         checkpoint_interval: seconds("checkpoint-interval", a.checkpoint_interval)?,
-        metadata_path: None,
+        metadata_path: a.metadata_path.clone(),
+        eviction_check_interval: seconds("eviction-check-interval", a.eviction_check_interval)?,
+        eviction_ratio: a.eviction_ratio,
+        trigger_watermark: a.trigger_watermark,
         metrics_enabled: !a.disable_metrics,
     })
 }

@@ -356,7 +356,151 @@ fn query_coordinator_reads_every_api_as_tables_and_json() {
     assert!(ok && text.contains("lmcache_coordinator_key_directory_placements"), "{text}");
     let (ok, _, err) = run(&["--api", "prefetch"]);
     assert!(!ok && err.contains("--instance and --request-id"), "{err}");
-    let (ok, _, err) = run(&["--api", "quota"]);
-    assert!(!ok && err.contains("404"), "quotas are not served yet, and the CLI says so: {err}");
+    let (ok, text, _) = run(&["--api", "quota"]);
+    assert!(ok && text.contains("Total usage (GiB)"), "{text}");
+    let (ok, text, _) = run(&["--api", "quota-config", "--format", "json"]);
+    assert!(ok && text.contains("default_limit_gb"), "{text}");
+    let (ok, _, err) = run(&["--api", "prefetch", "--instance", "nobody", "--request-id", "x"]);
+    assert!(!ok && err.contains("404"), "{err}");
     s.shutdown();
+}
+
+fn post(c: &Coordinator, path: &str, body: Value) -> (u16, Value) {
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut r = agent.post(&format!("http://{}{path}", c.addr())).send_json(body).unwrap();
+    let code = r.status().as_u16();
+    (code, serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap_or(Value::Null))
+}
+
+fn put(c: &Coordinator, path: &str, body: Value) -> (u16, Value) {
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut r = agent.put(&format!("http://{}{path}", c.addr())).send_json(body).unwrap();
+    let code = r.status().as_u16();
+    (code, serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap_or(Value::Null))
+}
+
+#[test]
+fn quotas_pins_fleet_eviction_and_relays_work_end_to_end() {
+    let dir = std::env::temp_dir().join(format!("lmcache-rs-fleet-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("l2")).unwrap();
+    let meta = dir.join("metadata.json");
+    let ccfg = |port: u16| CoordinatorConfig {
+        host: "127.0.0.1".into(),
+        port,
+        metadata_path: Some(meta.clone()),
+        eviction_check_interval: Duration::from_millis(100),
+        ..CoordinatorConfig::default()
+    };
+    let c = Coordinator::start(ccfg(0)).unwrap();
+    let arena = ArenaConfig { size: 16 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    let s = Server::start(ServerConfig {
+        http_port: Some(0),
+        l2_adapters: vec![json!({"type": "fs", "base_path": dir.join("l2")})],
+        coordinator: Some(CoordinatorReporting {
+            url: format!("http://{}", c.addr()),
+            instance_id: "rs-e".into(),
+            advertise_ip: "127.0.0.1".into(),
+            heartbeat_interval: Duration::from_millis(100),
+            event_reporting: true,
+            flush_interval: Duration::from_millis(20),
+        }),
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
+    until("registered", || {
+        get(&c, "/instances")["instances"].as_array().is_some_and(|a| a.len() == 1)
+    });
+    // Four chunks of one prompt, salt "t", through the storage manager (L1 + write-behind).
+    let tokens: Vec<u32> = (0..1024).collect();
+    let hashes = lmcache_core::TokenHasher::new(256).unwrap().hash_tokens(&tokens);
+    let keys: Vec<ObjectKey> =
+        hashes.iter().map(|h| ObjectKey::new(*h.as_bytes(), "m", 1, 0, 0, "t").unwrap()).collect();
+    let reqs: Vec<WriteRequest> = keys.iter().map(|k| WriteRequest::new(k.clone(), 4096)).collect();
+    let res: Vec<_> =
+        s.state().storage.reserve_write(&reqs).into_iter().map(Result::unwrap).collect();
+    for r in s.state().storage.commit(res) {
+        r.unwrap();
+    }
+    let l2_count = || get(&c, "/directory/keys?tier=l2")["total"].as_u64().unwrap_or(0);
+    until("all four in L2 at the coordinator", || l2_count() == 4);
+    let q = get(&c, "/quota?tier=l2");
+    assert_eq!(q["by_cache_salt"][0]["cache_salt"], "t", "{q}");
+    assert!(q["by_cache_salt"][0]["usage_gb"].as_f64().unwrap() > 0.0);
+    // Pin the first chunk, then give "t" a zero quota: the fleet eviction deletes the three
+    // unpinned chunks from the server's L2 and learns it from the server's delete events.
+    let pin =
+        json!({"model_name": "m", "world_size": 1, "token_ids": &tokens[..256], "cache_salt": "t"});
+    assert_eq!(
+        post(&c, "/cache/pins", pin.clone()).1,
+        json!({"requested": 1, "affected": 1, "status": "pinned"})
+    );
+    assert_eq!(
+        put(&c, "/quota/t", json!({"limit_gb": 0.0})).1,
+        json!({"cache_salt": "t", "limit_gb": 0.0, "status": "ok"})
+    );
+    until("evicted down to the pinned chunk", || l2_count() == 1);
+    let left = get(&c, "/directory/keys?tier=l2");
+    assert_eq!(
+        left["keys"][0]["key"]["chunk_hash_hex"],
+        hashes[0].to_hex(),
+        "the pinned chunk stays"
+    );
+    assert_eq!(
+        put(&c, "/quota/t", json!({"limit_gb": 1.0, "tier": "l1"})).0,
+        400,
+        "quotas are L2 only"
+    );
+    // Relays: a delete of the whole prompt from L1 through the coordinator.
+    let del = json!({"instance_id": "rs-e", "model_name": "m", "world_size": 1, "token_ids": tokens, "cache_salt": "t", "tier": "l1"});
+    let (code, v) = post(&c, "/cache/delete", del);
+    assert_eq!(
+        (code, v["requested"].as_u64(), v["status"].as_str()),
+        (200, Some(4), Some("deleted")),
+        "{v}"
+    );
+    assert_eq!(v["affected"], 4, "{v}");
+    until("L1 forgotten", || get(&c, "/directory/keys?tier=l1")["total"] == 0);
+    let pf = json!({"instance_id": "rs-e", "model_name": "m", "world_size": 1, "token_ids": &tokens[..256], "cache_salt": "t"});
+    let (code, v) = post(&c, "/cache/prefetches", pf);
+    assert_eq!((code, v["status"].as_str()), (200, Some("submitted")), "{v}");
+    let rid = v["request_id"].as_str().unwrap().to_string();
+    until("prefetch status relayed", || {
+        get(&c, &format!("/cache/prefetches/rs-e/{rid}")).get("status").is_some()
+    });
+    assert_eq!(
+        post(
+            &c,
+            "/cache/prefetches",
+            json!({"instance_id": "nobody", "model_name": "m", "world_size": 1})
+        )
+        .0,
+        404
+    );
+    // Pins and quotas survive a coordinator restart through the metadata document.
+    c.stop();
+    let doc: Value = serde_json::from_slice(&std::fs::read(&meta).unwrap()).unwrap();
+    assert_eq!(doc["components"]["quotas"]["limits"]["t"], 0);
+    let c = Coordinator::start(ccfg(0)).unwrap();
+    let pins = get(&c, "/cache/pins?cache_salt=t");
+    assert_eq!(
+        (pins["total"].as_u64(), pins["pins"][0]["pin_count"].as_u64()),
+        (Some(1), Some(1)),
+        "{pins}"
+    );
+    assert_eq!(get(&c, "/quota/t")["quota_exists"], true);
+    let agent: ureq::Agent =
+        ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let mut r = agent
+        .delete(&format!("http://{}/cache/pins", c.addr()))
+        .force_send_body()
+        .send_json(pin)
+        .unwrap();
+    let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+    assert_eq!(v["status"], "unpinned");
+    assert_eq!(get(&c, "/cache/pins?cache_salt=t")["total"], 0);
+    s.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
 }

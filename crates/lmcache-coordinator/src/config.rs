@@ -25,8 +25,15 @@ pub struct CoordinatorConfig {
     pub checkpoint_path: Option<PathBuf>,
     /// Seconds between checkpoints (60; zero writes only at stop).
     pub checkpoint_interval: Duration,
-    /// Where pins and quotas would be kept (not written yet).
+    /// The metadata document (pins and quotas, LMCache's JSON shape), loaded at start and
+    /// rewritten by every request that changes them. `None`: kept in memory only.
     pub metadata_path: Option<PathBuf>,
+    /// Seconds between fleet L2 eviction passes (5; zero disables).
+    pub eviction_check_interval: Duration,
+    /// Share of an over-quota salt's L2 keys a pass deletes (0.2).
+    pub eviction_ratio: f64,
+    /// Usage / limit at which a salt is evicted (1.0).
+    pub trigger_watermark: f64,
     /// Whether `/metrics` is served (true).
     pub metrics_enabled: bool,
 }
@@ -44,6 +51,9 @@ impl Default for CoordinatorConfig {
             checkpoint_path: None,
             checkpoint_interval: Duration::from_secs(60),
             metadata_path: None,
+            eviction_check_interval: Duration::from_secs(5),
+            eviction_ratio: 0.2,
+            trigger_watermark: 1.0,
             metrics_enabled: true,
         }
     }

@@ -34,7 +34,7 @@ pub const MAX_BODY: usize = 64 << 20;
 
 /// A JSON body whose rejection is a 422 naming the problem (FastAPI's status for any
 /// undecodable body), not axum's 400/415 split.
-struct Body<T>(T);
+pub(crate) struct Body<T>(pub(crate) T);
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     type Rejection = Response;
@@ -61,11 +61,11 @@ fn rejection(e: &JsonRejection) -> String {
     msg
 }
 
-fn error(code: StatusCode, detail: impl Into<String>) -> Response {
+pub(crate) fn error(code: StatusCode, detail: impl Into<String>) -> Response {
     (code, Json(json!({"detail": detail.into()}))).into_response()
 }
 
-fn fail(s: &Fleet, e: FleetError) -> Response {
+pub(crate) fn fail(s: &Fleet, e: FleetError) -> Response {
     let code = match &e {
         FleetError::Invalid(_) => StatusCode::UNPROCESSABLE_ENTITY,
         FleetError::BadRequest(_) => StatusCode::BAD_REQUEST,
@@ -97,6 +97,7 @@ pub fn router(state: Shared) -> Router {
         .route("/directory/route", post(route))
         .route("/query", post(rfc_query))
         .route("/query_by_hash", post(rfc_query))
+        .merge(crate::http_control::routes())
         // Bodies of LMCache's sizes: a 1,000,000-token lookup, or event batches with tokens.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(catch_panics())

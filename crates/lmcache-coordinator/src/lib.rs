@@ -15,8 +15,10 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod control;
 pub mod fleet;
 pub mod http;
+mod http_control;
 pub mod metrics;
 mod repair;
 
@@ -54,6 +56,7 @@ pub struct Coordinator {
     repair_stop: Arc<std::sync::atomic::AtomicBool>,
     repair: Option<JoinHandle<()>>,
     checkpointer: Option<JoinHandle<()>>,
+    evictor: Option<JoinHandle<()>>,
 }
 
 /// Loads the checkpoint at `path` into a fresh fleet; a missing or damaged one leaves it cold
@@ -100,6 +103,9 @@ impl Coordinator {
     /// Binds `host:port` and serves.
     pub fn start(config: CoordinatorConfig) -> Result<Self, CoordinatorError> {
         let fleet = Arc::new(Fleet::new(config)?);
+        fleet.load_metadata().map_err(|e| {
+            CoordinatorError::Config(FleetError::BadRequest(format!("metadata: {e}")))
+        })?;
         if let Some(path) = &fleet.config().checkpoint_path {
             restore(&fleet, path);
         }
@@ -187,8 +193,32 @@ impl Coordinator {
             }
             _ => None,
         };
+        let evictor = if fleet.config().eviction_check_interval.is_zero() {
+            None
+        } else {
+            let (f, stop) = (Arc::clone(&fleet), Arc::clone(&repair_stop));
+            let every = fleet.config().eviction_check_interval;
+            Some(
+                std::thread::Builder::new()
+                    .name("coordinator-evict".into())
+                    .spawn(move || {
+                        let mut next = std::time::Instant::now() + every;
+                        while !stop.load(std::sync::atomic::Ordering::Acquire) {
+                            std::thread::sleep(std::time::Duration::from_millis(50));
+                            if std::time::Instant::now() >= next {
+                                let (ratio, wm) =
+                                    (f.config().eviction_ratio, f.config().trigger_watermark);
+                                http_control::send_evictions(&f, f.eviction_plan(ratio, wm));
+                                next = std::time::Instant::now() + every;
+                            }
+                        }
+                    })
+                    .map_err(io("starting the eviction thread".into()))?,
+            )
+        };
         tracing::info!(addr = %local, "coordinator listening");
         Ok(Self {
+            evictor,
             fleet,
             addr: local,
             stop: Some(stop),
@@ -226,6 +256,9 @@ impl Coordinator {
             let _ = t.join();
         }
         if let Some(t) = self.checkpointer.take() {
+            let _ = t.join();
+        }
+        if let Some(t) = self.evictor.take() {
             let _ = t.join();
         }
         if let Some(path) = self.fleet.config().checkpoint_path.clone() {

@@ -76,6 +76,8 @@ pub struct Metrics {
     pub checkpoints_written: Counter,
     /// Checkpoint writes that failed.
     pub checkpoint_failures: Counter,
+    /// L2 keys fleet eviction asked servers to delete.
+    pub evictions_requested: Counter,
 }
 
 impl Default for Metrics {
@@ -109,6 +111,7 @@ impl Metrics {
             restores_total: Family::default(),
             checkpoints_written: Counter::default(),
             checkpoint_failures: Counter::default(),
+            evictions_requested: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -206,6 +209,11 @@ impl Metrics {
             "lmcache_rs_coordinator_checkpoint_failures",
             "Checkpoint writes that failed (the previous file stays)",
             m.checkpoint_failures.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_evictions_requested",
+            "L2 keys the fleet eviction pass asked servers to delete (salts over their quota)",
+            m.evictions_requested.clone(),
         );
         Self { registry, ..m }
     }

@@ -563,6 +563,30 @@ impl Directory {
         self.sites.get(id.0).ok()
     }
 
+    /// Every key of cache salt `salt` with an L2 placement, with its last access (seconds) and
+    /// the L2 sites holding it: eviction candidates for a salt over its fleet quota.
+    pub fn l2_keys_of_salt(&self, salt: &str) -> Vec<(DirKey, u32, Vec<SiteId>)> {
+        let ns_ok: Vec<bool> = (0..self.namespaces.len() as u32)
+            .map(|i| self.namespaces.get(i).is_ok_and(|n| &*n.cache_salt == salt))
+            .collect();
+        let l2: Vec<bool> = (0..self.sites.len() as u32)
+            .map(|i| self.sites.get(i).is_ok_and(|s| s.tier == Tier::L2))
+            .collect();
+        self.table
+            .iter()
+            .filter(|(k, _)| ns_ok.get(k.ns.0 as usize).copied().unwrap_or(false))
+            .filter_map(|(k, r)| {
+                let sites: Vec<SiteId> = r
+                    .placements
+                    .iter()
+                    .filter(|p| l2.get(p.site.0 as usize).copied().unwrap_or(false))
+                    .map(|p| p.site)
+                    .collect();
+                (!sites.is_empty()).then_some((*k, r.last_access, sites))
+            })
+            .collect()
+    }
+
     /// Records a use of each of `keys` (recency and count; unknown keys are ignored).
     pub fn access(&mut self, ts: f64, keys: impl IntoIterator<Item = DirKey>) {
         let ts = seconds(ts);
