@@ -46,12 +46,21 @@ pub struct Entry<'a> {
     pub token_offset: i64,
 }
 
+/// A placement as the routing scan reads it.
+pub(crate) type PlacementRef = Placement;
+
 /// 16 bytes: the site, who reported it at which incarnation (an interned [`Epoch`]), bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Placement {
+pub(crate) struct Placement {
     site: SiteId,
     epoch: u32,
     size: u64,
+}
+
+impl Placement {
+    pub(crate) fn site(&self) -> SiteId {
+        self.site
+    }
 }
 
 /// An (instance, incarnation) pair, interned: placements name their reporter through it.
@@ -150,6 +159,8 @@ pub struct Directory {
     site_stats: Vec<SiteStats>,
     /// Per shared site: the instances that mount it (reported to it), sorted.
     mounts: Vec<Vec<InstanceId>>,
+    /// Per site: its owner and tier when private (the routing scan's hot lookup).
+    site_owners: Vec<Option<(InstanceId, Tier)>>,
     /// Per namespace: bytes in L1 and L2.
     ns_bytes: Vec<[u64; 2]>,
     bindings: Bindings,
@@ -167,6 +178,7 @@ impl Directory {
             sites: Interner::new("site"),
             site_stats: Vec::new(),
             mounts: Vec::new(),
+            site_owners: Vec::new(),
             ns_bytes: Vec::new(),
             bindings: Bindings::new(config.max_token_bindings),
             stats: DirectoryStats::default(),
@@ -227,6 +239,8 @@ impl Directory {
         if self.site_stats.len() <= id as usize {
             self.site_stats.resize(id as usize + 1, SiteStats::default());
             self.mounts.resize(id as usize + 1, Vec::new());
+            self.site_owners.resize(id as usize + 1, None);
+            self.site_owners[id as usize] = (!shared).then_some((reporter, tier));
         }
         if shared {
             let m = &mut self.mounts[id as usize];
@@ -553,14 +567,14 @@ impl Directory {
         v
     }
 
-    /// The sites holding `key`.
-    pub(crate) fn record_sites(&self, key: &DirKey) -> impl Iterator<Item = SiteId> + '_ {
-        self.table.get(key).into_iter().flat_map(|r| r.placements.iter()).map(|p| p.site)
+    /// The placements of `key`, for the routing scan.
+    pub(crate) fn placements_of(&self, key: &DirKey) -> Option<&[PlacementRef]> {
+        self.table.get(key).map(|r| r.placements.as_slice())
     }
 
-    /// Site `id` (a crate-internal read that cannot fail for ids from `record_sites`).
-    pub(crate) fn site_ref(&self, id: SiteId) -> Option<&Site> {
-        self.sites.get(id.0).ok()
+    /// A private site's owner and tier (None for a shared pool), from a dense side table.
+    pub(crate) fn site_owner(&self, id: SiteId) -> Option<(InstanceId, Tier)> {
+        self.site_owners.get(id.0 as usize).copied().flatten()
     }
 
     /// Every key of cache salt `salt` with an L2 placement, with its last access (seconds) and
@@ -673,6 +687,7 @@ impl Directory {
             mounts.sort_unstable();
             mounts.dedup();
             self.site_stats.push(SiteStats::default());
+            self.site_owners.push(site.owner.map(|o| (o, site.tier)));
             self.mounts.push(mounts);
         }
         Ok(())

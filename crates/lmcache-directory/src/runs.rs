@@ -72,18 +72,32 @@ impl Directory {
         let mut done = 0u32;
         let (mut c_l1, mut c_any, mut k_l1, mut k_any) =
             (zero.clone(), zero.clone(), zero.clone(), zero.clone());
-        for chunk in q.keys.chunks(per) {
-            if chunk.len() < per {
-                break;
+        // Keys are probed a block at a time before any is looked at: the probes are independent,
+        // so their cache misses overlap instead of following one another.
+        const BLOCK: usize = 16;
+        let usable = q.keys.len() - q.keys.len() % per;
+        let mut records: smallvec::SmallVec<[Option<&[crate::directory::PlacementRef]>; BLOCK]> =
+            smallvec::SmallVec::new();
+        let mut block_start = usize::MAX;
+        for (ci, chunk) in q.keys[..usable].chunks(per).enumerate() {
+            let first = ci * per;
+            if block_start == usize::MAX || first >= block_start + records.len() {
+                block_start = first;
+                records.clear();
+                // Whole chunks only: a block never splits a chunk's rank keys.
+                let end = (first + per * (BLOCK / per).max(1)).min(usable);
+                records.extend(q.keys[first..end].iter().map(|k| self.placements_of(k)));
             }
-            for (j, key) in chunk.iter().enumerate() {
+            for (j, _key) in chunk.iter().enumerate() {
                 k_l1.iter_mut().for_each(|w| *w = 0);
                 k_any.iter_mut().for_each(|w| *w = 0);
-                for site_id in self.record_sites(key) {
-                    let Some(site) = self.site_ref(site_id) else { continue };
-                    match site.owner {
-                        Some(owner) => {
-                            if site.tier == Tier::L1 {
+                let found =
+                    records.get(first + j - block_start).copied().flatten().unwrap_or_default();
+                for p in found {
+                    let site_id = p.site();
+                    match self.site_owner(site_id) {
+                        Some((owner, tier)) => {
+                            if tier == Tier::L1 {
                                 set(&mut k_l1, owner);
                             }
                             set(&mut k_any, owner);
