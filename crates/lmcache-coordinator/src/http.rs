@@ -11,7 +11,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, Json, Path, Query, Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -39,26 +38,16 @@ pub(crate) struct Body<T>(pub(crate) T);
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
     type Rejection = Response;
 
+    /// Straight `serde_json::from_slice` (axum's `Json` tracks every field's path, which cost
+    /// a tenth of event ingest); serde's message still names the line, column and problem.
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(v)) => Ok(Body(v)),
-            Err(e) => Err(error(StatusCode::UNPROCESSABLE_ENTITY, rejection(&e))),
-        }
+        let bytes = axum::body::Bytes::from_request(req, state).await.map_err(|e| {
+            error(StatusCode::UNPROCESSABLE_ENTITY, format!("body: {}", e.body_text()))
+        })?;
+        serde_json::from_slice(&bytes)
+            .map(Body)
+            .map_err(|e| error(StatusCode::UNPROCESSABLE_ENTITY, format!("body: {e}")))
     }
-}
-
-fn rejection(e: &JsonRejection) -> String {
-    use std::error::Error as _;
-    let mut msg = e.body_text();
-    let mut src = e.source();
-    while let Some(s) = src {
-        let t = s.to_string();
-        if !msg.contains(&t) {
-            msg = format!("{msg}: {t}");
-        }
-        src = s.source();
-    }
-    msg
 }
 
 pub(crate) fn error(code: StatusCode, detail: impl Into<String>) -> Response {

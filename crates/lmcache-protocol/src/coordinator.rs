@@ -52,10 +52,12 @@ pub struct EncodedObjectKey {
 impl EncodedObjectKey {
     /// The chunk hash's bytes, or what is wrong with it.
     pub fn chunk_hash(&self) -> Result<[u8; 32], String> {
-        let mut out = [0u8; 32];
-        hex::decode_to_slice(&self.chunk_hash_hex, &mut out)
-            .map_err(|e| format!("chunk_hash_hex must be 64 hex digits (32 bytes): {e}"))?;
-        Ok(out)
+        hex32(&self.chunk_hash_hex).ok_or_else(|| {
+            format!(
+                "chunk_hash_hex must be 64 hex digits (32 bytes), got {:?}",
+                truncate(&self.chunk_hash_hex)
+            )
+        })
     }
 
     /// Checks what LMCache's `ObjectKey` checks.
@@ -69,6 +71,43 @@ impl EncodedObjectKey {
         }
         Ok(())
     }
+}
+
+/// Decodes 64 hex digits (either case) into 32 bytes; `None` for anything else. Every
+/// cache-event entry and lookup key goes through here, so it is a table lookup per digit.
+pub fn hex32(s: &str) -> Option<[u8; 32]> {
+    const BAD: u8 = 0xff;
+    const LUT: [u8; 256] = {
+        let mut t = [BAD; 256];
+        let mut i = 0;
+        while i < 10 {
+            t[b'0' as usize + i] = i as u8;
+            i += 1;
+        }
+        let mut i = 0;
+        while i < 6 {
+            t[b'a' as usize + i] = 10 + i as u8;
+            t[b'A' as usize + i] = 10 + i as u8;
+            i += 1;
+        }
+        t
+    };
+    let b = s.as_bytes();
+    if b.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    let mut bad = 0u8;
+    for (o, pair) in out.iter_mut().zip(b.chunks_exact(2)) {
+        let (hi, lo) = (LUT[pair[0] as usize], LUT[pair[1] as usize]);
+        bad |= (hi | lo) & 0xf0;
+        *o = hi << 4 | lo;
+    }
+    (bad == 0).then_some(out)
+}
+
+fn truncate(s: &str) -> &str {
+    s.char_indices().nth(80).map_or(s, |(i, _)| &s[..i])
 }
 
 /// `POST /instances` body.
@@ -398,6 +437,12 @@ mod tests {
         assert_eq!(b.entries[0].token_offset, -1);
         assert_eq!(b.entries[0].key.object_group_id, 0);
         assert!(b.validate().unwrap_err().contains("entries[0].key: chunk_hash_hex"));
+        assert_eq!(hex32(&"aB".repeat(32)), Some([0xab; 32]));
+        for bad in
+            ["ab".repeat(31), "zz".repeat(32), format!("{}g", "a".repeat(63)), "é".repeat(32)]
+        {
+            assert_eq!(hex32(&bad), None, "{bad}");
+        }
         let mut ok = b.clone();
         ok.entries[0].key.chunk_hash_hex = "ab".repeat(32);
         assert_eq!(ok.validate(), Ok(()));
