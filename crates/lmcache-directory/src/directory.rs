@@ -150,7 +150,10 @@ pub(crate) struct Parts<'a> {
 /// The directory. Not thread-safe by itself: the coordinator holds it under one lock.
 #[derive(Debug)]
 pub struct Directory {
-    table: FastMap<DirKey, Record>,
+    /// Seeded per directory (kept in the checkpoint image, so a restore inserts in the
+    /// source table's bucket order: sequential memory instead of one miss per key).
+    table: HashMap<DirKey, Record, foldhash::fast::FixedState>,
+    seed: u64,
     namespaces: Interner<Namespace>,
     instances: Interner<Arc<str>>,
     epochs: Interner<Epoch>,
@@ -170,8 +173,15 @@ pub struct Directory {
 impl Directory {
     /// An empty directory.
     pub fn new(config: DirectoryConfig) -> Self {
+        use std::hash::BuildHasher as _;
+        let seed = foldhash::fast::RandomState::default().hash_one(0x6c6d_6361_6368_6521u64);
+        Self::with_seed(config, seed)
+    }
+
+    pub(crate) fn with_seed(config: DirectoryConfig, seed: u64) -> Self {
         Self {
-            table: FastMap::default(),
+            table: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(seed)),
+            seed,
             namespaces: Interner::new("namespace"),
             instances: Interner::new("instance"),
             epochs: Interner::new("epoch"),
@@ -695,6 +705,10 @@ impl Directory {
 
     pub(crate) fn reserve(&mut self, n: usize) {
         self.table.reserve(n);
+    }
+
+    pub(crate) fn seed(&self) -> u64 {
+        self.seed
     }
 
     /// Inserts a decoded key; false if it is already there or names a site twice.

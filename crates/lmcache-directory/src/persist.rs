@@ -3,7 +3,7 @@
 //! id against the tables before it and never panics on any input; derived state (totals,
 //! per-site and per-namespace bytes, token references) is recomputed, not trusted.
 //!
-//! Layout: `LMRSDIR1`, then namespaces, instances, epochs, sites (with mounts), keys with
+//! Layout: `LMRSDIR2`, the table's hash seed (so keys restore in bucket order), then namespaces, instances, epochs, sites (with mounts), keys with
 //! their placements, token bindings. Strings are `u32` length + UTF-8.
 
 use std::sync::Arc;
@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::directory::{Directory, DirectoryConfig};
 use crate::ids::{DirKey, InstanceId, Namespace, NsId, Site, SiteId, Tier};
 
-const MAGIC: &[u8; 8] = b"LMRSDIR1";
+const MAGIC: &[u8; 8] = b"LMRSDIR2";
 
 /// Why bytes are not a directory.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -99,6 +99,7 @@ impl Directory {
     /// Appends this directory's image to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.seed().to_le_bytes());
         let p = self.parts();
         out.extend_from_slice(&(p.namespaces.len() as u64).to_le_bytes());
         for ns in p.namespaces {
@@ -167,7 +168,8 @@ impl Directory {
         if r.take(8)? != MAGIC {
             return Err(DecodeError::Magic);
         }
-        let mut d = Directory::new(config);
+        let seed = r.u64()?;
+        let mut d = Directory::with_seed(config, seed);
         let n = r.count(16)?;
         for _ in 0..n {
             let ns = Namespace {
