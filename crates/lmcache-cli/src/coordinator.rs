@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use anyhow::{Context as _, bail};
 use lmcache_coordinator::{Coordinator, CoordinatorConfig};
-use nix::sys::signal::{SigSet, Signal};
 
 /// Run the fleet coordinator: cache servers register, heartbeat and report their cache
 /// events to it; routers ask it which server holds a request's prefix.
@@ -148,24 +147,10 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
 
 /// Runs the coordinator until SIGINT/SIGTERM.
 pub fn run(args: CoordinatorArgs) -> anyhow::Result<()> {
-    let mut signals = SigSet::empty();
-    signals.add(Signal::SIGINT);
-    signals.add(Signal::SIGTERM);
-    signals.thread_block().context("blocking shutdown signals")?;
+    let signals = crate::server::block_shutdown_signals()?;
     let c = Coordinator::start(config(&args)?).context("starting the coordinator")?;
     tracing::info!(http = %c.addr(), chunk_size = args.chunk_size, "lmcache-rs coordinator serving");
-    if args.exit_after_seconds > 0 {
-        let after = Duration::from_secs(args.exit_after_seconds);
-        std::thread::Builder::new()
-            .name("exit-after".into())
-            .spawn(move || {
-                std::thread::sleep(after);
-                let _ = nix::sys::signal::kill(nix::unistd::Pid::this(), Signal::SIGTERM);
-            })
-            .context("starting the exit timer")?;
-    }
-    let sig = signals.wait().context("waiting for a shutdown signal")?;
-    tracing::info!(signal = ?sig, "shutting down");
+    crate::server::wait_for_shutdown(&signals, args.exit_after_seconds)?;
     c.stop();
     Ok(())
 }

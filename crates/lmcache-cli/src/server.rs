@@ -361,28 +361,20 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     })
 }
 
-/// Runs the server until SIGINT/SIGTERM (or `--exit-after-seconds`).
-pub fn run(args: ServerArgs) -> anyhow::Result<()> {
-    let started = Instant::now();
-    // Block the shutdown signals before any thread starts, so every thread inherits the mask
-    // and the main thread alone receives them through sigwait.
+/// Blocks SIGINT and SIGTERM for every thread started after it (so that only the main
+/// thread's `sigwait` receives them) and returns the set to wait on.
+pub(crate) fn block_shutdown_signals() -> anyhow::Result<SigSet> {
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGINT);
     signals.add(Signal::SIGTERM);
     signals.thread_block().context("blocking shutdown signals")?;
+    Ok(signals)
+}
 
-    let server = Server::start(config(&args)?).context("starting the server")?;
-    tracing::info!(
-        zmq = server.endpoint(),
-        http = ?server.http_addr(),
-        policy = %args.eviction_policy,
-        l1_gb = args.l1_size_gb,
-        ready_ms = started.elapsed().as_millis() as u64,
-        "lmcache-rs serving"
-    );
-    if args.exit_after_seconds > 0 {
-        // A SIGTERM to ourselves when the time is up; a signal before that still ends it.
-        let after = Duration::from_secs(args.exit_after_seconds);
+/// Waits for SIGINT/SIGTERM, or for `exit_after_seconds` (a SIGTERM to ourselves; 0: never).
+pub(crate) fn wait_for_shutdown(signals: &SigSet, exit_after_seconds: u64) -> anyhow::Result<()> {
+    if exit_after_seconds > 0 {
+        let after = Duration::from_secs(exit_after_seconds);
         std::thread::Builder::new()
             .name("exit-after".into())
             .spawn(move || {
@@ -393,6 +385,26 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     }
     let sig = signals.wait().context("waiting for a shutdown signal")?;
     tracing::info!(signal = ?sig, "shutting down");
+    Ok(())
+}
+
+/// Runs the server until SIGINT/SIGTERM (or `--exit-after-seconds`).
+pub fn run(args: ServerArgs) -> anyhow::Result<()> {
+    let started = Instant::now();
+    // Block the shutdown signals before any thread starts, so every thread inherits the mask
+    // and the main thread alone receives them through sigwait.
+    let signals = block_shutdown_signals()?;
+
+    let server = Server::start(config(&args)?).context("starting the server")?;
+    tracing::info!(
+        zmq = server.endpoint(),
+        http = ?server.http_addr(),
+        policy = %args.eviction_policy,
+        l1_gb = args.l1_size_gb,
+        ready_ms = started.elapsed().as_millis() as u64,
+        "lmcache-rs serving"
+    );
+    wait_for_shutdown(&signals, args.exit_after_seconds)?;
     server.shutdown();
     tracing::info!("stopped");
     Ok(())

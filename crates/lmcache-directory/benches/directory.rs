@@ -156,16 +156,19 @@ fn main() {
         p(0.999)
     );
     if churn > 0 {
+        // The bench's own copy of the live sequences exists before the baseline is read.
+        let mut current: Vec<Vec<Vec<[u8; 32]>>> =
+            trace.iter().map(|w| w.iter().map(|(_, s)| s.clone()).collect()).collect();
         let mut rss = vec![rss_bytes()];
         let mut events = 0usize;
         let t = Instant::now();
-        let mut current: Vec<Vec<Vec<[u8; 32]>>> =
-            trace.iter().map(|w| w.iter().map(|(_, s)| s.clone()).collect()).collect();
         for round in 1..=churn {
             for w in 0..servers {
                 for s in 0..seqs {
                     let uniq = ((round * servers + w) * seqs + s) as u64 + (1 << 40);
-                    let fresh = sequence(uniq % (POOL * 1000) + POOL, uniq);
+                    // Same shape as the fill: 16 chunks from one of 1,000 prompts of this
+                    // round (new prefixes every round), 48 unique.
+                    let fresh = sequence(POOL * round as u64 + uniq % POOL, uniq);
                     entries.clear();
                     entries.extend(current[w][s].iter().map(|h| Entry {
                         key: DirKey { hash: *h, ns },
@@ -188,7 +191,12 @@ fn main() {
             }
             rss.push(rss_bytes());
             if round == 5 || round == churn {
-                println!("G8 churn round {round}: RSS {} MiB", rss[round] >> 20);
+                println!(
+                    "G8 churn round {round}: RSS {} MiB, {} keys, table {} MiB",
+                    rss[round] >> 20,
+                    d.stats().keys,
+                    d.table_bytes() >> 20
+                );
             }
         }
         println!(
