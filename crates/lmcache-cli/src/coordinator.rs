@@ -70,10 +70,17 @@ pub struct CoordinatorArgs {
     /// OTLP metrics push (not available: /metrics is pulled; refused).
     #[arg(long)]
     pub otlp_endpoint: Option<String>,
-    /// Transport cache events arrive on: http (POST /events). Kafka cannot be tested on
-    /// these machines and is refused.
-    #[arg(long, default_value = "http", value_parser = ["http", "kafka"])]
+    /// Transport cache events arrive on, exactly one: http (POST /events) or jetstream (the
+    /// NATS JetStream stream at --nats-url; POST /events then answers 404). LMCache's kafka
+    /// is not available.
+    #[arg(long, default_value = "http", value_parser = ["http", "jetstream", "kafka"])]
     pub event_transport: String,
+    /// NATS server for --event-transport jetstream.
+    #[arg(long, value_name = "URL")]
+    pub nats_url: Option<String>,
+    /// JetStream stream to consume (created when missing).
+    #[arg(long, default_value = "LMCACHE_CACHE_EVENTS")]
+    pub nats_stream: String,
     /// Kafka bootstrap servers (with --event-transport kafka).
     #[arg(long)]
     pub kafka_bootstrap_servers: Option<String>,
@@ -103,9 +110,14 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
     if a.otlp_endpoint.is_some() {
         bail!("--otlp-endpoint: metrics are served for Prometheus on /metrics only");
     }
-    if a.event_transport != "http" {
-        bail!("--event-transport {}: only http is available (POST /events)", a.event_transport);
-    }
+    let event_transport = match a.event_transport.as_str() {
+        "http" => lmcache_coordinator::transport::EventTransport::Http,
+        "jetstream" => lmcache_coordinator::transport::EventTransport::JetStream {
+            url: a.nats_url.clone().context("--event-transport jetstream needs --nats-url")?,
+            stream: a.nats_stream.clone(),
+        },
+        other => bail!("--event-transport {other}: only http and jetstream are available"),
+    };
     if let Some(extra) = &a.extra_config {
         let v: serde_json::Value =
             serde_json::from_str(extra).context("--extra-config: not JSON")?;
@@ -142,6 +154,7 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         eviction_ratio: a.eviction_ratio,
         trigger_watermark: a.trigger_watermark,
         metrics_enabled: !a.disable_metrics,
+        event_transport,
     })
 }
 

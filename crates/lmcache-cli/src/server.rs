@@ -174,9 +174,16 @@ pub struct ServerArgs {
     /// Seconds between cache-event flushes to the coordinator.
     #[arg(long, env = "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL", default_value_t = 1.0)]
     pub coordinator_event_flush_interval: f64,
-    /// How cache events travel: http (POST /events). Kafka is not available.
-    #[arg(long, default_value = "http", value_parser = ["http", "kafka"])]
+    /// How cache events travel: http (POST /events) or jetstream (NATS JetStream, with
+    /// --coordinator-nats-url). LMCache's kafka is not available.
+    #[arg(long, default_value = "http", value_parser = ["http", "jetstream", "kafka"])]
     pub coordinator_event_transport: String,
+    /// NATS server for --coordinator-event-transport jetstream.
+    #[arg(long, env = "LMCACHE_COORDINATOR_NATS_URL", value_name = "URL")]
+    pub coordinator_nats_url: Option<String>,
+    /// JetStream stream the events go to (created when missing).
+    #[arg(long, default_value = "LMCACHE_CACHE_EVENTS")]
+    pub coordinator_nats_stream: String,
     /// Exit after this many seconds (for tests and benchmarks); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
@@ -188,12 +195,19 @@ fn coordinator_reporting(
     let Some(url) = args.coordinator_url.clone().filter(|u| !u.is_empty()) else {
         return Ok(None);
     };
-    if args.coordinator_event_transport != "http" {
-        bail!(
-            "--coordinator-event-transport {}: only http is available",
-            args.coordinator_event_transport
-        );
-    }
+    let transport = match args.coordinator_event_transport.as_str() {
+        "http" => lmcache_server::fleet_report::ReportTransport::Http,
+        "jetstream" => lmcache_server::fleet_report::ReportTransport::JetStream {
+            url: args
+                .coordinator_nats_url
+                .clone()
+                .context("--coordinator-event-transport jetstream needs --coordinator-nats-url")?,
+            stream: args.coordinator_nats_stream.clone(),
+        },
+        other => {
+            bail!("--coordinator-event-transport {other}: only http and jetstream are available")
+        }
+    };
     let secs = |name: &str, v: f64| {
         Duration::try_from_secs_f64(v)
             .ok()
@@ -215,6 +229,7 @@ fn coordinator_reporting(
             "coordinator-event-flush-interval",
             args.coordinator_event_flush_interval,
         )?,
+        transport,
     }))
 }
 

@@ -12,7 +12,7 @@ use lmcache_coordinator::{Coordinator, CoordinatorConfig};
 use lmcache_core::ObjectKey;
 use lmcache_l1::WriteRequest;
 use lmcache_memory::{ArenaBacking, ArenaConfig};
-use lmcache_server::fleet_report::CoordinatorReporting;
+use lmcache_server::fleet_report::{CoordinatorReporting, ReportTransport};
 use lmcache_server::{Server, ServerConfig};
 use serde_json::{Value, json};
 
@@ -36,6 +36,7 @@ fn server(coordinator_port: u16, id: &str) -> Server {
             heartbeat_interval: Duration::from_millis(100),
             event_reporting: true,
             flush_interval: Duration::from_millis(50),
+            transport: ReportTransport::Http,
         }),
         ..ServerConfig::local(arena)
     })
@@ -283,6 +284,7 @@ fn lost_batches_and_a_restart_mid_stream_are_repaired_to_exactly_the_servers_l1(
                 heartbeat_interval: Duration::from_millis(200),
                 event_reporting: true,
                 flush_interval: Duration::from_millis(5),
+                transport: ReportTransport::Http,
             }),
             ..ServerConfig::local(arena)
         })
@@ -406,6 +408,7 @@ fn quotas_pins_fleet_eviction_and_relays_work_end_to_end() {
             heartbeat_interval: Duration::from_millis(100),
             event_reporting: true,
             flush_interval: Duration::from_millis(20),
+            transport: ReportTransport::Http,
         }),
         ..ServerConfig::local(arena)
     })
@@ -501,6 +504,125 @@ fn quotas_pins_fleet_eviction_and_relays_work_end_to_end() {
     let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
     assert_eq!(v["status"], "unpinned");
     assert_eq!(get(&c, "/cache/pins?cache_salt=t")["total"], 0);
+    s.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A service's address from the environment: required under LMCACHE_RS_REQUIRE_SERVICES=1
+/// (scripts/test), else the test says it skips.
+fn external(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ if std::env::var("LMCACHE_RS_REQUIRE_SERVICES").is_ok_and(|v| v == "1") => {
+            panic!(
+                "{var} is not set, but LMCACHE_RS_REQUIRE_SERVICES=1: start scripts/test-services"
+            )
+        }
+        _ => {
+            eprintln!("{var} not set: skipping (scripts/test starts the service and sets it)");
+            None
+        }
+    }
+}
+
+#[test]
+fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
+    let Some(nats) = external("LMCACHE_RS_TEST_NATS") else { return };
+    let stream = lmcache_protocol::coordinator::JETSTREAM_STREAM;
+    // A clean stream for this run.
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        let js = async_nats::jetstream::new(async_nats::connect(&nats).await.unwrap());
+        let _ = js.delete_stream(stream).await;
+    });
+    let dir = std::env::temp_dir().join(format!("lmcache-rs-js-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let replica = |name: &str| {
+        Coordinator::start(CoordinatorConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            checkpoint_path: Some(dir.join(format!("{name}.ckpt"))),
+            checkpoint_interval: Duration::ZERO,
+            event_transport: lmcache_coordinator::transport::EventTransport::JetStream {
+                url: nats.clone(),
+                stream: stream.into(),
+            },
+            ..CoordinatorConfig::default()
+        })
+        .unwrap()
+    };
+    let a = replica("a");
+    let b = replica("b");
+    let arena = ArenaConfig { size: 4 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    let s = Server::start(ServerConfig {
+        http_port: Some(0),
+        coordinator: Some(CoordinatorReporting {
+            url: format!("http://{}", a.addr()),
+            instance_id: "js-1".into(),
+            advertise_ip: "127.0.0.1".into(),
+            heartbeat_interval: Duration::from_millis(200),
+            event_reporting: true,
+            flush_interval: Duration::from_millis(10),
+            transport: ReportTransport::JetStream { url: nats.clone(), stream: stream.into() },
+        }),
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
+    let digest = |c: &Coordinator| get(c, "/directory/digest");
+    let converged = |c: &Coordinator, s: &Server| coordinator_l1(c, "js-1") == server_l1(s);
+    churn(&s, 150, 4);
+    until("replica a equals the server", || converged(&a, &s));
+    until("replica b equals the server", || converged(&b, &s));
+    until("digests agree", || digest(&a)["total"] == digest(&b)["total"]);
+    let (_, v) = post(&a, "/events", json!({"batches": []}));
+    assert_eq!(
+        v["detail"].as_str().map(|d| d.contains("JetStream")),
+        Some(true),
+        "POST /events is off: {v}"
+    );
+    // Replica b stops (its checkpoint holds its stream position); events go on; it restarts
+    // and catches up from the stream, losing nothing and seeing no gap.
+    let b_at = digest(&b)["stream_sequence"].as_u64().unwrap();
+    b.stop();
+    churn(&s, 150, 5);
+    let b = replica("b");
+    until("restarted replica b equals the server", || converged(&b, &s));
+    until("digests agree again", || {
+        let (da, db) = (digest(&a), digest(&b));
+        da["total"] == db["total"] && da["stream_sequence"] == db["stream_sequence"]
+    });
+    let after = digest(&b)["stream_sequence"].as_u64().unwrap();
+    assert!(after > b_at, "b resumed from {b_at} and read on to {after}");
+    let metrics = ureq::get(&format!("http://{}/metrics", b.addr()))
+        .call()
+        .unwrap()
+        .body_mut()
+        .read_to_string()
+        .unwrap();
+    let sample = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(sample("lmcache_rs_coordinator_checkpoint_restores_total{result=\"restored\"}"), 1);
+    assert_eq!(
+        sample("lmcache_rs_coordinator_event_batches_total{result=\"applied\"}"),
+        after - b_at,
+        "only what came after"
+    );
+    assert_eq!(
+        sample("lmcache_rs_coordinator_event_batches_total{result=\"duplicate\"}"),
+        0,
+        "nothing read twice"
+    );
+    let st = get(&b, "/directory/stats");
+    assert_eq!(st["streams"][0]["gap_detected"], false, "{st}");
+    assert_eq!(st["streams"][0]["missing_batches"], 0, "no batch lost across the restart: {st}");
+    eprintln!(
+        "jetstream: 2 replicas, replica b restarted at stream seq {b_at}, resumed to {after}, digests equal"
+    );
     s.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -36,6 +36,8 @@ pub struct CoordinatorConfig {
     pub trigger_watermark: f64,
     /// Whether `/metrics` is served (true).
     pub metrics_enabled: bool,
+    /// Where cache events arrive (HTTP by default).
+    pub event_transport: crate::transport::EventTransport,
 }
 
 impl Default for CoordinatorConfig {
@@ -55,6 +57,7 @@ impl Default for CoordinatorConfig {
             eviction_ratio: 0.2,
             trigger_watermark: 1.0,
             metrics_enabled: true,
+            event_transport: crate::transport::EventTransport::Http,
         }
     }
 }

@@ -177,6 +177,8 @@ pub struct Fleet {
     repair_tx: Mutex<Option<std::sync::mpsc::Sender<String>>>,
     /// Quotas and pins (lock order: views before control; never the other way).
     control: Mutex<crate::control::Control>,
+    /// The last JetStream stream sequence applied (0: none; HTTP transport: always 0).
+    stream_position: std::sync::atomic::AtomicU64,
     /// Metrics (shared with the HTTP layer).
     pub metrics: Arc<Metrics>,
 }
@@ -245,6 +247,7 @@ impl Fleet {
             registry: Mutex::new(HashMap::new()),
             repair_tx: Mutex::new(None),
             control: Mutex::new(crate::control::Control::default()),
+            stream_position: std::sync::atomic::AtomicU64::new(0),
             metrics: Arc::new(Metrics::new()),
         })
     }
@@ -1061,6 +1064,29 @@ impl Fleet {
             .collect()
     }
 
+    /// The last applied stream sequence (JetStream).
+    pub fn stream_position(&self) -> u64 {
+        self.stream_position.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Records that stream sequence `seq` has been applied.
+    pub fn set_stream_position(&self, seq: u64) {
+        self.stream_position.store(seq, std::sync::atomic::Ordering::Release);
+    }
+
+    /// `GET /directory/digest`.
+    pub fn digest(&self) -> serde_json::Value {
+        let v = self.views.lock();
+        let (total, by) = v.dir.digest();
+        let position = self.stream_position();
+        let part = |(d, n): (u128, u64)| serde_json::json!({"digest": format!("{d:032x}"), "placements": n});
+        serde_json::json!({
+            "stream_sequence": position,
+            "total": part(total),
+            "instances": by.into_iter().map(|(k, d)| (k, part(d))).collect::<serde_json::Map<_, _>>(),
+        })
+    }
+
     /// The `http://ip:port` of registered instance `id`.
     pub fn base_url(&self, id: &str) -> Option<String> {
         let reg = self.registry.lock();
@@ -1078,6 +1104,9 @@ struct CheckpointHeader {
     cursors: Vec<(String, u64, u64, u64)>,
     /// (instance, incarnation, revision, [(tier, backend, shared, capacity)])
     declarations: Vec<(String, u64, u64, Vec<SavedCompartment>)>,
+    /// The last JetStream sequence applied (0 with HTTP).
+    #[serde(default)]
+    stream_position: u64,
 }
 
 /// (tier, backend, shared, capacity) of one declared compartment.
@@ -1089,8 +1118,10 @@ impl Fleet {
     pub fn checkpoint(&self) -> Vec<u8> {
         let registry = self.instances();
         let mut image = Vec::new();
-        let (cursors, declarations) = {
+        let (cursors, declarations, position) = {
             let v = self.views.lock();
+            // Read under the views lock: the image and the position are one moment.
+            let position = self.stream_position();
             v.dir.encode(&mut image);
             let cursors = v
                 .cursors
@@ -1109,9 +1140,10 @@ impl Fleet {
                     (id.clone(), d.stamp.0, d.stamp.1, comps)
                 })
                 .collect();
-            (cursors, declarations)
+            (cursors, declarations, position)
         };
-        let header = CheckpointHeader { registry, cursors, declarations };
+        let header =
+            CheckpointHeader { registry, cursors, declarations, stream_position: position };
         let header = serde_json::to_vec(&header).unwrap_or_default();
         crate::checkpoint::frame(&header, &image)
     }
@@ -1169,6 +1201,7 @@ impl Fleet {
                 })
                 .collect();
         }
+        self.set_stream_position(h.stream_position);
         *self.registry.lock() = h
             .registry
             .into_iter()

@@ -82,6 +82,7 @@ pub fn router(state: Shared) -> Router {
         .route("/directory/lookup", post(lookup))
         .route("/directory/keys", get(keys))
         .route("/directory/stats", get(stats))
+        .route("/directory/digest", get(digest))
         .route("/directory/blend-lookup", post(blend_lookup))
         .route("/directory/route", post(route))
         .route("/query", post(rfc_query))
@@ -167,6 +168,12 @@ async fn instance_usage(State(s): State<Shared>, Path(id): Path<String>) -> Resp
 }
 
 async fn events(State(s): State<Shared>, Body(req): Body<CacheEventsRequest>) -> Response {
+    if s.config().event_transport != crate::transport::EventTransport::Http {
+        return error(
+            StatusCode::NOT_FOUND,
+            "POST /events is disabled: this coordinator consumes cache events from NATS JetStream (--event-transport jetstream)",
+        );
+    }
     match tokio::task::block_in_place(|| s.ingest(&req.batches)) {
         Ok(r) => Json(r).into_response(),
         Err(e) => fail(&s, e),
@@ -243,6 +250,12 @@ async fn keys(
 
 async fn stats(State(s): State<Shared>) -> Response {
     Json(s.directory_stats()).into_response()
+}
+
+/// An order-independent digest of every placement (total and per instance) and the stream
+/// position it reflects: replicas at one position must agree.
+async fn digest(State(s): State<Shared>) -> Response {
+    Json(tokio::task::block_in_place(|| s.digest())).into_response()
 }
 
 #[derive(Debug, Deserialize)]

@@ -21,6 +21,7 @@ pub mod http;
 mod http_control;
 pub mod metrics;
 mod repair;
+pub mod transport;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -150,6 +151,10 @@ impl Coordinator {
                                 }
                             }
                         });
+                    }
+                    if let transport::EventTransport::JetStream { url, stream } = &f.config().event_transport {
+                        let source = Box::new(transport::JetStreamSource { url: url.clone(), stream: stream.clone() });
+                        tokio::spawn(transport::CacheEventSource::run(source, Arc::clone(&f), rx.clone()));
                     }
                     let app = http::router(f);
                     let shutdown = async move {

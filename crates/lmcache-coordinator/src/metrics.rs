@@ -78,6 +78,8 @@ pub struct Metrics {
     pub checkpoint_failures: Counter,
     /// L2 keys fleet eviction asked servers to delete.
     pub evictions_requested: Counter,
+    /// Failures of the event transport (JetStream connection or consumer).
+    pub transport_errors: Counter,
 }
 
 impl Default for Metrics {
@@ -112,6 +114,7 @@ impl Metrics {
             checkpoints_written: Counter::default(),
             checkpoint_failures: Counter::default(),
             evictions_requested: Counter::default(),
+            transport_errors: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -214,6 +217,11 @@ impl Metrics {
             "lmcache_rs_coordinator_evictions_requested",
             "L2 keys the fleet eviction pass asked servers to delete (salts over their quota)",
             m.evictions_requested.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_transport_errors",
+            "Event transport failures (JetStream connection or consumer), each followed by a retry",
+            m.transport_errors.clone(),
         );
         Self { registry, ..m }
     }

@@ -611,6 +611,45 @@ impl Directory {
             .collect()
     }
 
+    /// An order-independent digest of every placement, by names (never ids, which differ
+    /// between replicas): the XOR of a 128-bit BLAKE3 of (chunk hash, namespace, tier,
+    /// backend, owner, bytes) per placement, with the count; in total and per owner
+    /// (`(shared)` for pools). Two directories with the same placements have equal digests.
+    pub fn digest(&self) -> ((u128, u64), std::collections::BTreeMap<String, (u128, u64)>) {
+        let mut total = (0u128, 0u64);
+        let mut by: std::collections::BTreeMap<String, (u128, u64)> = Default::default();
+        let owner_names: Vec<String> = (0..self.sites.len() as u32)
+            .map(|i| match self.sites.get(i).ok().and_then(|s| s.owner) {
+                Some(o) => self.instances.get(o.0).map(|n| n.to_string()).unwrap_or_default(),
+                None => "(shared)".to_string(),
+            })
+            .collect();
+        for (k, r) in &self.table {
+            let Ok(ns) = self.namespaces.get(k.ns.0) else { continue };
+            for p in &r.placements {
+                let Ok(site) = self.sites.get(p.site.0) else { continue };
+                let owner = owner_names.get(p.site.0 as usize).map_or("", String::as_str);
+                let mut h = blake3::Hasher::new();
+                h.update(&k.hash);
+                for part in [&*ns.model, &*ns.cache_salt, site.tier.as_str(), &*site.backend, owner]
+                {
+                    h.update(&(part.len() as u32).to_le_bytes());
+                    h.update(part.as_bytes());
+                }
+                h.update(&ns.kv_rank.to_le_bytes());
+                h.update(&ns.object_group.to_le_bytes());
+                h.update(&p.size.to_le_bytes());
+                let mut w = [0u8; 16];
+                w.copy_from_slice(&h.finalize().as_bytes()[..16]);
+                let d = u128::from_le_bytes(w);
+                total = (total.0 ^ d, total.1 + 1);
+                let e = by.entry(owner.to_string()).or_default();
+                *e = (e.0 ^ d, e.1 + 1);
+            }
+        }
+        (total, by)
+    }
+
     /// Records a use of each of `keys` (recency and count; unknown keys are ignored).
     pub fn access(&mut self, ts: f64, keys: impl IntoIterator<Item = DirKey>) {
         let ts = seconds(ts);

@@ -285,6 +285,7 @@ proptest! {
         let mut again = Vec::new();
         restored.d.encode(&mut again);
         prop_assert_eq!(again.len(), image.len());
+        prop_assert_eq!(restored.d.digest(), s.d.digest(), "equal directories have equal digests");
     }
 
     #[test]

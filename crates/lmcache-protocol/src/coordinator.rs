@@ -14,6 +14,24 @@ use serde::{Deserialize, Serialize};
 /// `CACHE_EVENT_SCHEMA_VERSION` of LMCache 0.5.6.
 pub const CACHE_EVENT_SCHEMA_VERSION: u32 = 1;
 
+/// The NATS JetStream stream cache events travel in (lmcache-rs's transport; LMCache's own
+/// alternative to HTTP is Kafka).
+pub const JETSTREAM_STREAM: &str = "LMCACHE_CACHE_EVENTS";
+
+/// Subjects of that stream: `lmcache.cache_events.<instance>` (one subject per emitter, so
+/// its batches stay in order).
+pub const JETSTREAM_SUBJECTS: &str = "lmcache.cache_events.>";
+
+/// The subject an emitter publishes on: its id with every character a subject token cannot
+/// hold replaced by `_` (the batch itself carries the exact id).
+pub fn jetstream_subject(instance_id: &str) -> String {
+    let token: String = instance_id
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .collect();
+    format!("lmcache.cache_events.{}", if token.is_empty() { "_" } else { &token })
+}
+
 /// The token-form cap of LMCache's key resolver (`MAX_TOKEN_IDS`).
 pub const MAX_TOKEN_IDS: usize = 1_000_000;
 

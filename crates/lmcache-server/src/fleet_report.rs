@@ -55,6 +55,74 @@ pub struct CoordinatorReporting {
     pub event_reporting: bool,
     /// `--coordinator-event-flush-interval` (1 s).
     pub flush_interval: Duration,
+    /// How event batches travel (registration and heartbeats are always HTTP).
+    pub transport: ReportTransport,
+}
+
+/// `--coordinator-event-transport`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ReportTransport {
+    /// `POST /events` to the coordinator.
+    #[default]
+    Http,
+    /// One NATS JetStream message per batch on `lmcache.cache_events.<instance>`, each
+    /// acknowledged by the stream before the next flush forgets it.
+    JetStream {
+        /// `nats://host:port`.
+        url: String,
+        /// Stream name (created when missing).
+        stream: String,
+    },
+}
+
+/// A connected JetStream publisher, on its own small runtime (the reporter's thread is not
+/// async).
+struct JetStreamSink {
+    rt: tokio::runtime::Runtime,
+    js: Option<async_nats::jetstream::Context>,
+}
+
+impl JetStreamSink {
+    fn new() -> std::io::Result<Self> {
+        Ok(Self {
+            rt: tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+            js: None,
+        })
+    }
+
+    /// Publishes every batch in order, each acknowledged; stops at the first failure.
+    fn send(&mut self, url: &str, stream: &str, batches: &[CacheEventBatch]) -> Result<(), String> {
+        let Self { rt, js } = self;
+        rt.block_on(async {
+            if js.is_none() {
+                let client =
+                    async_nats::connect(url).await.map_err(|e| format!("connect {url}: {e}"))?;
+                let ctx = async_nats::jetstream::new(client);
+                let config = async_nats::jetstream::stream::Config {
+                    name: stream.to_string(),
+                    subjects: vec![lmcache_protocol::coordinator::JETSTREAM_SUBJECTS.to_string()],
+                    storage: async_nats::jetstream::stream::StorageType::File,
+                    ..Default::default()
+                };
+                ctx.get_or_create_stream(config)
+                    .await
+                    .map_err(|e| format!("stream {stream}: {e}"))?;
+                *js = Some(ctx);
+            }
+            let Some(ctx) = js.as_ref() else { return Err("not connected".to_string()) };
+            for b in batches {
+                let payload = serde_json::to_vec(b).map_err(|e| e.to_string())?;
+                let subject = lmcache_protocol::coordinator::jetstream_subject(&b.instance_id);
+                let ack = ctx
+                    .publish(subject, payload.into())
+                    .await
+                    .map_err(|e| format!("publish: {e}"))?;
+                ack.await.map_err(|e| format!("publish ack: {e}"))?;
+            }
+            Ok(())
+        })
+        .inspect_err(|_| self.js = None)
+    }
 }
 
 /// One compartment's declared capacity.
@@ -310,6 +378,19 @@ impl Reporter {
         let mut inflight: Vec<CacheEventBatch> = Vec::new();
         let mut next_beat = Instant::now();
         let mut next_flush = Instant::now() + self.cfg.flush_interval;
+        let mut sink = match &self.cfg.transport {
+            ReportTransport::Http => None,
+            ReportTransport::JetStream { .. } => match JetStreamSink::new() {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    self.failed(
+                        "event report",
+                        &format!("cannot start the JetStream runtime: {e}"),
+                    );
+                    None
+                }
+            },
+        };
         loop {
             let stopping = self.stop.load(Ordering::Acquire);
             let now = Instant::now();
@@ -342,7 +423,7 @@ impl Reporter {
             if let (Some(cur), true) = (&id, now >= next_flush || stopping) {
                 next_flush = now + self.cfg.flush_interval;
                 self.take_batches(cur, &mut next_seq, &mut inflight);
-                if !inflight.is_empty() && self.send(&agent, &base, &inflight) {
+                if !inflight.is_empty() && self.deliver(&agent, &base, sink.as_mut(), &inflight) {
                     inflight.clear();
                 }
             }
@@ -481,6 +562,36 @@ impl Reporter {
         }
     }
 
+    /// Sends `batches` over the configured transport; true when they need not be sent again.
+    fn deliver(
+        &self,
+        agent: &ureq::Agent,
+        base: &str,
+        sink: Option<&mut JetStreamSink>,
+        batches: &[CacheEventBatch],
+    ) -> bool {
+        match (&self.cfg.transport, sink) {
+            (ReportTransport::JetStream { url, stream }, Some(sink)) => {
+                match sink.send(url, stream, batches) {
+                    Ok(()) => {
+                        self.stats.batches_sent.fetch_add(batches.len() as u64, Ordering::Relaxed);
+                        let n: usize = batches.iter().map(|b| b.entries.len()).sum();
+                        self.stats.entries_sent.fetch_add(n as u64, Ordering::Relaxed);
+                        true
+                    }
+                    Err(why) => {
+                        // Batches already acknowledged are sent again with the rest: the
+                        // coordinator drops them as duplicates by seq.
+                        self.failed("event publish", &why);
+                        false
+                    }
+                }
+            }
+            (ReportTransport::JetStream { .. }, None) => false,
+            (ReportTransport::Http, _) => self.send(agent, base, batches),
+        }
+    }
+
     fn send(&self, agent: &ureq::Agent, base: &str, batches: &[CacheEventBatch]) -> bool {
         let body = CacheEventsRequest { batches: batches.to_vec() };
         match agent.post(&format!("{base}/events")).send_json(&body) {
@@ -530,6 +641,7 @@ mod tests {
             heartbeat_interval: Duration::from_secs(5),
             event_reporting: events,
             flush_interval: Duration::from_secs(1),
+            transport: ReportTransport::Http,
         })
     }
 
