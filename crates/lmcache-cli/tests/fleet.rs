@@ -117,12 +117,18 @@ fn events_wait_for_a_coordinator_that_is_down_and_arrive_without_a_gap() {
     });
     let st = get(&c, "/directory/stats");
     assert_eq!(st["streams"][0]["gap_detected"], false, "{st}");
-    // The coordinator restarts (state lost): the server re-registers on the 404.
+    // The coordinator restarts with nothing (no checkpoint): the server re-registers on the
+    // 404, and its next batches (a store made at once, then its capacity declaration) are a
+    // gap on a cold cursor. The repair waits for the registration instead of fencing, then
+    // restores the whole L1 from the server's snapshot, the keys stored before the restart
+    // included.
     c.stop();
     let c = coordinator(port);
+    store(&s, &[4]);
     until("re-registered", || {
         get(&c, "/instances")["instances"].as_array().is_some_and(|a| a.len() == 1)
     });
+    until("the whole L1 is back", || (1..=4).all(|b| placed_on(&c, b) == ["rs-2"]));
     s.shutdown();
 }
 

@@ -49,27 +49,66 @@ pub(crate) fn run(fleet: Arc<Fleet>, rx: Receiver<String>, stop: Arc<AtomicBool>
         .http_status_as_error(false)
         .build()
         .into();
+    // Repairs of instances not registered (yet): retried until they register, as a server
+    // does within a heartbeat of a coordinator restart, or until UNREGISTERED_WAIT.
+    let mut waiting: Vec<(String, Instant)> = Vec::new();
     while !stop.load(Ordering::Acquire) {
         match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(id) => {
-                repair(&fleet, &agent, &id, &stop);
+                if repair(&fleet, &agent, &id, &stop) == Step::NotRegistered {
+                    waiting.push((id, Instant::now()));
+                }
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return,
         }
+        let mut still = Vec::new();
+        for (id, since) in std::mem::take(&mut waiting) {
+            match repair(&fleet, &agent, &id, &stop) {
+                Step::NotRegistered if since.elapsed() < UNREGISTERED_WAIT => {
+                    still.push((id, since))
+                }
+                Step::NotRegistered => {
+                    if let Some(inc) = fleet.repair_incarnation(&id) {
+                        tracing::warn!(instance = %id, waited_s = UNREGISTERED_WAIT.as_secs(),
+                            "stream gap, and the instance never registered: fencing its L1 placements");
+                        fleet.resync_finish(&id, inc, true);
+                    }
+                }
+                Step::Done(_) => {}
+            }
+        }
+        waiting = still;
     }
 }
 
-fn repair(fleet: &Fleet, agent: &ureq::Agent, id: &str, stop: &AtomicBool) -> RepairOutcome {
+/// How long a repair waits for its instance to (re-)register before fencing it.
+const UNREGISTERED_WAIT: Duration = Duration::from_secs(30);
+
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    Done(RepairOutcome),
+    /// The instance is not registered: try again later.
+    NotRegistered,
+}
+
+fn repair(fleet: &Fleet, agent: &ureq::Agent, id: &str, stop: &AtomicBool) -> Step {
     let Some(target) = fleet.repair_target(id) else {
         return match fleet.repair_incarnation(id) {
-            Some(inc) => {
-                tracing::warn!(instance = %id, "stream gap, and the instance is not registered: fencing its L1 placements");
-                fleet.resync_finish(id, inc, true)
-            }
-            None => RepairOutcome::Superseded,
+            Some(_) => Step::NotRegistered,
+            None => Step::Done(RepairOutcome::Superseded),
         };
     };
+    Step::Done(resync(fleet, agent, id, stop, &target))
+}
+
+fn resync(
+    fleet: &Fleet,
+    agent: &ureq::Agent,
+    id: &str,
+    stop: &AtomicBool,
+    target: &crate::fleet::RepairTarget,
+) -> RepairOutcome {
     let started = Instant::now();
     let mut token: Option<String> = None;
     loop {

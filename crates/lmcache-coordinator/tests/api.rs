@@ -564,3 +564,61 @@ fn a_restart_resumes_from_the_checkpoint_and_a_damaged_one_starts_cold() {
     drop(api);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A one-route HTTP server answering every request with `body` (a server's /fleet/snapshot).
+fn snapshot_server(body: Value) -> u16 {
+    use std::io::{BufRead, BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let mut r = BufReader::new(conn.try_clone().unwrap());
+            let mut line = String::new();
+            while r.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+                line.clear();
+            }
+            let text = body.to_string();
+            let _ = write!(
+                conn,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                text.len()
+            );
+        }
+    });
+    port
+}
+
+#[test]
+fn a_gap_from_an_instance_not_registered_yet_waits_for_its_registration_then_resyncs() {
+    let api = Api::new();
+    // A coordinator that lost its state sees the server's next batch as a gap, before the
+    // server has noticed (on its next heartbeat) that it must register again.
+    api.events(json!([batch("late", 3, 7, "store", "l1", "dram", &[5])]));
+    std::thread::sleep(Duration::from_millis(500));
+    let snapshot = json!({"incarnation": 3, "backend": "dram", "next_page_token": null,
+        "entries": [{"key": key(1), "size_bytes": 10}, {"key": key(2), "size_bytes": 10}, {"key": key(5), "size_bytes": 100}]});
+    let port = snapshot_server(snapshot);
+    let (s, _) = api
+        .post("/instances", json!({"instance_id": "late", "ip": "127.0.0.1", "http_port": port}));
+    assert_eq!(s, 200);
+    let t = std::time::Instant::now();
+    while placements(&api, 1).is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the repair never ran after the registration"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(placements(&api, 2).len(), 1, "the snapshot's keys are placed");
+    let (_, v) = api.post("/directory/lookup", json!({"keys": [key(5)]}));
+    assert_eq!(
+        v["results"][0]["placements"][0]["size_bytes"], 100,
+        "the event's placement, not fenced away"
+    );
+    let (_, st) = api.get("/directory/stats");
+    assert_eq!(
+        (st["streams"][0]["gap_detected"].as_bool(), st["streams"][0]["repairs"].as_u64()),
+        (Some(false), Some(1))
+    );
+}
