@@ -1,0 +1,208 @@
+//! lmcache-rs's directory and SMG's `kv-index` 2.0.0 `ChainIndex` (the strongest single-core
+//! anchor in coordinator-anchors.md §8) on the same trace, one after the other in this
+//! process: W servers × S sequences of 64 chunks (16 from one of 1,000 shared prompts, 48
+//! unique), one store event of 64 blocks per sequence; then 100,000 lookups of a stored
+//! sequence's 64 blocks. Reports ingest (blocks/s), lookup p50/p99/p99.9, bytes per
+//! membership (RSS growth over the generated trace) and the ratios.
+
+use std::time::Instant;
+
+use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
+use lmcache_directory::{
+    DirKey, Directory, DirectoryConfig, Entry, EventKind, Namespace, RunQuery, Tier,
+};
+use rand::{Rng, SeedableRng};
+
+const LEN: usize = 64;
+const SHARED: usize = 16;
+const POOL: u64 = 1000;
+
+fn rss() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * 4096
+}
+
+fn h(parts: &[u64]) -> [u8; 32] {
+    let mut x = blake3::Hasher::new();
+    for p in parts {
+        x.update(&p.to_le_bytes());
+    }
+    *x.finalize().as_bytes()
+}
+
+fn word(b: &[u8; 32]) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(&b[..8]);
+    u64::from_le_bytes(w)
+}
+
+/// One block: the prefix-chained hash (LMCache's key; its first word is the anchor's
+/// sequence hash) and the position-free content hash the anchor also needs.
+#[derive(Clone, Copy)]
+struct Block {
+    chained: [u8; 32],
+    content: u64,
+}
+
+struct Stats {
+    ingest: f64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    bytes: f64,
+}
+
+fn pct(v: &mut [u64], q: f64) -> f64 {
+    v[((v.len() as f64 * q) as usize).min(v.len() - 1)] as f64 / 1000.0
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let (servers, seqs) =
+        (args.first().copied().unwrap_or(64), args.get(1).copied().unwrap_or(2500));
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    let trace: Vec<Vec<Vec<Block>>> = (0..servers)
+        .map(|w| {
+            (0..seqs)
+                .map(|s| {
+                    let pool = rng.gen_range(0..POOL);
+                    let mut parent = [0u8; 32];
+                    (0..LEN as u64)
+                        .map(|i| {
+                            let content = if (i as usize) < SHARED {
+                                word(&h(&[1, pool, i]))
+                            } else {
+                                word(&h(&[2, w as u64, s as u64, i]))
+                            };
+                            parent = h(&[word(&parent), content, i]);
+                            Block { chained: parent, content }
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    let memberships = (servers * seqs * LEN) as f64;
+    let queries: Vec<(usize, usize)> =
+        (0..100_000).map(|_| (rng.gen_range(0..servers), rng.gen_range(0..seqs))).collect();
+    println!(
+        "trace: {servers} servers x {seqs} sequences x {LEN} blocks = {memberships} memberships; 100,000 lookups of 64 blocks"
+    );
+
+    // lmcache-rs
+    let ours = {
+        let r0 = rss();
+        let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0 });
+        let ns = d
+            .namespace(&Namespace {
+                model: "m".into(),
+                kv_rank: 0x0100_0100,
+                object_group: 0,
+                cache_salt: "".into(),
+            })
+            .unwrap();
+        let inst: Vec<_> = (0..servers).map(|w| d.instance(&format!("s{w}")).unwrap()).collect();
+        let sites: Vec<_> =
+            inst.iter().map(|&i| d.site(i, Tier::L1, "dram", false).unwrap()).collect();
+        let t = Instant::now();
+        let mut entries = Vec::with_capacity(LEN);
+        for s in 0..seqs {
+            for w in 0..servers {
+                entries.clear();
+                entries.extend(trace[w][s].iter().map(|b| Entry {
+                    key: DirKey { hash: b.chained, ns },
+                    size: 1,
+                    tokens: &[],
+                    token_offset: -1,
+                }));
+                d.apply(inst[w], 1, EventKind::Store, sites[w], 0.0, &entries).unwrap();
+            }
+        }
+        let ingest = memberships / t.elapsed().as_secs_f64();
+        let bytes = (rss() - r0) as f64 / memberships;
+        let mut lat = Vec::with_capacity(queries.len());
+        let mut keys = Vec::with_capacity(LEN);
+        for &(w, s) in &queries {
+            keys.clear();
+            keys.extend(trace[w][s].iter().map(|b| DirKey { hash: b.chained, ns }));
+            let t = Instant::now();
+            let runs = d.prefix_runs(RunQuery { keys: &keys, per_chunk: 1 });
+            lat.push(t.elapsed().as_nanos() as u64);
+            assert!(runs.iter().any(|r| r.l1 == LEN as u32));
+        }
+        lat.sort_unstable();
+        Stats {
+            ingest,
+            p50: pct(&mut lat, 0.5),
+            p99: pct(&mut lat, 0.99),
+            p999: pct(&mut lat, 0.999),
+            bytes,
+        }
+    };
+
+    // kv-index ChainIndex
+    let chain = {
+        let r0 = rss();
+        let idx =
+            if servers > 256 { ChainIndex::with_max_workers(servers) } else { ChainIndex::new() };
+        let ids: Vec<u32> =
+            (0..servers).map(|w| idx.intern_worker(&format!("s{w}")).unwrap()).collect();
+        let mut maps: Vec<ChainBlockMap> = (0..servers).map(|_| ChainBlockMap::new()).collect();
+        let t = Instant::now();
+        let mut blocks = Vec::with_capacity(LEN);
+        for s in 0..seqs {
+            for w in 0..servers {
+                blocks.clear();
+                blocks.extend(trace[w][s].iter().map(|b| StoredBlock {
+                    seq_hash: SequenceHash(word(&b.chained)),
+                    content_hash: ContentHash(b.content),
+                }));
+                idx.apply_stored(ids[w], &blocks, None, &mut maps[w]).unwrap();
+            }
+        }
+        let ingest = memberships / t.elapsed().as_secs_f64();
+        let bytes = (rss() - r0) as f64 / memberships;
+        let mut lat = Vec::with_capacity(queries.len());
+        let mut hashes = Vec::with_capacity(LEN);
+        for &(w, s) in &queries {
+            hashes.clear();
+            hashes.extend(trace[w][s].iter().map(|b| ContentHash(b.content)));
+            let t = Instant::now();
+            let scores = idx.find_matches(&hashes, false);
+            lat.push(t.elapsed().as_nanos() as u64);
+            assert!(scores.scores.values().any(|&d| d == LEN as u32));
+        }
+        lat.sort_unstable();
+        Stats {
+            ingest,
+            p50: pct(&mut lat, 0.5),
+            p99: pct(&mut lat, 0.99),
+            p999: pct(&mut lat, 0.999),
+            bytes,
+        }
+    };
+
+    println!("{:<34}{:>16}{:>22}{:>10}", "", "lmcache-rs", "kv-index ChainIndex", "ratio");
+    println!(
+        "{:<34}{:>16.2}{:>22.2}{:>9.2}x",
+        "ingest (M blocks/s, 1 thread)",
+        ours.ingest / 1e6,
+        chain.ingest / 1e6,
+        ours.ingest / chain.ingest
+    );
+    for (label, a, b) in [
+        ("lookup p50 (us)", ours.p50, chain.p50),
+        ("lookup p99 (us)", ours.p99, chain.p99),
+        ("lookup p99.9 (us)", ours.p999, chain.p999),
+    ] {
+        println!("{label:<34}{a:>16.2}{b:>22.2}{:>9.2}x", b / a);
+    }
+    println!(
+        "{:<34}{:>16.1}{:>22.1}{:>9.2}x",
+        "bytes per membership",
+        ours.bytes,
+        chain.bytes,
+        chain.bytes / ours.bytes
+    );
+    println!("(ratios: > 1 means lmcache-rs is better)");
+}
