@@ -680,6 +680,34 @@ impl Fleet {
         Ok((hashes.len(), keys))
     }
 
+    /// `keys` with, after each, the same chunk's keys in the other object groups the
+    /// directory holds (LMCache's `get_keys_across_object_groups`: under
+    /// `--separate-object-groups` a chunk is stored once per group, and token-addressed
+    /// operations resolve group 0), each key's groups in ascending order.
+    pub fn across_object_groups(&self, keys: Vec<EncodedObjectKey>) -> Vec<EncodedObjectKey> {
+        let v = self.views.lock();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Ok(hash) = k.chunk_hash() else {
+                out.push(k);
+                continue;
+            };
+            let mut others: Vec<EncodedObjectKey> = v
+                .dir
+                .namespaces_like(&namespace(&k))
+                .into_iter()
+                .filter(|(ns, id)| {
+                    ns.object_group != k.object_group_id && v.dir.has_key(&DirKey { hash, ns: *id })
+                })
+                .map(|(ns, _)| EncodedObjectKey { object_group_id: ns.object_group, ..k.clone() })
+                .collect();
+            others.push(k);
+            others.sort_by_key(|e| e.object_group_id);
+            out.extend(others);
+        }
+        out
+    }
+
     /// The placements, tokens and access counts of `keys`.
     pub fn lookup(
         &self,

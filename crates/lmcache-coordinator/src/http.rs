@@ -192,7 +192,7 @@ async fn lookup(State(s): State<Shared>, Body(req): Body<DirectoryLookupRequest>
             );
         }
         match s.resolve_tokens(&req.token_ids, &req.model_name, req.world_size, &req.cache_salt) {
-            Ok(r) => r,
+            Ok((chunks, keys)) => (chunks, s.across_object_groups(keys)),
             Err(e) => return fail(&s, e),
         }
     } else {

@@ -366,7 +366,7 @@ async fn delete(State(s): State<Shared>, Body(b): Body<DeleteBody>) -> Response 
     let Some(base) = s.base_url(&b.instance_id) else { return unknown(&b.instance_id) };
     let (chunks, keys) =
         match s.resolve_tokens(&b.token_ids, &b.model_name, b.world_size, &b.cache_salt) {
-            Ok(r) => r,
+            Ok((chunks, keys)) => (chunks, s.across_object_groups(keys)),
             Err(e) => return fail(&s, e),
         };
     if chunks == 0 {

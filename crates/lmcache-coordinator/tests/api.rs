@@ -622,3 +622,34 @@ fn a_gap_from_an_instance_not_registered_yet_waits_for_its_registration_then_res
         (Some(false), Some(1))
     );
 }
+
+#[test]
+fn token_lookups_reach_the_other_object_groups_the_directory_holds() {
+    let api = Api::new();
+    let tokens: Vec<u32> = (0..512).collect();
+    let hashes = lmcache_core::TokenHasher::new(256).unwrap().hash_tokens(&tokens);
+    // Chunk 0 stored in groups 0 and 2, chunk 1 in group 0 only.
+    let entry = |h: &lmcache_core::ChunkHash, g: u32| json!({"key": {"chunk_hash_hex": h.to_hex(), "model_name": "m", "kv_rank": 0x0100_0100, "object_group_id": g}, "size_bytes": 1});
+    api.events(json!([{"instance_id": "a", "incarnation": 1, "seq": 1, "event_type": "store", "tier": "l1", "backend": "dram",
+        "entries": [entry(&hashes[0], 0), entry(&hashes[0], 2), entry(&hashes[1], 0)]}]));
+    let (_, v) = api.post("/directory/lookup", json!({"token_ids": tokens, "model_name": "m"}));
+    assert_eq!(v["chunks"], 2);
+    let got: Vec<(String, u64)> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["key"]["chunk_hash_hex"].as_str().unwrap().to_string(),
+                r["key"]["object_group_id"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        vec![(hashes[0].to_hex(), 0), (hashes[0].to_hex(), 2), (hashes[1].to_hex(), 0)]
+    );
+    assert!(
+        v["results"].as_array().unwrap().iter().all(|r| r["placements"][0]["instance_id"] == "a")
+    );
+}

@@ -209,6 +209,22 @@ impl Directory {
         self.namespaces.find(ns).map(NsId)
     }
 
+    /// Every interned namespace equal to `ns` but for its object group (with `ns` itself).
+    pub fn namespaces_like(&self, ns: &Namespace) -> Vec<(Namespace, NsId)> {
+        (0..self.namespaces.len() as u32)
+            .filter_map(|i| self.namespaces.get(i).ok().map(|n| (n, NsId(i))))
+            .filter(|(n, _)| {
+                n.model == ns.model && n.kv_rank == ns.kv_rank && n.cache_salt == ns.cache_salt
+            })
+            .map(|(n, id)| (n.clone(), id))
+            .collect()
+    }
+
+    /// Whether `key` has a placement.
+    pub fn has_key(&self, key: &DirKey) -> bool {
+        self.table.contains_key(key)
+    }
+
     /// The namespace of `id`.
     pub fn namespace_of(&self, id: NsId) -> Result<&Namespace, DirectoryError> {
         self.namespaces.get(id.0)
