@@ -11,8 +11,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lmcache_core::{KvRank, TokenHasher};
 use lmcache_directory::{
-    DirKey, Directory, DirectoryConfig, Entry, EventKind, InstanceId, KeyFilter, Namespace,
-    PlacementView, PrefixRun, RunQuery, Tier,
+    DirKey, Directory, DirectoryConfig, Entry, EventKind, KeyFilter, Namespace, PlacementView,
+    PrefixRun, RunQuery, Tier,
 };
 use lmcache_protocol::coordinator::{
     CacheEventBatch, CacheEventType, CacheEventsResponse, DirectoryKeyInfo, DirectoryKeyPlacements,
@@ -315,11 +315,6 @@ impl Fleet {
         v
     }
 
-    /// One registered instance.
-    pub fn instance(&self, id: &str) -> Option<InstanceInfo> {
-        self.registry.lock().get(id).map(|r| r.info.clone())
-    }
-
     /// Drops instances silent for longer than the instance timeout (their L1 placements and
     /// stream cursor go; capacity declarations stay, as in LMCache). Returns their ids.
     pub fn sweep(&self, now: Instant) -> Vec<String> {
@@ -346,12 +341,16 @@ impl Fleet {
 
     fn drop_instance(&self, id: &str) {
         let mut v = self.views.lock();
-        if let Some(inst) = v.dir.find_instance(id) {
-            let n = v.dir.fence_l1(inst);
-            self.metrics.fenced_placements.inc_by(n);
-        }
+        self.fence(&mut v, id);
         v.cursors.remove(id);
         v.repairs.remove(id);
+    }
+
+    /// Drops `id`'s L1 placements, counted; returns how many.
+    fn fence(&self, v: &mut Views, id: &str) -> u64 {
+        let n = v.dir.find_instance(id).map_or(0, |inst| v.dir.fence_l1(inst));
+        self.metrics.fenced_placements.inc_by(n);
+        n
     }
 
     // ---- repair ---------------------------------------------------------------------------
@@ -391,10 +390,7 @@ impl Fleet {
     /// Where to fetch `id`'s snapshot, if it is registered and a repair is pending.
     pub fn repair_target(&self, id: &str) -> Option<RepairTarget> {
         let incarnation = self.views.lock().repairs.get(id)?.incarnation;
-        let reg = self.registry.lock();
-        let info = &reg.get(id)?.info;
-        let host = if info.ip.contains(':') { format!("[{}]", info.ip) } else { info.ip.clone() };
-        Some(RepairTarget { base_url: format!("http://{host}:{}", info.http_port), incarnation })
+        Some(RepairTarget { base_url: self.base_url(id)?, incarnation })
     }
 
     /// Applies one snapshot page: each listed key not named by a newer event becomes an L1
@@ -520,10 +516,7 @@ impl Fleet {
                 if let Some(c) = existing {
                     tracing::info!(instance = %b.instance_id, old = c.incarnation, new = b.incarnation,
                         "instance restarted: fencing its L1 placements");
-                    if let Some(inst) = v.dir.find_instance(&b.instance_id) {
-                        let n = v.dir.fence_l1(inst);
-                        self.metrics.fenced_placements.inc_by(n);
-                    }
+                    self.fence(v, &b.instance_id);
                 }
                 let gap = b.seq > 1;
                 if gap {
@@ -660,24 +653,9 @@ impl Fleet {
                 tokens.len()
             )));
         }
-        let ranks: Vec<u32> = KvRank::all(world_size)
-            .map_err(|e| FleetError::Invalid(format!("world_size: {e}")))?
-            .map(KvRank::packed)
-            .collect();
-        let hashes = self.hasher.hash_tokens(tokens);
-        let keys = hashes
-            .iter()
-            .flat_map(|h| {
-                ranks.iter().map(move |&kv_rank| EncodedObjectKey {
-                    chunk_hash_hex: h.to_hex(),
-                    model_name: model.to_string(),
-                    kv_rank,
-                    object_group_id: 0,
-                    cache_salt: salt.to_string(),
-                })
-            })
-            .collect();
-        Ok((hashes.len(), keys))
+        let hashes: Vec<String> =
+            self.hasher.hash_tokens(tokens).iter().map(|h| h.to_hex()).collect();
+        Ok((hashes.len(), keys_of_chunks(&hashes, model, world_size, salt)?))
     }
 
     /// `keys` with, after each, the same chunk's keys in the other object groups the
@@ -945,16 +923,6 @@ impl Fleet {
     pub fn sweep_period(&self) -> Option<Duration> {
         (!self.config.health_check_interval.is_zero()).then_some(self.config.health_check_interval)
     }
-
-    /// Instances known to the directory (interned), for tests.
-    pub fn directory_instances(&self) -> usize {
-        self.views.lock().dir.instance_count()
-    }
-
-    /// The instance id for `name` in the directory, if it reported anything.
-    pub fn directory_instance(&self, name: &str) -> Option<InstanceId> {
-        self.views.lock().dir.find_instance(name)
-    }
 }
 
 /// A fleet L2 eviction order: delete `keys` through the server at `base_url`.
@@ -1083,11 +1051,7 @@ impl Fleet {
                 keys.sort();
                 keys.dedup();
                 let info = &reg.get(&id)?.info;
-                Some(EvictionOrder {
-                    base_url: format!("http://{}:{}", info.ip, info.http_port),
-                    instance_id: id,
-                    keys,
-                })
+                Some(EvictionOrder { base_url: base_url_of(info), instance_id: id, keys })
             })
             .collect()
     }
@@ -1117,10 +1081,7 @@ impl Fleet {
 
     /// The `http://ip:port` of registered instance `id`.
     pub fn base_url(&self, id: &str) -> Option<String> {
-        let reg = self.registry.lock();
-        let info = &reg.get(id)?.info;
-        let host = if info.ip.contains(':') { format!("[{}]", info.ip) } else { info.ip.clone() };
-        Some(format!("http://{host}:{}", info.http_port))
+        self.registry.lock().get(id).map(|r| base_url_of(&r.info))
     }
 }
 
@@ -1250,6 +1211,12 @@ pub struct RestoreStats {
     pub placements: u64,
 }
 
+/// `http://ip:port` of a registered instance (an IPv6 address in brackets).
+fn base_url_of(info: &InstanceInfo) -> String {
+    let host = if info.ip.contains(':') { format!("[{}]", info.ip) } else { info.ip.clone() };
+    format!("http://{host}:{}", info.http_port)
+}
+
 fn declare(decls: &mut HashMap<String, Declaration>, b: &CacheEventBatch, tier: Tier) {
     let stamp = (b.incarnation, b.capacity_revision);
     let d = decls.entry(b.instance_id.clone()).or_default();
@@ -1261,6 +1228,32 @@ fn declare(decls: &mut HashMap<String, Declaration>, b: &CacheEventBatch, tier: 
         d.stamp = stamp;
     }
     d.compartments.insert((tier, b.backend.clone(), b.shared), b.capacity_bytes);
+}
+
+/// The object keys of chunks given by their hex hashes: chunk-major, one key per rank of a
+/// world of `world_size`, object group 0 (LMCache's key resolver).
+pub fn keys_of_chunks(
+    hashes: &[String],
+    model: &str,
+    world_size: u32,
+    salt: &str,
+) -> Result<Vec<EncodedObjectKey>, FleetError> {
+    let ranks: Vec<u32> = KvRank::all(world_size)
+        .map_err(|e| FleetError::Invalid(format!("world_size: {e}")))?
+        .map(KvRank::packed)
+        .collect();
+    Ok(hashes
+        .iter()
+        .flat_map(|h| {
+            ranks.iter().map(move |&kv_rank| EncodedObjectKey {
+                chunk_hash_hex: h.clone(),
+                model_name: model.to_string(),
+                kv_rank,
+                object_group_id: 0,
+                cache_salt: salt.to_string(),
+            })
+        })
+        .collect())
 }
 
 fn namespace(k: &EncodedObjectKey) -> Namespace {

@@ -18,13 +18,13 @@ use axum::routing::{get, post, put};
 use lmcache_directory::{KeyFilter, Tier};
 use lmcache_protocol::coordinator::{
     CacheEventsRequest, DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse,
-    EncodedObjectKey, RegisterRequest, WireTier,
+    RegisterRequest, WireTier,
 };
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-use crate::fleet::{Fleet, FleetError};
+use crate::fleet::{Fleet, FleetError, keys_of_chunks};
 
 type Shared = Arc<Fleet>;
 
@@ -334,24 +334,10 @@ async fn route(State(s): State<Shared>, Body(req): Body<RouteRequest>) -> Respon
             Err(e) => return fail(&s, e),
         }
     } else {
-        let ranks = match lmcache_core::KvRank::all(req.world_size) {
-            Ok(r) => r.map(lmcache_core::KvRank::packed).collect::<Vec<_>>(),
-            Err(e) => return fail(&s, FleetError::Invalid(format!("world_size: {e}"))),
-        };
-        let keys = req
-            .chunk_hashes
-            .iter()
-            .flat_map(|h| {
-                ranks.iter().map(|&kv_rank| EncodedObjectKey {
-                    chunk_hash_hex: h.clone(),
-                    model_name: req.model_name.clone(),
-                    kv_rank,
-                    object_group_id: 0,
-                    cache_salt: req.cache_salt.clone(),
-                })
-            })
-            .collect();
-        (req.chunk_hashes.len(), keys)
+        match keys_of_chunks(&req.chunk_hashes, &req.model_name, req.world_size, &req.cache_salt) {
+            Ok(keys) => (req.chunk_hashes.len(), keys),
+            Err(e) => return fail(&s, e),
+        }
     };
     let per_chunk = req.world_size.max(1) as usize;
     match s.route(&keys, per_chunk, req.l2_weight, req.load_weight, &req.loads) {
@@ -419,13 +405,9 @@ async fn rfc_query(State(s): State<Shared>, Body(req): Body<RfcQuery>) -> Respon
             Err(e) => return fail(&s, e),
         }
     } else {
-        let ranks = match lmcache_core::KvRank::all(req.world_size) {
-            Ok(r) => r.map(lmcache_core::KvRank::packed).collect::<Vec<_>>(),
-            Err(e) => return fail(&s, FleetError::Invalid(format!("world_size: {e}"))),
-        };
-        let mut keys = Vec::with_capacity(hashes.len() * ranks.len());
+        let mut hex = Vec::with_capacity(hashes.len());
         for (i, h) in hashes.iter().enumerate() {
-            let Some(hex) = h.as_str() else {
+            let Some(h) = h.as_str() else {
                 return fail(
                     &s,
                     FleetError::BadRequest(format!(
@@ -433,17 +415,12 @@ async fn rfc_query(State(s): State<Shared>, Body(req): Body<RfcQuery>) -> Respon
                     )),
                 );
             };
-            for &kv_rank in &ranks {
-                keys.push(EncodedObjectKey {
-                    chunk_hash_hex: hex.to_string(),
-                    model_name: req.model.clone(),
-                    kv_rank,
-                    object_group_id: 0,
-                    cache_salt: req.cache_salt.clone(),
-                });
-            }
+            hex.push(h.to_string());
         }
-        keys
+        match keys_of_chunks(&hex, &req.model, req.world_size, &req.cache_salt) {
+            Ok(keys) => keys,
+            Err(e) => return fail(&s, e),
+        }
     };
     let per_chunk = req.world_size.max(1) as usize;
     match s.route(&keys, per_chunk, 1.0, 0.0, &BTreeMap::new()) {

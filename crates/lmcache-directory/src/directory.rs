@@ -537,22 +537,6 @@ impl Directory {
         (total, page)
     }
 
-    /// Every key an instance holds in its own L1 (or at any of its sites with `all_tiers`).
-    pub fn keys_of(&self, instance: InstanceId, tier: Option<Tier>) -> Vec<DirKey> {
-        let mine: Vec<bool> = (0..self.sites.len() as u32)
-            .map(|i| {
-                self.sites
-                    .get(i)
-                    .is_ok_and(|s| s.owner == Some(instance) && tier.is_none_or(|t| t == s.tier))
-            })
-            .collect();
-        self.table
-            .iter()
-            .filter(|(_, r)| r.placements.iter().any(|p| mine[p.site.0 as usize]))
-            .map(|(k, _)| *k)
-            .collect()
-    }
-
     /// Totals.
     pub fn stats(&self) -> DirectoryStats {
         DirectoryStats {
