@@ -8,13 +8,20 @@ LMCacheMPWorkerAdapter. Then, within a deadline, the coordinator must:
     coordinator hashes itself) in L1 on the server that stored it, and on no other server;
   - show each server's L1 bytes in GET /instances/usage;
   - with KIND=lmcache-rs, name the storing server as the best instance of POST
-    /directory/route with the whole sequence in its L1.
+    /directory/route with the whole sequence in its L1;
+  - find, through CacheBlend's POST /directory/blend-lookup (the coordinator runs with
+    --enable-blend-lookup), two chunks an lmcache-rs server stored inside an unrelated query:
+    each at its position in the query and with the position it was stored at, and nothing
+    under another cache_salt. (LMCache's server sends a chunk's tokens only from its
+    lmcache_driven store path, which these adapters do not take.)
 Finally one server's sequences are deleted over its HTTP API (POST /cache/clear) and the
 coordinator must forget them (delete events), while the other servers' stay placed.
 
 Usage: python coordinator.py COORDINATOR_URL KIND NAME=tcp://HOST:PORT=http://HOST:PORT ...
 """
+import base64
 import json
+import struct
 import sys
 import time
 import urllib.request
@@ -81,6 +88,19 @@ def placed(coord, server, i):
     return [{p["instance_id"] for p in res["placements"] if p["tier"] == "l1"} for res in r["results"]]
 
 
+def chunk_hashes(coord, server, i):
+    r = call(f"{coord}/directory/lookup", {"token_ids": tokens(server, i), "model_name": MODEL,
+                                           "world_size": 1})
+    return [res["key"]["chunk_hash_hex"] for res in r["results"]]
+
+
+def blend(coord, query, salt=""):
+    b64 = base64.b64encode(struct.pack(f"<{len(query)}I", *query)).decode()
+    r = call(f"{coord}/directory/blend-lookup", {"tokens_b64": b64, "model_name": MODEL,
+                                                 "world_size": 1, "cache_salt": salt})
+    return sorted((m["chunk_hash"], m["old_st"], m["cur_st"]) for m in r["matches"])
+
+
 def until(what, fn):
     deadline = time.monotonic() + DEADLINE
     last = None
@@ -117,6 +137,18 @@ def main():
         for s, (name, _, _) in enumerate(servers):
             r = call(f"{coord}/directory/route", {"token_ids": tokens(s, 0), "model_name": MODEL})
             assert r["best"] == name and r["instances"][0]["l1_chunks"] == 2, r
+    blended = 0
+    for s, (name, _, _) in enumerate(servers):
+        if not name.startswith("lmcache-rs"):
+            continue  # LMCache's server reports tokens only for lmcache_driven stores
+        # Seq 0's second chunk, then seq 1's first, behind 5 unrelated tokens.
+        query = [7, 7, 7, 7, 7] + tokens(s, 0)[CHUNK:] + tokens(s, 1)[:CHUNK] + [8] * 10
+        want = sorted([(chunk_hashes(coord, s, 0)[1], CHUNK, 5),
+                       (chunk_hashes(coord, s, 1)[0], 0, 5 + CHUNK)])
+        got = blend(coord, query)
+        assert got == want, f"{name}: blend-lookup {got}, want {want}"
+        assert blend(coord, query, salt="other") == [], "another salt must match nothing"
+        blended += 1
     # One server clears its L1: the coordinator forgets its placements, keeps the others'.
     name0, _, http0 = servers[0]
     call(f"{http0}/cache/clear", {})
@@ -126,7 +158,7 @@ def main():
     for s, (name, _, _) in enumerate(servers[1:], start=1):
         assert placed(coord, s, 0) == [{name}, {name}], f"{name} lost its placements"
     print(f"coordinator ({kind}): {len(servers)} server(s) x {SEQS} sequences placed on the "
-          f"servers that stored them; a clear was forgotten")
+          f"servers that stored them ({blended} checked by blend-lookup); a clear was forgotten")
 
 
 if __name__ == "__main__":

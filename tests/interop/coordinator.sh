@@ -4,8 +4,10 @@
 #   1. LMCache's `lmcache server` reports into `lmcache-rs coordinator`;
 #   2. `lmcache-rs server` reports into LMCache's `lmcache coordinator`;
 #   3. a mixed fleet (one of each) reports into `lmcache-rs coordinator`;
-# and each time every stored chunk must be placed on the server that stored it; LMCache's own
-# `lmcache query coordinator` reads ours.
+# and each time every stored chunk must be placed on the server that stored it, and those an
+# lmcache-rs server stored found by CacheBlend's /directory/blend-lookup (both coordinators run
+# with --enable-blend-lookup); LMCache's own `lmcache query coordinator` reads ours. Then both coordinators get the same cache events and
+# must answer every CacheBlend /directory/blend-lookup identically (blend_parity.py).
 # Usage: tests/interop/coordinator.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,10 +34,10 @@ wait_http() { # url log
 start_coordinator() { # kind -> $cport
   cport=$(free_port)
   if [ "$1" = lmcache-rs ]; then
-    "$BIN" coordinator --host 127.0.0.1 --port "$cport" --exit-after-seconds 600 \
+    "$BIN" coordinator --host 127.0.0.1 --port "$cport" --exit-after-seconds 600 --enable-blend-lookup \
         > "$WORK/coordinator-$cport.log" 2>&1 &
   else
-    timeout 600 "$VENV/bin/lmcache" coordinator --host 127.0.0.1 --port "$cport" \
+    timeout 600 "$VENV/bin/lmcache" coordinator --host 127.0.0.1 --port "$cport" --enable-blend-lookup \
         > "$WORK/coordinator-$cport.log" 2>&1 &
   fi
   pids+=($!)
@@ -95,4 +97,23 @@ run_case() { # title coordinator-kind server-kinds...
 run_case "LMCache's server into lmcache-rs coordinator" lmcache-rs lmcache
 run_case "lmcache-rs server into LMCache's coordinator" lmcache lmcache-rs
 run_case "mixed fleet into lmcache-rs coordinator" lmcache-rs lmcache lmcache-rs
-echo "coordinator interop: 3 passed"
+echo "== CacheBlend blend-lookup: LMCache's coordinator and lmcache-rs on the same events"
+bports=()
+for kind in lmcache lmcache-rs; do
+  p=$(free_port); bports+=("$p")
+  if [ "$kind" = lmcache-rs ]; then
+    "$BIN" coordinator --host 127.0.0.1 --port "$p" --chunk-size 4 --enable-blend-lookup \
+        --exit-after-seconds 600 > "$WORK/blend-$kind.log" 2>&1 &
+  else
+    timeout 600 "$VENV/bin/lmcache" coordinator --host 127.0.0.1 --port "$p" --chunk-size 4 \
+        --enable-blend-lookup > "$WORK/blend-$kind.log" 2>&1 &
+  fi
+  pids+=($!)
+  wait_http "http://127.0.0.1:$p/healthz" "$WORK/blend-$kind.log"
+done
+if ! "$VENV/bin/python" tests/interop/blend_parity.py "http://127.0.0.1:${bports[0]}" \
+    "http://127.0.0.1:${bports[1]}" > "$WORK/blend-check.log" 2>&1; then
+  echo "FAILED: blend parity"; tail -20 "$WORK/blend-check.log"; exit 1
+fi
+tail -1 "$WORK/blend-check.log"
+echo "coordinator interop: 4 passed"

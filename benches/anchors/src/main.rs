@@ -92,7 +92,7 @@ fn main() {
     // lmcache-rs
     let ours = {
         let r0 = rss();
-        let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0 });
+        let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0, blend: None });
         let ns = d
             .namespace(&Namespace {
                 model: "m".into(),

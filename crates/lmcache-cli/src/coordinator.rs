@@ -40,10 +40,12 @@ pub struct CoordinatorArgs {
     /// past it new chunks are indexed without their tokens.
     #[arg(long, default_value_t = 262_144)]
     pub max_token_bindings: usize,
-    /// Index stored chunk content for /directory/blend-lookup (not available yet: refused).
+    /// Index stored chunk content for CacheBlend's /directory/blend-lookup (each chunk costs
+    /// its token binding; see --max-token-bindings).
     #[arg(long)]
     pub enable_blend_lookup: bool,
-    /// Positions between CacheBlend probes (used with --enable-blend-lookup).
+    /// Query positions between CacheBlend probes (1 finds every match; used with
+    /// --enable-blend-lookup).
     #[arg(long, default_value_t = 1)]
     pub blend_probe_stride: usize,
     /// File to checkpoint the coordinator's state to (registry, stream cursors, capacity
@@ -101,12 +103,9 @@ fn seconds(name: &str, v: f64) -> anyhow::Result<Duration> {
 }
 
 fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
-    if a.enable_blend_lookup {
-        bail!(
-            "--enable-blend-lookup: the fleet fingerprint directory is not available in lmcache-rs yet"
-        );
+    if a.blend_probe_stride < 1 {
+        bail!("--blend-probe-stride: must be >= 1 (got {})", a.blend_probe_stride);
     }
-
     if a.otlp_endpoint.is_some() {
         bail!("--otlp-endpoint: metrics are served for Prometheus on /metrics only");
     }
@@ -147,6 +146,8 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         chunk_size: a.chunk_size,
         hash_algorithm: a.hash_algorithm.clone(),
         max_token_bindings: a.max_token_bindings,
+        enable_blend_lookup: a.enable_blend_lookup,
+        blend_probe_stride: a.blend_probe_stride,
         checkpoint_path: a.checkpoint_path.clone(),
         checkpoint_interval: seconds("checkpoint-interval", a.checkpoint_interval)?,
         metadata_path: a.metadata_path.clone(),

@@ -20,6 +20,11 @@ pub struct CoordinatorConfig {
     pub hash_algorithm: String,
     /// Chunk hashes whose tokens are kept for answers that echo them.
     pub max_token_bindings: usize,
+    /// Index stored chunk contents for `/directory/blend-lookup` (LMCache's
+    /// `--enable-blend-lookup`, off by default).
+    pub enable_blend_lookup: bool,
+    /// Query positions between blend probes (1: every position).
+    pub blend_probe_stride: usize,
     /// The checkpoint file (registry, stream cursors, declarations, directory): restored at
     /// start, written every `checkpoint_interval` and at stop. `None`: no checkpoint.
     pub checkpoint_path: Option<PathBuf>,
@@ -50,6 +55,8 @@ impl Default for CoordinatorConfig {
             chunk_size: 256,
             hash_algorithm: "blake3".into(),
             max_token_bindings: 262_144,
+            enable_blend_lookup: false,
+            blend_probe_stride: 1,
             checkpoint_path: None,
             checkpoint_interval: Duration::from_secs(60),
             metadata_path: None,
@@ -58,6 +65,19 @@ impl Default for CoordinatorConfig {
             trigger_watermark: 1.0,
             metrics_enabled: true,
             event_transport: crate::transport::EventTransport::Http,
+        }
+    }
+}
+
+impl CoordinatorConfig {
+    /// The directory's settings these imply.
+    pub fn directory(&self) -> lmcache_directory::DirectoryConfig {
+        lmcache_directory::DirectoryConfig {
+            max_token_bindings: self.max_token_bindings,
+            blend: self.enable_blend_lookup.then_some(lmcache_directory::BlendConfig {
+                chunk_size: self.chunk_size,
+                probe_stride: self.blend_probe_stride,
+            }),
         }
     }
 }

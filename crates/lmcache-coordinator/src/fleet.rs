@@ -11,8 +11,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lmcache_core::{KvRank, TokenHasher};
 use lmcache_directory::{
-    DirKey, Directory, DirectoryConfig, Entry, EventKind, KeyFilter, Namespace, PlacementView,
-    PrefixRun, RunQuery, Tier,
+    DirKey, Directory, Entry, EventKind, KeyFilter, Namespace, PlacementView, PrefixRun, RunQuery,
+    Tier,
 };
 use lmcache_protocol::coordinator::{
     CacheEventBatch, CacheEventType, CacheEventsResponse, DirectoryKeyInfo, DirectoryKeyPlacements,
@@ -234,7 +234,7 @@ impl Fleet {
         }
         let hasher = TokenHasher::new(config.chunk_size)
             .map_err(|e| FleetError::BadRequest(format!("chunk_size: {e}")))?;
-        let dir = Directory::new(DirectoryConfig { max_token_bindings: config.max_token_bindings });
+        let dir = Directory::new(config.directory());
         Ok(Self {
             config,
             hasher,
@@ -746,6 +746,7 @@ impl Fleet {
         let streams = self.streams();
         let v = self.views.lock();
         let st = v.dir.stats();
+        let blend = v.dir.blend_stats();
         let by_instance: serde_json::Map<String, serde_json::Value> = v
             .dir
             .l1_keys_by_instance()
@@ -756,7 +757,14 @@ impl Fleet {
             "num_keys": st.keys,
             "num_placements": st.l1.count + st.l2.count,
             "l1_keys_by_instance": by_instance,
-            "blend": {"num_contents": 0, "num_chunks": 0, "num_claims": 0, "num_namespaces": 0, "table_size": 0},
+            "blend": {
+                "num_contents": blend.num_contents,
+                "num_chunks": blend.num_chunks,
+                "num_claims": blend.num_claims,
+                "num_namespaces": blend.num_namespaces,
+                "table_size": blend.table_size,
+                "crowded": blend.crowded,
+            },
             "l1_count": st.l1.count,
             "l1_size_bytes": st.l1.bytes,
             "l2_count": st.l2.count,
@@ -765,6 +773,18 @@ impl Fleet {
             "token_bindings_dropped": st.token_bindings_dropped,
             "streams": streams,
         })
+    }
+
+    /// The chunks stored under (`model`, `cache_salt`, `world_size`) found inside `tokens`
+    /// (empty unless blend lookup is enabled).
+    pub fn blend_matches(
+        &self,
+        tokens: &[u32],
+        model: &str,
+        cache_salt: &str,
+        world_size: u32,
+    ) -> Vec<lmcache_directory::BlendMatch> {
+        self.views.lock().dir.blend_matches(tokens, model, cache_salt, world_size)
     }
 
     /// Placement totals per tier: ((l1 count, l1 bytes), (l2 count, l2 bytes)), and keys.
@@ -1147,11 +1167,8 @@ impl Fleet {
         let (header, image) = crate::checkpoint::unframe(bytes)?;
         let h: CheckpointHeader =
             serde_json::from_slice(header).map_err(|e| Corrupt(format!("header: {e}")))?;
-        let dir = Directory::decode(
-            image,
-            DirectoryConfig { max_token_bindings: self.config.max_token_bindings },
-        )
-        .map_err(|e| Corrupt(format!("directory: {e}")))?;
+        let dir = Directory::decode(image, self.config.directory())
+            .map_err(|e| Corrupt(format!("directory: {e}")))?;
         let now = Instant::now();
         let stats = RestoreStats {
             instances: h.registry.len(),

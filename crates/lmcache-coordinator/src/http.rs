@@ -264,15 +264,56 @@ struct BlendLookupRequest {
     tokens_b64: String,
     #[serde(default)]
     model_name: String,
+    #[serde(default = "one_u")]
+    world_size: u32,
+    #[serde(default)]
+    cache_salt: String,
 }
 
-/// The fingerprint directory is not built yet: like LMCache's with blend lookup disabled,
-/// every query matches nothing (but bodies are still checked).
+/// The most tokens one blend query may carry (LMCache's lookup cap).
+const MAX_BLEND_TOKENS: usize = 1_000_000;
+
+/// `tokens_b64` as LMCache packs it: base64 of little-endian `u32` token ids.
+fn decode_tokens(b64: &str) -> Result<Vec<u32>, String> {
+    use base64::Engine as _;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(b64)
+        .map_err(|e| format!("tokens_b64 is not valid base64: {e}"))?;
+    if raw.len() % 4 != 0 {
+        return Err(format!(
+            "tokens_b64 byte length {} is not a multiple of 4 (malformed uint32 token buffer)",
+            raw.len()
+        ));
+    }
+    if raw.len() / 4 > MAX_BLEND_TOKENS {
+        return Err(format!("tokens_b64: {} tokens, more than {MAX_BLEND_TOKENS}", raw.len() / 4));
+    }
+    Ok(raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+}
+
+/// CacheBlend's fragment lookup: the stored chunks of the caller's namespace whose tokens
+/// occur anywhere in the query, each verified token-exactly, with where each sat when stored
+/// (`old_st`) and where it sits in the query (`cur_st`). Empty unless the coordinator runs
+/// with `--enable-blend-lookup`, as LMCache's.
 async fn blend_lookup(State(s): State<Shared>, Body(req): Body<BlendLookupRequest>) -> Response {
+    let tokens = match decode_tokens(&req.tokens_b64) {
+        Ok(t) => t,
+        Err(e) => return fail(&s, FleetError::Invalid(e)),
+    };
     if !req.tokens_b64.is_empty() && req.model_name.is_empty() {
         return fail(&s, FleetError::Invalid("'model_name' is required with 'tokens_b64'".into()));
     }
-    Json(json!({"matches": []})).into_response()
+    if req.world_size < 1 {
+        return fail(&s, FleetError::Invalid("world_size: must be >= 1".into()));
+    }
+    let matches = tokio::task::block_in_place(|| {
+        s.blend_matches(&tokens, &req.model_name, &req.cache_salt, req.world_size)
+    });
+    let matches: Vec<serde_json::Value> = matches
+        .iter()
+        .map(|m| json!({"chunk_hash": hex::encode(m.chunk_hash), "old_st": m.old_st, "cur_st": m.cur_st}))
+        .collect();
+    Json(json!({"matches": matches})).into_response()
 }
 
 fn half() -> f64 {

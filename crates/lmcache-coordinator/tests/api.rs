@@ -653,3 +653,87 @@ fn token_lookups_reach_the_other_object_groups_the_directory_holds() {
         v["results"].as_array().unwrap().iter().all(|r| r["placements"][0]["instance_id"] == "a")
     );
 }
+
+fn b64_tokens(tokens: &[u32]) -> String {
+    use base64::Engine as _;
+    let raw: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+    base64::engine::general_purpose::STANDARD.encode(raw)
+}
+
+#[test]
+fn blend_lookups_find_stored_chunks_anywhere_token_exactly_and_per_namespace() {
+    let api = Api::start(CoordinatorConfig {
+        chunk_size: 4,
+        enable_blend_lookup: true,
+        ..CoordinatorConfig::default()
+    });
+    api.register("a");
+    let stored = |salt: &str, b: u8, rank: u32, tokens: &[u32], offset: i64| {
+        json!({"key": {"chunk_hash_hex": hex(b), "model_name": "m", "kv_rank": 2 << 24 | rank << 16 | 2 << 8 | rank, "cache_salt": salt},
+               "size_bytes": 100, "token_ids": tokens, "token_offset": offset})
+    };
+    let store = |seq: u64, ty: &str, entries: Vec<Value>| {
+        api.events(json!([{"instance_id": "a", "incarnation": 1, "seq": seq, "event_type": ty,
+                           "tier": "l1", "backend": "dram", "entries": entries}]));
+    };
+    // Two ranks of chunk 1 under salt t, chunk 2 under salt u, chunk 3 with no position.
+    store(
+        1,
+        "store",
+        vec![
+            stored("t", 1, 0, &[10, 11, 12, 13], 4),
+            stored("t", 1, 1, &[10, 11, 12, 13], 4),
+            stored("u", 2, 0, &[20, 21, 22, 23], 8),
+            stored("t", 3, 0, &[30, 31, 32, 33], -1),
+        ],
+    );
+    let lookup = |salt: &str, q: &[u32]| {
+        let (s, v) = api.post(
+            "/directory/blend-lookup",
+            json!({"tokens_b64": b64_tokens(q), "model_name": "m", "world_size": 2, "cache_salt": salt}),
+        );
+        assert_eq!(s, 200, "{v}");
+        v["matches"].as_array().unwrap().clone()
+    };
+    let q = [7, 20, 21, 22, 23, 10, 11, 12, 13, 30, 31, 32, 33, 10, 11, 12, 13];
+    assert_eq!(
+        lookup("t", &q),
+        vec![json!({"chunk_hash": hex(1), "old_st": 4, "cur_st": 5})],
+        "salt t: its chunk once, not u's, not the one without a position"
+    );
+    assert_eq!(lookup("u", &q), vec![json!({"chunk_hash": hex(2), "old_st": 8, "cur_st": 1})]);
+    assert!(lookup("t", &[10, 11, 12, 14, 10]).is_empty(), "a near miss is no match");
+    let (_, st) = api.get("/directory/stats");
+    assert_eq!(st["blend"]["num_contents"], 2, "{st}");
+    assert_eq!(st["blend"]["num_claims"], 3, "{st}");
+    assert_eq!(st["blend"]["num_namespaces"], 2, "{st}");
+    // One rank leaving keeps the claim; the last one drops it.
+    store(2, "delete", vec![stored("t", 1, 0, &[], -1)]);
+    assert_eq!(lookup("t", &q).len(), 1);
+    store(3, "delete", vec![stored("t", 1, 1, &[], -1)]);
+    assert!(lookup("t", &q).is_empty());
+    for (body, what) in [
+        (json!({"tokens_b64": "***", "model_name": "m"}), "base64"),
+        (json!({"tokens_b64": "AAA=", "model_name": "m"}), "multiple of 4"),
+        (json!({"tokens_b64": b64_tokens(&[1]), "model_name": ""}), "model_name"),
+        (json!({"tokens_b64": b64_tokens(&[1]), "model_name": "m", "world_size": 0}), "world_size"),
+    ] {
+        let (s, v) = api.post("/directory/blend-lookup", body);
+        assert_eq!(s, 422, "{what}: {v}");
+        assert!(v.to_string().contains(what), "{what}: {v}");
+    }
+}
+
+#[test]
+fn blend_lookups_match_nothing_unless_enabled() {
+    let api = Api::start(CoordinatorConfig { chunk_size: 4, ..CoordinatorConfig::default() });
+    api.register("a");
+    api.events(json!([{"instance_id": "a", "incarnation": 1, "seq": 1, "event_type": "store",
+        "tier": "l1", "backend": "dram", "entries": [{"key": key(1), "size_bytes": 1,
+        "token_ids": [1, 2, 3, 4], "token_offset": 0}]}]));
+    let (s, v) = api.post(
+        "/directory/blend-lookup",
+        json!({"tokens_b64": b64_tokens(&[1, 2, 3, 4]), "model_name": "m"}),
+    );
+    assert_eq!((s, v), (200, json!({"matches": []})));
+}

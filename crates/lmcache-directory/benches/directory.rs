@@ -63,7 +63,7 @@ fn main() {
         })
         .collect();
     let memberships = servers * seqs * LEN;
-    let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0 });
+    let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0, blend: None });
     let ns = d
         .namespace(&Namespace {
             model: "m".into(),
@@ -115,7 +115,8 @@ fn main() {
     d.encode(&mut image);
     let enc = t.elapsed();
     let t = Instant::now();
-    let restored = Directory::decode(&image, DirectoryConfig { max_token_bindings: 0 }).unwrap();
+    let restored =
+        Directory::decode(&image, DirectoryConfig { max_token_bindings: 0, blend: None }).unwrap();
     let dec = t.elapsed();
     assert_eq!(restored.stats(), d.stats());
     drop(restored);

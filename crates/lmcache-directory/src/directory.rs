@@ -6,6 +6,7 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use crate::DirectoryError;
+use crate::blend::{BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats};
 use crate::ids::{DirKey, InstanceId, Interner, Namespace, NsId, Site, SiteId, Tier};
 use crate::tokens::{Bindings, TokenBinding};
 
@@ -14,11 +15,13 @@ use crate::tokens::{Bindings, TokenBinding};
 pub struct DirectoryConfig {
     /// Chunk hashes whose tokens are kept (each costs its tokens: 1 KiB for 256 tokens).
     pub max_token_bindings: usize,
+    /// Index chunk contents for fragment (CacheBlend) lookups; off when `None`.
+    pub blend: Option<BlendConfig>,
 }
 
 impl Default for DirectoryConfig {
     fn default() -> Self {
-        Self { max_token_bindings: 262_144 }
+        Self { max_token_bindings: 262_144, blend: None }
     }
 }
 
@@ -167,6 +170,11 @@ pub struct Directory {
     /// Per namespace: bytes in L1 and L2.
     ns_bytes: Vec<[u64; 2]>,
     bindings: Bindings,
+    /// The fingerprint index over the bindings, when enabled.
+    blend: Option<BlendIndex>,
+    /// Per namespace: its blend namespace (model, salt, world size), interned.
+    blend_ns: Vec<BlendNs>,
+    blend_names: Interner<(Arc<str>, Arc<str>, u32)>,
     stats: DirectoryStats,
 }
 
@@ -191,6 +199,9 @@ impl Directory {
             site_owners: Vec::new(),
             ns_bytes: Vec::new(),
             bindings: Bindings::new(config.max_token_bindings),
+            blend: config.blend.map(BlendIndex::new),
+            blend_ns: Vec::new(),
+            blend_names: Interner::new("blend namespace"),
             stats: DirectoryStats::default(),
         }
     }
@@ -200,6 +211,12 @@ impl Directory {
         let id = self.namespaces.intern(ns)?;
         if self.ns_bytes.len() <= id as usize {
             self.ns_bytes.resize(id as usize + 1, [0; 2]);
+            let b = self.blend_names.intern(&(
+                ns.model.clone(),
+                ns.cache_salt.clone(),
+                ns.world_size(),
+            ))?;
+            self.blend_ns.resize(id as usize + 1, b);
         }
         Ok(NsId(id))
     }
@@ -380,8 +397,14 @@ impl Directory {
         // the chunk stored since holds a reference.
         if !record.bound && (!e.tokens.is_empty() || self.bindings.holds(&e.key.hash)) {
             record.bound = self.bindings.add_ref(&e.key.hash, e.tokens, e.token_offset);
+            if record.bound {
+                self.blend_claim(&e.key);
+            }
         } else if record.bound && !e.tokens.is_empty() {
             self.bindings.set(&e.key.hash, e.tokens, e.token_offset);
+            if let (Some(blend), Some(b)) = (self.blend.as_mut(), self.bindings.get(&e.key.hash)) {
+                blend.sync(&e.key.hash, &b.tokens, b.offset, false);
+            }
         }
         delta
     }
@@ -396,6 +419,7 @@ impl Directory {
             self.stats.keys -= 1;
             if bound {
                 self.bindings.release(&key.hash);
+                self.blend_release(key);
             }
         }
         self.account(site, tier, -1, -(gone.size as i64));
@@ -424,7 +448,7 @@ impl Directory {
         }
         let mut removed: Vec<(SiteId, NsId, u64)> = Vec::new();
         let mut emptied = 0u64;
-        let mut released: Vec<[u8; 32]> = Vec::new();
+        let mut released: Vec<DirKey> = Vec::new();
         self.table.retain(|key, record| {
             if keep(key) {
                 return true;
@@ -439,7 +463,7 @@ impl Directory {
             if record.placements.is_empty() {
                 emptied += 1;
                 if record.bound {
-                    released.push(key.hash);
+                    released.push(*key);
                 }
                 false
             } else {
@@ -453,8 +477,9 @@ impl Directory {
             }
         }
         self.stats.keys -= emptied;
-        for h in &released {
-            self.bindings.release(h);
+        for k in &released {
+            self.bindings.release(&k.hash);
+            self.blend_release(k);
         }
         removed.len() as u64
     }
@@ -804,7 +829,58 @@ impl Directory {
         for _ in 1..holders.len() {
             self.bindings.add_ref(hash, &[], -1);
         }
+        for ns in holders {
+            self.blend_claim(&DirKey { hash: *hash, ns: *ns });
+        }
         true
+    }
+
+    /// A newly bound key claims its chunk for its blend namespace.
+    fn blend_claim(&mut self, key: &DirKey) {
+        let (Some(blend), Some(b)) = (self.blend.as_mut(), self.bindings.get(&key.hash)) else {
+            return;
+        };
+        if let Some(&ns) = self.blend_ns.get(key.ns.0 as usize) {
+            blend.claim(&key.hash, ns, &b.tokens, b.offset);
+        }
+    }
+
+    /// A bound key left: its blend namespace holds one key fewer of the chunk.
+    fn blend_release(&mut self, key: &DirKey) {
+        if let (Some(blend), Some(&ns)) =
+            (self.blend.as_mut(), self.blend_ns.get(key.ns.0 as usize))
+        {
+            blend.release(&key.hash, ns);
+        }
+    }
+
+    /// Chunks stored under (`model`, `cache_salt`, `world_size`) whose tokens occur in
+    /// `query`, verified token-exactly, ascending by query position (empty when the index
+    /// is off or the namespace holds nothing).
+    pub fn blend_matches(
+        &self,
+        query: &[u32],
+        model: &str,
+        cache_salt: &str,
+        world_size: u32,
+    ) -> Vec<BlendMatch> {
+        let Some(blend) = &self.blend else { return Vec::new() };
+        let Some(ns) =
+            self.blend_names.find(&(Arc::from(model), Arc::from(cache_salt), world_size))
+        else {
+            return Vec::new();
+        };
+        blend.matches(query, ns)
+    }
+
+    /// The fingerprint index's totals (zeros when it is off).
+    pub fn blend_stats(&self) -> BlendStats {
+        self.blend.as_ref().map(BlendIndex::stats).unwrap_or_default()
+    }
+
+    /// Whether fragment lookups are indexed.
+    pub fn blend_enabled(&self) -> bool {
+        self.blend.is_some()
     }
 
     /// Approximate bytes the table itself uses (keys, records, slack; not spilled vectors).

@@ -17,12 +17,14 @@
 //! Fencing an instance (restart, lost heartbeat) drops its L1 placements only; L2 placements
 //! live on persistent storage and leave through delete events.
 
+mod blend;
 mod directory;
 mod ids;
 mod persist;
 mod runs;
 mod tokens;
 
+pub use blend::{BlendConfig, BlendMatch, BlendStats, MAX_CONTENTS_PER_FINGERPRINT};
 pub use directory::{
     Directory, DirectoryConfig, DirectoryStats, Entry, EventKind, KeyFilter, PlacementView,
     SiteStats,

@@ -4,12 +4,13 @@
 //! allows "empty when unknown"), counted.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// The tokens of one chunk hash.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenBinding {
     /// The chunk's token ids (empty when unknown).
-    pub tokens: Box<[u32]>,
+    pub tokens: Arc<[u32]>,
     /// Position of its first token in the sequence it was stored under; -1 when unknown.
     pub offset: i64,
     /// Keys (ranks, groups) with this chunk hash that the directory holds.
@@ -69,8 +70,11 @@ impl Bindings {
         let Some(b) = self.map.get_mut(hash) else { return };
         if *b.tokens != *tokens {
             b.tokens = tokens.into();
+            b.offset = offset;
+        } else if offset >= 0 {
+            // The same tokens reported without their position keep the known one.
+            b.offset = offset;
         }
-        b.offset = offset;
     }
 
     pub(crate) fn get(&self, hash: &[u8; 32]) -> Option<&TokenBinding> {
