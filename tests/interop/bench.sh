@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Interop with LMCache 0.5.6's own clients, from the cached virtualenv:
 # - `lmcache bench server --mode cpu` against `lmcache-rs server`, both transfer modes, tp 1
-#   and 2, plus an MLA bfloat16 model at tp 2, 20 sequences, --interval 0: every cold lookup
-#   must miss, every warm lookup must be a full hit, every checksum must match;
+#   and 2, plus an MLA bfloat16 model at tp 2 and two hybrid models (several KV groups: fp16
+#   MLA + fp16 K/V, and bf16 K/V + uint8 (FP8) MLA + fp16 K/V) at tp 1 and 2, 20 sequences,
+#   --interval 0: every cold lookup must miss, every warm lookup must be a full hit, every
+#   checksum must match;
 # - vLLM's MP adapters (tests/interop/vllm_adapters.py) in both transfer modes.
 # Usage: tests/interop/bench.sh PATH/TO/lmcache-rs
 set -euo pipefail
@@ -26,6 +28,11 @@ CASES=(
   "engine_driven-tp2 engine_driven 2"
   "lmcache_driven-mla-tp2 lmcache_driven 2 --use-mla --kvcache-shape-spec (1,1024,16,1,576):bfloat16:8"
   "engine_driven-mla-tp2 engine_driven 2 --use-mla --kvcache-shape-spec (1,1024,16,1,576):bfloat16:8"
+  # Hybrid models: several KV groups in one registration (one object per chunk holding all).
+  "lmcache_driven-hybrid-tp1 lmcache_driven 1 --kvcache-shape-spec (1,1024,16,1,128):float16:4;(2,1024,16,8,128):float16:12"
+  "lmcache_driven-hybrid-tp2 lmcache_driven 2 --kvcache-shape-spec (1,1024,16,1,128):float16:4;(2,1024,16,8,128):float16:12"
+  "lmcache_driven-mixed-tp1 lmcache_driven 1 --kvcache-shape-spec (2,1024,16,8,128):bfloat16:6;(1,1024,16,1,576):uint8:2;(2,1024,16,4,64):float16:4"
+  "lmcache_driven-mixed-tp2 lmcache_driven 2 --kvcache-shape-spec (2,1024,16,8,128):bfloat16:6;(1,1024,16,1,576):uint8:2;(2,1024,16,4,64):float16:4"
 )
 for case in "${CASES[@]}"; do
     read -r name mode tp extra <<< "$case"

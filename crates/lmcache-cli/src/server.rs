@@ -60,6 +60,11 @@ pub struct ServerArgs {
     /// Block id marking unallocated blocks (chunks of only null blocks are not stored).
     #[arg(long, default_value_t = 0)]
     pub null_block_id: u64,
+    /// Store a hybrid model's KV groups as separate objects, one per sliding-window size and
+    /// for recurrent state, so a hit needs only each group's window (LMCache's flag). Off: one
+    /// object per chunk holding every group, served as full attention.
+    #[arg(long)]
+    pub separate_object_groups: bool,
     /// Threads per large server-side copy (lmcache-driven). On 2 cores, 1 measured fastest.
     #[arg(long, default_value_t = 1)]
     pub copy_threads: usize,
@@ -356,6 +361,7 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         worker_registration_grace: Duration::from_secs(args.worker_registration_grace_seconds),
         session_ttl: Duration::from_secs(args.session_ttl_seconds.max(1)),
         null_block_id: args.null_block_id,
+        separate_object_groups: args.separate_object_groups,
         kv_event_log_size: if args.disable_observability { 0 } else { args.kv_event_log_size },
         event_bus_queue_size: if args.disable_observability {
             0

@@ -295,9 +295,25 @@ pub struct EngineGroupInfo {
     pub tokens_per_block: u64,
     /// Sliding window in tokens, -1 for full attention.
     pub sw_size_tokens: i64,
+    /// Connector-private extra object group tag (0: a regular group).
+    pub extra_object_group_tag: i64,
+    /// The group's pages hold recurrent state (Mamba, linear attention), not attention KV.
+    pub recurrent_state: bool,
 }
 
 impl EngineGroupInfo {
+    /// A plain full-attention group over `layer_indices`.
+    pub fn full(engine_group_id: i64, layer_indices: Vec<u64>, tokens_per_block: u64) -> Self {
+        Self {
+            engine_group_id,
+            layer_indices,
+            tokens_per_block,
+            sw_size_tokens: -1,
+            extra_object_group_tag: 0,
+            recurrent_state: false,
+        }
+    }
+
     /// The map LMCache's client sends; [`Self::decode`] of it gives back `self`.
     pub fn encode(&self) -> Value {
         map(vec![
@@ -308,6 +324,8 @@ impl EngineGroupInfo {
             ),
             ("tokens_per_block", Value::from(self.tokens_per_block)),
             ("sw_size_tokens", Value::from(self.sw_size_tokens)),
+            ("extra_object_group_tag", Value::from(self.extra_object_group_tag)),
+            ("recurrent_state", Value::from(self.recurrent_state)),
         ])
     }
 
@@ -327,6 +345,14 @@ impl EngineGroupInfo {
             sw_size_tokens: match f.get("sw_size_tokens") {
                 Some(v) => value::int(&f.path("sw_size_tokens"), v)?,
                 None => -1,
+            },
+            extra_object_group_tag: match f.get("extra_object_group_tag") {
+                Some(v) => value::int(&f.path("extra_object_group_tag"), v)?,
+                None => 0,
+            },
+            recurrent_state: match f.get("recurrent_state") {
+                Some(v) => value::bool_(&f.path("recurrent_state"), v)?,
+                None => false,
             },
         })
     }
@@ -740,9 +766,17 @@ mod tests {
             engine_group_id: 1,
             layer_indices: vec![0, 2],
             tokens_per_block: 16,
-            sw_size_tokens: -1,
+            sw_size_tokens: 512,
+            extra_object_group_tag: 0,
+            recurrent_state: true,
         };
         assert_eq!(EngineGroupInfo::decode("g", &g.encode()).unwrap(), g);
+        // Fields an older client leaves out take msgspec's defaults.
+        let old = map(vec![("engine_group_id", Value::from(0))]);
+        assert_eq!(
+            EngineGroupInfo::decode("g", &old).unwrap(),
+            EngineGroupInfo::full(0, vec![], 0)
+        );
         assert!(IpcDescriptor::decode("x", &Value::Ext(2, vec![])).is_err());
         assert!(IpcDescriptor::decode("x", &Value::Ext(1, vec![0xc1])).is_err());
     }

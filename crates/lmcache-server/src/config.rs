@@ -32,6 +32,10 @@ pub struct ServerConfig {
     pub session_ttl: Duration,
     /// Block id that marks an unallocated block (all-null chunks are skipped).
     pub null_block_id: u64,
+    /// Store each hybrid model's kernel groups as separate object groups, bucketed by
+    /// sliding window and recurrent state (LMCache's `--separate-object-groups`); off: one
+    /// full-attention object per chunk.
+    pub separate_object_groups: bool,
     /// Threads per large lmcache-driven copy (1: the transfer thread copies alone).
     pub copy_threads: usize,
     /// KV event records kept for `subscribe_kv_events` (0 disables the channel).
@@ -74,6 +78,7 @@ impl ServerConfig {
             worker_registration_grace: Duration::from_secs(3600),
             session_ttl: Duration::from_secs(600),
             null_block_id: 0,
+            separate_object_groups: false,
             copy_threads: 1,
             kv_event_log_size: 32768,
             event_bus_queue_size: 10_000,

@@ -19,6 +19,7 @@ pub mod fleet_report;
 pub mod handlers;
 pub mod http;
 pub mod kv_events;
+pub mod kv_groups;
 pub mod metrics;
 pub mod registry;
 pub mod server;

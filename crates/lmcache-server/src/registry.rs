@@ -46,6 +46,69 @@ impl ObjectLayout {
     }
 }
 
+/// One stored object of an object group: its kernel groups' parts back to back, each a
+/// dense `[kv, layers, slots, hidden]` tensor of its own dtype, in kernel-group order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectShape {
+    /// The parts (never empty).
+    pub parts: Vec<ObjectLayout>,
+    /// Chunks a prefix needs from this group: `None` for full attention (all of them),
+    /// `Some(w)` for a sliding window of `w` chunks (1 for recurrent state).
+    pub window_chunks: Option<u64>,
+    /// Whether the group holds recurrent state (Mamba, linear attention).
+    pub recurrent: bool,
+}
+
+impl ObjectShape {
+    /// One full-attention part.
+    pub fn single(layout: ObjectLayout) -> Self {
+        Self { parts: vec![layout], window_chunks: None, recurrent: false }
+    }
+
+    /// Bytes of one object; `None` on overflow.
+    pub fn bytes(&self) -> Option<u64> {
+        self.parts.iter().try_fold(0u64, |acc, p| acc.checked_add(p.bytes()?))
+    }
+}
+
+/// A kernel group of an lmcache-driven registration: layers that share one geometry, dtype
+/// and engine block space, moved by one copy loop.
+#[derive(Debug, Clone)]
+pub struct KernelGroup {
+    /// Registered tensor indices, ascending.
+    pub layer_indices: Vec<usize>,
+    /// Their tensors, in the same order.
+    pub layers: Vec<LayerTensor>,
+    /// Their common geometry (`block_size` is physical slots per block).
+    pub geometry: crate::transfer::PagedGeometry,
+    /// MLA (`[NB, BS, D]` per layer).
+    pub mla: bool,
+    /// Which request block-id list it reads (its index in `block_ids`).
+    pub view: usize,
+    /// Logical tokens per engine block.
+    pub tokens_per_block: u64,
+    /// Engine blocks in one chunk.
+    pub blocks_per_chunk: usize,
+    /// The last blocks of each chunk it stores (all of them but for a sliding window smaller
+    /// than a chunk).
+    pub kept_blocks: usize,
+    /// The engine group it lives in.
+    pub engine_group: i64,
+    /// Sliding window in tokens, -1 for none.
+    pub sw_size_tokens: i64,
+    /// Recurrent state pages.
+    pub recurrent: bool,
+    /// LMCache's connector-private extra-group tag (0: regular).
+    pub extra_tag: i64,
+}
+
+/// An object group of an lmcache-driven registration.
+#[derive(Debug, Clone)]
+pub struct ObjectGroup {
+    /// Its kernel groups (indices into the registration's), in layout order.
+    pub kernel_groups: Vec<usize>,
+}
+
 /// One layer's paged KV tensor in a client segment (lmcache-driven, CPU).
 #[derive(Debug, Clone)]
 pub struct LayerTensor {
@@ -62,14 +125,12 @@ pub enum Registration {
     EngineDriven,
     /// The server copies from/to these layer tensors.
     LmcacheDriven {
-        /// One per layer, in layer order.
-        layers: Vec<LayerTensor>,
-        /// Tokens per engine block.
-        block_size: u64,
-        /// MLA (`[NB, BS, D]` per layer).
-        mla: bool,
-        /// Blocks in each layer tensor.
-        num_blocks: u64,
+        /// The kernel groups (LMCache's order: by first layer).
+        kernel_groups: Vec<KernelGroup>,
+        /// The object groups; object group `i` is stored under `object_group_id` `i`.
+        object_groups: Vec<ObjectGroup>,
+        /// Registered layer tensors.
+        num_layers: usize,
     },
 }
 
@@ -80,14 +141,25 @@ pub struct Instance {
     pub model: ModelName,
     /// Its world size.
     pub world_size: u32,
-    /// Its object layout.
-    pub layout: ObjectLayout,
+    /// Its objects, one per object group (never empty).
+    pub objects: Vec<ObjectShape>,
     /// How it transfers.
     pub registration: Registration,
     /// Last request seen from it.
     pub last_seen: Instant,
     /// Proven alive by a ping.
     pub ping_proven: bool,
+}
+
+impl Instance {
+    /// The layout of an instance with one single-part object group (every engine-driven
+    /// one); `None` for a hybrid registration.
+    pub fn single_layout(&self) -> Option<&ObjectLayout> {
+        match self.objects.as_slice() {
+            [o] if o.parts.len() == 1 => o.parts.first(),
+            _ => None,
+        }
+    }
 }
 
 /// A registration the server refused: the worker believes it registered (the reply type is
@@ -218,6 +290,18 @@ impl Registry {
     /// True when some worker registered `(model, world_size)`.
     pub fn has_model(&self, model: &ModelName, world_size: u32) -> bool {
         self.instances.read().values().any(|i| &i.model == model && i.world_size == world_size)
+    }
+
+    /// The windows of the object groups `(model, world_size)` stores (one `None` for a model
+    /// stored as one full-attention object per chunk, the usual case).
+    pub fn object_windows(&self, model: &ModelName, world_size: u32) -> Vec<Option<u64>> {
+        self.instances
+            .read()
+            .values()
+            .filter(|i| &i.model == model && i.world_size == world_size)
+            .map(|i| i.objects.iter().map(|o| o.window_chunks).collect::<Vec<_>>())
+            .max_by_key(Vec::len)
+            .unwrap_or_else(|| vec![None])
     }
 
     /// Drops registrations silent for longer than their timeout; returns how many.

@@ -121,6 +121,7 @@ impl ServerState {
         key: &CacheKey,
         worker_id: u32,
         hashes: &[ChunkHash],
+        object_group_id: u32,
     ) -> Result<Vec<ObjectKey>, ProtocolError> {
         let kv_rank = KvRank::new(key.world_size, worker_id).map_err(|e| {
             ProtocolError::OutOfRange { field: "key.worker_id".into(), reason: e.to_string() }
@@ -131,7 +132,7 @@ impl ServerState {
                 chunk_hash: *h,
                 model_name: key.model_name.clone(),
                 kv_rank,
-                object_group_id: 0,
+                object_group_id,
                 cache_salt: key.cache_salt.clone(),
             })
             .collect())

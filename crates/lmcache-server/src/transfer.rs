@@ -145,24 +145,6 @@ pub struct CpuTransfer<'a> {
 }
 
 impl<'a> CpuTransfer<'a> {
-    /// The transfer over a worker's registered KV cache; `None` unless it registered for
-    /// lmcache-driven transfer.
-    pub fn for_instance(inst: &'a crate::registry::Instance, threads: usize) -> Option<Self> {
-        let crate::registry::Registration::LmcacheDriven { layers, block_size, num_blocks, .. } =
-            &inst.registration
-        else {
-            return None;
-        };
-        let geometry = PagedGeometry {
-            kv: inst.layout.kv,
-            num_blocks: *num_blocks,
-            block_size: *block_size,
-            hidden: inst.layout.hidden,
-            dtype: inst.layout.dtype,
-        };
-        Some(Self { layers, geometry, threads })
-    }
-
     /// Byte offset of block `b` of plane `p` in layer `l`'s segment.
     fn block_offset(&self, l: usize, p: u64, b: u64) -> Result<u64, TransferError> {
         let g = &self.geometry;
@@ -304,30 +286,60 @@ impl KvTransfer for CpuTransfer<'_> {
     }
 }
 
+/// For each registered layer, in order: (kernel group, position in it).
+pub type LayerOrder = Vec<(usize, usize)>;
+
+/// The copy loops of a worker's kernel groups, and for each registered layer in registration
+/// order its (kernel group, position in it); `None` unless it registered for lmcache-driven
+/// transfer. Layers no group holds are left out.
+pub fn kernel_transfers(
+    inst: &crate::registry::Instance,
+    threads: usize,
+) -> Option<(Vec<CpuTransfer<'_>>, LayerOrder)> {
+    let crate::registry::Registration::LmcacheDriven { kernel_groups, .. } = &inst.registration
+    else {
+        return None;
+    };
+    let transfers = kernel_groups
+        .iter()
+        .map(|k| CpuTransfer { layers: &k.layers, geometry: k.geometry, threads })
+        .collect();
+    let mut order: Vec<(usize, usize, usize)> = kernel_groups
+        .iter()
+        .enumerate()
+        .flat_map(|(g, k)| k.layer_indices.iter().enumerate().map(move |(j, &l)| (l, g, j)))
+        .collect();
+    order.sort_unstable();
+    Some((transfers, order.into_iter().map(|(_, g, j)| (g, j)).collect()))
+}
+
 /// LMCache's `POST /cache/checksums`: for each group of `chunk_blocks` blocks, one MD5 over
-/// every layer's gathered blocks (plane-major within a layer), bfloat16 upcast to float32.
+/// every layer's gathered blocks (registration order, plane-major within a layer, each layer
+/// in its own kernel group's geometry), bfloat16 upcast to float32.
 pub fn checksums(
-    t: &CpuTransfer<'_>,
+    groups: &[CpuTransfer<'_>],
+    layers: &[(usize, usize)],
     blocks: &[u64],
     chunk_blocks: usize,
     layerwise: bool,
 ) -> Result<Vec<Vec<String>>, TransferError> {
-    let g = t.geometry;
-    let run = g.block_bytes() as usize;
-    let mut buf = vec![0u8; run];
+    let mut buf = Vec::new();
     let mut upcast = Vec::new();
-    let groups: Vec<&[u64]> = blocks.chunks(chunk_blocks.max(1)).collect();
-    let n_out = if layerwise { t.layers.len() } else { 1 };
-    let mut out = vec![Vec::with_capacity(groups.len()); n_out];
-    for group in &groups {
+    let chunks: Vec<&[u64]> = blocks.chunks(chunk_blocks.max(1)).collect();
+    let n_out = if layerwise { layers.len() } else { 1 };
+    let mut out = vec![Vec::with_capacity(chunks.len()); n_out];
+    for chunk in &chunks {
         let mut md5s = vec![Md5::new(); n_out];
-        for l in 0..t.layers.len() {
-            let h = &mut md5s[if layerwise { l } else { 0 }];
-            for p in 0..g.kv {
-                for &b in group.iter() {
+        for (li, &(g, l)) in layers.iter().enumerate() {
+            let Some(t) = groups.get(g) else { continue };
+            let geo = t.geometry;
+            buf.resize(geo.block_bytes() as usize, 0);
+            let h = &mut md5s[if layerwise { li } else { 0 }];
+            for p in 0..geo.kv {
+                for &b in chunk.iter() {
                     let off = t.block_offset(l, p, b)?;
                     t.layers[l].segment.read(off, &mut buf)?;
-                    if g.dtype == Dtype::BFloat16 {
+                    if geo.dtype == Dtype::BFloat16 {
                         upcast.clear();
                         for pair in buf.chunks_exact(2) {
                             upcast.extend_from_slice(&[0, 0, pair[0], pair[1]]);
@@ -428,10 +440,11 @@ mod tests {
         assert!(t.scatter(&[u64::MAX, 0], 0, &obj).is_err());
         assert!(matches!(t.gather(&[1], &mut obj), Err(TransferError::ObjectSize { .. })));
         // Checksums: one per group, stable.
-        let c = checksums(&t, &[5, 7], 2, false).unwrap();
+        let order = [(0, 0), (0, 1)];
+        let c = checksums(std::slice::from_ref(&t), &order, &[5, 7], 2, false).unwrap();
         assert_eq!(c[0].len(), 1);
-        assert_eq!(c, checksums(&t, &[5, 7], 2, false).unwrap());
-        assert_ne!(c, checksums(&t, &[5, 6], 2, false).unwrap());
+        assert_eq!(c, checksums(std::slice::from_ref(&t), &order, &[5, 7], 2, false).unwrap());
+        assert_ne!(c, checksums(std::slice::from_ref(&t), &order, &[5, 6], 2, false).unwrap());
     }
 
     #[test]

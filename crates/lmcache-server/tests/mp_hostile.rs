@@ -99,16 +99,16 @@ fn unservable_registrations_are_refused_loudly_and_later_ops_name_why() {
     let _owner = ShmSegment::create(&seg, bytes).unwrap();
     let good = [layer(&seg, bytes, 8, 16, 2, 8)];
 
-    // Two KV groups (a hybrid model): refused, not half-registered.
-    let group = |id| EngineGroupInfo {
-        engine_group_id: id,
-        layer_indices: vec![0],
-        tokens_per_block: 16,
-        sw_size_tokens: -1,
-    };
+    // Two KV groups that disagree with the tensors (both claim layer 0; one kernel group
+    // forms): refused, not half-registered.
+    let group = |id| EngineGroupInfo::full(id, vec![0], 16);
     c.register_kv_cache(8, &good, "m", 1, &[group(0), group(1)]).unwrap();
     let reason = refusal(&s, 8).unwrap()["reason"].as_str().unwrap().to_owned();
-    assert!(reason.contains("KV groups"), "{reason}");
+    assert!(reason.contains("engine_group_infos"), "{reason}");
+    // A group naming a layer that was not registered.
+    c.register_kv_cache(8, &good, "m", 1, &[EngineGroupInfo::full(0, vec![0, 3], 16)]).unwrap();
+    let reason = refusal(&s, 8).unwrap()["reason"].as_str().unwrap().to_owned();
+    assert!(reason.contains("layer 3") && reason.contains("1 registered"), "{reason}");
 
     // A shape whose products overflow u64: a refusal naming it (this panicked the transfer
     // thread in debug builds, so the registration and every later transfer of the client
@@ -128,7 +128,7 @@ fn unservable_registrations_are_refused_loudly_and_later_ops_name_why() {
     c.register_kv_cache(9, &[overflow], "m", 1, &[]).unwrap();
     let reason = refusal(&s, 9).unwrap()["reason"].as_str().unwrap().to_owned();
     assert!(reason.contains("overflow"), "{reason}");
-    assert!(metric(&s, "lmcache_rs_refused_registrations_total 3"));
+    assert!(metric(&s, "lmcache_rs_refused_registrations_total 4"));
     assert!(metric(&s, "lmcache_rs_handler_panics_total 0"), "nothing may panic on the way");
 
     // Registering properly clears the refusal; the worker's stores then work.

@@ -1,5 +1,8 @@
 //! The storage controllers of lmcache-rs: the L2 tier joined to L1.
 //!
+//! - [`fold`]: what a hit means for a hybrid model: the longest prefix every object group
+//!   can serve (full attention: every chunk; a window of `w` chunks: its last `w`), and the
+//!   cells that prefix needs.
 //! - [`ledger`]: per adapter, the keys and bytes held per cache_salt, the eviction order,
 //!   admission against capacity and quotas, and pins that keep loads from being evicted.
 //! - [`manager`]: [`StorageManager`], the one owner of L1 and L2 the store path calls:
@@ -14,6 +17,7 @@
 //! - [`prefetch`]: the prefetch controller (lookup → L2 → L1), with an in-flight limit and a
 //!   deadline per request.
 
+pub mod fold;
 pub mod ledger;
 pub mod lookup;
 pub mod manager;

@@ -38,11 +38,30 @@ impl LookupRequest {
 #[derive(Debug, Default)]
 pub struct LookupLeases {
     shards: Vec<Vec<Option<ReadLease>>>,
+    /// Locks on the other object groups' objects a hybrid model's hit needs: held while the
+    /// lookup lives, so its retrieve finds them (it takes locks of its own on them).
+    pinned: Vec<ReadLease>,
 }
 
 impl LookupLeases {
     fn new(world_size: u32) -> Self {
-        Self { shards: (0..world_size).map(|_| Vec::new()).collect() }
+        Self { shards: (0..world_size).map(|_| Vec::new()).collect(), pinned: Vec::new() }
+    }
+
+    /// The leases of the prefix every shard holds (each shard's `per_shard` leases cut to the
+    /// shortest), with that prefix's length.
+    pub fn of_prefix(world_size: u32, per_shard: Vec<(u32, Vec<ReadLease>)>) -> (Self, usize) {
+        Self::common_prefix(world_size, per_shard)
+    }
+
+    /// Holds `leases` for as long as the lookup lives.
+    pub fn pin(&mut self, leases: impl IntoIterator<Item = ReadLease>) {
+        self.pinned.extend(leases);
+    }
+
+    /// Locks held on other object groups' objects.
+    pub fn pinned(&self) -> usize {
+        self.pinned.len()
     }
 
     fn extend(&mut self, shard: u32, leases: impl IntoIterator<Item = ReadLease>) {

@@ -14,7 +14,7 @@ use lmcache_protocol::types::{self, CacheKey, EngineDrivenRegistration, SlotDesc
 use lmcache_protocol::{Op, ProtocolError, Request, value};
 use rmpv::Value;
 
-use crate::registry::{Family, Instance, ObjectLayout, Registration};
+use crate::registry::{Family, Instance, ObjectLayout, ObjectShape, Registration};
 use crate::state::{PendingKey, ServerState};
 
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
@@ -89,7 +89,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                 Instance {
                     model: r.model_name.clone(),
                     world_size: r.world_size,
-                    layout,
+                    objects: vec![ObjectShape::single(layout)],
                     registration: Registration::EngineDriven,
                     last_seen: Instant::now(),
                     ping_proven: false,
@@ -165,12 +165,20 @@ fn slot(layout: &ObjectLayout, offset: u64, length: u64) -> SlotDesc {
     SlotDesc { offset, length, shape: layout.shape(), dtype: layout.dtype }
 }
 
+/// An engine-driven instance's object layout (always one single-part group).
+fn layout_of(inst: &Instance) -> Result<ObjectLayout, ProtocolError> {
+    inst.single_layout().copied().ok_or_else(|| ProtocolError::OutOfRange {
+        field: "instance_id".into(),
+        reason: "engine-driven transfer serves one KV group only".into(),
+    })
+}
+
 fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
-    let inst = instance(state, id)?;
+    let layout = layout_of(&instance(state, id)?)?;
     state.metrics.submitted_stores.inc();
-    let size = inst.layout.bytes().unwrap_or(0);
+    let size = layout.bytes().unwrap_or(0);
     let (_, hashes) = state.range_hashes(key);
-    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
+    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, 0)?;
     let reqs: Vec<WriteRequest> = keys.iter().map(|k| WriteRequest::new(k.clone(), size)).collect();
     let mut slots = Vec::new();
     let mut indices = Vec::new();
@@ -180,7 +188,7 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
             Ok(w) => {
                 // Allocate the tmpfs pages here, so the client's copy only maps them.
                 w.prefault();
-                slots.push(slot(&inst.layout, w.offset(), w.len()));
+                slots.push(slot(&layout, w.offset(), w.len()));
                 indices.push(i as u64);
                 leases.push(state.l1().park_write(w));
             }
@@ -236,10 +244,10 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<bool, Pr
 }
 
 fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
-    let inst = instance(state, id)?;
+    let layout = layout_of(&instance(state, id)?)?;
     state.metrics.submitted_retrieves.inc();
     let (first, hashes) = state.range_hashes(key);
-    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
+    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, 0)?;
     // Spend this worker's share of the lookup's locks (a new lock only where it holds none);
     // from here on commit_retrieve releases what this parks, and nothing of the lookup's.
     let shard = key.worker_id.unwrap_or(0) as usize;
@@ -248,7 +256,7 @@ fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Valu
         state.storage.retrieve_leases(spent, &keys).into_iter().collect();
     let pk = PendingKey::new(id, key, &hashes);
     // Each object must have this instance's layout: a slot is the client's copy length.
-    let want = inst.layout.bytes();
+    let want = layout.bytes();
     let leases = match leases {
         Ok(l) if !l.is_empty() && l.iter().all(|x| Some(x.len()) == want) => l,
         Ok(l) if !l.is_empty() => {
@@ -266,8 +274,7 @@ fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Valu
             return Ok(types::PrepareRetrieveResponse::FAILED.encode());
         }
     };
-    let slots: Vec<SlotDesc> =
-        leases.iter().map(|l| slot(&inst.layout, l.offset(), l.len())).collect();
+    let slots: Vec<SlotDesc> = leases.iter().map(|l| slot(&layout, l.offset(), l.len())).collect();
     let parked: Vec<_> = leases.into_iter().map(|l| state.l1().park_read(l)).collect();
     park_retrieve(state, pk, Some(parked));
     Ok(types::PrepareRetrieveResponse { success: true, slots }.encode())

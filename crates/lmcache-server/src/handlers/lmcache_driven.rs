@@ -17,9 +17,9 @@ use lmcache_protocol::types::{self, CacheKey, EngineGroupInfo, IpcDescriptor};
 use lmcache_protocol::{Op, ProtocolError, Request, value};
 use rmpv::Value;
 
-use crate::registry::{Family, Instance, LayerTensor, ObjectLayout, Registration};
+use crate::registry::{Family, Instance, KernelGroup, LayerTensor, Registration};
 use crate::state::ServerState;
-use crate::transfer::{CpuTransfer, KvTransfer, geometry};
+use crate::transfer::{CpuTransfer, KvTransfer};
 
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
     match req.op {
@@ -107,12 +107,6 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
         .enumerate()
         .map(|(i, g)| EngineGroupInfo::decode(&format!("engine_group_infos[{i}]"), g))
         .collect::<Result<_, _>>()?;
-    if groups.len() > 1 {
-        return Err(bad(
-            "engine_group_infos",
-            "hybrid models (several KV groups) are not supported yet",
-        ));
-    }
     if state.registry.contains(Family::LmcacheDriven, id) {
         state.registry.get(Family::LmcacheDriven, id);
         return Ok(());
@@ -154,46 +148,52 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
             }
         }
     }
-    let mla = layers[0].meta.shape.len() == 3;
-    let geo = geometry(&layers[0], mla).map_err(|e| bad("kv_cache[0]", e))?;
-    for (i, l) in layers.iter().enumerate().skip(1) {
-        let g = geometry(l, mla).map_err(|e| bad(&format!("kv_cache[{i}]"), e))?;
-        if g != geo {
-            return Err(bad(&format!("kv_cache[{i}]"), "layer geometry differs from layer 0"));
+    let chunk = state.chunk_size() as u64;
+    let groups =
+        crate::kv_groups::build(&layers, &groups, chunk, state.config.separate_object_groups)
+            .map_err(|(field, reason)| bad(&field, reason))?;
+    let mut dtypes: Vec<lmcache_core::Dtype> = Vec::new();
+    for part in groups.objects.iter().flat_map(|o| &o.parts) {
+        if !dtypes.contains(&part.dtype) {
+            dtypes.push(part.dtype);
         }
     }
-    let chunk = state.chunk_size() as u64;
-    if geo.block_size == 0 || chunk % geo.block_size != 0 {
+    for d in &dtypes {
+        state
+            .storage
+            .bind_layout_dtype(*d)
+            .map_err(|e| bad("kv_cache", format!("{e}; use another serde codec for {d}")))?;
+    }
+    let bytes: Vec<u64> = groups.objects.iter().map(|o| o.bytes().unwrap_or(0)).collect();
+    if bytes.iter().any(|&b| b == 0 || b > state.l1().memory().arena().len()) {
         return Err(bad(
             "kv_cache",
-            format!("chunk size {chunk} is not a multiple of block size {}", geo.block_size),
+            format!("objects of {bytes:?} bytes: empty, or larger than the L1 pool"),
         ));
     }
-    let layout = ObjectLayout {
-        kv: geo.kv,
-        layers: layers.len() as u64,
-        slots: chunk,
-        hidden: geo.hidden,
-        dtype: geo.dtype,
-    };
-    state.storage.bind_layout_dtype(layout.dtype).map_err(|e| {
-        bad("kv_cache", format!("{e}; use another serde codec for {}", layout.dtype))
-    })?;
-    tracing::info!(instance_id = id, model = %model, world_size, layers = layers.len(), shape = ?layout.shape(), dtype = %geo.dtype, "lmcache-driven worker registered");
+    tracing::info!(
+        instance_id = id,
+        model = %model,
+        world_size,
+        layers = layers.len(),
+        kernel_groups = groups.kernel_groups.len(),
+        object_groups = groups.object_groups.len(),
+        object_bytes = ?bytes,
+        "lmcache-driven worker registered"
+    );
     // First stores should not pay for untouched memory: commit a few objects ahead.
-    state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
+    state.l1().memory().expect_use(bytes.iter().sum::<u64>().saturating_mul(4));
     state.registry.register(
         Family::LmcacheDriven,
         id,
         Instance {
             model,
             world_size,
-            layout,
+            objects: groups.objects,
             registration: Registration::LmcacheDriven {
-                layers,
-                block_size: geo.block_size,
-                mla,
-                num_blocks: geo.num_blocks,
+                kernel_groups: groups.kernel_groups,
+                object_groups: groups.object_groups,
+                num_layers: layers.len(),
             },
             last_seen: Instant::now(),
             ping_proven: false,
@@ -202,19 +202,130 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
     Ok(())
 }
 
-struct Resolved<'a> {
-    transfer: CpuTransfer<'a>,
-    blocks_per_chunk: usize,
+/// A registration's kernel groups as copy loops, and its object groups.
+struct Plan<'a> {
+    transfers: Vec<CpuTransfer<'a>>,
+    kernel_groups: &'a [KernelGroup],
+    object_groups: &'a [crate::registry::ObjectGroup],
 }
 
-fn resolve<'a>(inst: &'a Instance, state: &ServerState) -> Option<Resolved<'a>> {
-    let transfer = CpuTransfer::for_instance(inst, state.config.copy_threads)?;
-    let blocks_per_chunk = state.chunk_size() / transfer.geometry.block_size as usize;
-    Some(Resolved { transfer, blocks_per_chunk })
+fn plan<'a>(inst: &'a Instance, threads: usize) -> Option<Plan<'a>> {
+    let Registration::LmcacheDriven { kernel_groups, object_groups, .. } = &inst.registration
+    else {
+        return None;
+    };
+    let transfers = kernel_groups
+        .iter()
+        .map(|k| CpuTransfer { layers: &k.layers, geometry: k.geometry, threads })
+        .collect();
+    Some(Plan { transfers, kernel_groups, object_groups })
 }
 
-fn chunk_blocks(blocks: &[Vec<u64>], i: usize, bpc: usize) -> Option<&[u64]> {
-    blocks.first()?.get(i * bpc..(i + 1) * bpc)
+impl Plan<'_> {
+    /// Checks that every kernel group's block list covers `n` chunks (LMCache fails closed).
+    fn check_blocks(&self, blocks: &[Vec<u64>], n: usize) -> Result<(), ProtocolError> {
+        for (g, k) in self.kernel_groups.iter().enumerate() {
+            let have = blocks.get(k.view).map_or(0, Vec::len);
+            if have < n * k.blocks_per_chunk {
+                return Err(bad(
+                    "block_ids",
+                    format!(
+                        "{n} chunks need {} block ids for KV group {g}, got {have} ({} lists \
+                         for {} groups)",
+                        n * k.blocks_per_chunk,
+                        blocks.len(),
+                        self.kernel_groups.len()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Kernel group `g`'s blocks of chunk `i`: all of the chunk's, or its window's last ones.
+    fn chunk_blocks<'b>(&self, blocks: &'b [Vec<u64>], g: usize, i: usize) -> &'b [u64] {
+        let k = &self.kernel_groups[g];
+        let all = blocks
+            .get(k.view)
+            .and_then(|b| b.get(i * k.blocks_per_chunk..(i + 1) * k.blocks_per_chunk))
+            .unwrap_or_default();
+        &all[all.len().saturating_sub(k.kept_blocks)..]
+    }
+
+    /// Whether object group `og` has anything but null blocks in chunk `i` (LMCache skips
+    /// all-null chunks: align-mode Mamba layers hold state only in the last one).
+    fn has_data(&self, blocks: &[Vec<u64>], og: usize, i: usize, null: u64) -> bool {
+        self.object_groups[og].kernel_groups.iter().any(|&g| {
+            let k = &self.kernel_groups[g];
+            blocks
+                .get(k.view)
+                .and_then(|b| b.get(i * k.blocks_per_chunk..(i + 1) * k.blocks_per_chunk))
+                .is_some_and(|b| b.iter().any(|&x| x != null))
+        })
+    }
+
+    /// Each kernel group's part of an object of group `og`: (kernel group, byte range).
+    fn parts(&self, og: usize) -> Vec<(usize, std::ops::Range<usize>)> {
+        let mut at = 0usize;
+        self.object_groups[og]
+            .kernel_groups
+            .iter()
+            .map(|&g| {
+                let t = &self.transfers[g];
+                let len = (t.geometry.kv
+                    * t.layers.len() as u64
+                    * self.kernel_groups[g].kept_blocks as u64
+                    * t.geometry.block_bytes()) as usize;
+                let r = at..at + len;
+                at += len;
+                (g, r)
+            })
+            .collect()
+    }
+
+    fn gather(
+        &self,
+        blocks: &[Vec<u64>],
+        og: usize,
+        i: usize,
+        object: &mut [u8],
+    ) -> Result<(), crate::transfer::TransferError> {
+        let got = object.len() as u64;
+        for (g, r) in self.parts(og) {
+            let part =
+                object.get_mut(r.clone()).ok_or(crate::transfer::TransferError::ObjectSize {
+                    expected: r.end as u64,
+                    got,
+                })?;
+            self.transfers[g].gather(self.chunk_blocks(blocks, g, i), part)?;
+        }
+        Ok(())
+    }
+
+    /// Writes an object of group `og` into chunk `i`'s blocks, leaving the first
+    /// `skip_tokens` tokens of the chunk untouched (vLLM's own prefix cache holds them).
+    fn scatter(
+        &self,
+        blocks: &[Vec<u64>],
+        og: usize,
+        i: usize,
+        skip_tokens: u64,
+        object: &[u8],
+    ) -> Result<(), crate::transfer::TransferError> {
+        for (g, r) in self.parts(og) {
+            let part = object.get(r.clone()).ok_or(crate::transfer::TransferError::ObjectSize {
+                expected: r.end as u64,
+                got: object.len() as u64,
+            })?;
+            let k = &self.kernel_groups[g];
+            // Skipped blocks of the whole chunk, less those outside a sub-chunk window.
+            let skip = (skip_tokens / k.tokens_per_block) as usize;
+            let skip = skip.saturating_sub(k.blocks_per_chunk - k.kept_blocks);
+            let b = self.chunk_blocks(blocks, g, i);
+            self.transfers[g].scatter(b, skip.min(b.len()), part)?;
+        }
+        Ok(())
+    }
 }
 
 fn store(
@@ -228,71 +339,75 @@ fn store(
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
         return super::refused(state, Family::LmcacheDriven, id).map_or(Ok(false), Err);
     };
-    let Some(r) = resolve(&inst, state) else { return Ok(false) };
+    let Some(p) = plan(&inst, state.config.copy_threads) else { return Ok(false) };
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let n = hashes.len();
-    if blocks.first().map_or(0, Vec::len) < n * r.blocks_per_chunk {
-        return Err(bad(
-            "block_ids",
-            format!("{n} chunks need {} block ids", n * r.blocks_per_chunk),
-        ));
-    }
-    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes)?;
-    let size = inst.layout.bytes().unwrap_or(0);
+    p.check_blocks(blocks, n)?;
     let null = state.config.null_block_id;
-    let wanted: Vec<usize> = (0..n)
-        .filter(|&i| {
-            chunk_blocks(blocks, i, r.blocks_per_chunk)
-                .is_some_and(|b| b.iter().any(|&x| x != null))
-        })
-        .collect();
-    let reqs: Vec<WriteRequest> =
-        wanted.iter().map(|&i| WriteRequest::new(keys[i].clone(), size)).collect();
     let mut ok = true;
-    let mut filled = Vec::new();
-    let mut filled_idx = Vec::new();
-    for (&i, res) in wanted.iter().zip(state.storage.reserve_write(&reqs)) {
-        match res {
-            Ok(mut w) => {
-                let Some(b) = chunk_blocks(blocks, i, r.blocks_per_chunk) else { continue };
-                w.prefault();
-                match r.transfer.gather(b, w.as_mut_slice()) {
-                    Ok(()) => {
-                        filled.push(w);
-                        filled_idx.push(i);
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "store gather failed");
-                        ok = false;
+    let mut bytes = 0u64;
+    // Per chunk: whether every object group holding data for it has it stored.
+    let mut stored = vec![true; n];
+    let mut any = vec![false; n];
+    for og in 0..p.object_groups.len() {
+        let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, og as u32)?;
+        let size = inst.objects.get(og).and_then(|o| o.bytes()).unwrap_or(0);
+        let wanted: Vec<usize> = (0..n).filter(|&i| p.has_data(blocks, og, i, null)).collect();
+        let reqs: Vec<WriteRequest> =
+            wanted.iter().map(|&i| WriteRequest::new(keys[i].clone(), size)).collect();
+        let mut filled = Vec::new();
+        let mut filled_idx = Vec::new();
+        for (&i, res) in wanted.iter().zip(state.storage.reserve_write(&reqs)) {
+            any[i] = true;
+            match res {
+                Ok(mut w) => {
+                    w.prefault();
+                    match p.gather(blocks, og, i, w.as_mut_slice()) {
+                        Ok(()) => {
+                            filled.push(w);
+                            filled_idx.push(i);
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "store gather failed");
+                            stored[i] = false;
+                            ok = false;
+                        }
                     }
                 }
-            }
-            Err(L1Error::NotWritable) => {}
-            Err(e) => {
-                tracing::debug!(error = %e, "chunk not stored");
-                state.bus.publish(crate::event_bus::Event::L1WriteRefused {
-                    request_id: key.request_id.clone(),
-                    reason: e.to_string(),
-                });
+                // Already resident (or being written): it is stored.
+                Err(L1Error::NotWritable) => {}
+                Err(e) => {
+                    stored[i] = false;
+                    tracing::debug!(error = %e, "chunk not stored");
+                    state.bus.publish(crate::event_bus::Event::L1WriteRefused {
+                        request_id: key.request_id.clone(),
+                        reason: e.to_string(),
+                    });
+                }
             }
         }
+        let results = state.storage.commit(filled);
+        for (&i, r) in filled_idx.iter().zip(&results) {
+            match r {
+                Ok(_) => bytes += size,
+                Err(_) => stored[i] = false,
+            }
+        }
+        state.metrics.l1_write_chunks.inc_by(results.iter().filter(|r| r.is_ok()).count() as u64);
     }
     let t_copy = t0.elapsed();
-    let results = state.storage.commit(filled);
-    let committed: Vec<usize> =
-        filled_idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
-    state.metrics.l1_write_chunks.inc_by(committed.len() as u64);
+    let committed: Vec<usize> = (0..n).filter(|&i| any[i] && stored[i]).collect();
     state.metrics.finished_stores.inc();
     crate::metrics::Metrics::copy_throughput(
         &state.metrics.store_throughput,
-        committed.len() as u64 * size,
+        bytes,
         t_copy.as_secs_f64(),
     );
     state.record_stored(key, first, &hashes, parent, &committed);
     state.bus.publish(crate::event_bus::Event::Stored {
         request_id: key.request_id.clone(),
         chunks: committed.len(),
-        bytes: committed.len() as u64 * size,
+        bytes,
     });
     tracing::debug!(
         chunks = committed.len(),
@@ -318,26 +433,16 @@ fn retrieve(
         release();
         return super::refused(state, Family::LmcacheDriven, id).map_or(Ok(false), Err);
     };
-    let Some(r) = resolve(&inst, state) else {
+    let Some(p) = plan(&inst, state.config.copy_threads) else {
         release();
         return Ok(false);
     };
     let n = hashes.len();
-    if blocks.first().map_or(0, Vec::len) < n * r.blocks_per_chunk {
+    if let Err(e) = p.check_blocks(blocks, n) {
         release();
-        return Err(bad(
-            "block_ids",
-            format!("{n} chunks need {} block ids", n * r.blocks_per_chunk),
-        ));
+        return Err(e);
     }
-    let keys = match state.object_keys(key, key.worker_id.unwrap_or(0), &hashes) {
-        Ok(k) => k,
-        Err(e) => {
-            release();
-            return Err(e);
-        }
-    };
-    let mut skip_blocks = (skip_tokens / r.transfer.geometry.block_size) as usize;
+    let chunk = state.chunk_size() as u64;
     let mut ok = true;
     let mut copied = 0u64;
     let mut chunks = 0usize;
@@ -345,24 +450,53 @@ fn retrieve(
     state.metrics.submitted_retrieves.inc();
     // Spend the lookup's locks on these chunks (a new lock only where it holds none): each
     // lease is released as soon as its chunk is copied.
-    let spent = state.spend_lookup_locks(&key.request_id, shard, first..first + n);
-    for (i, lease) in state.storage.retrieve_leases(spent, &keys).into_iter().enumerate() {
-        let Ok(lease) = lease else {
-            ok = false;
-            break;
+    let mut spent = Some(state.spend_lookup_locks(&key.request_id, shard, first..first + n));
+    for og in 0..p.object_groups.len() {
+        let keys = match state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, og as u32) {
+            Ok(k) => k,
+            Err(e) => {
+                release();
+                return Err(e);
+            }
         };
-        let Some(b) = chunk_blocks(blocks, i, r.blocks_per_chunk) else { break };
-        let skip = skip_blocks.min(b.len());
-        skip_blocks -= skip;
-        if let Err(e) = r.transfer.scatter(b, skip, lease.bytes()) {
-            tracing::warn!(error = %e, "retrieve scatter failed");
-            ok = false;
+        // A windowed group restores only the last chunks of the range (its window).
+        let from = match inst.objects.get(og).and_then(|o| o.window_chunks) {
+            Some(w) => n.saturating_sub(w as usize),
+            None => 0,
+        };
+        // The lookup locked object group 0; the others take a lock of their own here.
+        let locks = match (og, spent.take()) {
+            (0, Some(s)) => s,
+            (_, s) => {
+                drop(s);
+                (0..n).map(|_| None).collect()
+            }
+        };
+        let leases: Vec<_> = state.storage.retrieve_leases(locks, &keys).into_iter().collect();
+        for (i, lease) in leases.into_iter().enumerate() {
+            if i < from {
+                continue;
+            }
+            let Ok(lease) = lease else {
+                ok = false;
+                break;
+            };
+            let chunk_skip = skip_tokens.saturating_sub(i as u64 * chunk).min(chunk);
+            if let Err(e) = p.scatter(blocks, og, i, chunk_skip, lease.bytes()) {
+                tracing::warn!(error = %e, "retrieve scatter failed");
+                ok = false;
+                break;
+            }
+            if og == 0 {
+                state.metrics.l1_read_chunks.inc();
+                state.metrics.chunks_loaded.inc();
+                chunks += 1;
+            }
+            copied += lease.len();
+        }
+        if !ok {
             break;
         }
-        state.metrics.l1_read_chunks.inc();
-        state.metrics.chunks_loaded.inc();
-        copied += lease.len();
-        chunks += 1;
     }
     state.metrics.finished_retrieves.inc();
     state

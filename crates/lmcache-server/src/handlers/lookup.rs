@@ -137,11 +137,16 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         };
         let mut touched = Vec::with_capacity(shards.len() * hashes.len());
         for &w in &shards {
-            let keys = state.object_keys(key, w, &hashes)?;
+            let keys = state.object_keys(key, w, &hashes, 0)?;
             touched.extend(keys.iter().cloned());
             req.shards.push((w, keys));
         }
-        let lookup = state.storage.lookup(&req);
+        let windows = state.registry.object_windows(&key.model_name, key.world_size);
+        let lookup = if windows.len() > 1 {
+            lookup_groups(state, key, &hashes, req, &windows, &mut touched)?
+        } else {
+            state.storage.lookup(&req)
+        };
         let hit = lookup.l1_hit();
         s.touched = touched;
         tracing::Span::current().record("hits", hit);
@@ -159,4 +164,67 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         s.lookup = LookupState::Active { lookup, chunks, answered: false };
         Ok(())
     })
+}
+
+/// A lookup of a model stored as several object groups (`--separate-object-groups`): every
+/// (object group, shard) row's resident chunks are locked, the hit is the longest prefix
+/// every row serves under its window ([`lmcache_storage::fold`]), and only the cells that
+/// prefix needs stay locked: a sliding-window group never pins chunks it will not restore.
+/// L1 only: such lookups do not prefetch from L2.
+fn lookup_groups(
+    state: &ServerState,
+    key: &CacheKey,
+    hashes: &[lmcache_core::ChunkHash],
+    req: LookupRequest,
+    windows: &[Option<u64>],
+    touched: &mut Vec<lmcache_core::ObjectKey>,
+) -> Result<lmcache_storage::Lookup, ProtocolError> {
+    use lmcache_storage::fold;
+    let window = |og: usize| windows.get(og).copied().flatten().map(|w| w as usize);
+    // rows[og][shard]: the lock result of every chunk.
+    let mut rows: Vec<Vec<(u32, Vec<Option<lmcache_l1::ReadLease>>)>> = Vec::new();
+    for (og, _) in windows.iter().enumerate() {
+        let mut per_shard = Vec::with_capacity(req.shards.len());
+        for (w, keys0) in &req.shards {
+            let keys = if og == 0 {
+                keys0.clone()
+            } else {
+                let k = state.object_keys(key, *w, hashes, og as u32)?;
+                touched.extend(k.iter().cloned());
+                k
+            };
+            let leases =
+                state.l1().read_lock(&keys, req.readers).into_iter().map(Result::ok).collect();
+            per_shard.push((*w, leases));
+        }
+        rows.push(per_shard);
+    }
+    let present: Vec<(Vec<bool>, fold::Window)> = rows
+        .iter()
+        .enumerate()
+        .flat_map(|(og, per_shard)| {
+            per_shard
+                .iter()
+                .map(move |(_, l)| (l.iter().map(Option::is_some).collect(), window(og)))
+        })
+        .collect();
+    let view: Vec<(&[bool], fold::Window)> =
+        present.iter().map(|(p, w)| (p.as_slice(), *w)).collect();
+    let hit = fold::fold(&view);
+    let mut prefix = Vec::new();
+    let mut pinned = Vec::new();
+    for (og, per_shard) in rows.into_iter().enumerate() {
+        let need = fold::needed(window(og), hit);
+        for (w, leases) in per_shard {
+            let kept = leases.into_iter().enumerate().filter(|(i, _)| need.contains(i));
+            if og == 0 && window(0).is_none() {
+                prefix.push((w, kept.filter_map(|(_, l)| l).collect::<Vec<_>>()));
+            } else {
+                pinned.extend(kept.filter_map(|(_, l)| l));
+            }
+        }
+    }
+    let (mut leases, _) = lmcache_storage::LookupLeases::of_prefix(req.world_size, prefix);
+    leases.pin(pinned);
+    Ok(lmcache_storage::Lookup::Ready { leases, hits: hit })
 }

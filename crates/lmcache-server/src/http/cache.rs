@@ -63,10 +63,10 @@ pub(super) async fn cache_checksums(
     if b.chunk_size <= 0 {
         return error(StatusCode::BAD_REQUEST, "chunk_size must be positive");
     }
-    let Some(t) = CpuTransfer::for_instance(&inst, 1) else {
+    let Some((groups, layers)) = kernel_transfers(&inst, 1) else {
         return error(StatusCode::NOT_IMPLEMENTED, "checksum not supported for this registration");
     };
-    let sums = match checksums(&t, &b.block_ids, b.chunk_size as usize, b.layerwise) {
+    let sums = match checksums(&groups, &layers, &b.block_ids, b.chunk_size as usize, b.layerwise) {
         Ok(v) => v,
         Err(e) => return error(StatusCode::BAD_REQUEST, format!("block_ids: {e}")),
     };

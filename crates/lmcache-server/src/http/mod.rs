@@ -28,7 +28,7 @@ use serde_json::{Value, json};
 
 use crate::registry::Family;
 use crate::state::ServerState;
-use crate::transfer::{CpuTransfer, checksums, compress_ranges};
+use crate::transfer::{checksums, compress_ranges, kernel_transfers};
 
 mod cache;
 pub mod fleet;

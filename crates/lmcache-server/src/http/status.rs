@@ -38,23 +38,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
     // prints per model.
     let mut meta = serde_json::Map::new();
     for (_, id, inst) in s.registry.snapshot() {
-        let l = inst.layout;
-        let per_token = l.kv * l.layers * l.hidden * l.dtype.itemsize();
-        let mut layout = json!({
-            "num_layers": l.layers,
-            "cache_size_per_token": per_token,
-            "kernel_groups": [{
-                "kernel_group_idx": 0, "engine_group_idx": 0, "object_group_idx": 0,
-                "num_layers": l.layers, "dtype": l.dtype.as_str(), "is_mla": l.kv == 1,
-                "object_shape": l.shape(),
-            }],
-        });
-        if let crate::registry::Registration::LmcacheDriven { num_blocks, block_size, .. } =
-            &inst.registration
-        {
-            layout["num_blocks"] = json!(num_blocks);
-            layout["kernel_groups"][0]["tokens_per_block"] = json!(block_size);
-        }
+        let layout = kv_cache_layout(&inst);
         meta.insert(
             id.to_string(),
             json!({"model_name": inst.model.as_str(), "world_size": inst.world_size, "kv_cache_layout": layout}),
@@ -285,4 +269,78 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
         s.metrics.encode(),
     )
         .into_response()
+}
+
+/// A worker's KV cache layout as LMCache's `report_status` shows it: one entry per kernel
+/// group, plus (ours) each object group with its window and object size.
+fn kv_cache_layout(inst: &crate::registry::Instance) -> serde_json::Value {
+    use crate::registry::Registration;
+    let objects: Vec<serde_json::Value> = inst
+        .objects
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            json!({
+                "object_group_idx": i,
+                "window_chunks": o.window_chunks,
+                "recurrent_state": o.recurrent,
+                "object_bytes": o.bytes(),
+                "object_shapes": o.parts.iter().map(|p| p.shape()).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    match &inst.registration {
+        Registration::LmcacheDriven { kernel_groups, object_groups, num_layers } => {
+            let og_of = |g: usize| object_groups.iter().position(|o| o.kernel_groups.contains(&g));
+            let groups: Vec<serde_json::Value> = kernel_groups
+                .iter()
+                .enumerate()
+                .map(|(g, k)| {
+                    json!({
+                        "kernel_group_idx": g,
+                        "engine_group_idx": k.engine_group,
+                        "object_group_idx": og_of(g).unwrap_or(0),
+                        "num_layers": k.layers.len(),
+                        "layer_indices": k.layer_indices,
+                        "tokens_per_block": k.tokens_per_block,
+                        "slots_per_block": k.geometry.block_size,
+                        "num_blocks": k.geometry.num_blocks,
+                        "dtype": k.geometry.dtype.as_str(),
+                        "is_mla": k.mla,
+                        "sw_size_tokens": k.sw_size_tokens,
+                        "recurrent_state": k.recurrent,
+                    })
+                })
+                .collect();
+            let per_token: u64 = kernel_groups
+                .iter()
+                .map(|k| {
+                    k.geometry.kv
+                        * k.layers.len() as u64
+                        * k.geometry.hidden
+                        * k.geometry.dtype.itemsize()
+                })
+                .sum();
+            json!({
+                "num_layers": num_layers,
+                "num_blocks": kernel_groups.first().map_or(0, |k| k.geometry.num_blocks),
+                "cache_size_per_token": per_token,
+                "kernel_groups": groups,
+                "object_groups": objects,
+            })
+        }
+        Registration::EngineDriven => {
+            let Some(l) = inst.single_layout() else { return json!({"object_groups": objects}) };
+            json!({
+                "num_layers": l.layers,
+                "cache_size_per_token": l.kv * l.layers * l.hidden * l.dtype.itemsize(),
+                "kernel_groups": [{
+                    "kernel_group_idx": 0, "engine_group_idx": 0, "object_group_idx": 0,
+                    "num_layers": l.layers, "dtype": l.dtype.as_str(), "is_mla": l.kv == 1,
+                    "object_shape": l.shape(),
+                }],
+                "object_groups": objects,
+            })
+        }
+    }
 }
