@@ -5,7 +5,8 @@
 #   MLA + fp16 K/V, and bf16 K/V + uint8 (FP8) MLA + fp16 K/V) at tp 1 and 2, 20 sequences,
 #   --interval 0: every cold lookup must miss, every warm lookup must be a full hit, every
 #   checksum must match;
-# - vLLM's MP adapters (tests/interop/vllm_adapters.py) in both transfer modes.
+# - vLLM's MP adapters (tests/interop/vllm_adapters.py) in both transfer modes, and a hybrid
+#   model through them (tests/interop/vllm_hybrid.py), its groups stored apart and together.
 # Usage: tests/interop/bench.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -108,6 +109,31 @@ for mode in engine_driven lmcache_driven; do
   else
     echo "interop vllm adapters $mode: FAILED"
     grep -v INFO "$WORK/adapters-$mode.log" | tail -20 | sed 's/^/    /'
+    failed=$((failed + 1))
+  fi
+done
+
+# A hybrid model (full attention, a sliding window, recurrent state) through vLLM's adapters,
+# lmcache-driven, with the groups stored apart (--separate-object-groups) and together.
+for mode in separate merged; do
+  port=$(free_port)
+  flags=()
+  [ "$mode" = separate ] && flags=(--separate-object-groups)
+  "$BIN" server --host 127.0.0.1 --port "$port" --http-port 0 --l1-size-gb 1 \
+      --shm-name "lmcache_rs_hybrid_$$_$mode" --max-workers 2 --log-level info "${flags[@]}" \
+      > "$WORK/hybrid-$mode.server.log" 2>&1 &
+  pid=$!
+  rc=0
+  LMCACHE_MP_TRANSFER_MODE=lmcache_driven timeout 300 "$VENV/bin/python" tests/interop/vllm_hybrid.py \
+      "tcp://127.0.0.1:$port" "$mode" > "$WORK/hybrid-$mode.log" 2>&1 || rc=$?
+  kill -TERM "$pid"; wait "$pid" || rc=$?
+  if [ "$rc" -eq 0 ] && grep -q "bytes equal where the fold promised" "$WORK/hybrid-$mode.log"; then
+    echo "interop vllm hybrid $mode: ok ($(grep -o '[0-9]* blocks checked' "$WORK/hybrid-$mode.log"))"
+    passed=$((passed + 1))
+  else
+    echo "interop vllm hybrid $mode: FAILED"
+    grep -v INFO "$WORK/hybrid-$mode.log" | tail -20 | sed 's/^/    /'
+    tail -10 "$WORK/hybrid-$mode.server.log" | sed 's/^/    /'
     failed=$((failed + 1))
   fi
 done

@@ -76,7 +76,7 @@ def main():
     warm = wait_for("warm lookup", lambda: sched.check_lookup_result("req-warm"))
     assert warm >= 2 * CHUNK_TOKENS - 1, f"warm lookup hit only {warm} tokens"
     for t in kv.values():
-        t[:, dst].zero_()
+        t[:, dst[0]:dst[-1] + 1].zero_()  # a slice: `t[:, list]` would zero a copy
     retrieve = LoadStoreOp(token_ids=tokens, block_ids=[dst], start=0, end=2 * CHUNK_TOKENS)
     worker.submit_retrieve_request("req-warm", retrieve, worker.create_recorded_event())
     wait_for("retrieve", lambda: (worker.get_finished({"req-warm"})[1] or set()) & {"req-warm"} or None)

@@ -293,6 +293,28 @@ pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
                     s(&i["transfer_mode"])
                 ),
             ));
+            let layout = &st["cache_context_meta"][s(&i["instance_id"])]["kv_cache_layout"];
+            let groups = layout["kernel_groups"].as_array().map_or(&[][..], Vec::as_slice);
+            if groups.len() > 1 {
+                for g in groups {
+                    let window = match g["sw_size_tokens"].as_i64() {
+                        Some(w) if w >= 0 => format!(", window {w} tokens"),
+                        _ => String::new(),
+                    };
+                    let recurrent =
+                        if g["recurrent_state"] == json!(true) { ", recurrent state" } else { "" };
+                    let mla = if g["is_mla"] == json!(true) { " MLA" } else { "" };
+                    rows.push((
+                        format!("  KV group {}", s(&g["kernel_group_idx"])),
+                        format!(
+                            "{} layers {}{mla}{window}{recurrent}, object group {}",
+                            s(&g["num_layers"]),
+                            s(&g["dtype"]),
+                            s(&g["object_group_idx"])
+                        ),
+                    ));
+                }
+            }
         }
     }
     if let Some(list) = st["refused_instances"].as_array() {
