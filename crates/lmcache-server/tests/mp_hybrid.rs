@@ -104,10 +104,15 @@ fn model(tag: &str) -> (Vec<Layer>, Vec<EngineGroupInfo>) {
 const GROUP_OF: [usize; 5] = [0, 1, 0, 2, 3];
 
 fn server(tag: &str, separate: bool) -> Server {
+    server_with(tag, separate, Vec::new())
+}
+
+fn server_with(tag: &str, separate: bool, l2_adapters: Vec<serde_json::Value>) -> Server {
     Server::start(ServerConfig {
         chunk_size: CHUNK as usize,
         http_port: Some(0),
         separate_object_groups: separate,
+        l2_adapters,
         ..ServerConfig::local(ArenaConfig {
             size: 32 << 20,
             backing: ArenaBacking::SharedMemory {
@@ -316,4 +321,31 @@ fn a_hit_is_the_longest_prefix_every_group_serves_under_its_window() {
     assert_eq!(c.lookup(&key_of("l2", 2, CHUNKS)).unwrap(), CHUNKS);
     // A prompt nobody stored: no hit, no locks.
     assert_eq!(c.lookup(&key_of("l3", 3, CHUNKS)).unwrap(), 0);
+}
+
+#[test]
+fn separate_groups_come_back_from_l2_when_l1_lost_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let s =
+        server_with("l2", true, vec![serde_json::json!({"type": "fs", "base_path": dir.path()})]);
+    let mut c = Client::connect(s.endpoint(), Duration::from_secs(5)).unwrap();
+    let (layers, infos) = model("l2");
+    let descs: Vec<IpcDescriptor> = layers.iter().map(|l| l.desc.clone()).collect();
+    c.register_kv_cache(1, &descs, "hybrid", 1, &infos).unwrap();
+    assert!(store(&mut c, &range(1)));
+    // Every object group's objects reach L2 (3 chunks x 3 groups), then L1 is emptied.
+    let t0 = std::time::Instant::now();
+    while s.state().storage.describe_l2()[0].counters.stored_keys < 9 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "write-behind did not store every group");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    s.state().l1().clear(true);
+    assert_eq!(s.state().l1().usage().resident_objects, 0);
+    assert_eq!(c.lookup(&key("l")).unwrap(), CHUNKS, "the whole prompt, from L2");
+    let before = snapshot(&layers, 20);
+    assert!(retrieve(&mut c, "l", &range(20), 0));
+    check(&layers, 1, 20, &before, |l, chunk, b| match GROUP_OF[l] {
+        2 | 3 => chunk == CHUNKS - 1 && b == CHUNK / BS - 1,
+        _ => true,
+    });
 }

@@ -170,7 +170,8 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
 /// (object group, shard) row's resident chunks are locked, the hit is the longest prefix
 /// every row serves under its window ([`lmcache_storage::fold`]), and only the cells that
 /// prefix needs stay locked: a sliding-window group never pins chunks it will not restore.
-/// L1 only: such lookups do not prefetch from L2.
+/// When L1 falls short and an L2 tier may have the rest, the lookup goes through L2 with
+/// every group needing every chunk (see below).
 fn lookup_groups(
     state: &ServerState,
     key: &CacheKey,
@@ -211,6 +212,31 @@ fn lookup_groups(
     let view: Vec<(&[bool], fold::Window)> =
         present.iter().map(|(p, w)| (p.as_slice(), *w)).collect();
     let hit = fold::fold(&view);
+    let chunks = hashes.len();
+    // With an L2 tier, a hit short of the prompt may grow from it. The L2 path loads
+    // prefixes, so there every group needs every chunk (never more credit than the fold,
+    // perhaps less): taken only when L1 gave the windows no advantage, i.e. when the fold's
+    // hit is the common prefix of every row.
+    let common = present.iter().map(|(p, _)| p.iter().take_while(|&&x| x).count()).min();
+    if state.storage.has_l2() && hit < chunks && common == Some(hit) {
+        drop(rows);
+        let ws = req.world_size;
+        let mut strict = LookupRequest {
+            shards: Vec::with_capacity(windows.len() * req.shards.len()),
+            world_size: ws.saturating_mul(windows.len() as u32),
+            readers: req.readers,
+        };
+        for og in 0..windows.len() as u32 {
+            for (w, keys0) in &req.shards {
+                let keys =
+                    if og == 0 { keys0.clone() } else { state.object_keys(key, *w, hashes, og)? };
+                // Row (og, w) is lease shard og * world_size + w: object group 0's rows keep
+                // their worker ids, which a retrieve spends; the others only hold their locks.
+                strict.shards.push((og * ws + w, keys));
+            }
+        }
+        return Ok(state.storage.lookup(&strict));
+    }
     let mut prefix = Vec::new();
     let mut pinned = Vec::new();
     for (og, per_shard) in rows.into_iter().enumerate() {
