@@ -19,7 +19,6 @@ stored.
 Usage: python vllm_hybrid.py tcp://127.0.0.1:PORT separate|merged
 """
 import sys
-import time
 
 import torch
 import zmq
@@ -31,23 +30,14 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
 )
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 
+from vllm_adapters import TIMEOUT, wait_for  # beside this file
+
 BS, NB, CHUNK = 16, 200, 256
 CHUNKS = 3
 PER_CHUNK = CHUNK // BS
-TIMEOUT = 30.0
 # layer -> (engine group, shape after [2, NB, BS])
 LAYERS = {0: (0, (2, 64)), 1: (0, (2, 64)), 2: (1, (1, 64)), 3: (2, (1, 32))}
 FULL, WINDOW, RECURRENT = 0, 1, 2
-
-
-def wait_for(what, fn):
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        v = fn()
-        if v is not None:
-            return v
-        time.sleep(0.01)
-    raise TimeoutError(what)
 
 
 def main():

@@ -57,6 +57,19 @@ struct Stats {
     bytes: f64,
 }
 
+impl Stats {
+    fn of(ingest: f64, bytes: f64, mut lat: Vec<u64>) -> Self {
+        lat.sort_unstable();
+        Self {
+            ingest,
+            p50: pct(&mut lat, 0.5),
+            p99: pct(&mut lat, 0.99),
+            p999: pct(&mut lat, 0.999),
+            bytes,
+        }
+    }
+}
+
 fn pct(v: &mut [u64], q: f64) -> f64 {
     v[((v.len() as f64 * q) as usize).min(v.len() - 1)] as f64 / 1000.0
 }
@@ -135,14 +148,7 @@ fn main() {
             lat.push(t.elapsed().as_nanos() as u64);
             assert!(runs.iter().any(|r| r.l1 == LEN as u32));
         }
-        lat.sort_unstable();
-        Stats {
-            ingest,
-            p50: pct(&mut lat, 0.5),
-            p99: pct(&mut lat, 0.99),
-            p999: pct(&mut lat, 0.999),
-            bytes,
-        }
+        Stats::of(ingest, bytes, lat)
     };
 
     // kv-index ChainIndex
@@ -177,14 +183,7 @@ fn main() {
             lat.push(t.elapsed().as_nanos() as u64);
             assert!(scores.scores.values().any(|&d| d == LEN as u32));
         }
-        lat.sort_unstable();
-        Stats {
-            ingest,
-            p50: pct(&mut lat, 0.5),
-            p99: pct(&mut lat, 0.99),
-            p999: pct(&mut lat, 0.999),
-            bytes,
-        }
+        Stats::of(ingest, bytes, lat)
     };
 
     // dynamo-kv-router RadixTree (its single-threaded index; blocks carry the chained hash
@@ -229,14 +228,7 @@ fn main() {
             lat.push(t.elapsed().as_nanos() as u64);
             assert!(scores.scores.values().any(|&d| d == LEN as u32));
         }
-        lat.sort_unstable();
-        Stats {
-            ingest,
-            p50: pct(&mut lat, 0.5),
-            p99: pct(&mut lat, 0.99),
-            p999: pct(&mut lat, 0.999),
-            bytes,
-        }
+        Stats::of(ingest, bytes, lat)
     };
 
     println!(

@@ -214,10 +214,7 @@ fn plan<'a>(inst: &'a Instance, threads: usize) -> Option<Plan<'a>> {
     else {
         return None;
     };
-    let transfers = kernel_groups
-        .iter()
-        .map(|k| CpuTransfer { layers: &k.layers, geometry: k.geometry, threads })
-        .collect();
+    let (transfers, _) = crate::transfer::kernel_transfers(inst, threads)?;
     Some(Plan { transfers, kernel_groups, object_groups })
 }
 
