@@ -40,6 +40,11 @@ pub struct CoordinatorArgs {
     /// past it new chunks are indexed without their tokens.
     #[arg(long, default_value_t = 262_144)]
     pub max_token_bindings: usize,
+    /// Bearer token of the servers' HTTP APIs (their --http-auth-token): the coordinator
+    /// sends it when it fetches snapshots for repairs, relays prefetches and deletes, and
+    /// sends fleet eviction orders. Without it such a server is fenced instead of resynced.
+    #[arg(long, env = "LMCACHE_RS_HTTP_TOKEN", hide_env_values = true)]
+    pub server_http_auth_token: Option<String>,
     /// Index stored chunk content for CacheBlend's /directory/blend-lookup (each chunk costs
     /// its token binding; see --max-token-bindings).
     #[arg(long)]
@@ -146,6 +151,7 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         chunk_size: a.chunk_size,
         hash_algorithm: a.hash_algorithm.clone(),
         max_token_bindings: a.max_token_bindings,
+        server_http_auth_token: a.server_http_auth_token.clone(),
         enable_blend_lookup: a.enable_blend_lookup,
         blend_probe_stride: a.blend_probe_stride,
         checkpoint_path: a.checkpoint_path.clone(),

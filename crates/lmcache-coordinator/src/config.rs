@@ -20,6 +20,9 @@ pub struct CoordinatorConfig {
     pub hash_algorithm: String,
     /// Chunk hashes whose tokens are kept for answers that echo them.
     pub max_token_bindings: usize,
+    /// Bearer token of the servers' HTTP APIs (their `--http-auth-token`), sent on the calls
+    /// the coordinator makes to them: snapshot pages, relays, eviction orders.
+    pub server_http_auth_token: Option<String>,
     /// Index stored chunk contents for `/directory/blend-lookup` (LMCache's
     /// `--enable-blend-lookup`, off by default).
     pub enable_blend_lookup: bool,
@@ -55,6 +58,7 @@ impl Default for CoordinatorConfig {
             chunk_size: 256,
             hash_algorithm: "blake3".into(),
             max_token_bindings: 262_144,
+            server_http_auth_token: None,
             enable_blend_lookup: false,
             blend_probe_stride: 1,
             checkpoint_path: None,

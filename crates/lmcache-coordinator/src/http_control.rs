@@ -262,16 +262,16 @@ async fn pins(State(s): State<Shared>, Query(q): Query<PinsQuery>) -> Response {
 
 /// One call to a registered server, off the runtime's threads.
 async fn relay(
+    s: &Shared,
     method: &'static str,
     url: String,
     body: Option<Value>,
 ) -> Result<(u16, Value), String> {
+    let agent = crate::server_client::ServerClient::new(
+        std::time::Duration::from_secs(30),
+        s.config().server_http_auth_token.as_deref(),
+    );
     tokio::task::spawn_blocking(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .timeout_global(Some(std::time::Duration::from_secs(30)))
-            .http_status_as_error(false)
-            .build()
-            .into();
         let resp = match (method, body) {
             ("GET", _) => agent.get(&url).call(),
             ("DELETE", Some(b)) => agent.delete(&url).force_send_body().send_json(b),
@@ -305,7 +305,7 @@ struct PrefetchBody {
 async fn prefetch(State(s): State<Shared>, Body(b): Body<PrefetchBody>) -> Response {
     let Some(base) = s.base_url(&b.instance_id) else { return unknown(&b.instance_id) };
     let body = json!({"model_name": b.model_name, "world_size": b.world_size, "token_ids": b.token_ids, "cache_salt": b.cache_salt});
-    match relay("POST", format!("{base}/cache/prefetches"), Some(body)).await {
+    match relay(&s, "POST", format!("{base}/cache/prefetches"), Some(body)).await {
         Ok((code, v)) if (200..300).contains(&code) => json(json!({
             "instance_id": b.instance_id,
             "request_id": v.get("request_id").and_then(Value::as_str).unwrap_or(""),
@@ -332,7 +332,7 @@ async fn prefetch_status(
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || "-_.".contains(*c))
         .collect::<String>();
-    match relay("GET", format!("{base}/cache/prefetches/{request}"), None).await {
+    match relay(&s, "GET", format!("{base}/cache/prefetches/{request}"), None).await {
         Ok((code, v)) => {
             (StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY), axum::Json(v))
                 .into_response()
@@ -389,7 +389,7 @@ async fn delete(State(s): State<Shared>, Body(b): Body<DeleteBody>) -> Response 
     let (mut deleted, mut skipped) = (0, 0);
     if !keys.is_empty() {
         let body = json!({"keys": keys, "tier": b.tier, "force": b.force});
-        match relay("DELETE", format!("{base}/cache/objects"), Some(body)).await {
+        match relay(&s, "DELETE", format!("{base}/cache/objects"), Some(body)).await {
             Ok((code, v)) if (200..300).contains(&code) => {
                 deleted = v.get("deleted").and_then(Value::as_u64).unwrap_or(0);
                 skipped = v.get("skipped").and_then(Value::as_u64).unwrap_or(0);
@@ -425,11 +425,10 @@ async fn delete(State(s): State<Shared>, Body(b): Body<DeleteBody>) -> Response 
 /// Sends one eviction pass's orders (fire and forget, as LMCache: the coordinator learns of
 /// the deletes from the servers' events), in batches of 10,000 keys.
 pub(crate) fn send_evictions(fleet: &Fleet, orders: Vec<crate::fleet::EvictionOrder>) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(std::time::Duration::from_secs(30)))
-        .http_status_as_error(false)
-        .build()
-        .into();
+    let agent = crate::server_client::ServerClient::new(
+        std::time::Duration::from_secs(30),
+        fleet.config().server_http_auth_token.as_deref(),
+    );
     for o in orders {
         for batch in o.keys.chunks(10_000) {
             let body = json!({"keys": batch, "tier": "l2", "force": false});

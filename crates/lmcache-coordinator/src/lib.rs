@@ -21,6 +21,7 @@ pub mod http;
 mod http_control;
 pub mod metrics;
 mod repair;
+mod server_client;
 pub mod transport;
 
 use std::net::SocketAddr;

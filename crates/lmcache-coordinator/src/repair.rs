@@ -44,11 +44,10 @@ fn dram() -> String {
 
 /// Serves repair requests until `stop`.
 pub(crate) fn run(fleet: Arc<Fleet>, rx: Receiver<String>, stop: Arc<AtomicBool>) {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(Duration::from_secs(10)))
-        .http_status_as_error(false)
-        .build()
-        .into();
+    let agent = crate::server_client::ServerClient::new(
+        Duration::from_secs(10),
+        fleet.config().server_http_auth_token.as_deref(),
+    );
     // Repairs of instances not registered (yet): retried until they register, as a server
     // does within a heartbeat of a coordinator restart, or until UNREGISTERED_WAIT.
     let mut waiting: Vec<(String, Instant)> = Vec::new();
@@ -92,7 +91,12 @@ enum Step {
     NotRegistered,
 }
 
-fn repair(fleet: &Fleet, agent: &ureq::Agent, id: &str, stop: &AtomicBool) -> Step {
+fn repair(
+    fleet: &Fleet,
+    agent: &crate::server_client::ServerClient,
+    id: &str,
+    stop: &AtomicBool,
+) -> Step {
     let Some(target) = fleet.repair_target(id) else {
         return match fleet.repair_incarnation(id) {
             Some(_) => Step::NotRegistered,
@@ -104,7 +108,7 @@ fn repair(fleet: &Fleet, agent: &ureq::Agent, id: &str, stop: &AtomicBool) -> St
 
 fn resync(
     fleet: &Fleet,
-    agent: &ureq::Agent,
+    agent: &crate::server_client::ServerClient,
     id: &str,
     stop: &AtomicBool,
     target: &crate::fleet::RepairTarget,
@@ -153,7 +157,7 @@ fn resync(
     }
 }
 
-fn fetch(agent: &ureq::Agent, url: &str) -> Result<SnapshotPage, String> {
+fn fetch(agent: &crate::server_client::ServerClient, url: &str) -> Result<SnapshotPage, String> {
     let mut r = agent.get(url).call().map_err(|e| e.to_string())?;
     if !r.status().is_success() {
         return Err(format!("HTTP {}", r.status().as_u16()));

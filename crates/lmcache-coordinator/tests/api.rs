@@ -567,6 +567,11 @@ fn a_restart_resumes_from_the_checkpoint_and_a_damaged_one_starts_cold() {
 
 /// A one-route HTTP server answering every request with `body` (a server's /fleet/snapshot).
 fn snapshot_server(body: Value) -> u16 {
+    snapshot_server_with(body, None)
+}
+
+/// As [`snapshot_server`], answering 401 to requests without `Authorization: Bearer <token>`.
+fn snapshot_server_with(body: Value, token: Option<&'static str>) -> u16 {
     use std::io::{BufRead, BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -575,13 +580,23 @@ fn snapshot_server(body: Value) -> u16 {
             let Ok(mut conn) = conn else { return };
             let mut r = BufReader::new(conn.try_clone().unwrap());
             let mut line = String::new();
+            let mut authorized = token.is_none();
             while r.read_line(&mut line).is_ok_and(|n| n > 0) && line != "\r\n" {
+                if let Some(t) = token
+                    && line.trim().eq_ignore_ascii_case(&format!("authorization: Bearer {t}"))
+                {
+                    authorized = true;
+                }
                 line.clear();
             }
-            let text = body.to_string();
+            let (status, text) = if authorized {
+                ("200 OK", body.to_string())
+            } else {
+                ("401 Unauthorized", "{}".to_owned())
+            };
             let _ = write!(
                 conn,
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
+                "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{text}",
                 text.len()
             );
         }
@@ -736,4 +751,32 @@ fn blend_lookups_match_nothing_unless_enabled() {
         json!({"tokens_b64": b64_tokens(&[1, 2, 3, 4]), "model_name": "m"}),
     );
     assert_eq!((s, v), (200, json!({"matches": []})));
+}
+
+#[test]
+fn a_server_behind_a_token_is_resynced_with_it_and_fenced_without_it() {
+    for (token, resynced) in [(Some("s3cret"), true), (None, false)] {
+        let api = Api::start(CoordinatorConfig {
+            server_http_auth_token: token.map(str::to_owned),
+            ..CoordinatorConfig::default()
+        });
+        let snapshot = json!({"incarnation": 3, "backend": "dram", "next_page_token": null,
+            "entries": [{"key": key(1), "size_bytes": 10}]});
+        let port = snapshot_server_with(snapshot, Some("s3cret"));
+        let (s, _) = api
+            .post("/instances", json!({"instance_id": "t", "ip": "127.0.0.1", "http_port": port}));
+        assert_eq!(s, 200);
+        // A first batch past seq 1 is a gap: the coordinator resyncs from the snapshot.
+        api.events(json!([batch("t", 3, 5, "store", "l1", "dram", &[2])]));
+        let t = std::time::Instant::now();
+        loop {
+            let (_, st) = api.get("/directory/stats");
+            if st["streams"][0]["repairs"].as_u64() == Some(1) {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "no repair ran: {st}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(!placements(&api, 1).is_empty(), resynced, "token {token:?}");
+    }
 }
