@@ -12,25 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${1:?usage: coordinator.sh PATH/TO/lmcache-rs}
-VENV=$(./scripts/lmcache-venv)
-export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONWARNINGS=ignore
-WORK=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"
-}
-trap cleanup EXIT
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-wait_http() { # url log
-  for _ in $(seq 300); do
-    python3 -c "import urllib.request; urllib.request.urlopen('$1', timeout=1)" 2>/dev/null && return 0
-    sleep 0.2
-  done
-  echo "not up: $1"; tail -30 "$2"; return 1
-}
+# shellcheck source=tests/interop/common.sh
+. tests/interop/common.sh
 start_coordinator() { # kind -> $cport
   cport=$(free_port)
   if [ "$1" = lmcache-rs ]; then

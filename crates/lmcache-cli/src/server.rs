@@ -60,6 +60,19 @@ pub struct ServerArgs {
     /// Block id marking unallocated blocks (chunks of only null blocks are not stored).
     #[arg(long, default_value_t = 0)]
     pub null_block_id: u64,
+    /// Directory for lookup-hash JSONL logs (one line per lookup, LMCache's format, read by
+    /// `lmcache tool cache-simulator`). Unset: off.
+    #[arg(long, value_name = "DIR")]
+    pub lookup_hash_log_dir: Option<std::path::PathBuf>,
+    /// Seconds before the lookup-hash log rotates to a new file.
+    #[arg(long, default_value_t = 6 * 3600)]
+    pub lookup_hash_log_rotation_interval: u64,
+    /// Bytes at which the lookup-hash log rotates even before the interval.
+    #[arg(long, default_value_t = 100 * 1024 * 1024)]
+    pub lookup_hash_log_rotation_max_size: u64,
+    /// Lookup-hash log files kept; the oldest of them are deleted past it.
+    #[arg(long, default_value_t = 100)]
+    pub lookup_hash_log_max_files: usize,
     /// Store a hybrid model's KV groups as separate objects, one per sliding-window size and
     /// for recurrent state, so a hit needs only each group's window (LMCache's flag). Off: one
     /// object per chunk holding every group, served as full attention.
@@ -362,6 +375,14 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         session_ttl: Duration::from_secs(args.session_ttl_seconds.max(1)),
         null_block_id: args.null_block_id,
         separate_object_groups: args.separate_object_groups,
+        lookup_hash_log: args.lookup_hash_log_dir.as_ref().map(|dir| {
+            lmcache_server::lookup_log::LookupHashLogConfig {
+                dir: dir.clone(),
+                rotation_interval: Duration::from_secs(args.lookup_hash_log_rotation_interval),
+                rotation_max_size: args.lookup_hash_log_rotation_max_size,
+                max_files: args.lookup_hash_log_max_files,
+            }
+        }),
         kv_event_log_size: if args.disable_observability { 0 } else { args.kv_event_log_size },
         event_bus_queue_size: if args.disable_observability {
             0

@@ -38,6 +38,8 @@ pub struct ServerConfig {
     pub separate_object_groups: bool,
     /// Threads per large lmcache-driven copy (1: the transfer thread copies alone).
     pub copy_threads: usize,
+    /// Lookup-hash JSONL logs (`--lookup-hash-log-dir`); `None`: off.
+    pub lookup_hash_log: Option<crate::lookup_log::LookupHashLogConfig>,
     /// KV event records kept for `subscribe_kv_events` (0 disables the channel).
     pub kv_event_log_size: usize,
     /// Queued events the event bus holds before it drops (0 disables the bus).
@@ -80,6 +82,7 @@ impl ServerConfig {
             null_block_id: 0,
             separate_object_groups: false,
             copy_threads: 1,
+            lookup_hash_log: None,
             kv_event_log_size: 32768,
             event_bus_queue_size: 10_000,
             l1: L1Config::default(),

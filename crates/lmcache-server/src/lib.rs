@@ -20,6 +20,7 @@ pub mod handlers;
 pub mod http;
 pub mod kv_events;
 pub mod kv_groups;
+pub mod lookup_log;
 pub mod metrics;
 pub mod registry;
 pub mod server;

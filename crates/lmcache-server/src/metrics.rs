@@ -108,6 +108,8 @@ pub struct Metrics {
     pub handler_panics: Counter,
     /// Registrations refused as unservable (CUDA descriptors, several KV groups, ...).
     pub refused_registrations: Counter,
+    /// Lookup-hash log lines dropped because the writer was behind.
+    pub lookup_hash_log_dropped: Counter,
     /// Handling time per operation, seconds (socket arrival to reply excluded: handler only).
     pub latency: Family<OpLabel, Histogram>,
     /// Completed lookups.
@@ -198,6 +200,7 @@ impl Default for Metrics {
             errors: Family::default(),
             handler_panics: Counter::default(),
             refused_registrations: Counter::default(),
+            lookup_hash_log_dropped: Counter::default(),
             latency: Family::new_with_constructor(|| {
                 Histogram::new([1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0])
             }),
@@ -390,6 +393,11 @@ impl Default for Metrics {
                 "refused_registrations",
                 "Worker registrations refused as unservable (see /status refused_instances)",
                 m.refused_registrations.clone(),
+            );
+            rs.register(
+                "lookup_hash_log_dropped_lines",
+                "Lookup-hash log lines dropped because the writer was behind the lookups",
+                m.lookup_hash_log_dropped.clone(),
             );
             rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());

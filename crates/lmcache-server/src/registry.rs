@@ -304,6 +304,16 @@ impl Registry {
             .unwrap_or_else(|| vec![None])
     }
 
+    /// The parts of object group 0 of `(model, world_size)` (what a lookup-hash log line
+    /// names), if a worker registered it.
+    pub fn first_object(&self, model: &ModelName, world_size: u32) -> Option<ObjectShape> {
+        self.instances
+            .read()
+            .values()
+            .find(|i| &i.model == model && i.world_size == world_size)
+            .and_then(|i| i.objects.first().cloned())
+    }
+
     /// Drops registrations silent for longer than their timeout; returns how many.
     pub fn reap(&self, now: Instant, timeout: Duration, grace: Duration) -> usize {
         if timeout.is_zero() {

@@ -130,7 +130,15 @@ impl Server {
                 reporter: reporter.clone(),
             }),
         );
+        let lookup_log = match &config.lookup_hash_log {
+            None => None,
+            Some(c) => Some(
+                crate::lookup_log::LookupHashLog::start(c.clone())
+                    .map_err(io("starting the lookup-hash log"))?,
+            ),
+        };
         let state = Arc::new(ServerState {
+            lookup_log,
             http_prefetches: parking_lot::Mutex::default(),
             reporter,
             fleet_snapshots: parking_lot::Mutex::default(),

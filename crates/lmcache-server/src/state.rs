@@ -102,6 +102,8 @@ pub struct ServerState {
     pub reporter: Option<std::sync::Arc<crate::fleet_report::Reporter>>,
     /// Frozen key lists of `GET /fleet/snapshot`.
     pub fleet_snapshots: crate::http::fleet::Snapshots,
+    /// The lookup-hash log, when `--lookup-hash-log-dir` is set.
+    pub lookup_log: Option<crate::lookup_log::LookupHashLog>,
 }
 
 impl ServerState {

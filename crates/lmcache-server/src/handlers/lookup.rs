@@ -127,6 +127,9 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     let readers = readers.min(state.l1().config().max_read_locks);
     state.sessions.with(&key.request_id, |s| -> Result<(), ProtocolError> {
         let hashes = s.chunk_hashes(&key.token_ids, chunks);
+        if let Some(log) = &state.lookup_log {
+            log_lookup(state, log, key, &hashes);
+        }
         // Old locks go first: a repeated lookup replaces them (and abandons any prefetch it
         // started: dropping it releases that prefetch's leases when it ends).
         s.lookup = LookupState::Idle;
@@ -253,4 +256,25 @@ fn lookup_groups(
     let (mut leases, _) = lmcache_storage::LookupLeases::of_prefix(req.world_size, prefix);
     leases.pin(pinned);
     Ok(lmcache_storage::Lookup::Ready { leases, hits: hit })
+}
+
+/// One line of the lookup-hash log (LMCache's format).
+fn log_lookup(
+    state: &ServerState,
+    log: &crate::lookup_log::LookupHashLog,
+    key: &CacheKey,
+    hashes: &[lmcache_core::ChunkHash],
+) {
+    let object = state.registry.first_object(&key.model_name, key.world_size);
+    let parts = object.map(|o| o.parts).unwrap_or_default();
+    log.record(crate::lookup_log::LookupLine {
+        timestamp: crate::lookup_log::now_unix(),
+        request_id: key.request_id.clone(),
+        model_name: key.model_name.to_string(),
+        chunk_size: state.chunk_size(),
+        seq_len: key.token_ids.len(),
+        dtypes: parts.iter().map(|p| format!("torch.{}", p.dtype.as_str())).collect(),
+        shapes: parts.iter().map(|p| vec![p.kv, p.layers, p.slots, p.hidden]).collect(),
+        chunk_hashes: hashes.iter().map(|h| format!("0x{}", h.to_hex())).collect(),
+    });
 }

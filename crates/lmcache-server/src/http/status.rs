@@ -263,6 +263,9 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     advance(&m.l1_expired_write_leases, st.expired_write_leases);
     advance(&m.l1_unwritten_evictions, st.unwritten_evictions);
     m.l1_unwritten_objects.set(s.l1().unwritten() as i64);
+    if let Some(log) = &s.lookup_log {
+        advance(&m.lookup_hash_log_dropped, log.dropped());
+    }
     refresh_l2_metrics(&s);
     (
         [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],

@@ -1,0 +1,24 @@
+# Sourced by the interop scripts (after `cd` to the repository root): LMCache's environment,
+# a work directory that goes at exit with every process listed in `pids`, and helpers.
+VENV=$(./scripts/lmcache-venv)
+export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONWARNINGS=ignore
+WORK=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+# A free TCP port on 127.0.0.1.
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# Waits (60 s at most) until URL answers; else prints the tail of LOG and fails.
+wait_http() { # url log
+  for _ in $(seq 300); do
+    python3 -c "import urllib.request; urllib.request.urlopen('$1', timeout=1)" 2>/dev/null && return 0
+    sleep 0.2
+  done
+  echo "not up: $1"; tail -30 "$2"; return 1
+}

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Interop: lookup-hash logs. LMCache 0.5.6's server and `lmcache-rs server`, each with
+# --lookup-hash-log-dir, serve the same `lmcache bench server` run; then
+#   1. every line of ours equals LMCache's line for the same request (fields, seq_len, dtypes,
+#      shapes, chunk hashes), and the file names follow its pattern;
+#   2. LMCache's own `lmcache tool cache-simulator simulate` reads our files and reports the
+#      same aggregate numbers as on LMCache's files.
+# Usage: tests/interop/lookup_log.sh PATH/TO/lmcache-rs
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN=${1:?usage: lookup_log.sh PATH/TO/lmcache-rs}
+# shellcheck source=tests/interop/common.sh
+. tests/interop/common.sh
+for kind in lmcache lmcache-rs; do
+  port=$(free_port); http=$(free_port)
+  mkdir -p "$WORK/$kind"
+  if [ "$kind" = lmcache-rs ]; then
+    "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
+        --shm-name "lmcache_rs_lhl_$$" --max-workers 2 --exit-after-seconds 300 \
+        --lookup-hash-log-dir "$WORK/$kind" > "$WORK/$kind.server.log" 2>&1 &
+  else
+    timeout 300 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
+        --http-port "$http" --l1-size-gb 1 --eviction-policy LRU --supported-transfer-mode auto \
+        --shm-name "lmc_lhl_$$" --lookup-hash-log-dir "$WORK/$kind" > "$WORK/$kind.server.log" 2>&1 &
+  fi
+  pids+=($!)
+  wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/$kind.server.log"
+  timeout 300 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
+      --url "http://127.0.0.1:$http" --mode cpu --transfer-mode lmcache_driven --num-tokens 1024 \
+      --start 0 --end 6 --interval 0 > "$WORK/$kind.bench.log" 2>&1 \
+    || { echo "FAILED: bench against $kind"; tail -20 "$WORK/$kind.bench.log"; exit 1; }
+  kill -TERM "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true
+done
+"$VENV/bin/python" - "$WORK/lmcache" "$WORK/lmcache-rs" <<'PY'
+import glob, json, os, re, sys
+theirs_dir, ours_dir = sys.argv[1], sys.argv[2]
+def load(d):
+    files = sorted(glob.glob(os.path.join(d, "*")))
+    assert files, f"no files in {d}"
+    for f in files:
+        assert re.fullmatch(r"lookup_hashes_\d{8}_\d{6}_\d{6}\.jsonl", os.path.basename(f)), f
+    lines = [json.loads(l) for f in files for l in open(f)]
+    return {l["request_id"]: l for l in lines}
+theirs, ours = load(theirs_dir), load(ours_dir)
+assert set(ours) == set(theirs), (sorted(ours), sorted(theirs))
+for rid, t in theirs.items():
+    o = ours[rid]
+    assert list(o) == list(t), f"fields {list(o)} != {list(t)}"
+    for k in ("model_name", "chunk_size", "seq_len", "dtypes", "shapes", "chunk_hashes"):
+        assert o[k] == t[k], f"{rid} {k}: ours {o[k]!r} theirs {t[k]!r}"
+print(f"lookup-hash log: {len(ours)} lines equal LMCache's, field for field")
+PY
+# Its report comes before its plot, which needs matplotlib (not installed with LMCache): the
+# exit status is its plot's, so the report's lines are what is checked. The bytes per chunk are
+# given because it cannot parse the dtype spelling its own server writes ("torch.float16").
+sim() {
+  (cd "$WORK" && { "$VENV/bin/lmcache" tool cache-simulator simulate -i "$1" --cache-capacity-gib 0.2 \
+      --kv-bytes-per-chunk 33554432 -o "$1.png" 2>&1 || true; } \
+      | grep -E "Requests processed|Total tokens|Hit tokens|Token hit rate|Cache occupancy")
+}
+sim "$WORK/lmcache" > "$WORK/sim-lmcache.txt"
+sim "$WORK/lmcache-rs" > "$WORK/sim-lmcache-rs.txt"
+if ! diff "$WORK/sim-lmcache.txt" "$WORK/sim-lmcache-rs.txt"; then
+  echo "FAILED: LMCache's simulator reports differently on our log"; exit 1
+fi
+[ "$(wc -l < "$WORK/sim-lmcache-rs.txt")" -eq 5 ] || { echo "FAILED: simulator report incomplete"; cat "$WORK/sim-lmcache-rs.txt"; exit 1; }
+echo "lookup-hash log: LMCache's cache-simulator reads ours: $(grep 'Token hit rate' "$WORK/sim-lmcache-rs.txt" | tr -s ' '), as on its own"
