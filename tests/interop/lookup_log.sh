@@ -4,7 +4,9 @@
 #   1. every line of ours equals LMCache's line for the same request (fields, seq_len, dtypes,
 #      shapes, chunk hashes), and the file names follow its pattern;
 #   2. LMCache's own `lmcache tool cache-simulator simulate` reads our files and reports the
-#      same aggregate numbers as on LMCache's files.
+#      same aggregate numbers as on LMCache's files;
+#   3. `lmcache-rs tool cache-simulator simulate|sweep` on LMCache's logs prints LMCache's own
+#      report sections and sweep table.
 # Usage: tests/interop/lookup_log.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -65,3 +67,29 @@ if ! diff "$WORK/sim-lmcache.txt" "$WORK/sim-lmcache-rs.txt"; then
 fi
 [ "$(wc -l < "$WORK/sim-lmcache-rs.txt")" -eq 5 ] || { echo "FAILED: simulator report incomplete"; cat "$WORK/sim-lmcache-rs.txt"; exit 1; }
 echo "lookup-hash log: LMCache's cache-simulator reads ours: $(grep 'Token hit rate' "$WORK/sim-lmcache-rs.txt" | tr -s ' '), as on its own"
+
+# 3. Our simulator on LMCache's own logs (a larger, generated one too) gives LMCache's report,
+#    section for section, and its sweep table row for row.
+"$VENV/bin/python" tests/interop/gen_lookup_log.py "$WORK/gen" 3000
+report() { # the lines of a simulate report's first three sections (Aggregate, Stat 1, Stat 2)
+  awk '/^Aggregate$/ {on = 1} /^(Stat [3-9]|Traceback)/ {on = 0} on && (/^  / || /^(Aggregate|Stat)/)'
+}
+table() { grep -E '^ +[0-9.]+ +[0-9.]+%$'; }
+for logs in "$WORK/lmcache" "$WORK/gen"; do
+  for cap in 0.05 0.2 1; do
+    (cd "$WORK" && { "$VENV/bin/lmcache" tool cache-simulator simulate -i "$logs" --cache-capacity-gib "$cap" \
+        --kv-bytes-per-chunk 33554432 -o x.png 2>&1 || true; }) | report > "$WORK/theirs.txt"
+    "$BIN" tool cache-simulator simulate -i "$logs" --cache-capacity-gib "$cap" \
+        --kv-bytes-per-chunk 33554432 | report > "$WORK/ours.txt"
+    [ -s "$WORK/ours.txt" ] || { echo "FAILED: our simulate printed no report"; exit 1; }
+    diff "$WORK/theirs.txt" "$WORK/ours.txt" \
+      || { echo "FAILED: simulate $logs at $cap GiB differs from LMCache's"; exit 1; }
+  done
+  (cd "$WORK" && { "$VENV/bin/lmcache" tool cache-simulator sweep -i "$logs" --min-capacity-gib 0.03 \
+      --max-capacity-gib 50 --points 30 --kv-bytes-per-chunk 33554432 -o y.png 2>&1 || true; }) | table > "$WORK/theirs.txt"
+  "$BIN" tool cache-simulator sweep -i "$logs" --min-capacity-gib 0.03 --max-capacity-gib 50 \
+      --points 30 --kv-bytes-per-chunk 33554432 2>/dev/null | table > "$WORK/ours.txt"
+  [ "$(wc -l < "$WORK/ours.txt")" -eq 30 ] || { echo "FAILED: our sweep table"; cat "$WORK/ours.txt"; exit 1; }
+  diff "$WORK/theirs.txt" "$WORK/ours.txt" || { echo "FAILED: sweep of $logs differs from LMCache's"; exit 1; }
+done
+echo "cache simulator: ours equals LMCache's on its logs (simulate at 3 capacities, sweep of 30, on a bench log and a generated 3000-request log)"

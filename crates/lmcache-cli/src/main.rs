@@ -9,6 +9,7 @@ mod ops;
 mod otel;
 mod query;
 mod server;
+mod tool;
 
 use clap::{Parser, Subcommand};
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -62,6 +63,9 @@ enum Command {
     /// Read a fleet coordinator's APIs (ours or LMCache's).
     #[command(subcommand)]
     Query(query::QueryCommand),
+    /// Offline tools over lookup-hash logs (LMCache's `lmcache tool`).
+    #[command(subcommand)]
+    Tool(tool::ToolCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -130,5 +134,6 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Kvcache(cmd) => ops::kvcache(&cmd),
         Command::Quota(cmd) => ops::quota(&cmd),
         Command::Query(cmd) => query::run(&cmd),
+        Command::Tool(cmd) => tool::run(cmd),
     }
 }
