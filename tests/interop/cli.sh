@@ -13,7 +13,7 @@ http=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
     --shm-name "lmcache_rs_cli_interop_$$" --log-level warn > "$WORK/server.log" 2>&1 &
 pid=$!
-trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$WORK"' EXIT
+trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$WORK" || true' EXIT
 url="http://127.0.0.1:$http"
 for _ in $(seq 100); do
   python3 -c "import urllib.request; urllib.request.urlopen('$url/healthcheck', timeout=1)" 2>/dev/null && break

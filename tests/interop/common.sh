@@ -7,7 +7,7 @@ pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"
+  [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK" || true
 }
 trap cleanup EXIT
 
