@@ -26,12 +26,7 @@ for kind in lmcache lmcache-rs; do
         --shm-name "lmc_lhl_$$" --lookup-hash-log-dir "$WORK/$kind" > "$WORK/$kind.server.log" 2>&1 &
   fi
   pids+=($!)
-  wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/$kind.server.log"
-  timeout 300 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
-      --url "http://127.0.0.1:$http" --mode cpu --transfer-mode lmcache_driven --num-tokens 1024 \
-      --start 0 --end 6 --interval 0 > "$WORK/$kind.bench.log" 2>&1 \
-    || { echo "FAILED: bench against $kind"; tail -20 "$WORK/$kind.bench.log"; exit 1; }
-  kill -TERM "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true
+  bench_then_stop "$port" "$http" 6 "$WORK/$kind"
 done
 "$VENV/bin/python" - "$WORK/lmcache" "$WORK/lmcache-rs" <<'PY'
 import glob, json, os, re, sys

@@ -10,6 +10,7 @@ mod otel;
 mod query;
 mod server;
 mod tool;
+mod trace;
 
 use clap::{Parser, Subcommand};
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -66,6 +67,10 @@ enum Command {
     /// Offline tools over lookup-hash logs (LMCache's `lmcache tool`).
     #[command(subcommand)]
     Tool(tool::ToolCommand),
+    /// Trace files (`server --trace-level`): inspect, replay storage calls, replay a fleet's
+    /// cache events into a coordinator (LMCache's `lmcache trace`).
+    #[command(subcommand)]
+    Trace(trace::TraceCommand),
 }
 
 #[derive(Debug, Subcommand)]
@@ -135,5 +140,6 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Quota(cmd) => ops::quota(&cmd),
         Command::Query(cmd) => query::run(&cmd),
         Command::Tool(cmd) => tool::run(cmd),
+        Command::Trace(cmd) => trace::run(cmd),
     }
 }

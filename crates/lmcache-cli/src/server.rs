@@ -202,6 +202,15 @@ pub struct ServerArgs {
     /// JetStream stream the events go to (created when missing).
     #[arg(long, default_value = "LMCACHE_CACHE_EVENTS")]
     pub coordinator_nats_stream: String,
+    /// Record a trace for `lmcache-rs trace` (and LMCache's `lmcache trace`): `storage`
+    /// records the storage calls requests make (replayed by `trace replay`), `events` the
+    /// cache-event stream a coordinator would receive (replayed by `trace replay-events`;
+    /// recorded with or without --coordinator-url).
+    #[arg(long, value_parser = ["storage", "events"])]
+    pub trace_level: Option<String>,
+    /// The trace file (default: $TMPDIR/lmcache-trace-<pid>-<UTC time>.lct).
+    #[arg(long, value_name = "FILE", requires = "trace_level")]
+    pub trace_output: Option<std::path::PathBuf>,
     /// Exit after this many seconds (for tests and benchmarks); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
@@ -232,8 +241,7 @@ fn coordinator_reporting(
             .filter(|d| !d.is_zero())
             .with_context(|| format!("--{name}: {v} is not a positive number of seconds"))
     };
-    let instance_id =
-        if args.instance_id.is_empty() { default_instance_id() } else { args.instance_id.clone() };
+    let instance_id = instance_id(args);
     Ok(Some(lmcache_server::fleet_report::CoordinatorReporting {
         url,
         instance_id,
@@ -249,6 +257,17 @@ fn coordinator_reporting(
         )?,
         transport,
     }))
+}
+
+/// `--instance-id`, or a random one minted once per process (the coordinator registration
+/// and an events trace name the same server).
+fn instance_id(args: &ServerArgs) -> String {
+    static MINTED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if args.instance_id.is_empty() {
+        MINTED.get_or_init(default_instance_id).clone()
+    } else {
+        args.instance_id.clone()
+    }
 }
 
 /// A random id (LMCache mints a UUID v4): 32 hex digits of BLAKE3 over the time, the pid and
@@ -304,7 +323,7 @@ fn parse_policy(s: &str) -> Result<EvictionPolicyKind, String> {
     s.parse().map_err(|e: lmcache_l1::eviction::UnknownPolicy| e.to_string())
 }
 
-fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
+pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     let size = gib_to_bytes(args.l1_size_gb)
         .filter(|&b| b > 0)
         .with_context(|| format!("--l1-size-gb {} is not a positive size", args.l1_size_gb))?;
@@ -375,6 +394,16 @@ fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         session_ttl: Duration::from_secs(args.session_ttl_seconds.max(1)),
         null_block_id: args.null_block_id,
         separate_object_groups: args.separate_object_groups,
+        trace: args.trace_level.as_deref().map(|level| {
+            let level = lmcache_workload::trace::Level::parse(level)
+                .unwrap_or(lmcache_workload::trace::Level::Storage);
+            let path = args
+                .trace_output
+                .clone()
+                .unwrap_or_else(lmcache_server::trace_record::default_trace_path);
+            lmcache_server::trace_record::TraceConfig { level, path }
+        }),
+        instance_id: instance_id(args),
         lookup_hash_log: args.lookup_hash_log_dir.as_ref().map(|dir| {
             lmcache_server::lookup_log::LookupHashLogConfig {
                 dir: dir.clone(),

@@ -40,6 +40,10 @@ pub struct ServerConfig {
     pub copy_threads: usize,
     /// Lookup-hash JSONL logs (`--lookup-hash-log-dir`); `None`: off.
     pub lookup_hash_log: Option<crate::lookup_log::LookupHashLogConfig>,
+    /// `--trace-level` / `--trace-output`: record a `.lct` trace (None: off).
+    pub trace: Option<crate::trace_record::TraceConfig>,
+    /// This server's id (`--instance-id`, or a random one), named in events traces.
+    pub instance_id: String,
     /// KV event records kept for `subscribe_kv_events` (0 disables the channel).
     pub kv_event_log_size: usize,
     /// Queued events the event bus holds before it drops (0 disables the bus).
@@ -83,6 +87,8 @@ impl ServerConfig {
             separate_object_groups: false,
             copy_threads: 1,
             lookup_hash_log: None,
+            trace: None,
+            instance_id: String::new(),
             kv_event_log_size: 32768,
             event_bus_queue_size: 10_000,
             l1: L1Config::default(),

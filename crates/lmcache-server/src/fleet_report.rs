@@ -190,6 +190,9 @@ pub struct Reporter {
     pub stats: ReportStats,
     /// The id the coordinator knows this server by, once registered.
     pub registered_as: Mutex<Option<String>>,
+    /// An events-level trace: every batch is recorded as it is sent (or, with no coordinator,
+    /// as it would have been).
+    trace: Mutex<Option<Arc<crate::trace_record::TraceRecorder>>>,
 }
 
 fn encoded(k: &ObjectKey) -> EncodedObjectKey {
@@ -222,7 +225,67 @@ impl Reporter {
             stop: AtomicBool::new(false),
             stats: ReportStats::default(),
             registered_as: Mutex::new(None),
+            trace: Mutex::new(None),
         })
+    }
+
+    /// A reporter that only records the stream to an events-level trace (no coordinator):
+    /// LMCache records what it would have reported the same way.
+    pub fn trace_only(
+        instance_id: String,
+        advertise_ip: String,
+        flush_interval: Duration,
+        trace: Arc<crate::trace_record::TraceRecorder>,
+    ) -> Arc<Self> {
+        let me = Self::new(CoordinatorReporting {
+            url: String::new(),
+            instance_id,
+            advertise_ip,
+            heartbeat_interval: Duration::from_secs(5),
+            event_reporting: true,
+            flush_interval,
+            transport: ReportTransport::Http,
+        });
+        me.set_trace(trace);
+        me
+    }
+
+    /// Records every batch to `trace` from now on.
+    pub fn set_trace(&self, trace: Arc<crate::trace_record::TraceRecorder>) {
+        *self.trace.lock() = Some(trace);
+    }
+
+    fn traced(&self, batches: &[CacheEventBatch]) {
+        let Some(t) = self.trace.lock().clone() else { return };
+        for b in batches {
+            match serde_json::to_value(b) {
+                Ok(j) => t.record(
+                    lmcache_workload::trace::codec::EVENTS_BATCH,
+                    lmcache_workload::trace::codec::from_json(&j),
+                ),
+                Err(e) => tracing::warn!(error = %e, "events trace: batch not encodable"),
+            }
+        }
+    }
+
+    fn lifecycle(&self, start: bool, instance_id: &str) {
+        let Some(t) = self.trace.lock().clone() else { return };
+        use rmpv::Value;
+        let mut args = vec![
+            ("phase", Value::from(if start { "start" } else { "stop" })),
+            ("instance_id", Value::from(instance_id)),
+        ];
+        if start {
+            let port = self.http_port.load(Ordering::Relaxed);
+            args.push(("incarnation", Value::from(self.incarnation)));
+            args.push(("ip", Value::from(self.cfg.advertise_ip.as_str())));
+            args.push(("http_port", Value::from(port)));
+            args.push(("mq_port", Value::from(0)));
+        }
+        t.record(
+            lmcache_workload::trace::codec::EVENTS_LIFECYCLE,
+            lmcache_workload::trace::codec::args(args),
+        );
     }
 
     /// Sets the compartments to declare and the L2 adapters' (type, shared) by id.
@@ -372,10 +435,19 @@ impl Reporter {
             .build()
             .into();
         let base = self.cfg.url.trim_end_matches('/').to_owned();
+        // No coordinator: the stream is only recorded, under the configured id.
+        let trace_only = base.is_empty();
         let mut id: Option<String> = None;
         let mut revision = 0u64;
         let mut next_seq = 1u64;
         let mut inflight: Vec<CacheEventBatch> = Vec::new();
+        self.lifecycle(true, &self.cfg.instance_id);
+        if trace_only {
+            id = Some(self.cfg.instance_id.clone());
+            revision = 1;
+            let decl = self.declarations(&self.cfg.instance_id, revision, &mut next_seq);
+            self.traced(&decl);
+        }
         let mut next_beat = Instant::now();
         let mut next_flush = Instant::now() + self.cfg.flush_interval;
         let mut sink = match &self.cfg.transport {
@@ -394,7 +466,7 @@ impl Reporter {
         loop {
             let stopping = self.stop.load(Ordering::Acquire);
             let now = Instant::now();
-            if now >= next_beat && !stopping {
+            if now >= next_beat && !stopping && !trace_only {
                 next_beat = now + self.cfg.heartbeat_interval;
                 match &id {
                     None => {
@@ -402,7 +474,9 @@ impl Reporter {
                             *self.registered_as.lock() = Some(new.clone());
                             id = Some(new.clone());
                             revision += 1;
-                            inflight.extend(self.declarations(&new, revision, &mut next_seq));
+                            let decl = self.declarations(&new, revision, &mut next_seq);
+                            self.traced(&decl);
+                            inflight.extend(decl);
                         }
                     }
                     Some(cur) => match agent
@@ -422,12 +496,21 @@ impl Reporter {
             }
             if let (Some(cur), true) = (&id, now >= next_flush || stopping) {
                 next_flush = now + self.cfg.flush_interval;
+                let before = inflight.len();
                 self.take_batches(cur, &mut next_seq, &mut inflight);
-                if !inflight.is_empty() && self.deliver(&agent, &base, sink.as_mut(), &inflight) {
+                self.traced(&inflight[before..]);
+                if trace_only
+                    || (!inflight.is_empty()
+                        && self.deliver(&agent, &base, sink.as_mut(), &inflight))
+                {
                     inflight.clear();
                 }
             }
             if stopping {
+                self.lifecycle(false, &self.cfg.instance_id);
+                if trace_only {
+                    return;
+                }
                 if let Some(cur) = id {
                     match agent.delete(&format!("{base}/instances/{cur}")).call() {
                         Ok(_) => {

@@ -26,6 +26,7 @@ pub mod registry;
 pub mod server;
 pub mod session;
 pub mod state;
+pub mod trace_record;
 pub mod transfer;
 pub mod transport;
 

@@ -304,6 +304,18 @@ impl Registry {
             .unwrap_or_else(|| vec![None])
     }
 
+    /// The object groups `(model, world_size)` stores (the registration with the most), empty
+    /// when no worker registered it.
+    pub fn objects(&self, model: &ModelName, world_size: u32) -> Vec<ObjectShape> {
+        self.instances
+            .read()
+            .values()
+            .filter(|i| &i.model == model && i.world_size == world_size)
+            .map(|i| i.objects.clone())
+            .max_by_key(Vec::len)
+            .unwrap_or_default()
+    }
+
     /// The parts of object group 0 of `(model, world_size)` (what a lookup-hash log line
     /// names), if a worker registered it.
     pub fn first_object(&self, model: &ModelName, world_size: u32) -> Option<ObjectShape> {

@@ -58,6 +58,42 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
     move |source| ServerError::Io { what, source }
 }
 
+/// The storage tiers a server runs on, without the server: L1 (arena, allocator, prefaulter,
+/// maintenance) and the L2 tier of the configured adapters. `trace replay` builds one from
+/// the server's own flags.
+#[derive(Debug)]
+pub struct StorageStack {
+    /// L1 and L2.
+    pub storage: lmcache_storage::StorageManager,
+    /// L1's background maintenance (stops when dropped).
+    pub maintenance: Maintenance,
+    /// Commits L1 memory ahead of use (stops when dropped).
+    pub prefaulter: Prefaulter,
+}
+
+impl StorageStack {
+    /// Builds the tiers `config` describes.
+    pub fn start(config: &ServerConfig) -> Result<Self, ServerError> {
+        let arena = Arena::create(&config.arena)?;
+        let memory = ArenaAllocator::new(arena, config.align)?;
+        let prefaulter =
+            memory.spawn_prefaulter(PREFAULT_AHEAD).map_err(io("starting the L1 prefaulter"))?;
+        let l1 = L1Cache::new(config.l1.clone(), memory)?;
+        let maintenance = Maintenance::spawn(l1.clone()).map_err(io("starting L1 maintenance"))?;
+        let l2 = if config.l2_adapters.is_empty() {
+            None
+        } else {
+            let tier =
+                lmcache_storage::L2Tier::start(l1.clone(), &config.l2_adapters, config.l2.clone())?;
+            for a in tier.describe() {
+                tracing::info!(id = a.id, kind = %a.kind, "L2 adapter ready");
+            }
+            Some(tier)
+        };
+        Ok(Self { storage: lmcache_storage::StorageManager::new(l1, l2), maintenance, prefaulter })
+    }
+}
+
 /// A running server. Dropping it shuts it down.
 #[derive(Debug)]
 pub struct Server {
@@ -88,22 +124,7 @@ impl Server {
                 tracing::info!(segments = ?removed, "removed stale L1 segments of crashed runs");
             }
         }
-        let arena = Arena::create(&config.arena)?;
-        let memory = ArenaAllocator::new(arena, config.align)?;
-        let prefaulter =
-            memory.spawn_prefaulter(PREFAULT_AHEAD).map_err(io("starting the L1 prefaulter"))?;
-        let l1 = L1Cache::new(config.l1.clone(), memory)?;
-        let maintenance = Maintenance::spawn(l1.clone()).map_err(io("starting L1 maintenance"))?;
-        let l2 = if config.l2_adapters.is_empty() {
-            None
-        } else {
-            let tier =
-                lmcache_storage::L2Tier::start(l1.clone(), &config.l2_adapters, config.l2.clone())?;
-            for a in tier.describe() {
-                tracing::info!(id = a.id, kind = %a.kind, "L2 adapter ready");
-            }
-            Some(tier)
-        };
+        let StorageStack { storage, maintenance, prefaulter } = StorageStack::start(&config)?;
         let transport = Transport::bind(&config.endpoint())?;
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
@@ -112,15 +133,53 @@ impl Server {
             vec![crate::event_bus::log_subscriber()],
         )
         .map_err(io("starting the event bus"))?;
-        let storage = lmcache_storage::StorageManager::new(l1, l2);
+        let trace = match &config.trace {
+            None => None,
+            Some(c) => {
+                let meta = match c.level {
+                    lmcache_workload::trace::Level::Events => vec![
+                        ("instance_id".to_owned(), rmpv::Value::from(config.instance_id.as_str())),
+                        ("cache_event_schema_version".to_owned(), rmpv::Value::from(1)),
+                        (
+                            "lmcache_version".to_owned(),
+                            rmpv::Value::from(concat!("lmcache-rs ", env!("CARGO_PKG_VERSION"))),
+                        ),
+                    ],
+                    lmcache_workload::trace::Level::Storage => Vec::new(),
+                };
+                Some(Arc::new(
+                    crate::trace_record::TraceRecorder::start(
+                        c,
+                        &storage_config_json(&config),
+                        meta,
+                    )
+                    .map_err(io("opening the --trace-output file"))?,
+                ))
+            }
+        };
+        let events_trace =
+            trace.clone().filter(|t| t.level() == lmcache_workload::trace::Level::Events);
         let reporter = match (&config.coordinator, config.http_port) {
-            (None, _) => None,
+            (None, _) => events_trace.clone().map(|t| {
+                crate::fleet_report::Reporter::trace_only(
+                    config.instance_id.clone(),
+                    String::new(),
+                    Duration::from_secs(1),
+                    t,
+                )
+            }),
             (Some(_), None) => {
                 return Err(ServerError::Config(
                     "--coordinator-url needs the HTTP server (the coordinator calls it): set --http-port".into(),
                 ));
             }
-            (Some(c), Some(_)) => Some(crate::fleet_report::Reporter::new(c.clone())),
+            (Some(c), Some(_)) => {
+                let r = crate::fleet_report::Reporter::new(c.clone());
+                if let Some(t) = &events_trace {
+                    r.set_trace(t.clone());
+                }
+                Some(r)
+            }
         };
         storage.set_observers(
             Arc::new(crate::event_bus::TierEvents(bus.publisher(), reporter.clone())),
@@ -139,6 +198,7 @@ impl Server {
         };
         let state = Arc::new(ServerState {
             lookup_log,
+            trace,
             http_prefetches: parking_lot::Mutex::default(),
             reporter,
             fleet_snapshots: parking_lot::Mutex::default(),
@@ -168,12 +228,13 @@ impl Server {
                 .map_err(io("starting the socket thread"))?
         };
         let reaper = start_reaper(Arc::clone(&state))?;
-        let reporter = match (&state.reporter, http_addr) {
-            (Some(r), Some(addr)) => {
+        let reporter = match &state.reporter {
+            Some(r) => {
                 r.set_topology(compartments(&state), l2_identities(&state));
-                Some(r.start(addr.port()).map_err(io("starting the coordinator reporter"))?)
+                let port = http_addr.map_or(0, |a| a.port());
+                Some(r.start(port).map_err(io("starting the coordinator reporter"))?)
             }
-            _ => None,
+            None => None,
         };
         tracing::info!(
             endpoint = %endpoint,
@@ -237,6 +298,10 @@ impl Server {
         if let (Some(r), Some(j)) = (&self.state.reporter, self.reporter.take()) {
             r.stop();
             let _ = j.join();
+        }
+        // Last: the events trace's final batches and stop mark are queued by now.
+        if let Some(t) = &self.state.trace {
+            t.close();
         }
         self.maintenance.take();
         self.prefaulter.take();
@@ -359,4 +424,29 @@ fn start_reaper(state: Arc<ServerState>) -> Result<(Sender<()>, JoinHandle<()>),
         })
         .map_err(io("starting the reaper"))?;
     Ok((tx, join))
+}
+
+/// The storage configuration a trace header records (as LMCache records its
+/// `StorageManagerConfig`): L1 size and eviction, the L2 adapters and tier settings.
+/// Credentials are redacted by the recorder.
+pub fn storage_config_json(config: &ServerConfig) -> serde_json::Value {
+    serde_json::json!({
+        "server": "lmcache-rs",
+        "chunk_size": config.chunk_size,
+        "l1": {
+            "size_in_bytes": config.arena.size,
+            "align_bytes": config.align,
+            "eviction_policy": config.l1.eviction_policy.to_string(),
+            "trigger_watermark": config.l1.trigger_watermark,
+            "eviction_ratio": config.l1.eviction_ratio,
+            "read_ttl_seconds": config.l1.read_ttl.as_secs(),
+            "write_ttl_seconds": config.l1.write_ttl.as_secs(),
+        },
+        "l2_adapters": config.l2_adapters,
+        "l2": {
+            "store_queue_keys": config.l2.store_queue_keys,
+            "prefetch_max_in_flight": config.l2.max_in_flight,
+            "prefetch_timeout_seconds": config.l2.prefetch_deadline.as_secs_f64(),
+        },
+    })
 }

@@ -104,12 +104,19 @@ pub struct ServerState {
     pub fleet_snapshots: crate::http::fleet::Snapshots,
     /// The lookup-hash log, when `--lookup-hash-log-dir` is set.
     pub lookup_log: Option<crate::lookup_log::LookupHashLog>,
+    /// The trace recorder, when `--trace-level` is set.
+    pub trace: Option<std::sync::Arc<crate::trace_record::TraceRecorder>>,
 }
 
 impl ServerState {
     /// The L1 tier (for L1-only operations: the arena, parked handles, usage).
     pub fn l1(&self) -> &L1Cache {
         self.storage.l1()
+    }
+
+    /// The storage-level trace recorder, when one records.
+    pub fn storage_trace(&self) -> Option<&crate::trace_record::TraceRecorder> {
+        self.trace.as_deref().filter(|t| t.level() == lmcache_workload::trace::Level::Storage)
     }
 
     /// Chunk size in tokens.

@@ -9,11 +9,15 @@
 //! - [`sweep`]: the hit rate at many capacities in one pass: each chunk's LRU stack distance
 //!   (distinct chunks referenced since its last use) decides at once every capacity it hits in.
 //!
-//! No IO: callers hand in the text of the files.
+//! - [`trace`]: LMCache's `.lct` trace files (storage calls and cache-event streams): read,
+//!   written, summed up.
+//!
+//! No file IO: callers hand in the text of the files, or a reader or writer.
 
 pub mod events;
 pub mod simulate;
 pub mod sweep;
+pub mod trace;
 
 pub use events::{LookupEvent, kv_bytes_per_chunk, parse_lines};
 pub use simulate::{Simulation, simulate};

@@ -183,6 +183,9 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
     let mut slots = Vec::new();
     let mut indices = Vec::new();
     let mut leases = Vec::new();
+    if let Some(t) = state.storage_trace() {
+        t.reserve_write(&keys, Some(&crate::registry::ObjectShape::single(layout)));
+    }
     for (i, r) in state.storage.reserve_write(&reqs).into_iter().enumerate() {
         match r {
             Ok(w) => {
@@ -229,7 +232,14 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<bool, Pr
         .iter()
         .filter_map(|w| hashes.iter().position(|h| *h == w.key().chunk_hash))
         .collect();
+    let traced: Vec<_> = match state.storage_trace() {
+        Some(_) => writes.iter().map(|w| w.key().clone()).collect(),
+        None => Vec::new(),
+    };
     let results = state.storage.commit(writes);
+    if let Some(t) = state.storage_trace() {
+        t.finish_write(&traced);
+    }
     let committed: Vec<usize> =
         idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
     state.metrics.l1_write_chunks.inc_by(committed.len() as u64);
@@ -254,6 +264,9 @@ fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Valu
     let spent = state.spend_lookup_locks(&key.request_id, shard, first..first + hashes.len());
     let leases: Result<Vec<_>, _> =
         state.storage.retrieve_leases(spent, &keys).into_iter().collect();
+    if let Some(t) = state.storage_trace() {
+        t.finish_read(&keys, 1);
+    }
     let pk = PendingKey::new(id, key, &hashes);
     // Each object must have this instance's layout: a slot is the client's copy length.
     let want = layout.bytes();

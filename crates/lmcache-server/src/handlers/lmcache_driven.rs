@@ -354,6 +354,11 @@ fn store(
             wanted.iter().map(|&i| WriteRequest::new(keys[i].clone(), size)).collect();
         let mut filled = Vec::new();
         let mut filled_idx = Vec::new();
+        let trace = state.storage_trace();
+        if let Some(t) = trace {
+            let ks: Vec<_> = wanted.iter().map(|&i| keys[i].clone()).collect();
+            t.reserve_write(&ks, inst.objects.get(og));
+        }
         for (&i, res) in wanted.iter().zip(state.storage.reserve_write(&reqs)) {
             any[i] = true;
             match res {
@@ -383,7 +388,14 @@ fn store(
                 }
             }
         }
+        let traced: Vec<_> = match trace {
+            Some(_) => filled.iter().map(|w| w.key().clone()).collect(),
+            None => Vec::new(),
+        };
         let results = state.storage.commit(filled);
+        if let Some(t) = trace {
+            t.finish_write(&traced);
+        }
         for (&i, r) in filled_idx.iter().zip(&results) {
             match r {
                 Ok(_) => bytes += size,
@@ -470,6 +482,9 @@ fn retrieve(
             }
         };
         let leases: Vec<_> = state.storage.retrieve_leases(locks, &keys).into_iter().collect();
+        if let Some(t) = state.storage_trace() {
+            t.finish_read(&keys[from..], 1);
+        }
         for (i, lease) in leases.into_iter().enumerate() {
             if i < from {
                 continue;

@@ -145,6 +145,9 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
             req.shards.push((w, keys));
         }
         let windows = state.registry.object_windows(&key.model_name, key.world_size);
+        if let Some(t) = state.storage_trace() {
+            trace_lookup(state, t, key, &hashes, &shards, readers)?;
+        }
         let lookup = if windows.len() > 1 {
             lookup_groups(state, key, &hashes, req, &windows, &mut touched)?
         } else {
@@ -256,6 +259,30 @@ fn lookup_groups(
     let (mut leases, _) = lmcache_storage::LookupLeases::of_prefix(req.world_size, prefix);
     leases.pin(pinned);
     Ok(lmcache_storage::Lookup::Ready { leases, hits: hit })
+}
+
+/// The lookup as LMCache's storage manager sees it: `submit_prefetch_task` with one key
+/// group per object group, each listing every shard's keys.
+fn trace_lookup(
+    state: &ServerState,
+    t: &crate::trace_record::TraceRecorder,
+    key: &CacheKey,
+    hashes: &[lmcache_core::ChunkHash],
+    shards: &[u32],
+    readers: u32,
+) -> Result<(), ProtocolError> {
+    let objects = state.registry.objects(&key.model_name, key.world_size);
+    let groups = objects.len().max(1);
+    let mut out = Vec::with_capacity(groups);
+    for og in 0..groups {
+        let mut keys = Vec::with_capacity(shards.len() * hashes.len());
+        for &w in shards {
+            keys.extend(state.object_keys(key, w, hashes, og as u32)?);
+        }
+        out.push(crate::trace_record::key_group(og as u32, keys, objects.get(og)));
+    }
+    t.submit_prefetch(&key.request_id, out, readers);
+    Ok(())
 }
 
 /// One line of the lookup-hash log (LMCache's format).

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Interop: trace files (.lct), both levels, both directions. LMCache 0.5.6's server and
+# `lmcache-rs server` each record a storage-level and an events-level trace of the same
+# `lmcache bench server` run; then
+#   1. `lmcache-rs trace info` prints LMCache's `lmcache trace info` report byte for byte, on
+#      LMCache's files and on ours (so LMCache's reader reads ours);
+#   2. `lmcache-rs trace replay` replays LMCache's storage trace (every record, none failed,
+#      cold requests miss and warm ones hit: 50 %), and LMCache's `lmcache trace replay`
+#      replays ours with the same per-call counts as its own and no errors;
+#   3. `trace replay-events` (ours and LMCache's) delivers both servers' event streams to a
+#      coordinator (ours and LMCache's): every batch applied, and each coordinator's directory
+#      ends with the same keys and placements whichever tool delivered them. The stop marks
+#      are cut (as a crash would), so the coordinator keeps what it learned.
+# Usage: tests/interop/trace.sh PATH/TO/lmcache-rs
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN=${1:?usage: trace.sh PATH/TO/lmcache-rs}
+# shellcheck source=tests/interop/common.sh
+. tests/interop/common.sh
+
+for kind in lmcache lmcache-rs; do
+  for level in storage events; do
+    port=$(free_port); http=$(free_port)
+    out="$WORK/$kind-$level.lct"
+    if [ "$kind" = lmcache-rs ]; then
+      "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
+          --shm-name "lmcache_rs_tr_$$" --exit-after-seconds 300 \
+          --trace-level "$level" --trace-output "$out" > "$WORK/$kind-$level.server.log" 2>&1 &
+    else
+      timeout 300 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
+          --http-port "$http" --l1-size-gb 1 --eviction-policy LRU --supported-transfer-mode auto \
+          --shm-name "lmc_tr_$$" --trace-level "$level" --trace-output "$out" \
+          > "$WORK/$kind-$level.server.log" 2>&1 &
+    fi
+    pids+=($!)
+    bench_then_stop "$port" "$http" 3 "$WORK/$kind-$level"
+    [ -s "$out" ] || { echo "FAILED: $kind wrote no $level trace"; tail -20 "$WORK/$kind-$level.server.log"; exit 1; }
+  done
+done
+
+# 1. trace info, line for line.
+for f in "$WORK"/*.lct; do
+  "$VENV/bin/lmcache" trace info "$f" 2>/dev/null > "$WORK/info-theirs.txt" \
+    || { echo "FAILED: LMCache's trace info cannot read $f"; exit 1; }
+  "$BIN" trace info "$f" > "$WORK/info-ours.txt"
+  grep -q "total_records" "$WORK/info-theirs.txt" || { echo "FAILED: no report for $f"; exit 1; }
+  diff "$WORK/info-theirs.txt" "$WORK/info-ours.txt" \
+    || { echo "FAILED: trace info of $(basename "$f") differs from LMCache's"; exit 1; }
+done
+# Ours record what LMCache's do: the same calls, as many of each.
+ops() { grep -E '^    (lmcache|events)\.' | sed 's/^ *//'; }
+"$BIN" trace info "$WORK/lmcache-storage.lct" | ops > "$WORK/ops-theirs.txt"
+"$BIN" trace info "$WORK/lmcache-rs-storage.lct" | ops > "$WORK/ops-ours.txt"
+diff "$WORK/ops-theirs.txt" "$WORK/ops-ours.txt" \
+  || { echo "FAILED: our storage trace records other calls than LMCache's"; exit 1; }
+echo "trace info: ours prints LMCache's report on all four files; our storage trace holds LMCache's calls ($(tr '\n' ' ' < "$WORK/ops-ours.txt" | sed 's/lmcache.v1.distributed.storage_manager.StorageManager.//g'))"
+
+# 2. Storage replay, both ways.
+"$BIN" trace replay "$WORK/lmcache-storage.lct" --l1-size-gb 1 --speed 0 --format json --no-csv \
+    --output-dir "$WORK/rep" > "$WORK/replay-ours.json"
+"$VENV/bin/python" - "$WORK/replay-ours.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+r, s = d["records"], d["storage"]
+assert r == {"replayed": 15, "skipped": 0, "failed": 0}, r
+assert s["lookups"] == 6 and s["lookup_chunks"] == 24, s
+assert s["l1_hit_chunks"] == 12 and abs(s["hit_rate"] - 0.5) < 1e-9, s
+assert s["committed"] == 12 and s["locks_released"] == 12 and s["locks_not_held"] == 0, s
+print(f"trace replay: ours replays LMCache's storage trace: {r['replayed']} records, hit rate {s['hit_rate']:.0%} (cold misses, warm hits)")
+PY
+for kind in lmcache lmcache-rs; do
+  (cd "$WORK" && timeout 120 "$VENV/bin/lmcache" trace replay "$kind-storage.lct" --l1-size-gb 1 \
+      --eviction-policy LRU --output-dir "lrep-$kind" --json > "lrep-$kind.log" 2>&1) \
+    || { echo "FAILED: LMCache's trace replay of the $kind trace"; tail -20 "$WORK/lrep-$kind.log"; exit 1; }
+done
+"$VENV/bin/python" - "$WORK/lrep-lmcache/trace_replay_summary.json" "$WORK/lrep-lmcache-rs/trace_replay_summary.json" <<'PY'
+import json, sys
+theirs, ours = (json.load(open(p))["ops"] for p in sys.argv[1:])
+counts = lambda d: {q: (v["count"], v["errors"]) for q, v in d.items()}
+assert counts(ours) == counts(theirs), (counts(ours), counts(theirs))
+assert all(v["errors"] == 0 for v in ours.values()), ours
+print(f"trace replay: LMCache's replays ours as its own: {sum(v['count'] for v in ours.values())} calls, no errors")
+PY
+
+# 3. Events replay: two servers' streams, stop marks cut, into each coordinator by each tool.
+"$VENV/bin/python" - "$WORK" <<'PY'
+import struct, sys, msgspec
+work = sys.argv[1]
+for kind in ("lmcache", "lmcache-rs"):
+    data = open(f"{work}/{kind}-events.lct", "rb").read()
+    out, off, cut = bytearray(), 0, 0
+    while off < len(data):
+        (n,) = struct.unpack(">I", data[off:off + 4])
+        body = data[off + 4:off + 4 + n]
+        frame = msgspec.msgpack.decode(body)
+        if frame.get("qualname") == "events.lifecycle" and frame["args"].get("phase") == "stop":
+            cut += 1
+        else:
+            out += data[off:off + 4 + n]
+        off += 4 + n
+    assert cut == 1, (kind, cut)
+    open(f"{work}/{kind}-events-cut.lct", "wb").write(out)
+PY
+cport=$(free_port)
+for coord in lmcache-rs lmcache; do
+  for tool in lmcache-rs lmcache; do
+    if [ "$coord" = lmcache-rs ]; then
+      "$BIN" coordinator --host 127.0.0.1 --port "$cport" > "$WORK/coord.log" 2>&1 &
+    else
+      timeout 120 "$VENV/bin/lmcache" coordinator --host 127.0.0.1 --port "$cport" > "$WORK/coord.log" 2>&1 &
+    fi
+    cpid=$!; pids+=($cpid)
+    wait_http "http://127.0.0.1:$cport/healthz" "$WORK/coord.log"
+    files=("$WORK/lmcache-events-cut.lct" "$WORK/lmcache-rs-events-cut.lct")
+    if [ "$tool" = lmcache-rs ]; then
+      "$BIN" trace replay-events "${files[@]}" --coordinator-url "http://127.0.0.1:$cport" \
+          --heartbeat-interval 1 --format json > "$WORK/rev.json" 2>"$WORK/rev.log" \
+        || { echo "FAILED: our replay-events into $coord"; tail "$WORK/rev.log"; exit 1; }
+      "$VENV/bin/python" -c "
+import json; d = json.load(open('$WORK/rev.json'))
+assert d['batches'] > 0 and d['applied'] == d['batches'] and d['starts'] == 2 and d['ended'] == 2, d"
+    else
+      timeout 120 "$VENV/bin/lmcache" trace replay-events "${files[@]}" \
+          --coordinator-url "http://127.0.0.1:$cport" --heartbeat-interval 1 > "$WORK/rev.log" 2>&1 \
+        || { echo "FAILED: LMCache's replay-events into $coord"; tail "$WORK/rev.log"; exit 1; }
+    fi
+    curl -s "http://127.0.0.1:$cport/directory/stats" > "$WORK/stats-$coord-$tool.json"
+    kill -TERM "$cpid"; wait "$cpid" 2>/dev/null || true
+  done
+done
+"$VENV/bin/python" - "$WORK" <<'PY'
+import json, sys
+work = sys.argv[1]
+pick = lambda d: (d["num_keys"], d["num_placements"], d["l1_count"], d["l1_size_bytes"])
+got = {(c, t): pick(json.load(open(f"{work}/stats-{c}-{t}.json")))
+       for c in ("lmcache-rs", "lmcache") for t in ("lmcache-rs", "lmcache")}
+for c in ("lmcache-rs", "lmcache"):
+    assert got[(c, "lmcache-rs")] == got[(c, "lmcache")], (c, got)
+# Both servers stored the same 12 chunks (same bench, same tokens): 12 keys, 24 placements.
+assert got[("lmcache-rs", "lmcache-rs")][:3] == (12, 24, 24), got
+assert got[("lmcache", "lmcache-rs")][:3] == (12, 24, 24), got
+print(f"trace replay-events: both tools deliver both servers' streams to both coordinators alike: keys, placements, L1 count, bytes = {got[('lmcache-rs', 'lmcache-rs')]}")
+PY
