@@ -66,25 +66,40 @@ echo "lookup-hash log: LMCache's cache-simulator reads ours: $(grep 'Token hit r
 # 3. Our simulator on LMCache's own logs (a larger, generated one too) gives LMCache's report,
 #    section for section, and its sweep table row for row.
 "$VENV/bin/python" tests/interop/gen_lookup_log.py "$WORK/gen" 3000
-report() { # the lines of a simulate report's first three sections (Aggregate, Stat 1, Stat 2)
-  awk '/^Aggregate$/ {on = 1} /^(Stat [3-9]|Traceback)/ {on = 0} on && (/^  / || /^(Aggregate|Stat)/)'
+report() { # a simulate report, every section (Aggregate, Stats 1 to 7), up to its chart
+  # (blank lines kept only between printed lines: what follows the report differs)
+  awk '/^Simulation parameters:$/ {on = 1} /Traceback|LMCache ERROR|Stats plot saved/ {on = 0}
+       on && NF {for (; blank > 0; blank--) print ""; print; next} on {blank++}'
 }
+is_png() { [ "$(head -c 8 "$1" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ]; }
 table() { grep -E '^ +[0-9.]+ +[0-9.]+%$'; }
 for logs in "$WORK/lmcache" "$WORK/gen"; do
   for cap in 0.05 0.2 1; do
     (cd "$WORK" && { "$VENV/bin/lmcache" tool cache-simulator simulate -i "$logs" --cache-capacity-gib "$cap" \
         --kv-bytes-per-chunk 33554432 -o x.png 2>&1 || true; }) | report > "$WORK/theirs.txt"
     "$BIN" tool cache-simulator simulate -i "$logs" --cache-capacity-gib "$cap" \
-        --kv-bytes-per-chunk 33554432 | report > "$WORK/ours.txt"
-    [ -s "$WORK/ours.txt" ] || { echo "FAILED: our simulate printed no report"; exit 1; }
+        --kv-bytes-per-chunk 33554432 -o "$WORK/ours.png" | report > "$WORK/ours.txt"
+    grep -q "^Stat 5 — Evictions" "$WORK/ours.txt" || { echo "FAILED: our simulate printed no full report"; exit 1; }
+    is_png "$WORK/ours.png" || { echo "FAILED: simulate wrote no PNG"; exit 1; }
     diff "$WORK/theirs.txt" "$WORK/ours.txt" \
       || { echo "FAILED: simulate $logs at $cap GiB differs from LMCache's"; exit 1; }
   done
   (cd "$WORK" && { "$VENV/bin/lmcache" tool cache-simulator sweep -i "$logs" --min-capacity-gib 0.03 \
       --max-capacity-gib 50 --points 30 --kv-bytes-per-chunk 33554432 -o y.png 2>&1 || true; }) | table > "$WORK/theirs.txt"
   "$BIN" tool cache-simulator sweep -i "$logs" --min-capacity-gib 0.03 --max-capacity-gib 50 \
-      --points 30 --kv-bytes-per-chunk 33554432 2>/dev/null | table > "$WORK/ours.txt"
+      --points 30 --kv-bytes-per-chunk 33554432 -o "$WORK/sweep.png" 2>/dev/null | table > "$WORK/ours.txt"
+  is_png "$WORK/sweep.png" || { echo "FAILED: sweep wrote no PNG"; exit 1; }
   [ "$(wc -l < "$WORK/ours.txt")" -eq 30 ] || { echo "FAILED: our sweep table"; cat "$WORK/ours.txt"; exit 1; }
   diff "$WORK/theirs.txt" "$WORK/ours.txt" || { echo "FAILED: sweep of $logs differs from LMCache's"; exit 1; }
 done
-echo "cache simulator: ours equals LMCache's on its logs (simulate at 3 capacities, sweep of 30, on a bench log and a generated 3000-request log)"
+echo "cache simulator: ours equals LMCache's on its logs (simulate's whole report, Stats 1-7, at 3 capacities; sweep of 30; a bench log and a generated 3000-request log) and draws both charts"
+# Our policies and an L1 + L2 pair: the shipped policies' own code; an L2 never lowers the rate.
+"$BIN" tool cache-simulator simulate -i "$WORK/gen" --cache-capacity-gib 0.5 --kv-bytes-per-chunk 33554432 \
+    -o "$WORK/p.png" --eviction-policy S3FIFO --l2-capacity-gib 4 > "$WORK/tiers.txt"
+grep -q "lmcache-rs L1 S3FIFO 0.50 GiB over L2 4.00 GiB (LRU)" "$WORK/tiers.txt" \
+  || { echo "FAILED: no tier section"; cat "$WORK/tiers.txt"; exit 1; }
+"$BIN" tool cache-simulator sweep -i "$WORK/gen" --min-capacity-gib 0.1 --max-capacity-gib 10 --points 5 \
+    --kv-bytes-per-chunk 33554432 --compare-policies -o "$WORK/cmp.png" > "$WORK/cmp.txt" 2>/dev/null
+[ "$(grep -cE '^ +[0-9.]+( +[0-9.]+%){4}$' "$WORK/cmp.txt")" -eq 5 ] \
+  || { echo "FAILED: --compare-policies table"; cat "$WORK/cmp.txt"; exit 1; }
+echo "cache simulator: lmcache-rs's LRU, ARC and S3FIFO and an L1 + L2 pair simulated ($(grep 'Token hit rate' "$WORK/tiers.txt" | tail -1 | tr -s ' '))"

@@ -7,6 +7,7 @@ mod config_file;
 mod coordinator;
 mod ops;
 mod otel;
+mod plot;
 mod query;
 mod server;
 mod tool;

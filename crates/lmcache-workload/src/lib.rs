@@ -17,6 +17,7 @@
 pub mod events;
 pub mod simulate;
 pub mod sweep;
+pub mod tiered;
 pub mod trace;
 
 pub use events::{LookupEvent, kv_bytes_per_chunk, parse_lines};

@@ -31,6 +31,16 @@ pub struct Simulation {
     pub per_request_token_hit_rates: Vec<f64>,
     /// Per request: hit chunks.
     pub hit_prefix_lengths: Vec<u64>,
+    /// Per request: `seq_len`.
+    pub input_lengths: Vec<u64>,
+    /// After each request: hit tokens / tokens so far.
+    pub rolling_token_hit_rate: Vec<f64>,
+    /// Per chunk hit at least once: how many times it was hit (ascending).
+    pub chunk_reuse_counts: Vec<u64>,
+    /// Per hit chunk: chunks referenced between its previous reference and this hit.
+    pub global_span_distribution: Vec<u64>,
+    /// Per hit chunk: its LRU position at the request's start (0 = most recently used).
+    pub cache_position_distribution: Vec<u64>,
 }
 
 impl Simulation {
@@ -44,40 +54,69 @@ impl Simulation {
     }
 }
 
-/// A least-recently-used set of interned chunk ids.
-struct Lru {
+/// A least-recently-used set of interned chunk ids, with LRU ranks (a Fenwick tree over
+/// reference stamps marks the live ones).
+#[derive(Debug)]
+pub(crate) struct Lru {
     capacity: usize,
     stamp_of: HashMap<u32, u64>,
     by_stamp: BTreeMap<u64, u32>,
     clock: u64,
     evictions: u64,
+    /// Marks of the live stamps, when ranks are asked for.
+    live: Option<crate::sweep::Fenwick>,
 }
 
 impl Lru {
-    fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize, references: usize) -> Self {
         Self {
             capacity: capacity.max(1),
             stamp_of: HashMap::new(),
             by_stamp: BTreeMap::new(),
             clock: 0,
             evictions: 0,
+            live: (references > 0).then(|| crate::sweep::Fenwick::new(references + 2)),
         }
     }
 
-    fn contains(&self, k: u32) -> bool {
+    pub(crate) fn contains(&self, k: u32) -> bool {
         self.stamp_of.contains_key(&k)
     }
 
+    pub(crate) fn len(&self) -> usize {
+        self.stamp_of.len()
+    }
+
+    pub(crate) fn evictions(&self) -> u64 {
+        self.evictions
+    }
+
+    /// `k`'s rank: 0 for the most recently used, `len - 1` for the least.
+    fn position(&self, k: u32) -> Option<u64> {
+        let s = *self.stamp_of.get(&k)? as usize;
+        let older_or_same = self.live.as_ref()?.prefix(s + 1) as u64;
+        Some(self.stamp_of.len() as u64 - older_or_same)
+    }
+
     /// Touches `k`, inserting it (and evicting the least recent past capacity) if absent.
-    fn reference(&mut self, k: u32) {
+    pub(crate) fn reference(&mut self, k: u32) {
         self.clock += 1;
         if let Some(old) = self.stamp_of.insert(k, self.clock) {
             self.by_stamp.remove(&old);
+            if let Some(l) = &mut self.live {
+                l.add(old as usize, -1);
+            }
         }
         self.by_stamp.insert(self.clock, k);
+        if let Some(l) = &mut self.live {
+            l.add(self.clock as usize, 1);
+        }
         while self.stamp_of.len() > self.capacity {
-            let Some((_, victim)) = self.by_stamp.pop_first() else { break };
+            let Some((s, victim)) = self.by_stamp.pop_first() else { break };
             self.stamp_of.remove(&victim);
+            if let Some(l) = &mut self.live {
+                l.add(s as usize, -1);
+            }
             self.evictions += 1;
         }
     }
@@ -108,7 +147,9 @@ pub fn simulate(
     kv_bytes_per_chunk: u64,
 ) -> Simulation {
     let capacity_chunks = (capacity_bytes / kv_bytes_per_chunk.max(1)).max(1);
-    let mut lru = Lru::new(usize::try_from(capacity_chunks).unwrap_or(usize::MAX));
+    let interned = intern(events);
+    let references: usize = interned.iter().map(Vec::len).sum();
+    let mut lru = Lru::new(usize::try_from(capacity_chunks).unwrap_or(usize::MAX), references);
     let mut s = Simulation {
         total_requests: 0,
         total_tokens: 0,
@@ -120,8 +161,16 @@ pub fn simulate(
         kv_bytes_per_chunk,
         per_request_token_hit_rates: Vec::new(),
         hit_prefix_lengths: Vec::new(),
+        input_lengths: Vec::new(),
+        rolling_token_hit_rate: Vec::new(),
+        chunk_reuse_counts: Vec::new(),
+        global_span_distribution: Vec::new(),
+        cache_position_distribution: Vec::new(),
     };
-    for (e, ids) in events.iter().zip(intern(events)) {
+    let mut reuse: HashMap<u32, u64> = HashMap::new();
+    let mut last_seen: HashMap<u32, u64> = HashMap::new();
+    let mut global = 0u64;
+    for (e, ids) in events.iter().zip(interned) {
         if ids.is_empty() && e.seq_len == 0 {
             continue;
         }
@@ -136,10 +185,30 @@ pub fn simulate(
             0.0
         });
         s.hit_prefix_lengths.push(hit);
-        for &k in &ids {
+        s.input_lengths.push(e.seq_len);
+        s.rolling_token_hit_rate.push(if s.total_tokens > 0 {
+            s.total_hit_tokens as f64 / s.total_tokens as f64
+        } else {
+            0.0
+        });
+        for (i, &k) in ids.iter().enumerate().take(hit as usize) {
+            *reuse.entry(k).or_default() += 1;
+            if let Some(&seen) = last_seen.get(&k) {
+                s.global_span_distribution.push(global + i as u64 - seen);
+            }
+            if let Some(p) = lru.position(k) {
+                s.cache_position_distribution.push(p);
+            }
+        }
+        for (i, &k) in ids.iter().enumerate() {
+            last_seen.insert(k, global + i as u64);
             lru.reference(k);
         }
+        global += ids.len() as u64;
     }
+    let mut counts: Vec<u64> = reuse.into_values().collect();
+    counts.sort_unstable();
+    s.chunk_reuse_counts = counts;
     s.eviction_count = lru.evictions;
     s.cache_size_at_end_chunks = lru.stamp_of.len() as u64;
     s
@@ -249,6 +318,67 @@ impl Simulation {
                 }
             }
         }
+        let pcts = |o: &mut String, values: &[u64], pad: &str| {
+            let mut sorted: Vec<f64> = values.iter().map(|&x| x as f64).collect();
+            sorted.sort_by(f64::total_cmp);
+            for p in [25, 50, 75, 90, 99] {
+                if let Some(v) = percentile(&sorted, p) {
+                    let _ = writeln!(o, "  {:4}{pad}: {v:.0}", format!("p{p}"));
+                }
+            }
+        };
+        let mean = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len() as f64;
+        let reuse = &self.chunk_reuse_counts;
+        if let Some(&max) = reuse.iter().max() {
+            let _ = writeln!(o, "\n{sep}\nStat 3 — Chunk reuse count distribution\n{sep}");
+            let _ = writeln!(
+                o,
+                "  Unique chunks hit at least once : {}",
+                thousands(reuse.len() as u64)
+            );
+            let _ = writeln!(o, "  Mean reuse count                : {:.1}", mean(reuse));
+            let _ = writeln!(o, "  Max reuse count                 : {}", thousands(max));
+            pcts(&mut o, reuse, &" ".repeat(28));
+        }
+        let rolling = &self.rolling_token_hit_rate;
+        if !rolling.is_empty() {
+            let _ = writeln!(
+                o,
+                "\n{sep}\nStat 4 — Rolling (cumulative) token hit rate over time\n{sep}"
+            );
+            let n = rolling.len();
+            for frac in [0.1, 0.25, 0.5, 0.75, 1.0] {
+                let idx = ((n as f64 * frac) as i64 - 1).clamp(0, n as i64 - 1) as usize;
+                let _ = writeln!(
+                    o,
+                    "  After request {:>6} : {}",
+                    thousands(idx as u64 + 1),
+                    percent(rolling[idx], 2)
+                );
+            }
+        }
+        let _ = writeln!(o, "\n{sep}\nStat 5 — Evictions\n{sep}");
+        let _ = writeln!(o, "  Total evictions    : {}", thousands(self.eviction_count));
+        let spans = &self.global_span_distribution;
+        if let Some(&max) = spans.iter().max() {
+            let _ = writeln!(
+                o,
+                "\n{sep}\nStat 6 — Global span distribution (chunks between last store and hit)\n{sep}"
+            );
+            let _ = writeln!(o, "  Total hit chunks   : {}", thousands(spans.len() as u64));
+            let _ = writeln!(o, "  Mean span          : {:.1}", mean(spans));
+            let _ = writeln!(o, "  Max span           : {}", thousands(max));
+            pcts(&mut o, spans, &" ".repeat(15));
+        }
+        let pos = &self.cache_position_distribution;
+        if let Some(&max) = pos.iter().max() {
+            let _ =
+                writeln!(o, "\n{sep}\nStat 7 — Cache position at hit (0 = MRU, max = LRU)\n{sep}");
+            let _ = writeln!(o, "  Mean position      : {:.1}", mean(pos));
+            let _ = writeln!(o, "  Max position       : {}", thousands(max));
+            pcts(&mut o, pos, &" ".repeat(15));
+        }
+        let _ = writeln!(o, "{sep}");
         o
     }
 }
@@ -284,5 +414,41 @@ mod tests {
         assert_eq!(thousands(1_234_567), "1,234,567");
         assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 25), Some(1.0));
         assert_eq!(percentile(&[1.0, 2.0, 3.0, 4.0], 99), Some(4.0));
+    }
+
+    #[test]
+    fn reuse_spans_and_lru_positions_follow_lmcaches_definitions() {
+        // a b | a b c | b | x y | a
+        let events = [
+            ev(&["a", "b"], 20),
+            ev(&["a", "b", "c"], 30),
+            ev(&["b"], 10),
+            ev(&["x", "y"], 20),
+            ev(&["a"], 10),
+        ];
+        let s = simulate(&events, 4, 1);
+        // y's insertion evicts a (the least recent of a c b x): the last request misses.
+        assert_eq!(s.hit_prefix_lengths, vec![0, 2, 1, 0, 0]);
+        // a hit once, b twice.
+        assert_eq!(s.chunk_reuse_counts, vec![1, 2]);
+        // Global chunk indices: a0 b1 | a2 b3 c4 | b5 | x6 y7 | a8.
+        // Spans: a at 2 (seen 0), b at 3 (seen 1), b at 5 (seen 3).
+        assert_eq!(s.global_span_distribution, vec![2, 2, 2]);
+        // Positions at the request's start: before request 2, b (MRU) a -> a=1, b=0; before
+        // request 3, c b a -> b=1.
+        assert_eq!(s.cache_position_distribution, vec![1, 0, 1]);
+        assert_eq!(s.input_lengths, vec![20, 30, 10, 20, 10]);
+        assert!((s.rolling_token_hit_rate[1] - 20.0 / 50.0).abs() < 1e-12);
+        let r = s.report();
+        for line in [
+            "Stat 3 — Chunk reuse count distribution",
+            "  Unique chunks hit at least once : 2",
+            "  After request      5 : ",
+            "  Total evictions    : 2",
+            "  Max span           : 2",
+            "  Max position       : 1",
+        ] {
+            assert!(r.contains(line), "{line:?} not in\n{r}");
+        }
     }
 }

@@ -10,10 +10,16 @@ use std::collections::HashMap;
 use crate::events::LookupEvent;
 
 /// Prefix sums over marks at reference times.
-struct Fenwick(Vec<i64>);
+#[derive(Debug)]
+pub(crate) struct Fenwick(Vec<i64>);
 
 impl Fenwick {
-    fn add(&mut self, at: usize, v: i64) {
+    /// Room for marks at times `0..len - 1`.
+    pub(crate) fn new(len: usize) -> Self {
+        Self(vec![0; len])
+    }
+
+    pub(crate) fn add(&mut self, at: usize, v: i64) {
         let mut i = at + 1;
         while i < self.0.len() {
             self.0[i] += v;
@@ -22,7 +28,7 @@ impl Fenwick {
     }
 
     /// Sum of marks at times `< end`.
-    fn prefix(&self, end: usize) -> i64 {
+    pub(crate) fn prefix(&self, end: usize) -> i64 {
         let mut i = end;
         let mut s = 0;
         while i > 0 {

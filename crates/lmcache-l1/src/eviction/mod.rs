@@ -24,6 +24,7 @@ pub(crate) mod list;
 mod lru;
 mod noop;
 mod s3fifo;
+mod sim;
 
 use std::fmt;
 use std::str::FromStr;
@@ -37,6 +38,7 @@ pub use isolated_lru::IsolatedLru;
 pub use lru::Lru;
 pub use noop::Noop;
 pub use s3fifo::S3Fifo;
+pub use sim::PolicySim;
 
 /// What a policy learns about an entry when it becomes resident.
 #[derive(Debug, Clone, Copy)]
