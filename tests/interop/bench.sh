@@ -212,5 +212,35 @@ else
   failed=$((failed + 1))
 fi
 
+# The other way round: our Rust `lmcache-rs bench server` against LMCache's own server, the
+# engine-driven path at tp 1, tp 2 and MLA (every byte checked). The lmcache-driven path is
+# not run here: LMCache replies to a lmcache-driven store before the objects are visible, so
+# a lookup right after it can miss (LMCache's own bench hides this behind a checksum call).
+port=$(free_port); http=$(free_port)
+timeout 600 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
+    --http-port "$http" --l1-size-gb 2 --eviction-policy LRU --supported-transfer-mode auto \
+    --shm-name "lmc_rsbench_$$" > "$WORK/rsbench.server.log" 2>&1 &
+lpid=$!
+for _ in $(seq 300); do
+  python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
+  sleep 0.2
+done
+s=0
+for flags in "--tp-size 1" "--tp-size 2" "--tp-size 2 --use-mla --kvcache-shape-spec (1,1024,16,1,576):bfloat16:8"; do
+  s=$((s + 100))
+  # shellcheck disable=SC2086
+  if timeout 300 "$BIN" bench server --rpc-url "tcp://127.0.0.1:$port" --transfer-mode engine_driven \
+      --start "$s" --end "$((s + 5))" --num-tokens 512 --format json $flags > "$WORK/rsbench.json" 2> "$WORK/rsbench.err" \
+      && python3 -c "import json,sys; d=json.load(open('$WORK/rsbench.json')); sys.exit(0 if d['bytes_match'] == d['warm_full_hit'] == d['cold_full_miss'] == 5 else 1)"; then
+    echo "interop lmcache-rs bench against LMCache's server ($flags): ok (5 sequences, every byte checked)"
+    passed=$((passed + 1))
+  else
+    echo "interop lmcache-rs bench against LMCache's server ($flags): FAILED"
+    tail -5 "$WORK/rsbench.err" | sed 's/^/    /'
+    failed=$((failed + 1))
+  fi
+done
+kill -TERM "$lpid"; wait "$lpid" 2>/dev/null || true
+
 echo "interop: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

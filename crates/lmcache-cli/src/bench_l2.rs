@@ -15,6 +15,7 @@ use lmcache_l2::config::BuiltAdapter;
 use serde_json::{Value, json};
 
 use crate::bench::Format;
+use crate::bench::live::{Live, Tracker};
 
 /// Flags of `lmcache-rs bench l2` (named as `lmcache bench l2`'s).
 #[derive(Debug, Clone, Args)]
@@ -56,6 +57,20 @@ pub struct BenchL2Args {
     /// No output; the exit code tells.
     #[arg(short, long)]
     pub quiet: bool,
+    /// Write every measured round as CSV (op, seq, at_s, latency_ms, bytes, ok).
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<std::path::PathBuf>,
+    /// Draw round-latency histograms and throughput over time to this PNG.
+    #[arg(long, value_name = "FILE.png")]
+    pub plot: Option<std::path::PathBuf>,
+}
+
+const OPS: [&str; 3] = ["store", "lookup", "load"];
+
+/// Records a measured round of `op` into the tracker: the phase's growth since `before`.
+fn tracked(t: &Tracker, op: usize, ph: &Phase, before: (f64, u64, usize)) {
+    let (s, b, f) = before;
+    t.record(op, (ph.seconds - s) * 1e3, ph.bytes - b, ph.failures == f);
 }
 
 /// Key `i` of round `run`: its hash bytes are scrambled (splitmix64), like real chunk hashes,
@@ -260,16 +275,20 @@ pub fn run(a: BenchL2Args) -> anyhow::Result<()> {
     let spec = lmcache_l2::config::parse_json(&a.l2_adapter)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let b = rt.block_on(lmcache_l2::config::build(0, &spec)).context("building the adapter")?;
-    let say = |m: &str| {
-        if !a.quiet && matches!(a.format, Format::Terminal) {
-            eprintln!("  {m}");
-        }
-    };
     let run_id = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     let only = a.only.as_deref();
     let total_rounds = a.warmup_rounds + a.rounds;
+    let ops_run = if only.is_some() { 1 } else { 3 };
+    let progress = (total_rounds * ops_run) as u64;
+    let tracker = Tracker::new(&OPS, Some(progress), "rounds");
+    let live = Live::start(
+        tracker.clone(),
+        format!("bench l2 {}", spec.get("type").and_then(Value::as_str).unwrap_or("?")),
+        !a.quiet && matches!(a.format, Format::Terminal),
+    );
+    let t = &*tracker;
     let (mut store, mut load, mut lookup) = (Phase::default(), Phase::default(), Phase::default());
     let n = a.in_flight * a.num_keys;
     let src = make_data(n, a.data_size_kb * 1024);
@@ -280,28 +299,39 @@ pub fn run(a: BenchL2Args) -> anyhow::Result<()> {
         // Stores (also the data later phases read).
         for r in 0..total_rounds {
             let mut scratch = Phase::default();
-            let ph = if r < a.warmup_rounds || only.is_some_and(|o| o != "store") {
-                &mut scratch
-            } else {
-                &mut store
-            };
+            let measured = r >= a.warmup_rounds && only.is_none_or(|o| o == "store");
+            let ph = if measured { &mut store } else { &mut scratch };
+            let before = (ph.seconds, ph.bytes, ph.failures);
             store_round(&b, &a, &src, run_id + r as u64, ph).await?;
-            say(&format!("store round {}/{total_rounds}", r + 1));
+            if measured {
+                tracked(t, 0, ph, before);
+            }
+            if only.is_none_or(|o| o == "store") {
+                t.step();
+            }
         }
         if only.is_none_or(|o| o == "lookup") {
             for r in 0..total_rounds {
                 let mut scratch = Phase::default();
                 let ph = if r < a.warmup_rounds { &mut scratch } else { &mut lookup };
+                let before = (ph.seconds, ph.bytes, ph.failures);
                 hits += lookup_round(&b, &a, run_id + r as u64, ph).await;
+                if r >= a.warmup_rounds {
+                    tracked(t, 1, ph, before);
+                }
+                t.step();
             }
-            say("lookups done");
         }
         if only.is_none_or(|o| o == "load") {
             for r in 0..total_rounds {
                 let mut scratch = Phase::default();
                 let ph = if r < a.warmup_rounds { &mut scratch } else { &mut load };
+                let before = (ph.seconds, ph.bytes, ph.failures);
                 wrong += load_round(&b, &a, &src, &mut dest, run_id + r as u64, ph).await;
-                say(&format!("load round {}/{total_rounds}", r + 1));
+                if r >= a.warmup_rounds {
+                    tracked(t, 2, ph, before);
+                }
+                t.step();
             }
         }
         // Leave the backend as found.
@@ -313,7 +343,66 @@ pub fn run(a: BenchL2Args) -> anyhow::Result<()> {
         b.adapter.close().await;
         anyhow::Ok(())
     })?;
+    live.finish();
+    let figs = tracker.figures();
+    let keys_per_round = a.in_flight * a.num_keys;
+    let round_mb = (keys_per_round * a.data_size_kb) as f64 / 1024.0;
+    let mut metrics = serde_json::Map::new();
+    metrics.insert(
+        "config".into(),
+        json!({"l2_adapter_json": a.l2_adapter, "num_keys": a.num_keys, "in_flight": a.in_flight,
+               "keys_per_round": keys_per_round, "data_size_kb": a.data_size_kb,
+               "data_per_round_mb": (round_mb * 100.0).round() / 100.0, "measurement_rounds": a.rounds,
+               "warmup_rounds": a.warmup_rounds, "lookup_max_hit_rate": a.lookup_max_hit_rate}),
+    );
+    let mut sections = Vec::new();
+    for (i, (name, f)) in OPS.iter().zip(&figs).enumerate().filter(|(_, (_, f))| f.count > 0) {
+        let mbps = if f.mean_ms > 0.0 { round_mb / (f.mean_ms / 1e3) } else { 0.0 };
+        let r2 = |x: f64| (x * 100.0).round() / 100.0;
+        metrics.insert(
+            format!("op_{i}"),
+            json!({"operation": name, "rounds": f.count, "rounds_timed_out": 0, "keys_per_round": keys_per_round,
+                   "total_keys": f.count as usize * keys_per_round,
+                   "duration_avg_ms": r2(f.mean_ms), "duration_min_ms": r2(f.min_ms), "duration_max_ms": r2(f.max_ms),
+                   "duration_p50_ms": r2(f.p50_ms), "duration_p99_ms": r2(f.p99_ms),
+                   "throughput_avg_mbps": r2(mbps), "errors": f.errors}),
+        );
+        sections.push((
+            *name,
+            vec![
+                ("Rounds".to_owned(), f.count.to_string()),
+                ("Keys / round".to_owned(), keys_per_round.to_string()),
+                ("Duration avg (ms)".to_owned(), format!("{:.2}", f.mean_ms)),
+                ("Duration min (ms)".to_owned(), format!("{:.2}", f.min_ms)),
+                ("Duration max (ms)".to_owned(), format!("{:.2}", f.max_ms)),
+                ("Duration p50 (ms)".to_owned(), format!("{:.2}", f.p50_ms)),
+                ("Duration p99 (ms)".to_owned(), format!("{:.2}", f.p99_ms)),
+                (
+                    "Throughput avg (MB/s)".to_owned(),
+                    if *name == "lookup" { "-".into() } else { format!("{mbps:.2}") },
+                ),
+                ("Rounds failed".to_owned(), f.errors.to_string()),
+            ],
+        ));
+    }
+    if let Some(path) = &a.csv {
+        std::fs::write(path, tracker.to_csv())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &a.plot {
+        let title = format!(
+            "bench l2: {}, {} KiB objects, {} keys x {} in flight, {} rounds",
+            spec.get("type").and_then(Value::as_str).unwrap_or("?"),
+            a.data_size_kb,
+            a.num_keys,
+            a.in_flight,
+            a.rounds
+        );
+        crate::bench::live::plot(&tracker, &title, path)?;
+    }
     let doc = json!({
+        "title": "L2 Adapter Benchmark Result",
+        "metrics": metrics,
         "adapter": b.adapter.describe(),
         "codec": b.codec.name(),
         "num_keys": a.num_keys, "in_flight": a.in_flight, "data_size_kb": a.data_size_kb,
@@ -332,6 +421,18 @@ pub fn run(a: BenchL2Args) -> anyhow::Result<()> {
             Format::Json => println!("{}", serde_json::to_string_pretty(&doc)?),
             Format::Terminal => {
                 let mut out = std::io::stdout().lock();
+                let mut all = vec![(
+                    "Configuration",
+                    vec![
+                        ("L2 adapter JSON".to_owned(), a.l2_adapter.clone()),
+                        ("Keys / submit".to_owned(), a.num_keys.to_string()),
+                        ("In-flight / round".to_owned(), a.in_flight.to_string()),
+                        ("Data size / key (KB)".to_owned(), a.data_size_kb.to_string()),
+                        ("Measurement rounds".to_owned(), a.rounds.to_string()),
+                    ],
+                )];
+                all.extend(sections);
+                write!(out, "{}", crate::bench::render("L2 Adapter Benchmark Result", &all))?;
                 writeln!(
                     out,
                     "{} (codec {}), {} KiB objects, {} keys x {} in flight, {} rounds",

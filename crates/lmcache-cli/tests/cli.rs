@@ -130,20 +130,25 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-#[test]
-fn bench_server_round_trips_against_a_real_server() {
+/// A server of 1 GiB L1 (segment `<prefix>_<pid>`) to bench, and its MP URL.
+fn bench_target(prefix: &str) -> (std::process::Child, String) {
     let port = free_port();
-    let name = format!("lmcache_rs_cli_bench_{}", std::process::id());
-    let mut server = bin()
+    let name = format!("{prefix}_{}", std::process::id());
+    let server = bin()
         .args(["server", "--port", &port.to_string(), "--http-port", "0", "--shm-name", &name])
         .args(["--l1-size-gb", "1"])
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let url = format!("tcp://127.0.0.1:{port}");
+    (server, format!("tcp://127.0.0.1:{port}"))
+}
+
+#[test]
+fn bench_server_round_trips_against_a_real_server() {
+    let (mut server, url) = bench_target("lmcache_rs_cli_bench");
     let out = bin()
         .args(["bench", "server", "--rpc-url", &url, "--end", "3", "--format", "json"])
-        .args(["--num-layers", "2", "--hidden-dim", "64", "--concurrency", "2"])
+        .args(["--kvcache-shape-spec", "(2,64,16,1,64):float16:2", "--concurrency", "2"])
         .output()
         .unwrap();
     nix_kill(server.id());
@@ -153,6 +158,64 @@ fn bench_server_round_trips_against_a_real_server() {
     for field in ["\"bytes_match\": 3", "\"warm_full_hit\": 3", "\"cold_full_miss\": 3"] {
         assert!(text.contains(field), "{field} missing in {text}");
     }
+}
+
+#[test]
+fn bench_server_drives_both_transfer_paths_with_tp_and_mla_and_writes_csv_and_plot() {
+    let (mut server, url) = bench_target("lmcache_rs_cli_bench_tp");
+    let dir = tempfile::tempdir().unwrap();
+    let cases: [(&str, &[&str]); 4] = [
+        ("driven-tp2", &["--transfer-mode", "lmcache_driven", "--tp-size", "2"]),
+        ("driven-mla", &["--transfer-mode", "lmcache_driven", "--tp-size", "2", "--use-mla"]),
+        ("engine-tp2", &["--transfer-mode", "engine_driven", "--tp-size", "2"]),
+        ("driven-2groups", &["--transfer-mode", "lmcache_driven"]),
+    ];
+    for (i, (case, flags)) in cases.iter().enumerate() {
+        let spec = match *case {
+            "driven-mla" => "(1,64,16,1,128):bfloat16:3",
+            "driven-2groups" => "(1,64,16,1,64):float16:2;(2,64,16,2,64):float16:3",
+            _ => "(2,64,16,2,64):float16:3",
+        };
+        let (csv, png) =
+            (dir.path().join(format!("{case}.csv")), dir.path().join(format!("{case}.png")));
+        let start = (i * 100).to_string();
+        let end = (i * 100 + 3).to_string();
+        let out = bin()
+            .args(["bench", "server", "--rpc-url", &url, "--start", &start, "--end", &end])
+            .args(["--format", "json", "--kvcache-shape-spec", spec])
+            .args(*flags)
+            .arg("--csv")
+            .arg(&csv)
+            .arg("--plot")
+            .arg(&png)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{case}: {}", String::from_utf8_lossy(&out.stderr));
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(doc["bytes_match"], 3, "{case}: {doc}");
+        assert_eq!(doc["warm_full_hit"], 3, "{case}");
+        assert_eq!(doc["metrics"]["results"]["checksum_ok"], 3, "{case}: LMCache's document");
+        assert_eq!(doc["title"], "Server Bench Result");
+        let rows = std::fs::read_to_string(&csv).unwrap();
+        assert_eq!(rows.lines().count(), 1 + 4 * 3, "{case}: a row per timed operation");
+        assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG", "{case}");
+    }
+    // A spec the chosen path cannot serve is refused by name.
+    let out = bin()
+        .args([
+            "bench",
+            "server",
+            "--rpc-url",
+            &url,
+            "--kvcache-shape-spec",
+            "(1,64,16,1,64):float16:1;(2,64,16,2,64):float16:1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("lmcache_driven"));
+    nix_kill(server.id());
+    assert!(server.wait().unwrap().success());
 }
 
 #[test]
@@ -315,7 +378,7 @@ fn spans_are_exported_over_otlp() {
     let url = format!("tcp://127.0.0.1:{port}");
     let out = bin()
         .args(["bench", "server", "--rpc-url", &url, "--end", "2", "--format", "json"])
-        .args(["--num-layers", "2", "--hidden-dim", "64"])
+        .args(["--kvcache-shape-spec", "(2,64,16,1,64):float16:2"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
