@@ -359,6 +359,18 @@ impl Reporter {
         );
     }
 
+    /// A request that used `keys` ended (LMCache's L1 `touch_keys`: an `access` batch, tier
+    /// l1, no backend, no sizes; the coordinator updates recency and counts, no placement).
+    pub fn l1_accessed(&self, keys: &[ObjectKey]) {
+        self.push(
+            CacheEventType::Access,
+            WireTier::L1,
+            "",
+            false,
+            keys.iter().map(|k| Self::entry(k, 0)),
+        );
+    }
+
     /// `key` left L1.
     pub fn l1_removed(&self, key: &ObjectKey) {
         self.push(
@@ -758,6 +770,26 @@ mod tests {
         assert_eq!(out[0].entries[1].token_offset, 256);
         assert_eq!(out[0].entries[0].token_offset, -1);
         assert!(out.iter().all(|b| b.validate().is_ok()), "every batch passes LMCache's checks");
+    }
+
+    #[test]
+    fn accesses_are_reported_as_lmcache_reports_touched_keys() {
+        let r = reporter(true);
+        r.l1_accessed(&[key(1), key(2)]);
+        r.l1_stored(&key(3), 10);
+        let (mut seq, mut out) = (1, Vec::new());
+        r.take_batches("me", &mut seq, &mut out);
+        assert_eq!(out[0].event_type, CacheEventType::Access);
+        assert_eq!((out[0].entries.len(), out[0].backend.as_str()), (2, ""));
+        assert_eq!(out[0].entries[0].size_bytes, 0);
+        assert_eq!(out[1].event_type, CacheEventType::Store);
+        assert!(out.iter().all(|b| b.validate().is_ok()));
+        // Reporting off: nothing queued.
+        let off = reporter(false);
+        off.l1_accessed(&[key(1)]);
+        let mut none = Vec::new();
+        off.take_batches("me", &mut seq, &mut none);
+        assert!(none.is_empty());
     }
 
     #[test]

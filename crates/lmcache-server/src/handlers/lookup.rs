@@ -71,6 +71,9 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             let id = value::str_("request_id", &req.params[0])?;
             if let Some(session) = state.sessions.remove(id) {
                 state.storage.touch(&session.touched);
+                if let Some(r) = &state.reporter {
+                    r.l1_accessed(&session.touched);
+                }
                 drop(session);
                 state
                     .bus
