@@ -296,7 +296,7 @@ impl TraceRecorder {
 }
 
 /// LMCache's `MemoryLayoutDesc` of an object: one `[kv, layers, slots, hidden]` shape and a
-/// torch-spelled dtype per part.
+/// torch-spelled dtype per part (also what a lookup-hash log line names).
 pub fn layout_desc(object: Option<&ObjectShape>) -> LayoutDesc {
     let parts = object.map(|o| o.parts.as_slice()).unwrap_or_default();
     LayoutDesc {

@@ -95,6 +95,21 @@ pub fn kv_bytes_per_chunk(e: &LookupEvent) -> Option<u64> {
     })
 }
 
+/// A test event: model `m`, chunks of `chunk_size` tokens named `hashes`, `seq_len` tokens.
+#[cfg(test)]
+pub(crate) fn test_event(chunk_size: u64, hashes: Vec<String>, seq_len: u64) -> LookupEvent {
+    LookupEvent {
+        timestamp: 0.0,
+        request_id: String::new(),
+        model_name: "m".into(),
+        chunk_size,
+        seq_len,
+        dtypes: Vec::new(),
+        shapes: Vec::new(),
+        chunk_hashes: hashes,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

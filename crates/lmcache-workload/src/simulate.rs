@@ -388,16 +388,7 @@ mod tests {
     use super::*;
 
     pub(crate) fn ev(hashes: &[&str], seq_len: u64) -> LookupEvent {
-        LookupEvent {
-            timestamp: 0.0,
-            request_id: String::new(),
-            model_name: "m".into(),
-            chunk_size: 10,
-            seq_len,
-            dtypes: Vec::new(),
-            shapes: Vec::new(),
-            chunk_hashes: hashes.iter().map(|s| (*s).to_owned()).collect(),
-        }
+        crate::events::test_event(10, hashes.iter().map(|s| (*s).to_owned()).collect(), seq_len)
     }
 
     #[test]

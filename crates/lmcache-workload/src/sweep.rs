@@ -114,16 +114,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn ev(hashes: Vec<String>, seq_len: u64) -> LookupEvent {
-        LookupEvent {
-            timestamp: 0.0,
-            request_id: String::new(),
-            model_name: "m".into(),
-            chunk_size: 16,
-            seq_len,
-            dtypes: Vec::new(),
-            shapes: Vec::new(),
-            chunk_hashes: hashes,
-        }
+        crate::events::test_event(16, hashes, seq_len)
     }
 
     proptest! {

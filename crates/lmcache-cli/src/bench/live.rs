@@ -66,6 +66,13 @@ pub struct OpFigures {
     pub bytes: u64,
 }
 
+/// A 30-column progress bar: `[####----] done/total unit` (an empty total shows full).
+pub fn bar(done: u64, total: u64, unit: &str) -> String {
+    const WIDTH: u64 = 30;
+    let filled = (done.min(total) * WIDTH).checked_div(total).unwrap_or(WIDTH) as usize;
+    format!("[{}{}] {done}/{total} {unit}", "#".repeat(filled), "-".repeat(WIDTH as usize - filled))
+}
+
 /// Nearest-rank percentile (LMCache's benches: `ceil(p * n) - 1`) of ascending `v`.
 pub fn nearest_rank(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
@@ -173,16 +180,7 @@ impl Tracker {
     pub fn screen(&self, title: &str) -> Vec<String> {
         let done = self.done();
         let progress = match self.total {
-            Some(t) if t > 0 => {
-                let width = 30u64;
-                let filled = (done.min(t) * width / t) as usize;
-                format!(
-                    "[{}{}] {done}/{t} {}",
-                    "#".repeat(filled),
-                    "-".repeat(width as usize - filled),
-                    self.unit
-                )
-            }
+            Some(t) if t > 0 => bar(done, t, self.unit),
             _ => format!("{done} {}", self.unit),
         };
         let mut lines = vec![format!("{title}  {progress}  {:.1} s", self.elapsed())];

@@ -231,7 +231,6 @@ fn shm_name(client: u32, rank: u32, layer: u64) -> String {
 }
 
 fn setup_rank(
-    a: &BenchArgs,
     plan: &Plan,
     c: &mut Client,
     client: u32,
@@ -309,7 +308,6 @@ fn setup_rank(
             .context("mapping the server's pool")?;
         Kv::Engine { pool: seg }
     };
-    let _ = a;
     Ok(Rank { instance_id, kv_worker, stores, kv })
 }
 
@@ -531,7 +529,7 @@ fn client(
     let model = ModelName::new(&a.model).map_err(|e| anyhow::anyhow!("--model: {e}"))?;
     let mut ranks = Vec::new();
     for r in 0..plan.tp {
-        ranks.push(setup_rank(a, plan, &mut c, index, r, &model)?);
+        ranks.push(setup_rank(plan, &mut c, index, r, &model)?);
     }
     let mut me = Client1 { a, plan, c, ranks, chunk, model };
     let result = run_client(&mut me, seqs, t);

@@ -160,12 +160,9 @@ impl Progress {
             return;
         }
         self.last = Instant::now();
-        let width = 30usize;
-        let filled = (done * width).checked_div(total).unwrap_or(width);
         eprint!(
-            "\r  [{}{}] {done}/{total} records  {:.1} s",
-            "#".repeat(filled),
-            "-".repeat(width - filled),
+            "\r  {}  {:.1} s",
+            crate::bench::live::bar(done as u64, total as u64, "records"),
             self.started.elapsed().as_secs_f64()
         );
         let _ = std::io::stderr().flush();

@@ -149,7 +149,7 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         }
         let windows = state.registry.object_windows(&key.model_name, key.world_size);
         if let Some(t) = state.storage_trace() {
-            trace_lookup(state, t, key, &hashes, &shards, readers)?;
+            trace_lookup(state, t, key, &hashes, &req)?;
         }
         let lookup = if windows.len() > 1 {
             lookup_groups(state, key, &hashes, req, &windows, &mut touched)?
@@ -265,26 +265,30 @@ fn lookup_groups(
 }
 
 /// The lookup as LMCache's storage manager sees it: `submit_prefetch_task` with one key
-/// group per object group, each listing every shard's keys.
+/// group per object group, each listing every shard's keys (group 0's are `req`'s own).
 fn trace_lookup(
     state: &ServerState,
     t: &crate::trace_record::TraceRecorder,
     key: &CacheKey,
     hashes: &[lmcache_core::ChunkHash],
-    shards: &[u32],
-    readers: u32,
+    req: &LookupRequest,
 ) -> Result<(), ProtocolError> {
     let objects = state.registry.objects(&key.model_name, key.world_size);
     let groups = objects.len().max(1);
     let mut out = Vec::with_capacity(groups);
     for og in 0..groups {
-        let mut keys = Vec::with_capacity(shards.len() * hashes.len());
-        for &w in shards {
-            keys.extend(state.object_keys(key, w, hashes, og as u32)?);
-        }
+        let keys = if og == 0 {
+            req.shards.iter().flat_map(|(_, ks)| ks.iter().cloned()).collect()
+        } else {
+            let mut keys = Vec::with_capacity(req.shards.len() * hashes.len());
+            for (w, _) in &req.shards {
+                keys.extend(state.object_keys(key, *w, hashes, og as u32)?);
+            }
+            keys
+        };
         out.push(crate::trace_record::key_group(og as u32, keys, objects.get(og)));
     }
-    t.submit_prefetch(&key.request_id, out, readers);
+    t.submit_prefetch(&key.request_id, out, req.readers);
     Ok(())
 }
 
@@ -296,15 +300,15 @@ fn log_lookup(
     hashes: &[lmcache_core::ChunkHash],
 ) {
     let object = state.registry.first_object(&key.model_name, key.world_size);
-    let parts = object.map(|o| o.parts).unwrap_or_default();
+    let layout = crate::trace_record::layout_desc(object.as_ref());
     log.record(crate::lookup_log::LookupLine {
         timestamp: crate::lookup_log::now_unix(),
         request_id: key.request_id.clone(),
         model_name: key.model_name.to_string(),
         chunk_size: state.chunk_size(),
         seq_len: key.token_ids.len(),
-        dtypes: parts.iter().map(|p| format!("torch.{}", p.dtype.as_str())).collect(),
-        shapes: parts.iter().map(|p| vec![p.kv, p.layers, p.slots, p.hidden]).collect(),
+        dtypes: layout.dtypes,
+        shapes: layout.shapes,
         chunk_hashes: hashes.iter().map(|h| format!("0x{}", h.to_hex())).collect(),
     });
 }
