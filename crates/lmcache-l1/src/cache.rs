@@ -75,6 +75,22 @@ pub struct L1Stats {
     pub expired_write_leases: u64,
     /// Objects evicted before the write-behind had written them to L2 (their KV is gone).
     pub unwritten_evictions: u64,
+    /// Commits that found their key already made visible by another writer (their own copy
+    /// was dropped; the key was visible either way).
+    pub superseded: u64,
+}
+
+/// How [`L1Cache::reserve_with`] treats what is in its way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReserveMode {
+    /// May evict objects the write-behind has not written yet, when nothing else makes room.
+    pub evict_unwritten: bool,
+    /// A key another writer holds staged gets a reservation of its own (a *shadow*) instead
+    /// of [`L1Error::NotWritable`], so that a store never depends on a writer it cannot see
+    /// finishing: the first of the two commits makes the key visible, the other finds it
+    /// visible and succeeds too, and a writer that dies takes nothing visible with it. Only a
+    /// resident key is `NotWritable`.
+    pub supersede_staged: bool,
 }
 
 /// A snapshot of L1 occupancy.
@@ -250,7 +266,7 @@ impl L1Cache {
         &self,
         requests: &[WriteRequest],
     ) -> Vec<Result<WriteReservation, L1Error>> {
-        self.reserve(requests, true)
+        self.reserve(requests, ReserveMode { evict_unwritten: true, ..ReserveMode::default() })
     }
 
     /// Installs the listener told about every resident object that leaves.
@@ -279,26 +295,47 @@ impl L1Cache {
         &self,
         requests: &[WriteRequest],
     ) -> Vec<Result<WriteReservation, L1Error>> {
-        self.reserve(requests, false)
+        self.reserve(requests, ReserveMode::default())
+    }
+
+    /// Reserves memory for a store whose reply must mean "visible" ([`ReserveMode`]).
+    pub fn reserve_with(
+        &self,
+        requests: &[WriteRequest],
+        mode: ReserveMode,
+    ) -> Vec<Result<WriteReservation, L1Error>> {
+        self.reserve(requests, mode)
     }
 
     fn reserve(
         &self,
         requests: &[WriteRequest],
-        evict_unwritten: bool,
+        mode: ReserveMode,
     ) -> Vec<Result<WriteReservation, L1Error>> {
+        let evict_unwritten = mode.evict_unwritten;
         let shared = &self.shared;
         let mut results: Vec<Option<Result<WriteReservation, L1Error>>> =
             (0..requests.len()).map(|_| None).collect();
         let mut st = shared.state.lock();
         // 1. Which keys can be written, and how big they are.
         let mut todo: Vec<(usize, u64)> = Vec::with_capacity(requests.len());
+        // Which of them shadow another writer's staged reservation.
+        let mut shadows: Vec<usize> = Vec::new();
         for (i, req) in requests.iter().enumerate() {
             let refused = match shared.memory.aligned_size(req.size) {
                 Err(_) => Some(L1Error::InvalidSize {
                     size: req.size,
                     capacity: shared.memory.capacity(),
                 }),
+                Ok(size)
+                    if mode.supersede_staged
+                        && st.index.get(&req.key).is_some_and(|s| !s.resident)
+                        && !todo.iter().any(|&(j, _)| requests[j].key == req.key) =>
+                {
+                    shadows.push(i);
+                    todo.push((i, size));
+                    None
+                }
                 Ok(_) if st.index.contains_key(&req.key) => Some(L1Error::NotWritable),
                 Ok(_) if todo.iter().any(|&(j, _)| requests[j].key == req.key) => {
                     Some(L1Error::NotWritable)
@@ -350,15 +387,20 @@ impl L1Cache {
                 Ok(allocs) => {
                     for (&(i, size), alloc) in todo.iter().zip(allocs) {
                         let req = &requests[i];
+                        let shadow = shadows.contains(&i);
                         let id = st.entries.insert(Entry {
                             key: req.key.clone(),
                             bytes: size,
                             temporary: req.temporary,
-                            indexed: true,
+                            indexed: !shadow,
+                            shadow,
+                            superseded: false,
                             unwritten: false,
                             slot: Slot::Staged,
                         });
-                        st.index.insert(req.key.clone(), IndexSlot { id, resident: false });
+                        if !shadow {
+                            st.index.insert(req.key.clone(), IndexSlot { id, resident: false });
+                        }
                         st.quotas.charge(&req.key.cache_salt, size);
                         st.used_bytes += size;
                         st.staged_bytes += size;
@@ -865,19 +907,53 @@ impl State {
         if !matches!(e.slot, Slot::Staged) {
             return Err((L1Error::WrongState, alloc));
         }
+        let key = e.key.clone();
+        let current = self.index.get(&key).copied();
         if !e.indexed {
-            // Deleted by force while being written: the object never becomes visible.
-            self.remove_entry(id);
-            self.stats.discarded += 1;
-            return Err((L1Error::WrongState, alloc));
+            match current {
+                // A shadow, or a writer a shadow took the key from, finds the key visible:
+                // this commit is done (the bytes of one key are the same KV whoever wrote
+                // them); its copy goes.
+                Some(slot) if slot.resident && (e.shadow || e.superseded) => {
+                    self.remove_entry(id);
+                    self.stats.superseded += 1;
+                    return match readers {
+                        0 => Ok(None),
+                        n => match self.read_lock(shared, &key, n) {
+                            Ok(lease) => Ok(Some(lease)),
+                            Err(e) => Err((e, alloc)),
+                        },
+                    };
+                }
+                // A shadow takes the key over from the writer still staging it (that one's
+                // commit will find this object resident), or takes an empty key.
+                current if e.shadow => {
+                    if let Some(slot) = current
+                        && let Some(other) = self.entries.get_mut(slot.id)
+                    {
+                        other.indexed = false;
+                        other.superseded = true;
+                    }
+                    let e = &mut self.entries[id];
+                    e.indexed = true;
+                    e.shadow = false;
+                    self.index.insert(key.clone(), IndexSlot { id, resident: false });
+                }
+                // Deleted by force while being written: the object never becomes visible.
+                _ => {
+                    self.remove_entry(id);
+                    self.stats.discarded += 1;
+                    return Err((L1Error::WrongState, alloc));
+                }
+            }
         }
+        let e = &mut self.entries[id];
         let alloc = Arc::new(alloc);
         e.slot = Slot::Resident { alloc: Arc::clone(&alloc), readers };
         if self.write_behind && !e.temporary {
             e.unwritten = true;
             self.unwritten += 1;
         }
-        let key = e.key.clone();
         if let Some(slot) = self.index.get_mut(&key) {
             slot.resident = true;
         }

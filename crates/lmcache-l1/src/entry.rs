@@ -29,9 +29,16 @@ pub(crate) struct Entry {
     pub(crate) bytes: u64,
     /// Deleted when its last read lock is released.
     pub(crate) temporary: bool,
-    /// False once deleted by force while pinned: then it is out of the key index and the
-    /// policy, and is dropped when its last handle goes.
+    /// False once deleted by force while pinned, or superseded by another writer's commit of
+    /// the same key: then it is out of the key index and the policy, and is dropped when its
+    /// last handle goes. Also false for a *shadow* reservation until it commits.
     pub(crate) indexed: bool,
+    /// A second writer's reservation of a key another writer held staged: out of the index
+    /// until its commit, which makes it the key's object unless the key is resident by then.
+    pub(crate) shadow: bool,
+    /// Taken out of the index by a shadow's commit of the same key: its own commit then
+    /// succeeds without effect if the key is still visible.
+    pub(crate) superseded: bool,
     /// Committed while write-behind is on and not yet reported written to L2: evicted only
     /// when nothing else can make room.
     pub(crate) unwritten: bool,

@@ -29,7 +29,8 @@ pub mod maintenance;
 pub mod quota;
 
 pub use cache::{
-    ClearReport, L1Cache, L1Listener, L1Stats, L1Usage, MaintenanceReport, WriteRequest,
+    ClearReport, L1Cache, L1Listener, L1Stats, L1Usage, MaintenanceReport, ReserveMode,
+    WriteRequest,
 };
 pub use config::L1Config;
 pub use entry::EntryId;

@@ -4,7 +4,7 @@ mod common;
 
 use common::*;
 use lmcache_core::CacheSalt;
-use lmcache_l1::{EvictionPolicyKind, L1Error, L1Status, WriteRequest};
+use lmcache_l1::{EvictionPolicyKind, L1Error, L1Status, ReserveMode, WriteRequest};
 
 fn reserve_one(c: &lmcache_l1::L1Cache, i: u32, size: u64) -> lmcache_l1::WriteReservation {
     c.reserve_write(&[WriteRequest::new(key(i), size)]).pop().unwrap().unwrap()
@@ -38,6 +38,56 @@ fn staged_objects_are_invisible_and_exclusive() {
     // Resident keys are never rewritten.
     let again = c.reserve_write(&[WriteRequest::new(key(1), 100)]);
     assert_eq!(again[0].as_ref().unwrap_err().status(), L1Status::NotWritable);
+}
+
+fn shadow(c: &lmcache_l1::L1Cache, i: u32) -> Result<lmcache_l1::WriteReservation, L1Error> {
+    let mode = ReserveMode { supersede_staged: true, ..ReserveMode::default() };
+    c.reserve_with(&[WriteRequest::new(key(i), 100)], mode).pop().unwrap()
+}
+
+#[test]
+fn a_second_writer_of_a_staged_key_never_depends_on_the_first() {
+    // The shadow commits first: its bytes are visible, the first writer's commit succeeds
+    // and changes nothing.
+    let c = cache(1 << 20);
+    let mut first = reserve_one(&c, 1, 100);
+    let mut second = shadow(&c, 1).unwrap();
+    first.as_mut_slice().fill(1);
+    second.as_mut_slice().fill(2);
+    second.commit().unwrap();
+    assert!(c.contains(&key(1)));
+    first.commit().unwrap();
+    let r = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    assert!(r.bytes().iter().all(|&b| b == 2), "the late commit replaced visible bytes");
+    drop(r);
+    let u = c.usage();
+    assert_eq!((u.resident_objects, u.staged_objects, u.stats.superseded), (1, 0, 1));
+    c.check_invariants().unwrap();
+    // The first writer commits first: the shadow's commit finds the key visible.
+    let first = reserve_one(&c, 2, 100);
+    let second = shadow(&c, 2).unwrap();
+    first.commit().unwrap();
+    second.commit_and_read_lock(1).unwrap();
+    assert_eq!(c.usage().stats.superseded, 2);
+    // The first writer dies (discard, as an expired lease does): the shadow still commits.
+    let first = reserve_one(&c, 3, 100);
+    let second = shadow(&c, 3).unwrap();
+    first.discard();
+    assert!(!c.contains(&key(3)));
+    second.commit().unwrap();
+    assert!(c.contains(&key(3)));
+    // A shadow that dies leaves the first writer alone.
+    let first = reserve_one(&c, 4, 100);
+    shadow(&c, 4).unwrap().discard();
+    first.commit().unwrap();
+    assert!(c.contains(&key(4)));
+    // Resident keys are never shadowed; a force-deleted writer still never becomes visible.
+    assert_eq!(shadow(&c, 4).unwrap_err(), L1Error::NotWritable);
+    let w = reserve_one(&c, 5, 100);
+    c.delete(&[key(5)], true);
+    assert_eq!(w.commit().unwrap_err(), L1Error::WrongState);
+    assert_eq!(c.usage().staged_objects, 0);
+    c.check_invariants().unwrap();
 }
 
 #[test]

@@ -54,10 +54,20 @@ impl PendingKey {
 pub type PreparedRetrieve = Option<Vec<LeaseId>>;
 
 /// Parked handles of transfers between prepare and commit.
+/// What an engine-driven `prepare_store` left for its `commit_store`.
+#[derive(Debug)]
+pub struct PendingStore {
+    /// When prepared.
+    pub since: Instant,
+    /// The write reservations handed to the client.
+    pub leases: Vec<LeaseId>,
+}
+
+/// Engine-driven transfers between their prepare and their commit.
 #[derive(Debug, Default)]
 pub struct Pending {
     /// Write reservations of `prepare_store`.
-    pub stores: Mutex<HashMap<PendingKey, (Instant, Vec<LeaseId>)>>,
+    pub stores: Mutex<HashMap<PendingKey, PendingStore>>,
     /// Read leases of `prepare_retrieve`.
     pub retrieves: Mutex<HashMap<PendingKey, (Instant, PreparedRetrieve)>>,
 }
@@ -65,7 +75,7 @@ pub struct Pending {
 impl Pending {
     /// Forgets entries older than `ttl` (their handles have expired from the lease tables).
     pub fn reap(&self, now: Instant, ttl: Duration) {
-        self.stores.lock().retain(|_, (t, _)| now.duration_since(*t) < ttl);
+        self.stores.lock().retain(|_, p| now.duration_since(p.since) < ttl);
         self.retrieves.lock().retain(|_, (t, _)| now.duration_since(*t) < ttl);
     }
 }

@@ -454,17 +454,33 @@ fn requests_on_the_same_prefix_never_touch_each_others_transfers() {
     let a = CacheKey::whole(model_m(), "a", tokens.clone(), CHUNK).for_worker(0);
     let b = CacheKey::whole(model_m(), "b", tokens.clone(), CHUNK).for_worker(0);
 
-    // Stores. A reserves both chunks; B finds them being written and reserves none.
+    // Stores. A reserves both chunks; B finds them being written and gets slots of its own
+    // (it never counts on A finishing): no slot is shared.
     let slots_a = c.prepare_store(&a, 8).unwrap();
     assert_eq!(slots_a.len(), 2);
-    assert!(c.prepare_store(&b, 8).unwrap().is_empty());
-    // B's commit must not make A's half-written chunks visible.
-    assert!(!c.commit_store(&b, 8).unwrap(), "B committed reservations it does not own");
-    assert_eq!(c.lookup(&CacheKey::whole(model_m(), "q1", tokens.clone(), CHUNK)).unwrap(), 0);
-    for (i, slot) in &slots_a {
+    let slots_b = c.prepare_store(&b, 8).unwrap();
+    assert_eq!(slots_b.len(), 2);
+    for ((_, sa), (_, sb)) in slots_a.iter().zip(&slots_b) {
+        assert_ne!(sa.offset, sb.offset, "B was handed A's memory");
+    }
+    // B commits first: its own bytes become visible, never A's half-written ones.
+    for (i, slot) in &slots_b {
         pool.write(slot.offset, &vec![0x70 + *i as u8; slot.length as usize]).unwrap();
     }
-    assert!(c.commit_store(&a, 8).unwrap(), "A's commit lost its reservations to B");
+    for (_, slot) in &slots_a {
+        pool.write(slot.offset, &vec![0xAA; slot.length as usize / 2]).unwrap();
+    }
+    assert!(c.commit_store(&b, 8).unwrap(), "B's acknowledged store is not visible");
+    assert_eq!(c.lookup(&CacheKey::whole(model_m(), "q1", tokens.clone(), CHUNK)).unwrap(), 2);
+    c.end_session("q1").unwrap();
+    // A finishes late: its commit succeeds (the chunks are visible) and changes nothing.
+    for (_, slot) in &slots_a {
+        pool.write(slot.offset, &vec![0xAB; slot.length as usize]).unwrap();
+    }
+    assert!(c.commit_store(&a, 8).unwrap(), "A's commit failed although its chunks are visible");
+    assert_eq!(s.state().l1().usage().stats.superseded, 2);
+    assert_eq!(s.state().l1().usage().resident_objects, 2);
+    assert_eq!(s.state().l1().usage().staged_objects, 0, "A's copy was not dropped");
 
     // Retrieves. Both prepare; B's commit releases only B's leases, A still reads its slots.
     let ra = c.prepare_retrieve(&a, 8).unwrap().expect("A's chunks");
@@ -477,7 +493,7 @@ fn requests_on_the_same_prefix_never_touch_each_others_transfers() {
     for (i, slot) in ra.iter().enumerate() {
         let mut buf = vec![0u8; slot.length as usize];
         pool.read(slot.offset, &mut buf).unwrap();
-        assert!(buf.iter().all(|&x| x == 0x70 + i as u8), "chunk {i} is not A's");
+        assert!(buf.iter().all(|&x| x == 0x70 + i as u8), "chunk {i} is not the stored copy");
     }
     assert!(c.commit_retrieve(&a, 8).unwrap());
     assert_eq!(s.state().l1().usage().locked_objects, 0);

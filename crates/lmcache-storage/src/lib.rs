@@ -26,7 +26,9 @@ pub mod store;
 pub mod tier;
 
 pub use lookup::{Lookup, LookupLeases, LookupRequest, PendingLookup, Settled};
-pub use manager::{DeleteReport, DeleteScope, L2Listing, StorageError, StorageManager, TierName};
+pub use manager::{
+    DeleteReport, DeleteScope, L2Listing, StorageError, StorageManager, StoreSlot, TierName,
+};
 pub use prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchWaiter};
 pub use tier::{
     AdapterCounters, AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig,

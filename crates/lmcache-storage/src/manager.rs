@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lmcache_core::{CacheSalt, ObjectKey};
-use lmcache_l1::{L1Cache, L1Error, ReadLease, WriteRequest, WriteReservation};
+use lmcache_l1::{L1Cache, L1Error, ReadLease, ReserveMode, WriteRequest, WriteReservation};
 use lmcache_l2::{ConfigError, KeyPage, L2Error};
 use serde_json::Value;
 
@@ -38,6 +38,17 @@ pub enum DeleteScope {
     L2,
     /// Both.
     All,
+}
+
+/// What a store got for one object ([`StorageManager::reserve_for_store`]).
+#[derive(Debug)]
+pub enum StoreSlot {
+    /// Reserved: fill it, then commit it.
+    Write(WriteReservation),
+    /// Visible already.
+    Resident,
+    /// Refused (memory, quota, size).
+    Refused(L1Error),
 }
 
 /// Why the manager could not do what was asked.
@@ -362,7 +373,16 @@ impl StorageManager {
         &self,
         requests: &[WriteRequest],
     ) -> Vec<Result<WriteReservation, L1Error>> {
-        let mut out = self.l1.reserve_write(requests);
+        self.reserve_mode(requests, false)
+    }
+
+    fn reserve_mode(
+        &self,
+        requests: &[WriteRequest],
+        supersede_staged: bool,
+    ) -> Vec<Result<WriteReservation, L1Error>> {
+        let mode = |evict_unwritten| ReserveMode { evict_unwritten, supersede_staged };
+        let mut out = self.l1.reserve_with(requests, mode(false));
         let Some(tier) = &self.l2 else { return out };
         let deadline = Instant::now() + tier.config().write_behind_wait;
         loop {
@@ -379,14 +399,14 @@ impl StorageManager {
             let now = Instant::now();
             let progressed = now < deadline && tier.wait_progress(deadline - now);
             let again = if progressed {
-                self.l1.reserve_write(&retry)
+                self.l1.reserve_with(&retry, mode(false))
             } else {
                 // Waited long enough: the oldest unwritten objects go (counted).
                 tracing::warn!(
                     chunks = retry.len(),
                     "L1 full of objects L2 has not written yet; evicting some to store"
                 );
-                self.l1.reserve_write_evicting_unwritten(&retry)
+                self.l1.reserve_with(&retry, mode(true))
             };
             for (&i, r) in short.iter().zip(again) {
                 out[i] = r;
@@ -395,6 +415,23 @@ impl StorageManager {
                 return out;
             }
         }
+    }
+
+    /// Reserves L1 memory for a store whose reply must mean "visible": as
+    /// [`Self::reserve_write`], but a key another writer holds staged (an engine-driven client
+    /// still copying, a concurrent store) gets a reservation of this store's own instead of
+    /// being taken as stored ([`lmcache_l1::ReserveMode::supersede_staged`]): this store
+    /// never waits on, nor trusts, a writer that may be slow or dead. Only a resident key is
+    /// [`StoreSlot::Resident`].
+    pub fn reserve_for_store(&self, requests: &[WriteRequest]) -> Vec<StoreSlot> {
+        self.reserve_mode(requests, true)
+            .into_iter()
+            .map(|r| match r {
+                Ok(w) => StoreSlot::Write(w),
+                Err(L1Error::NotWritable) => StoreSlot::Resident,
+                Err(e) => StoreSlot::Refused(e),
+            })
+            .collect()
     }
 
     /// Commits `writes` to L1 (a request's last chunk enters eviction order first) and queues

@@ -9,13 +9,14 @@
 
 use std::time::Instant;
 
-use lmcache_l1::{L1Error, WriteRequest};
+use lmcache_l1::WriteRequest;
 use lmcache_protocol::types::{self, CacheKey, EngineDrivenRegistration, SlotDesc};
 use lmcache_protocol::{Op, ProtocolError, Request, value};
+use lmcache_storage::StoreSlot;
 use rmpv::Value;
 
 use crate::registry::{Family, Instance, ObjectLayout, ObjectShape, Registration};
-use crate::state::{PendingKey, ServerState};
+use crate::state::{PendingKey, PendingStore, ServerState};
 
 pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
     match req.op {
@@ -186,17 +187,19 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
     if let Some(t) = state.storage_trace() {
         t.reserve_write(&keys, Some(&crate::registry::ObjectShape::single(layout)));
     }
-    for (i, r) in state.storage.reserve_write(&reqs).into_iter().enumerate() {
+    // A chunk another writer is still staging gets a slot of this store's own: the client's
+    // commit never counts on that writer finishing.
+    for (i, r) in state.storage.reserve_for_store(&reqs).into_iter().enumerate() {
         match r {
-            Ok(w) => {
+            StoreSlot::Write(w) => {
                 // Allocate the tmpfs pages here, so the client's copy only maps them.
                 w.prefault();
                 slots.push(slot(&layout, w.offset(), w.len()));
                 indices.push(i as u64);
                 leases.push(state.l1().park_write(w));
             }
-            Err(L1Error::NotWritable) => {}
-            Err(e) => {
+            StoreSlot::Resident => {}
+            StoreSlot::Refused(e) => {
                 tracing::debug!(error = %e, "chunk not stored");
                 state.bus.publish(crate::event_bus::Event::L1WriteRefused {
                     request_id: key.request_id.clone(),
@@ -207,14 +210,15 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
     }
     if !leases.is_empty() {
         let pk = PendingKey::new(id, key, &hashes);
-        let old = state.pending.stores.lock().insert(pk, (Instant::now(), leases));
+        let pending = PendingStore { since: Instant::now(), leases };
+        let old = state.pending.stores.lock().insert(pk, pending);
         discard_parked_writes(state, old);
     }
     Ok(types::PrepareStoreResponse { slots, chunk_indices: indices }.encode())
 }
 
-fn discard_parked_writes(state: &ServerState, old: Option<(Instant, Vec<lmcache_l1::LeaseId>)>) {
-    for id in old.map(|(_, v)| v).unwrap_or_default() {
+fn discard_parked_writes(state: &ServerState, old: Option<PendingStore>) {
+    for id in old.map(|p| p.leases).unwrap_or_default() {
         drop(state.l1().take_write(id));
     }
 }
@@ -223,7 +227,9 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<bool, Pr
     instance(state, id)?;
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let pk = PendingKey::new(id, key, &hashes);
-    let Some((_, ids)) = state.pending.stores.lock().remove(&pk) else { return Ok(false) };
+    let Some(PendingStore { leases: ids, .. }) = state.pending.stores.lock().remove(&pk) else {
+        return Ok(false);
+    };
     // Every chunk prepare reserved must be committed, including any whose reservation expired.
     let expected = ids.len();
     let writes: Vec<_> = ids.into_iter().filter_map(|i| state.l1().take_write(i)).collect();

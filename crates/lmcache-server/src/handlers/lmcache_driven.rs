@@ -2,7 +2,9 @@
 //! and copies between their paged blocks and L1 objects itself.
 //!
 //! A chunk is visible to lookups by the time its store reply is sent (LMCache commits after
-//! replying, so a lookup right after a store can miss). Chunks whose blocks are all the null
+//! replying, so a lookup right after a store can miss), also when another writer holds the
+//! same chunks staged: this store then writes its own copy
+//! ([`lmcache_storage::StorageManager::reserve_for_store`]). Chunks whose blocks are all the null
 //! block are skipped; a resident key is never rewritten; an unregistered instance gets
 //! `(b"", false)`; one whose registration was refused gets the same reply, logged and counted
 //! with the refusal's reason.
@@ -11,10 +13,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use lmcache_l1::{L1Error, WriteRequest};
+use lmcache_l1::WriteRequest;
 use lmcache_memory::ForeignSegment;
 use lmcache_protocol::types::{self, CacheKey, EngineGroupInfo, IpcDescriptor};
 use lmcache_protocol::{Op, ProtocolError, Request, value};
+use lmcache_storage::StoreSlot;
 use rmpv::Value;
 
 use crate::registry::{Family, Instance, KernelGroup, LayerTensor, Registration};
@@ -359,10 +362,10 @@ fn store(
             let ks: Vec<_> = wanted.iter().map(|&i| keys[i].clone()).collect();
             t.reserve_write(&ks, inst.objects.get(og));
         }
-        for (&i, res) in wanted.iter().zip(state.storage.reserve_write(&reqs)) {
+        for (&i, res) in wanted.iter().zip(state.storage.reserve_for_store(&reqs)) {
             any[i] = true;
             match res {
-                Ok(mut w) => {
+                StoreSlot::Write(mut w) => {
                     w.prefault();
                     match p.gather(blocks, og, i, w.as_mut_slice()) {
                         Ok(()) => {
@@ -376,9 +379,10 @@ fn store(
                         }
                     }
                 }
-                // Already resident (or being written): it is stored.
-                Err(L1Error::NotWritable) => {}
-                Err(e) => {
+                // Visible already (a chunk another writer is still staging was reserved
+                // again for this store, which never counts on that writer).
+                StoreSlot::Resident => {}
+                StoreSlot::Refused(e) => {
                     stored[i] = false;
                     tracing::debug!(error = %e, "chunk not stored");
                     state.bus.publish(crate::event_bus::Event::L1WriteRefused {
