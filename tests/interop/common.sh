@@ -16,11 +16,14 @@ free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",
 
 # Runs LMCache's `lmcache bench server` (lmcache-driven, 1024 tokens, sequences 0..END) against
 # the server just started (the last of `pids`) once its HTTP answers, then stops that server.
-bench_then_stop() { # port http_port end log_prefix
+# INTERVAL (default 0) is the bench's pause between a sequence's cold and warm request: LMCache's
+# own server acknowledges a lmcache-driven store before the chunks are visible, so a script
+# that needs its warm lookups to hit gives it a settle (ours is visible at reply: 0).
+bench_then_stop() { # port http_port end log_prefix [interval]
   wait_http "http://127.0.0.1:$2/healthcheck" "$4.server.log"
   timeout 300 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$1" \
       --url "http://127.0.0.1:$2" --mode cpu --transfer-mode lmcache_driven --num-tokens 1024 \
-      --start 0 --end "$3" --interval 0 > "$4.bench.log" 2>&1 \
+      --start 0 --end "$3" --interval "${5:-0}" > "$4.bench.log" 2>&1 \
     || { echo "FAILED: bench ($4)"; tail -20 "$4.bench.log"; exit 1; }
   kill -TERM "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true
 }
