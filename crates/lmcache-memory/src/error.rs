@@ -34,6 +34,16 @@ pub enum MemoryError {
         /// The segment's name.
         name: String,
     },
+    /// A segment of that name exists and lmcache-rs did not create it (no ownership marker):
+    /// it may belong to LMCache's server or anything else, so it is left alone.
+    #[error(
+        "shared-memory segment {name:?} already exists and was not created by lmcache-rs; \
+         it is left alone: pick another --shm-name, or remove it yourself if it is stale"
+    )]
+    ShmNotOurs {
+        /// The segment's name.
+        name: String,
+    },
     /// /dev/shm has less room than the arena would need once full; writes past it would
     /// kill the process with SIGBUS, so the arena is refused up front.
     #[error(

@@ -5,6 +5,12 @@
 //! The lock is what tells a live owner from a crashed one: a segment whose lock can be taken
 //! belongs to nobody and is stale. Stale segments of earlier runs are unlinked at start
 //! ([`clean_stale_segments`]), so a crash never leaks /dev/shm space across restarts.
+//!
+//! Only segments lmcache-rs created are ever unlinked. Creating one also creates its
+//! *ownership marker*, an empty file `.lmcache-rs-owned.<name>` beside it, removed with it.
+//! A segment without a marker (LMCache's own `lmcache_l1_pool_<pid>` of a live server in
+//! another PID namespace, which no pid check can see, or anything else) is never replaced or
+//! removed, whatever its name, pid or lock say.
 
 use std::fs::File;
 use std::path::Path;
@@ -24,6 +30,14 @@ pub const SHM_DIR: &str = "/dev/shm";
 /// The default segment name of this process, as LMCache names it.
 pub fn default_shm_name() -> String {
     format!("{DEFAULT_SHM_PREFIX}{}", std::process::id())
+}
+
+/// Prefix of the ownership marker of each segment lmcache-rs created.
+pub const OWNER_MARKER_PREFIX: &str = ".lmcache-rs-owned.";
+
+/// The marker's path of segment `name`.
+fn marker_path(dir: &Path, name: &str) -> std::path::PathBuf {
+    dir.join(format!("{OWNER_MARKER_PREFIX}{name}"))
 }
 
 /// Checks a segment name: non-empty, at most 255 bytes, no `/` and no NUL.
@@ -64,6 +78,12 @@ impl ShmSegment {
     /// space of /dev/shm, since a write past that space would raise SIGBUS.
     pub fn create(name: &str, len: u64) -> Result<Self, MemoryError> {
         validate_name(name)?;
+        if name.len() + OWNER_MARKER_PREFIX.len() > 255 {
+            return Err(MemoryError::InvalidShmName {
+                name: name.to_owned(),
+                reason: "longer than 237 bytes (its ownership marker would not fit)",
+            });
+        }
         if len == 0 {
             return Err(MemoryError::InvalidSize { size: len, reason: "zero" });
         }
@@ -71,7 +91,11 @@ impl ShmSegment {
         let fd = match open(&path, true) {
             Ok(fd) => fd,
             Err(Errno::EEXIST) => {
-                // Someone left a segment of this name. Take it over only if its owner is gone.
+                // Someone left a segment of this name. Take it over only if we created it
+                // (its marker says so) and its owner is gone (its lock is free).
+                if !marker_path(Path::new(SHM_DIR), name).exists() {
+                    return Err(MemoryError::ShmNotOurs { name: name.to_owned() });
+                }
                 let existing = open(&path, false).map_err(|e| MemoryError::os("shm_open", e))?;
                 match Flock::lock(File::from(existing), FlockArg::LockExclusiveNonblock) {
                     Ok(stale) => {
@@ -95,6 +119,9 @@ impl ShmSegment {
                 return Err(MemoryError::os("flock", e));
             }
         };
+        // The marker says the name is ours before anything else can fail.
+        std::fs::File::create(marker_path(Path::new(SHM_DIR), name))
+            .map_err(|e| MemoryError::os("creating the ownership marker", e))?;
         // From here on the guard exists, so any failure unlinks the name on drop.
         let segment = Self {
             name: name.to_owned(),
@@ -150,6 +177,7 @@ impl ShmSegment {
         if let Err(e) = nix::sys::mman::shm_unlink(path.as_str()) {
             tracing::warn!(segment = %self.name, error = %e, "could not unlink shared memory");
         }
+        let _ = std::fs::remove_file(marker_path(Path::new(SHM_DIR), &self.name));
     }
 }
 
@@ -169,31 +197,38 @@ fn shm_free_bytes() -> Result<u64, MemoryError> {
     Ok(st.blocks_available().saturating_mul(st.fragment_size()))
 }
 
-/// Unlinks LMCache-style segments (`lmcache_l1_pool_<pid>`) in `dir` whose process is gone
-/// and whose lock nobody holds. Returns the names removed. Errors on single entries are
-/// logged and skipped: cleanup never stops a start.
+/// Unlinks the segments in `dir` that lmcache-rs created (each has its ownership marker)
+/// and whose owner is gone (nobody holds its lock), with their markers; a marker whose
+/// segment is gone goes too. Segments without a marker are never touched, whatever their
+/// name. Returns the names removed. Errors on single entries are logged and skipped:
+/// cleanup never stops a start.
 pub fn clean_stale_segments(dir: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     let mut removed = Vec::new();
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let Some(pid) = name.strip_prefix(DEFAULT_SHM_PREFIX).and_then(|p| p.parse::<i32>().ok())
-        else {
+        let marker = entry.file_name();
+        let Some(name) = marker.to_str().and_then(|m| m.strip_prefix(OWNER_MARKER_PREFIX)) else {
             continue;
         };
-        if pid <= 0 || process_alive(pid) {
+        if validate_name(name).is_err() {
             continue;
         }
-        let Ok(file) = File::options().read(true).write(true).open(entry.path()) else {
-            continue;
+        let path = dir.join(name);
+        let file = match File::options().read(true).write(true).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let _ = std::fs::remove_file(entry.path());
+                continue;
+            }
+            Err(_) => continue,
         };
         if let Ok(lock) = Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            match std::fs::remove_file(entry.path()) {
+            match std::fs::remove_file(&path) {
                 Ok(()) => {
-                    tracing::info!(segment = name, pid, "removed stale shared-memory segment");
+                    let _ = std::fs::remove_file(entry.path());
+                    tracing::info!(segment = name, "removed stale shared-memory segment");
                     removed.push(name.to_owned());
                 }
                 Err(e) => {
@@ -204,15 +239,6 @@ pub fn clean_stale_segments(dir: &Path) -> Vec<String> {
         }
     }
     removed
-}
-
-fn process_alive(pid: i32) -> bool {
-    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None) {
-        Ok(()) => true,
-        Err(Errno::ESRCH) => false,
-        // EPERM: it exists but belongs to someone else.
-        Err(_) => true,
-    }
 }
 
 #[cfg(test)]
@@ -254,11 +280,27 @@ mod tests {
         let seg = ShmSegment::create(&name, 4096).unwrap();
         assert!(matches!(ShmSegment::create(&name, 4096), Err(MemoryError::ShmInUse { .. })));
         drop(seg);
-        // A crashed owner leaves the name behind with nobody holding its lock.
+        assert!(!marker_path(Path::new(SHM_DIR), &name).exists(), "drop left the marker");
+        // A crashed owner leaves the name and its marker behind, nobody holding its lock.
         let path = Path::new(SHM_DIR).join(&name);
         std::fs::write(&path, b"stale").unwrap();
+        std::fs::write(marker_path(Path::new(SHM_DIR), &name), b"").unwrap();
         let seg = ShmSegment::create(&name, 8192).unwrap();
         assert_eq!(seg.file().metadata().unwrap().len(), 8192);
+    }
+
+    #[test]
+    fn a_segment_we_did_not_create_is_never_replaced() {
+        // LMCache's server (no lock, no marker) holds this name: even with nobody holding a
+        // lock on it, it is not ours to replace.
+        let name = unique("theirs");
+        let path = Path::new(SHM_DIR).join(&name);
+        std::fs::write(&path, b"their KV").unwrap();
+        let err = ShmSegment::create(&name, 4096).unwrap_err();
+        assert!(matches!(err, MemoryError::ShmNotOurs { .. }), "{err}");
+        assert!(err.to_string().contains("not created by lmcache-rs"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"their KV");
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]
@@ -279,21 +321,37 @@ mod tests {
     }
 
     #[test]
-    fn stale_cleanup_removes_dead_owner_segments_only() {
+    fn stale_cleanup_removes_only_our_unlocked_segments() {
         let dir = std::env::temp_dir().join(format!("lmcache_rs_stale_{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        // A pid that cannot be alive (above pid_max) and our own, live, pid.
-        let dead = dir.join(format!("{DEFAULT_SHM_PREFIX}{}", 999_999_999));
-        let live = dir.join(format!("{DEFAULT_SHM_PREFIX}{}", std::process::id()));
-        let other = dir.join("unrelated_segment");
-        for p in [&dead, &live, &other] {
+        // LMCache-named segments of pids this process cannot see (another PID namespace's
+        // live server looks exactly like this): without our marker, never touched.
+        let theirs = dir.join(format!("{DEFAULT_SHM_PREFIX}{}", 999_999_999));
+        let unrelated = dir.join("unrelated_segment");
+        // Ours, crashed: marker present, nobody holds the lock.
+        let ours_dead = dir.join(format!("{DEFAULT_SHM_PREFIX}{}", 999_999_998));
+        // Ours, alive: its lock is held.
+        let ours_live = dir.join("lmcache_rs_live");
+        for p in [&theirs, &unrelated, &ours_dead, &ours_live] {
             std::fs::write(p, b"x").unwrap();
         }
+        for n in [format!("{DEFAULT_SHM_PREFIX}999999998"), "lmcache_rs_live".into(), "gone".into()]
+        {
+            std::fs::write(marker_path(&dir, &n), b"").unwrap();
+        }
+        let held = Flock::lock(
+            File::options().read(true).write(true).open(&ours_live).unwrap(),
+            FlockArg::LockExclusiveNonblock,
+        )
+        .unwrap();
         let removed = clean_stale_segments(&dir);
-        assert_eq!(removed, vec![format!("{DEFAULT_SHM_PREFIX}999999999")]);
-        assert!(!dead.exists());
-        assert!(live.exists());
-        assert!(other.exists());
+        assert_eq!(removed, vec![format!("{DEFAULT_SHM_PREFIX}999999998")]);
+        assert!(!ours_dead.exists() && !marker_path(&dir, &removed[0]).exists());
+        assert!(theirs.exists(), "removed a segment we did not create");
+        assert!(unrelated.exists());
+        assert!(ours_live.exists() && marker_path(&dir, "lmcache_rs_live").exists());
+        assert!(!marker_path(&dir, "gone").exists(), "a marker without its segment stayed");
+        drop(held);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
