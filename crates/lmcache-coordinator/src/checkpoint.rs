@@ -20,6 +20,18 @@ pub enum CheckpointError {
     /// The file is damaged or not ours.
     #[error("corrupt checkpoint: {0}")]
     Corrupt(String),
+    /// Something that is not an lmcache-rs checkpoint sits at the path: it is never
+    /// overwritten.
+    #[error(
+        "{path} exists and is not an lmcache-rs checkpoint ({why}); it is left alone: \
+         point --checkpoint-path at a new file or at an earlier checkpoint"
+    )]
+    NotOurs {
+        /// The path.
+        path: String,
+        /// What it is instead.
+        why: &'static str,
+    },
 }
 
 const MAGIC: &[u8; 8] = b"LMRSCKPT";
@@ -72,8 +84,36 @@ pub fn unframe(bytes: &[u8]) -> Result<(&[u8], &[u8]), CheckpointError> {
     Ok((&payload[8..8 + hlen], &payload[8 + hlen..]))
 }
 
-/// Replaces `path` with `bytes` atomically.
+/// Checks that `path` may be replaced by a checkpoint: it does not exist, or it is a regular
+/// file that starts with the checkpoint magic (ours, possibly damaged). Anything else was not
+/// written by us and is never overwritten.
+pub fn check_replaceable(path: &Path) -> Result<(), CheckpointError> {
+    use std::io::Read as _;
+    let not_ours = |why| CheckpointError::NotOurs { path: path.display().to_string(), why };
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if !meta.file_type().is_file() {
+        return Err(not_ours("not a regular file"));
+    }
+    let mut head = [0u8; 8];
+    let mut f = std::fs::File::open(path)?;
+    match f.read_exact(&mut head) {
+        Ok(()) if &head == MAGIC => Ok(()),
+        Ok(()) => Err(not_ours("it does not start with the checkpoint magic")),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+            Err(not_ours("shorter than a checkpoint header"))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Replaces `path` with `bytes` atomically, unless `path` holds something that is not a
+/// checkpoint ([`check_replaceable`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    check_replaceable(path)?;
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("checkpoint");
     let tmp = dir.join(format!(".{name}.lmcache-rs.{}.tmp", std::process::id()));
@@ -107,5 +147,30 @@ mod tests {
         let mut long = f.clone();
         long.push(0);
         assert!(unframe(&long).is_err());
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_checkpoint_is_never_overwritten() {
+        let dir = std::env::temp_dir().join(format!("lmcache_rs_ckpt_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let theirs = dir.join("notes.txt");
+        std::fs::write(&theirs, b"someone's file, long enough").unwrap();
+        let err = write_atomic(&theirs, &frame(b"{}", b"")).unwrap_err();
+        assert!(matches!(err, CheckpointError::NotOurs { .. }), "{err}");
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"someone's file, long enough");
+        let empty = dir.join("empty");
+        std::fs::write(&empty, b"").unwrap();
+        assert!(write_atomic(&empty, &frame(b"{}", b"")).is_err());
+        assert!(check_replaceable(&dir).is_err(), "a directory is not a checkpoint");
+        // A new path, then our own file (even damaged), are replaced.
+        let ours = dir.join("coord.ckpt");
+        write_atomic(&ours, &frame(b"{}", b"a")).unwrap();
+        let mut damaged = std::fs::read(&ours).unwrap();
+        let n = damaged.len();
+        damaged[n - 1] ^= 1;
+        std::fs::write(&ours, &damaged).unwrap();
+        write_atomic(&ours, &frame(b"{}", b"b")).unwrap();
+        assert_eq!(unframe(&std::fs::read(&ours).unwrap()).unwrap().1, b"b");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

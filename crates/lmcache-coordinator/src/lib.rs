@@ -109,6 +109,9 @@ impl Coordinator {
             CoordinatorError::Config(FleetError::BadRequest(format!("metadata: {e}")))
         })?;
         if let Some(path) = &fleet.config().checkpoint_path {
+            checkpoint::check_replaceable(path).map_err(|e| {
+                CoordinatorError::Config(FleetError::BadRequest(format!("--checkpoint-path: {e}")))
+            })?;
             restore(&fleet, path);
         }
         let c = fleet.config();
