@@ -534,12 +534,19 @@ fn external(var: &str) -> Option<String> {
 #[test]
 fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
     let Some(nats) = external("LMCACHE_RS_TEST_NATS") else { return };
-    let stream = lmcache_protocol::coordinator::JETSTREAM_STREAM;
-    // A clean stream for this run.
-    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
-        let js = async_nats::jetstream::new(async_nats::connect(&nats).await.unwrap());
-        let _ = js.delete_stream(stream).await;
-    });
+    // A stream of this run's own (its own subjects too): nothing another run or fleet on
+    // the same NATS holds is read, and only it is deleted at the end.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let stream_name = format!("LMCACHE_RS_TEST_{}_{}", std::process::id(), nanos.as_nanos());
+    let stream = stream_name.as_str();
+    let delete_stream = || {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(
+            async {
+                let js = async_nats::jetstream::new(async_nats::connect(&nats).await.unwrap());
+                js.delete_stream(stream).await.map(|_| ()).map_err(|e| e.to_string())
+            },
+        )
+    };
     let dir = std::env::temp_dir().join(format!("lmcache-rs-js-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -630,5 +637,8 @@ fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
         "jetstream: 2 replicas, replica b restarted at stream seq {b_at}, resumed to {after}, digests equal"
     );
     s.shutdown();
+    a.stop();
+    b.stop();
+    delete_stream().expect("this run's stream was created, and is deleted");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use lmcache_protocol::coordinator::{CacheEventBatch, JETSTREAM_SUBJECTS};
+use lmcache_protocol::coordinator::{CacheEventBatch, jetstream_subjects};
 
 use crate::fleet::Fleet;
 
@@ -90,7 +90,7 @@ pub async fn ensure_stream(
 ) -> Result<async_nats::jetstream::stream::Stream, BoxError> {
     let config = async_nats::jetstream::stream::Config {
         name: name.to_string(),
-        subjects: vec![JETSTREAM_SUBJECTS.to_string()],
+        subjects: vec![jetstream_subjects(name)],
         storage: async_nats::jetstream::stream::StorageType::File,
         ..Default::default()
     };

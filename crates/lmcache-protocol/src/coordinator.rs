@@ -18,18 +18,39 @@ pub const CACHE_EVENT_SCHEMA_VERSION: u32 = 1;
 /// alternative to HTTP is Kafka).
 pub const JETSTREAM_STREAM: &str = "LMCACHE_CACHE_EVENTS";
 
-/// Subjects of that stream: `lmcache.cache_events.<instance>` (one subject per emitter, so
-/// its batches stay in order).
+/// Subjects of the default stream: `lmcache.cache_events.<instance>` (one subject per
+/// emitter, so its batches stay in order).
 pub const JETSTREAM_SUBJECTS: &str = "lmcache.cache_events.>";
 
-/// The subject an emitter publishes on: its id with every character a subject token cannot
-/// hold replaced by `_` (the batch itself carries the exact id).
-pub fn jetstream_subject(instance_id: &str) -> String {
-    let token: String = instance_id
+/// The subject prefix of stream `stream`: the default stream's `lmcache.cache_events`, any
+/// other's `lmcache.cache_events_<stream>`, so that streams never overlap (NATS refuses a
+/// stream whose subjects overlap another's) and a fleet on its own stream (a test run, a
+/// second fleet on one NATS) never reads or disturbs another's.
+fn subject_prefix(stream: &str) -> String {
+    if stream == JETSTREAM_STREAM {
+        "lmcache.cache_events".to_string()
+    } else {
+        format!("lmcache.cache_events_{}", token(stream))
+    }
+}
+
+/// The subjects stream `stream` holds (see [`jetstream_subject`]).
+pub fn jetstream_subjects(stream: &str) -> String {
+    format!("{}.>", subject_prefix(stream))
+}
+
+fn token(s: &str) -> String {
+    let t: String = s
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
         .collect();
-    format!("lmcache.cache_events.{}", if token.is_empty() { "_" } else { &token })
+    if t.is_empty() { "_".to_string() } else { t }
+}
+
+/// The subject an emitter publishes on in stream `stream`: its id with every character a
+/// subject token cannot hold replaced by `_` (the batch itself carries the exact id).
+pub fn jetstream_subject(stream: &str, instance_id: &str) -> String {
+    format!("{}.{}", subject_prefix(stream), token(instance_id))
 }
 
 /// The token-form cap of LMCache's key resolver (`MAX_TOKEN_IDS`).
@@ -444,6 +465,18 @@ pub struct FleetMemoryResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_stream_has_subjects_of_its_own() {
+        assert_eq!(jetstream_subjects(JETSTREAM_STREAM), JETSTREAM_SUBJECTS);
+        assert_eq!(jetstream_subject(JETSTREAM_STREAM, "a.b c"), "lmcache.cache_events.a_b_c");
+        let other = jetstream_subjects("TEST_1");
+        assert_eq!(other, "lmcache.cache_events_TEST_1.>");
+        assert_eq!(jetstream_subject("TEST_1", "s1"), "lmcache.cache_events_TEST_1.s1");
+        // The default stream's wildcard never matches another stream's subjects.
+        let sub = jetstream_subject("TEST_1", "s1");
+        assert!(!sub.starts_with("lmcache.cache_events."), "{sub}");
+    }
 
     #[test]
     fn batches_decode_with_lmcache_defaults_and_validate() {

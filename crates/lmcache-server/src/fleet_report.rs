@@ -100,7 +100,7 @@ impl JetStreamSink {
                 let ctx = async_nats::jetstream::new(client);
                 let config = async_nats::jetstream::stream::Config {
                     name: stream.to_string(),
-                    subjects: vec![lmcache_protocol::coordinator::JETSTREAM_SUBJECTS.to_string()],
+                    subjects: vec![lmcache_protocol::coordinator::jetstream_subjects(stream)],
                     storage: async_nats::jetstream::stream::StorageType::File,
                     ..Default::default()
                 };
@@ -112,7 +112,8 @@ impl JetStreamSink {
             let Some(ctx) = js.as_ref() else { return Err("not connected".to_string()) };
             for b in batches {
                 let payload = serde_json::to_vec(b).map_err(|e| e.to_string())?;
-                let subject = lmcache_protocol::coordinator::jetstream_subject(&b.instance_id);
+                let subject =
+                    lmcache_protocol::coordinator::jetstream_subject(stream, &b.instance_id);
                 let ack = ctx
                     .publish(subject, payload.into())
                     .await
