@@ -21,7 +21,6 @@ use axum::Router;
 use axum::extract::{Json, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use lmcache_core::CacheSalt;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -69,35 +68,78 @@ async fn auth(
     next.run(req).await
 }
 
-/// The router.
+/// The API's routes, recorded as they are added: the router serves exactly what
+/// [`route_list`] lists, so a test can walk every route of the built router.
+struct Api {
+    router: Router<Shared>,
+    routes: Vec<(&'static str, &'static str)>,
+}
+
+macro_rules! method {
+    ($name:ident, $verb:literal) => {
+        fn $name<H, T>(mut self, path: &'static str, handler: H) -> Self
+        where
+            H: axum::handler::Handler<T, Shared>,
+            T: 'static,
+        {
+            self.router = self.router.route(path, axum::routing::$name(handler));
+            self.routes.push(($verb, path));
+            self
+        }
+    };
+}
+
+impl Api {
+    fn new() -> Self {
+        Self { router: Router::new(), routes: Vec::new() }
+    }
+    method!(get, "GET");
+    method!(post, "POST");
+    method!(put, "PUT");
+    method!(delete, "DELETE");
+}
+
+/// Every route of the API.
+fn api() -> Api {
+    Api::new()
+        .get("/", || async { Json(json!({"status": "ok", "service": "LMCache HTTP API"})) })
+        .get("/healthcheck", || async { Json(json!({"status": "healthy"})) })
+        .get("/status", status)
+        .get("/version", version)
+        .get("/lmc_version", version)
+        .get("/commit_id", || async {
+            Json(json!({"commit_id": option_env!("LMCACHE_RS_COMMIT").unwrap_or("unknown")}))
+        })
+        .get("/config", config)
+        .get("/config/adapters", config_adapters)
+        .get("/reconfigure/{backend}/l2/status", reconfigure_status)
+        .post("/reconfigure/{backend}/l2/{operation}", reconfigure)
+        .get("/metrics", metrics)
+        .post("/metrics/reset", metrics_reset)
+        .post("/cache/prefetches", prefetch_submit)
+        .get("/cache/prefetches/{request_id}", prefetch_status)
+        .post("/cache/clear", clear)
+        .get("/cache/objects", objects_list)
+        .delete("/cache/objects", objects_delete)
+        .post("/cache/checksums", cache_checksums)
+        .get("/fleet/snapshot", fleet::snapshot)
+        .get("/quota", quota_list)
+        .get("/quota/{salt}", quota_get)
+        .put("/quota/{salt}", quota_put)
+        .delete("/quota/{salt}", quota_delete)
+}
+
+/// `(method, path)` of every route the router serves, in the order they were added.
+pub fn route_list() -> Vec<(&'static str, &'static str)> {
+    api().routes
+}
+
+/// The router. The bearer-token guard and the panic catcher wrap the whole API as one
+/// service (an outer router), so no route can be added outside them.
 pub fn router(state: Shared) -> Router {
     let guard = axum::middleware::from_fn_with_state(state.clone(), auth);
     Router::new()
-        .route("/", get(|| async { Json(json!({"status": "ok", "service": "LMCache HTTP API"})) }))
-        .route("/healthcheck", get(|| async { Json(json!({"status": "healthy"})) }))
-        .route("/status", get(status))
-        .route("/version", get(version))
-        .route("/lmc_version", get(version))
-        .route(
-            "/commit_id",
-            get(|| async {
-                Json(json!({"commit_id": option_env!("LMCACHE_RS_COMMIT").unwrap_or("unknown")}))
-            }),
-        )
-        .route("/config", get(config))
-        .route("/config/adapters", get(config_adapters))
-        .route("/reconfigure/{backend}/l2/status", get(reconfigure_status))
-        .route("/reconfigure/{backend}/l2/{operation}", post(reconfigure))
-        .route("/metrics", get(metrics))
-        .route("/metrics/reset", post(metrics_reset))
-        .route("/cache/prefetches", post(prefetch_submit))
-        .route("/cache/prefetches/{request_id}", get(prefetch_status))
-        .route("/cache/clear", post(clear))
-        .route("/cache/objects", get(objects_list).delete(objects_delete))
-        .route("/cache/checksums", post(cache_checksums))
-        .route("/fleet/snapshot", get(fleet::snapshot))
-        .route("/quota", get(quota_list))
-        .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
+        .merge(api().router)
         .layer(guard)
         .layer(catch_panics({
             let state = Arc::clone(&state);
@@ -132,6 +174,7 @@ fn error(code: StatusCode, detail: impl Into<String>) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::routing::get;
     use std::sync::atomic::{AtomicU64, Ordering};
     use tower::ServiceExt;
 
