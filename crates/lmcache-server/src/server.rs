@@ -212,6 +212,8 @@ impl Server {
             metrics: Metrics::default(),
             started,
             config,
+            #[cfg(feature = "testing")]
+            faults: Default::default(),
         });
         let stop = Arc::new(AtomicBool::new(false));
         let http = match state.config.http_port {

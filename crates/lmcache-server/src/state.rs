@@ -116,6 +116,19 @@ pub struct ServerState {
     pub lookup_log: Option<crate::lookup_log::LookupHashLog>,
     /// The trace recorder, when `--trace-level` is set.
     pub trace: Option<std::sync::Arc<crate::trace_record::TraceRecorder>>,
+    /// Fault hooks for tests (feature `testing`).
+    #[cfg(feature = "testing")]
+    pub faults: Faults,
+}
+
+/// Where a test makes the server panic, by operation name (feature `testing` only).
+#[cfg(feature = "testing")]
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// Inside the handler of this operation.
+    pub panic_in_handler: Mutex<Option<&'static str>>,
+    /// Around the handler of this operation (after it answered, while the reply is built).
+    pub panic_after_handler: Mutex<Option<&'static str>>,
 }
 
 impl ServerState {

@@ -556,3 +556,34 @@ fn prepare_retrieve_checks_objects_against_the_registered_layout() {
     assert!(!c.commit_retrieve(&key, 12).unwrap());
     assert_eq!(s.state().l1().usage().locked_objects, 0, "a refused prepare kept its leases");
 }
+
+/// A panic, inside a handler or around it, on a worker thread or on the socket thread, gives
+/// the client its operation's typed failure (never silence), is counted, and the server
+/// keeps serving on the same threads.
+#[test]
+fn a_panic_in_or_around_a_handler_answers_the_typed_failure() {
+    let s = server("panic");
+    let mut c = client(&s);
+    let pool = register(&mut c, 9, 1);
+    let key = CacheKey::whole(model_m(), "p", tokens(77, 32), CHUNK);
+    let faults = &s.state().faults;
+    // Inside the commit_store handler (transfer pool): false, the store did nothing.
+    *faults.panic_in_handler.lock() = Some("commit_store");
+    let slots = c.prepare_store(&key.for_worker(0), 9).unwrap();
+    assert_eq!(slots.len(), 2);
+    assert!(!c.commit_store(&key.for_worker(0), 9).unwrap(), "a panicked commit said true");
+    *faults.panic_in_handler.lock() = None;
+    // After the lookup handler answered (socket thread): the lookup's typed failure, 0 hits.
+    *faults.panic_after_handler.lock() = Some("lookup");
+    assert_eq!(c.lookup(&key).unwrap(), 0);
+    *faults.panic_after_handler.lock() = None;
+    // After the prepare_store handler (transfer pool): no slots offered.
+    *faults.panic_after_handler.lock() = Some("prepare_store");
+    assert!(c.prepare_store(&key.for_worker(0), 9).unwrap_or_default().is_empty());
+    *faults.panic_after_handler.lock() = None;
+    let m = s.state().metrics.encode();
+    assert!(m.lines().any(|l| l == "lmcache_rs_handler_panics_total 3"), "{m}");
+    // The same threads serve on: the whole store and lookup work.
+    assert_eq!(store(&mut c, &pool, &key.for_worker(0), 9, |i| i as u8 + 1), 2);
+    assert_eq!(c.lookup(&key).unwrap(), 2);
+}

@@ -73,8 +73,20 @@ pub fn lane(op: Op) -> Lane {
     }
 }
 
-/// Handles one request and returns its reply.
+/// Handles one request and returns its reply: always one, even when something panics
+/// outside the handler proper (metrics, spans, building the reply), since the uid is known.
 pub fn handle(state: &ServerState, req: Request) -> Reply {
+    let (op, header) = (req.op, req.header.clone());
+    catch_unwind(AssertUnwindSafe(|| handle_inner(state, req))).unwrap_or_else(|payload| {
+        let reason = panic_message(payload.as_ref());
+        tracing::error!(op = op.name(), error = %reason, "request failed outside its handler");
+        state.metrics.handler_panics.inc();
+        state.metrics.error(op.name(), "panic");
+        failure_reply(state, header, Some(op))
+    })
+}
+
+fn handle_inner(state: &ServerState, req: Request) -> Reply {
     let op = req.op;
     state.metrics.request(op.name());
     let header = req.header.clone();
@@ -90,8 +102,18 @@ pub fn handle(state: &ServerState, req: Request) -> Reply {
         bytes = tracing::field::Empty,
     );
     let _entered = span.enter();
-    let result = guarded(&state.metrics, op.name(), || dispatch(state, &req));
+    let result = guarded(&state.metrics, op.name(), || {
+        #[cfg(feature = "testing")]
+        if *state.faults.panic_in_handler.lock() == Some(op.name()) {
+            panic!("fault injected in the {} handler", op.name());
+        }
+        dispatch(state, &req)
+    });
     state.metrics.observe(op.name(), started.elapsed().as_secs_f64());
+    #[cfg(feature = "testing")]
+    if *state.faults.panic_after_handler.lock() == Some(op.name()) {
+        panic!("fault injected after the {} handler", op.name());
+    }
     match result {
         Ok(Some(v)) => Reply::value(header, &v),
         Ok(None) => Reply::void(header),
