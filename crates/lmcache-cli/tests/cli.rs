@@ -60,6 +60,26 @@ fn bad_flags_are_refused_with_their_name() {
     let out = bin().args(["server", "--no-such-flag"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--no-such-flag"));
+    // trace replay takes the server's flags, but refuses by name those it has no use for.
+    let out = bin()
+        .args(["trace", "replay", "/nonexistent.lct", "--http-port", "9000"])
+        .args(["--coordinator-url", "http://127.0.0.1:1", "--shm-name", "x"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    for flag in ["--http-port", "--coordinator-url", "--shm-name", "does not use"] {
+        assert!(err.contains(flag), "{flag} not named: {err}");
+    }
+    // Storage flags are used: the replay goes on to the file.
+    let out = bin()
+        .args(["trace", "replay", "/nonexistent.lct", "--l1-size-gb", "1"])
+        .args(["--eviction-policy", "ARC"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("/nonexistent.lct"), "{err}");
+    assert!(!err.contains("does not use"), "{err}");
 }
 
 #[test]

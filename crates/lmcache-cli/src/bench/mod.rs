@@ -88,10 +88,10 @@ pub struct BenchArgs {
     /// '(1,1024,16,1,128):float16:4;(2,1024,16,8,128):float16:28'.
     #[arg(long, default_value = shape::DEFAULT, help_heading = "KV cache shape")]
     pub kvcache_shape_spec: String,
-    /// Paged blocks (the spec's NB wins).
+    /// Paged blocks, where the spec's NB is 0 (a positive NB wins, and the bench says so).
     #[arg(long, default_value_t = 1024, help_heading = "KV cache shape")]
     pub num_blocks: u64,
-    /// Tokens per block (the spec's BS wins).
+    /// Tokens per block, where the spec's BS is 0 (a positive BS wins, and the bench says so).
     #[arg(long, default_value_t = 16, help_heading = "KV cache shape")]
     pub block_size: u64,
     /// First sequence id.
@@ -153,8 +153,14 @@ impl Plan {
         if a.tp_size == 0 || a.tp_size > 255 {
             bail!("--tp-size must be in 1..=255, got {}", a.tp_size);
         }
-        let groups = shape::parse(&a.kvcache_shape_spec)
+        let (groups, notes) = shape::parse_with(&a.kvcache_shape_spec, a.num_blocks, a.block_size)
             .map_err(|e| anyhow::anyhow!("--kvcache-shape-spec: {e}"))?;
+        // As LMCache's bench: the spec's positive NB and BS win, and it says so.
+        if !a.quiet {
+            for n in notes {
+                eprintln!("  [info] {n}");
+            }
+        }
         let spec_mla = groups.iter().all(ShapeGroup::is_mla);
         if a.use_mla && !spec_mla {
             bail!("--use-mla needs a --kvcache-shape-spec whose groups have kv_size 1");
@@ -207,11 +213,26 @@ struct Rank {
 }
 
 /// The byte written at `i` of the KV of (sequence, kv worker, layer, block of the request,
-/// plane): never 0, so an unwritten destination never matches.
+/// plane): a mixing hash of all six (splitmix64's finalizer), so that two different blocks,
+/// however their coordinates trade off, never hold the same bytes (an additive pattern made
+/// some swapped blocks compare equal); never 0, so an unwritten destination never matches.
 fn pattern(seq: u32, worker: u32, layer: u64, block: u64, plane: u64, i: u64) -> u8 {
-    let x = (u64::from(seq) * 31 + u64::from(worker) * 131 + layer * 7 + block * 13 + plane * 3 + i)
-        as u8;
-    x | 1
+    let mut h = mix(u64::from(seq) ^ 0x6c6d_6361_6368_6552);
+    for c in [u64::from(worker), layer, block, plane, i] {
+        h = mix(h ^ c);
+    }
+    match (h >> 24) as u8 {
+        0 => 1,
+        b => b,
+    }
+}
+
+/// splitmix64's output function: every input bit flips about half the output bits.
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// `len` bytes of [`pattern`] from `i = 0` (it repeats every 256 bytes: built by copies).
@@ -830,5 +851,30 @@ mod tests {
         assert_ne!(base, pattern(1, 0, 0, 1, 0, 0));
         assert_ne!(base, pattern(1, 0, 0, 0, 1, 0));
         assert!((0..1000).all(|i| pattern(3, 1, 2, 4, 1, i) != 0));
+    }
+
+    #[test]
+    fn no_two_blocks_of_a_run_hold_the_same_bytes() {
+        // 20 sequences x 2 workers x 32 layers x 16 blocks x 2 planes: every block's 256-byte
+        // period is distinct, so a block swapped with any other never compares equal.
+        let mut seen = std::collections::HashSet::new();
+        for seq in 0..20 {
+            for worker in 0..2 {
+                for layer in 0..32 {
+                    for block in 0..16 {
+                        for plane in 0..2 {
+                            let period = fill(seq, worker, layer, block, plane, 256);
+                            assert!(
+                                seen.insert(period),
+                                "block ({seq}, {worker}, {layer}, {block}, {plane}) repeats another"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // The additive pattern this replaced failed here: layer 13 of block 0 equalled
+        // layer 0 of block 7.
+        assert_ne!(fill(0, 0, 13, 0, 0, 256), fill(0, 0, 0, 7, 0, 256));
     }
 }

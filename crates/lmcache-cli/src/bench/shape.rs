@@ -67,8 +67,49 @@ fn dtype(s: &str) -> Result<Dtype, String> {
     })
 }
 
-/// Parses a spec; every group must share NB and BS (LMCache's rule).
-pub fn parse(spec: &str) -> Result<Vec<ShapeGroup>, String> {
+/// Parses a spec; every group must share NB and BS (LMCache's rule). An NB or BS of 0 takes
+/// the fallback (`--num-blocks`, `--block-size`), as LMCache's spec does; a positive one
+/// overrides it, and each such override is returned as a note naming the flag.
+pub fn parse_with(
+    spec: &str,
+    num_blocks: u64,
+    block_size: u64,
+) -> Result<(Vec<ShapeGroup>, Vec<String>), String> {
+    let mut groups = parse_raw(spec)?;
+    let mut notes = Vec::new();
+    if let Some(first) = groups.first() {
+        let (nb, bs) = (first.num_blocks, first.block_size);
+        if nb != 0 && nb != num_blocks {
+            notes.push(format!("spec nb={nb} overrides --num-blocks={num_blocks}"));
+        }
+        if bs != 0 && bs != block_size {
+            notes.push(format!("spec bs={bs} overrides --block-size={block_size}"));
+        }
+    }
+    for g in &mut groups {
+        if g.num_blocks == 0 {
+            g.num_blocks = num_blocks;
+        }
+        if g.block_size == 0 {
+            g.block_size = block_size;
+        }
+        if g.num_blocks == 0 || g.block_size == 0 {
+            return Err(
+                "NB and BS must be positive (in the spec or by --num-blocks and --block-size)"
+                    .into(),
+            );
+        }
+    }
+    Ok((groups, notes))
+}
+
+/// Parses a spec whose NB and BS are given (the default flags' values fill any 0).
+#[cfg(test)]
+fn parse(spec: &str) -> Result<Vec<ShapeGroup>, String> {
+    parse_with(spec, 1024, 16).map(|(g, _)| g)
+}
+
+fn parse_raw(spec: &str) -> Result<Vec<ShapeGroup>, String> {
     if spec.trim().is_empty() {
         return Err("the KV shape specification cannot be empty".into());
     }
@@ -100,8 +141,8 @@ pub fn parse(spec: &str) -> Result<Vec<ShapeGroup>, String> {
         if !(kv_size == 1 || kv_size == 2) {
             return Err(bad("kv_size must be 1 (MLA) or 2"));
         }
-        if [num_blocks, block_size, num_heads, head_size].contains(&0) {
-            return Err(bad("every dimension must be positive"));
+        if [num_heads, head_size].contains(&0) {
+            return Err(bad("NH and HS must be positive"));
         }
         if let Some(first) = out.first()
             && (first.num_blocks != num_blocks || first.block_size != block_size)
@@ -154,5 +195,17 @@ mod tests {
             let e = parse(spec).unwrap_err();
             assert!(e.contains(want), "{spec:?}: {e}");
         }
+    }
+
+    #[test]
+    fn nb_and_bs_flags_fill_a_zero_and_are_named_when_overridden() {
+        let (g, notes) = parse_with("(2,0,0,8,128):float16:2", 512, 32).unwrap();
+        assert_eq!((g[0].num_blocks, g[0].block_size), (512, 32));
+        assert!(notes.is_empty(), "{notes:?}");
+        let (g, notes) = parse_with("(2,1024,16,8,128):float16:2", 512, 16).unwrap();
+        assert_eq!(g[0].num_blocks, 1024);
+        assert_eq!(notes, vec!["spec nb=1024 overrides --num-blocks=512".to_string()]);
+        assert!(parse_with("(2,0,16,8,128):float16:2", 0, 16).is_err());
+        assert!(parse_with("(2,16,16,0,128):float16:2", 16, 16).is_err());
     }
 }

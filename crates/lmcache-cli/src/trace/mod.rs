@@ -172,7 +172,84 @@ impl Progress {
     }
 }
 
+/// Refuses, by name, the `lmcache-rs server` flags `trace replay` accepts (it shares the
+/// server's flag set) but has no use for: the replay builds storage only (L1 in private
+/// memory, L2 adapters, eviction), with no endpoint, HTTP, workers, segment, coordinator,
+/// logs or traces of its own, and its keys come whole from the trace.
+fn refuse_server_only_flags(given: &ServerArgs) -> anyhow::Result<()> {
+    #[derive(clap::Parser)]
+    struct Defaults {
+        #[command(flatten)]
+        server: ServerArgs,
+    }
+    let d = <Defaults as clap::Parser>::try_parse_from(["replay"])
+        .context("the server flags' defaults")?
+        .server;
+    let mut set = Vec::new();
+    macro_rules! unused {
+        ($($field:ident),* $(,)?) => {
+            $(if given.$field != d.$field {
+                set.push(format!("--{}", stringify!($field).replace('_', "-")));
+            })*
+        };
+    }
+    unused!(
+        config,
+        host,
+        port,
+        http_host,
+        http_port,
+        http_auth_token,
+        chunk_size,
+        max_workers,
+        max_cpu_workers,
+        max_gpu_workers,
+        supported_transfer_mode,
+        worker_reap_timeout_seconds,
+        worker_registration_grace_seconds,
+        session_ttl_seconds,
+        null_block_id,
+        lookup_hash_log_dir,
+        lookup_hash_log_rotation_interval,
+        lookup_hash_log_rotation_max_size,
+        lookup_hash_log_max_files,
+        separate_object_groups,
+        copy_threads,
+        event_bus_queue_size,
+        disable_observability,
+        kv_event_log_size,
+        hash_algorithm,
+        l1_use_hugepages,
+        shm_name,
+        allowed_shm_prefix,
+        otlp_endpoint,
+        enable_tracing,
+        instance_id,
+        coordinator_url,
+        coordinator_advertise_ip,
+        coordinator_heartbeat_interval,
+        coordinator_event_reporting,
+        coordinator_event_flush_interval,
+        coordinator_event_transport,
+        coordinator_nats_url,
+        coordinator_nats_stream,
+        trace_level,
+        trace_output,
+        exit_after_seconds,
+    );
+    if !set.is_empty() {
+        bail!(
+            "{} {} a server flag that `trace replay` does not use (it replays into storage \
+             only: L1 size, eviction, TTLs and L2 flags apply)",
+            set.join(", "),
+            if set.len() == 1 { "is" } else { "are" }
+        );
+    }
+    Ok(())
+}
+
 fn replay_storage(a: &ReplayArgs) -> anyhow::Result<()> {
+    refuse_server_only_flags(&a.storage)?;
     if !(a.speed.is_finite() && a.speed >= 0.0) {
         bail!("--speed must be a number >= 0, got {}", a.speed);
     }
