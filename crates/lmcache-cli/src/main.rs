@@ -1,4 +1,15 @@
 //! `lmcache-rs`: the KV-cache server for LLM inference engines, and its operator commands.
+//!
+//! One module per command family:
+//! - `server`: `lmcache-rs server`, its flags (LMCache's names) to a `ServerConfig`;
+//!   `config_file`: `--config FILE` (TOML) expanded into flags; `otel`: the OTLP exporter.
+//! - `coordinator`: `lmcache-rs coordinator`.
+//! - `bench`: `bench server` (both transfer paths, the live display, `--plot`, `--csv`);
+//!   `bench_l2`: `bench l2`; `plot`: PNG charts with an embedded font.
+//! - `ops`: operator commands against a server (`ping`, `describe`, `kvcache clear`, `quota`).
+//! - `query`: `query coordinator`.
+//! - `tool`: `tool cache-simulator`.
+//! - `trace`: `trace info|replay|replay-events`.
 #![forbid(unsafe_code)]
 
 mod bench;

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
-use lmcache_workload::{LookupEvent, capacity_range_bytes, kv_bytes_per_chunk, parse_lines};
+use lmcache_workload::{LookupLine, capacity_range_bytes, kv_bytes_per_chunk, parse_lines};
 
 /// `tool ...`.
 #[derive(Debug, Subcommand)]
@@ -138,7 +138,7 @@ pub struct SweepArgs {
 
 /// Reads the events as LMCache's loader does: directory files in name order, lines in
 /// order, filtered by model, sorted by timestamp (stably), cut to `max_samples`.
-fn load(input: &Input) -> anyhow::Result<Vec<LookupEvent>> {
+fn load(input: &Input) -> anyhow::Result<Vec<LookupLine>> {
     let mut files: Vec<PathBuf> = Vec::new();
     for p in &input.input {
         if p.is_dir() {
@@ -174,7 +174,7 @@ fn load(input: &Input) -> anyhow::Result<Vec<LookupEvent>> {
     Ok(events)
 }
 
-fn bytes_per_chunk(input: &Input, events: &[LookupEvent]) -> anyhow::Result<u64> {
+fn bytes_per_chunk(input: &Input, events: &[LookupLine]) -> anyhow::Result<u64> {
     if let Some(b) = input.kv_bytes_per_chunk {
         if b == 0 {
             bail!("--kv-bytes-per-chunk must be > 0");

@@ -11,6 +11,7 @@
 //! - [`hashing`]: LMCache 0.5.6's BLAKE3 prefix chain, batch and incremental.
 //! - [`layout`]: tensor element types as the wire names them.
 //! - [`units`]: byte-size helpers shared by configuration code.
+//! - [`error`]: why a key part or a hash input was refused.
 #![forbid(unsafe_code)]
 
 pub mod error;

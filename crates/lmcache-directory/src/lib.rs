@@ -16,6 +16,16 @@
 //! servers) is one per (tier, backend) whoever reports it, and names its latest reporter.
 //! Fencing an instance (restart, lost heartbeat) drops its L1 placements only; L2 placements
 //! live on persistent storage and leave through delete events.
+//!
+//! # Modules
+//! - `directory`: [`Directory`], the placements per key, the event application and the
+//!   routing answers.
+//! - `ids`: the interned names ([`NsId`], [`InstanceId`], [`SiteId`]).
+//! - `runs`: each instance's longest leading run of a request's chunks, by bitsets.
+//! - `tokens`: bounded token bindings, for lookups by tokens.
+//! - `blend`: the CacheBlend fingerprint index (every match verified token by token).
+//! - `persist`: the checked checkpoint image.
+#![forbid(unsafe_code)]
 
 mod blend;
 mod directory;

@@ -9,9 +9,12 @@
 //! is measured in bytes; the same-size case allocates in O(1).
 //!
 //! # Components
-//! - [`L1Cache`]: the index and lifecycle (reserve → commit/discard, read locks, delete,
-//!   clear), eviction on allocation and by watermark, quotas, parked leases.
-//! - [`WriteReservation`] and [`ReadLease`]: the RAII handles.
+//! - `cache`: [`L1Cache`], the index and lifecycle (reserve → commit/discard, read locks,
+//!   delete, clear; a second writer's shadow reservation of a staged key), eviction on
+//!   allocation and by watermark, quotas, parked leases.
+//! - `handles`: [`WriteReservation`] and [`ReadLease`], the RAII handles; `entry`: an index
+//!   entry and where it is in its life.
+//! - [`config`]: [`L1Config`] and its checks; [`error`]: [`L1Error`] and its wire status.
 //! - [`eviction`]: the [`EvictionPolicy`](eviction::EvictionPolicy) trait and LRU, ARC,
 //!   S3-FIFO, IsolatedLRU, noop.
 //! - [`quota`]: per-cache_salt accounting; [`lease_table`]: TTL-bounded parking of handles.

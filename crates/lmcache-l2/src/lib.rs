@@ -8,6 +8,9 @@
 //!   `mock` and `fault_inject`, one file each.
 //! - [`config`]: LMCache's `--l2-adapter` JSON (and TOML) to built adapters, field by field.
 //! - [`wire_key`]: LMCache's string form of an object key.
+//! - [`error`]: [`L2Error`] (transient or permanent, so the store controller knows whether to
+//!   retry) and [`ConfigError`].
+#![forbid(unsafe_code)]
 
 pub mod adapter;
 pub mod adapters;

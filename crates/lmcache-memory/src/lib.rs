@@ -18,6 +18,7 @@
 //!   shrank under us into a failed copy.
 //! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
 //!   arena, gives `&[u8]`/`&mut [u8]` to it, and returns it to the allocator on drop.
+//! - [`error`]: [`MemoryError`], naming the operation and the OS error.
 
 pub mod allocation;
 pub mod allocator;

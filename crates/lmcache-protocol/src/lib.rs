@@ -15,6 +15,8 @@
 //!   descriptors, transfer responses) with their decoders and encoders.
 //! - [`coordinator`]: the JSON contract with LMCache's coordinator (registration, cache-event
 //!   batches, directory answers).
+//! - [`error`]: [`ProtocolError`], each naming the field and what was wrong, and its kind
+//!   for metrics.
 #![forbid(unsafe_code)]
 
 pub mod coordinator;

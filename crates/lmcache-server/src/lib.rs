@@ -10,7 +10,13 @@
 //! - [`event_bus`]: typed events to subscribers through a bounded, counted queue.
 //! - [`kv_events`]: the KV event log behind `subscribe_kv_events`.
 //! - [`http`]: the HTTP API (health, status, clear, checksums, metrics).
-//! - [`server`]: wiring, background reapers, shutdown.
+//! - [`server`]: wiring, background reapers, shutdown; [`config`]: [`ServerConfig`].
+//! - [`state`]: the state handlers share (storage, sessions, registry, side channels).
+//! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
+//! - [`metrics`]: LMCache's Prometheus names and ours.
+//! - [`fleet_report`]: registration, heartbeats and cache events to a coordinator.
+//! - [`lookup_log`]: LMCache's lookup-hash JSONL logs, from a writer thread.
+//! - [`trace_record`]: LMCache's `.lct` traces (storage calls, cache events).
 #![forbid(unsafe_code)]
 
 pub mod config;

@@ -16,6 +16,7 @@
 //!   queue, duplicate skipping, retries with backoff and counted drops.
 //! - [`prefetch`]: the prefetch controller (lookup → L2 → L1), with an in-flight limit and a
 //!   deadline per request.
+#![forbid(unsafe_code)]
 
 pub mod fold;
 pub mod ledger;

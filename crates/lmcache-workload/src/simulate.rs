@@ -6,7 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::events::LookupEvent;
+use crate::lookup_log::LookupLine;
 
 /// What a replay found (LMCache's result fields of the same names).
 #[derive(Debug, Clone, PartialEq)]
@@ -123,7 +123,7 @@ impl Lru {
 }
 
 /// Interns the events' chunk hashes as dense ids (per event, in order).
-pub(crate) fn intern(events: &[LookupEvent]) -> Vec<Vec<u32>> {
+pub(crate) fn intern(events: &[LookupLine]) -> Vec<Vec<u32>> {
     let mut ids: HashMap<&str, u32> = HashMap::new();
     events
         .iter()
@@ -141,11 +141,7 @@ pub(crate) fn intern(events: &[LookupEvent]) -> Vec<Vec<u32>> {
 
 /// Replays `events` (in order) through an LRU of `capacity_bytes / kv_bytes_per_chunk`
 /// chunks (at least one).
-pub fn simulate(
-    events: &[LookupEvent],
-    capacity_bytes: u64,
-    kv_bytes_per_chunk: u64,
-) -> Simulation {
+pub fn simulate(events: &[LookupLine], capacity_bytes: u64, kv_bytes_per_chunk: u64) -> Simulation {
     let capacity_chunks = (capacity_bytes / kv_bytes_per_chunk.max(1)).max(1);
     let interned = intern(events);
     let references: usize = interned.iter().map(Vec::len).sum();
@@ -387,8 +383,8 @@ impl Simulation {
 mod tests {
     use super::*;
 
-    pub(crate) fn ev(hashes: &[&str], seq_len: u64) -> LookupEvent {
-        crate::events::test_event(10, hashes.iter().map(|s| (*s).to_owned()).collect(), seq_len)
+    pub(crate) fn ev(hashes: &[&str], seq_len: u64) -> LookupLine {
+        crate::lookup_log::test_event(10, hashes.iter().map(|s| (*s).to_owned()).collect(), seq_len)
     }
 
     #[test]

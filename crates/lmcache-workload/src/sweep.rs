@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use crate::events::LookupEvent;
+use crate::lookup_log::LookupLine;
 
 /// Prefix sums over marks at reference times.
 #[derive(Debug)]
@@ -40,7 +40,7 @@ impl Fenwick {
 }
 
 /// Token hit rates of LMCache's replay at each capacity (in chunks), in one pass.
-pub fn sweep(events: &[LookupEvent], capacities_chunks: &[u64]) -> Vec<f64> {
+pub fn sweep(events: &[LookupLine], capacities_chunks: &[u64]) -> Vec<f64> {
     let ids = crate::simulate::intern(events);
     let refs: usize = ids.iter().map(Vec::len).sum();
     let mut tree = Fenwick(vec![0; refs + 1]);
@@ -113,8 +113,8 @@ mod tests {
     use crate::simulate::simulate;
     use proptest::prelude::*;
 
-    fn ev(hashes: Vec<String>, seq_len: u64) -> LookupEvent {
-        crate::events::test_event(16, hashes, seq_len)
+    fn ev(hashes: Vec<String>, seq_len: u64) -> LookupLine {
+        crate::lookup_log::test_event(16, hashes, seq_len)
     }
 
     proptest! {
@@ -125,7 +125,7 @@ mod tests {
             caps in prop::collection::vec(1u64..15, 1..6),
         ) {
             // Prefix-chained like real hashes: a chunk's name carries its whole prefix.
-            let events: Vec<LookupEvent> = reqs.iter().map(|(path, tail)| {
+            let events: Vec<LookupLine> = reqs.iter().map(|(path, tail)| {
                 let mut prefix = String::new();
                 let hashes = path.iter().map(|c| { prefix.push((b'a' + c) as char); prefix.clone() }).collect::<Vec<_>>();
                 ev(hashes, path.len() as u64 * 16 + tail)

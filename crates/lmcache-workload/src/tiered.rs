@@ -7,7 +7,7 @@
 //! touched, the rest stored into L1 and written behind to L2. With LMCache's LRU and no L2
 //! this is exactly [`crate::simulate`]'s replay (tested).
 
-use crate::events::LookupEvent;
+use crate::lookup_log::LookupLine;
 
 /// A cache of unit-size chunks named by interned ids.
 pub trait ChunkCache {
@@ -110,7 +110,7 @@ fn rate(a: u64, b: u64) -> f64 {
 
 /// Replays `events` through `l1` and, when given, `l2` under it.
 pub fn simulate_tiers(
-    events: &[LookupEvent],
+    events: &[LookupLine],
     l1: &mut dyn ChunkCache,
     mut l2: Option<&mut dyn ChunkCache>,
 ) -> TierSimulation {
@@ -152,11 +152,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn ev(hashes: Vec<String>, seq_len: u64) -> LookupEvent {
-        crate::events::test_event(4, hashes, seq_len)
+    fn ev(hashes: Vec<String>, seq_len: u64) -> LookupLine {
+        crate::lookup_log::test_event(4, hashes, seq_len)
     }
 
-    fn events() -> impl Strategy<Value = Vec<LookupEvent>> {
+    fn events() -> impl Strategy<Value = Vec<LookupLine>> {
         prop::collection::vec(
             (prop::collection::vec(0u8..24, 0..8), 0u64..4).prop_map(|(hs, tail)| {
                 let n = hs.len() as u64;

@@ -212,7 +212,7 @@ impl LayoutDesc {
     pub fn bytes(&self) -> Option<u64> {
         let mut total = 0u64;
         for (shape, dtype) in self.shapes.iter().zip(&self.dtypes) {
-            let elem = crate::events::dtype_bytes(dtype)?;
+            let elem = crate::lookup_log::dtype_bytes(dtype)?;
             let n = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
             total = total.checked_add(n.checked_mul(elem)?)?;
         }

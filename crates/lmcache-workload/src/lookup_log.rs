@@ -1,10 +1,11 @@
-//! Lookup-hash log lines.
+//! Lookup-hash log lines (`lookup_hashes_*.jsonl`, one per lookup), as LMCache's server and
+//! `lmcache-rs server --lookup-hash-log-dir` write them.
 
 use serde::Deserialize;
 
 /// One lookup, as a log line has it (absent fields take LMCache's defaults).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
-pub struct LookupEvent {
+pub struct LookupLine {
     /// Unix seconds.
     #[serde(default)]
     pub timestamp: f64,
@@ -52,13 +53,13 @@ pub fn parse_lines(
     source_name: &str,
     text: &str,
     model: Option<&str>,
-) -> Result<Vec<LookupEvent>, ParseError> {
+) -> Result<Vec<LookupLine>, ParseError> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let e: LookupEvent = serde_json::from_str(line).map_err(|e| ParseError {
+        let e: LookupLine = serde_json::from_str(line).map_err(|e| ParseError {
             source_name: source_name.to_owned(),
             line: i + 1,
             error: e.to_string(),
@@ -85,7 +86,7 @@ pub fn dtype_bytes(name: &str) -> Option<u64> {
 
 /// KV bytes one chunk occupies: the sum over the event's stored parts of elements × element
 /// size. `None` when it names no parts or a dtype this does not know.
-pub fn kv_bytes_per_chunk(e: &LookupEvent) -> Option<u64> {
+pub fn kv_bytes_per_chunk(e: &LookupLine) -> Option<u64> {
     if e.shapes.is_empty() || e.dtypes.is_empty() {
         return None;
     }
@@ -97,8 +98,8 @@ pub fn kv_bytes_per_chunk(e: &LookupEvent) -> Option<u64> {
 
 /// A test event: model `m`, chunks of `chunk_size` tokens named `hashes`, `seq_len` tokens.
 #[cfg(test)]
-pub(crate) fn test_event(chunk_size: u64, hashes: Vec<String>, seq_len: u64) -> LookupEvent {
-    LookupEvent {
+pub(crate) fn test_event(chunk_size: u64, hashes: Vec<String>, seq_len: u64) -> LookupLine {
+    LookupLine {
         timestamp: 0.0,
         request_id: String::new(),
         model_name: "m".into(),
