@@ -360,6 +360,11 @@ impl Fleet {
         *self.repair_tx.lock() = Some(tx);
     }
 
+    /// Drops the repair channel's sender: the repair thread sees it closed and ends.
+    pub fn close_repairer(&self) {
+        self.repair_tx.lock().take();
+    }
+
     /// A gap in `id`'s stream at `incarnation`: starts a resync (or asks the running one to
     /// run again).
     fn want_repair(&self, v: &mut Views, id: &str, incarnation: u64) {

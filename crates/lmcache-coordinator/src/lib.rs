@@ -6,23 +6,34 @@
 //! (`/directory/lookup`, `/directory/keys`) and which server holds the longest prefix of a
 //! request (`/directory/route`, which LMCache does not have).
 //!
+//! Modules, one question each:
 //! - [`fleet`]: the state and every operation on it, no HTTP (tests and benches drive it).
-//! - [`http`]: the routes.
+//! - [`http`]: the routes, one module per resource over the shared service shell
+//!   (`lmcache-http`).
+//! - [`control`]: operator intent (quotas, pins) and the metadata document it persists in.
 //! - [`checkpoint`]: the checkpoint file (restored at start, written every interval and at
-//!   stop).
+//!   stop; never written over a file that is not one).
+//! - [`transport`]: where cache events come from (HTTP, or NATS JetStream).
+//! - `repair`: the repair thread (a stream gap resynced from the server's snapshot).
+//! - `server_client`: the calls made to servers (snapshot pages, relays, eviction orders).
+//! - `periodic`: tasks run every period on a thread woken by its stop channel.
+//! - [`config`]: [`CoordinatorConfig`]; [`metrics`]: the coordinator's Prometheus names.
 //! - [`Coordinator`]: the running service (its own thread and tokio runtime, the health sweep,
-//!   the repair and checkpoint threads).
+//!   the repair, checkpoint and eviction threads).
+#![forbid(unsafe_code)]
 
 pub mod checkpoint;
 pub mod config;
 pub mod control;
 pub mod fleet;
 pub mod http;
-mod http_control;
 pub mod metrics;
+mod periodic;
 mod repair;
 mod server_client;
 pub mod transport;
+
+use periodic::Periodic;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -57,8 +68,8 @@ pub struct Coordinator {
     thread: Option<JoinHandle<()>>,
     repair_stop: Arc<std::sync::atomic::AtomicBool>,
     repair: Option<JoinHandle<()>>,
-    checkpointer: Option<JoinHandle<()>>,
-    evictor: Option<JoinHandle<()>>,
+    checkpointer: Option<Periodic>,
+    evictor: Option<Periodic>,
 }
 
 /// Loads the checkpoint at `path` into a fresh fleet; a missing or damaged one leaves it cold
@@ -182,21 +193,10 @@ impl Coordinator {
         };
         let checkpointer = match fleet.config().checkpoint_path.clone() {
             Some(path) if !fleet.config().checkpoint_interval.is_zero() => {
-                let (f, stop) = (Arc::clone(&fleet), Arc::clone(&repair_stop));
+                let f = Arc::clone(&fleet);
                 let every = fleet.config().checkpoint_interval;
                 Some(
-                    std::thread::Builder::new()
-                        .name("coordinator-checkpoint".into())
-                        .spawn(move || {
-                            let mut next = std::time::Instant::now() + every;
-                            while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                                std::thread::sleep(std::time::Duration::from_millis(50));
-                                if std::time::Instant::now() >= next {
-                                    save(&f, &path);
-                                    next = std::time::Instant::now() + every;
-                                }
-                            }
-                        })
+                    Periodic::spawn("coordinator-checkpoint", every, move || save(&f, &path))
                         .map_err(io("starting the checkpoint thread".into()))?,
                 )
             }
@@ -205,24 +205,14 @@ impl Coordinator {
         let evictor = if fleet.config().eviction_check_interval.is_zero() {
             None
         } else {
-            let (f, stop) = (Arc::clone(&fleet), Arc::clone(&repair_stop));
+            let f = Arc::clone(&fleet);
             let every = fleet.config().eviction_check_interval;
             Some(
-                std::thread::Builder::new()
-                    .name("coordinator-evict".into())
-                    .spawn(move || {
-                        let mut next = std::time::Instant::now() + every;
-                        while !stop.load(std::sync::atomic::Ordering::Acquire) {
-                            std::thread::sleep(std::time::Duration::from_millis(50));
-                            if std::time::Instant::now() >= next {
-                                let (ratio, wm) =
-                                    (f.config().eviction_ratio, f.config().trigger_watermark);
-                                http_control::send_evictions(&f, f.eviction_plan(ratio, wm));
-                                next = std::time::Instant::now() + every;
-                            }
-                        }
-                    })
-                    .map_err(io("starting the eviction thread".into()))?,
+                Periodic::spawn("coordinator-evict", every, move || {
+                    let (ratio, wm) = (f.config().eviction_ratio, f.config().trigger_watermark);
+                    server_client::send_evictions(&f, f.eviction_plan(ratio, wm));
+                })
+                .map_err(io("starting the eviction thread".into()))?,
             )
         };
         tracing::info!(addr = %local, "coordinator listening");
@@ -261,15 +251,13 @@ impl Coordinator {
             let _ = t.join();
         }
         self.repair_stop.store(true, std::sync::atomic::Ordering::Release);
+        self.fleet.close_repairer();
         if let Some(t) = self.repair.take() {
             let _ = t.join();
         }
-        if let Some(t) = self.checkpointer.take() {
-            let _ = t.join();
-        }
-        if let Some(t) = self.evictor.take() {
-            let _ = t.join();
-        }
+        // Periodic tasks stop (and are waited for) as their handles go.
+        drop(self.checkpointer.take());
+        drop(self.evictor.take());
         if let Some(path) = self.fleet.config().checkpoint_path.clone() {
             save(&self.fleet, &path);
         }

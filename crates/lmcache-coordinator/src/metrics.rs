@@ -62,6 +62,8 @@ pub struct Metrics {
     pub expired_instances: Counter,
     /// Requests refused as invalid.
     pub invalid_requests: Counter,
+    /// HTTP handlers that panicked (answered 500; the coordinator served on).
+    pub handler_panics: Counter,
     /// Per stream: whether a gap is open (1) in its incarnation.
     pub stream_gap: Family<InstanceLabel, Gauge>,
     /// Per stream: seconds since its last admitted batch.
@@ -106,6 +108,7 @@ impl Metrics {
             registrations: Counter::default(),
             expired_instances: Counter::default(),
             invalid_requests: Counter::default(),
+            handler_panics: Counter::default(),
             stream_gap: Family::default(),
             stream_staleness: Family::default(),
             repairs: Family::default(),
@@ -177,6 +180,11 @@ impl Metrics {
             "lmcache_rs_coordinator_invalid_requests",
             "Requests refused as invalid (422/400)",
             m.invalid_requests.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_handler_panics",
+            "HTTP handlers that panicked (answered 500)",
+            m.handler_panics.clone(),
         );
         registry.register(
             "lmcache_rs_coordinator_stream_gap",

@@ -42,7 +42,13 @@ fn dram() -> String {
     "dram".into()
 }
 
-/// Serves repair requests until `stop`.
+/// How often repairs of instances not registered yet are retried.
+const RETRY: Duration = Duration::from_millis(100);
+
+/// Serves repair requests until `stop` is set and the channel closes (the fleet drops its
+/// sender: [`Fleet::close_repairer`]). It sleeps on the channel: idle, it wakes only for a
+/// request, and only while repairs wait for their instance to register does it also wake to
+/// retry them.
 pub(crate) fn run(fleet: Arc<Fleet>, rx: Receiver<String>, stop: Arc<AtomicBool>) {
     let agent = crate::server_client::ServerClient::new(
         Duration::from_secs(10),
@@ -52,7 +58,12 @@ pub(crate) fn run(fleet: Arc<Fleet>, rx: Receiver<String>, stop: Arc<AtomicBool>
     // does within a heartbeat of a coordinator restart, or until UNREGISTERED_WAIT.
     let mut waiting: Vec<(String, Instant)> = Vec::new();
     while !stop.load(Ordering::Acquire) {
-        match rx.recv_timeout(Duration::from_millis(100)) {
+        let next = if waiting.is_empty() {
+            rx.recv().map_err(|_| RecvTimeoutError::Disconnected)
+        } else {
+            rx.recv_timeout(RETRY)
+        };
+        match next {
             Ok(id) => {
                 if repair(&fleet, &agent, &id, &stop) == Step::NotRegistered {
                     waiting.push((id, Instant::now()));

@@ -44,3 +44,33 @@ impl ServerClient {
         self.auth(self.agent.delete(url))
     }
 }
+
+/// Sends one eviction pass's orders (fire and forget, as LMCache: the coordinator learns of
+/// the deletes from the servers' events), in batches of 10,000 keys.
+pub(crate) fn send_evictions(
+    fleet: &crate::fleet::Fleet,
+    orders: Vec<crate::fleet::EvictionOrder>,
+) {
+    let agent = ServerClient::new(
+        std::time::Duration::from_secs(30),
+        fleet.config().server_http_auth_token.as_deref(),
+    );
+    for o in orders {
+        for batch in o.keys.chunks(10_000) {
+            let body = serde_json::json!({"keys": batch, "tier": "l2", "force": false});
+            let url = format!("{}/cache/objects", o.base_url);
+            match agent.delete(&url).force_send_body().send_json(body) {
+                Ok(r) if r.status().is_success() => {
+                    fleet.metrics.evictions_requested.inc_by(batch.len() as u64);
+                    tracing::info!(instance = %o.instance_id, keys = batch.len(), "fleet L2 eviction sent");
+                }
+                Ok(r) => {
+                    tracing::warn!(instance = %o.instance_id, status = r.status().as_u16(), "fleet L2 eviction refused")
+                }
+                Err(e) => {
+                    tracing::warn!(instance = %o.instance_id, error = %e, "fleet L2 eviction failed")
+                }
+            }
+        }
+    }
+}

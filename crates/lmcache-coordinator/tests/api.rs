@@ -780,3 +780,31 @@ fn a_server_behind_a_token_is_resynced_with_it_and_fenced_without_it() {
         assert_eq!(!placements(&api, 1).is_empty(), resynced, "token {token:?}");
     }
 }
+
+/// Every route the built router lists is served by its handler: no 405, and a 404 only with
+/// a handler's JSON (the router's own 404 has no body).
+#[test]
+fn every_listed_route_reaches_its_handler() {
+    let api = Api::new();
+    let routes = lmcache_coordinator::http::route_list();
+    assert!(routes.len() >= 29, "the route list looks short: {routes:?}");
+    for (method, path) in routes {
+        let path = path
+            .replace("{id}", "nobody")
+            .replace("{salt}", "tenant")
+            .replace("{instance}", "nobody")
+            .replace("{request}", "r");
+        let url = api.url(&path);
+        let r = match method {
+            "GET" => api.agent.get(&url).call(),
+            "DELETE" => api.agent.delete(&url).force_send_body().send_json(json!({})),
+            "PUT" => api.agent.put(&url).send_json(json!({})),
+            _ => api.agent.post(&url).send_json(json!({})),
+        };
+        let (status, body) = Api::read(r.unwrap());
+        assert_ne!(status, 405, "{method} {path}: method not routed");
+        if status == 404 {
+            assert!(body.is_object(), "{method} {path}: the router's 404, not a handler's: {body}");
+        }
+    }
+}

@@ -2,34 +2,35 @@
 //! and the relays to one server (`/cache/prefetches`, `/cache/delete`), with LMCache's
 //! bodies, replies and status codes. `_default` in a path is the empty salt; GiB = 2^30 bytes.
 
-use std::sync::Arc;
-
-use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
 use lmcache_directory::Tier;
 use lmcache_protocol::coordinator::{EncodedObjectKey, WireTier};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::control::GIB;
-use crate::fleet::{Fleet, FleetError};
-use crate::http::{Body, error, fail};
+use lmcache_http::{Api, JsonBody as Body, error};
 
-type Shared = Arc<Fleet>;
+use super::{Shared, fail};
+use crate::control::GIB;
+use crate::fleet::FleetError;
 
 /// The routes.
-pub(crate) fn routes() -> Router<Shared> {
-    Router::new()
-        .route("/quota", get(quota_list))
-        .route("/quota/config", get(quota_config_get).put(quota_config_put))
-        .route("/quota/{salt}", get(quota_get).put(quota_put).delete(quota_delete))
-        .route("/cache/pins", post(pin).delete(unpin).get(pins))
-        .route("/cache/prefetches", post(prefetch))
-        .route("/cache/prefetches/{instance}/{request}", get(prefetch_status))
-        .route("/cache/delete", post(delete))
+pub(super) fn api() -> Api<Shared> {
+    Api::new()
+        .get("/quota", quota_list)
+        .get("/quota/config", quota_config_get)
+        .put("/quota/config", quota_config_put)
+        .get("/quota/{salt}", quota_get)
+        .put("/quota/{salt}", quota_put)
+        .delete("/quota/{salt}", quota_delete)
+        .post("/cache/pins", pin)
+        .delete("/cache/pins", unpin)
+        .get("/cache/pins", pins)
+        .post("/cache/prefetches", prefetch)
+        .get("/cache/prefetches/{instance}/{request}", prefetch_status)
+        .post("/cache/delete", delete)
 }
 
 fn salt_of(path: &str) -> String {
@@ -420,31 +421,4 @@ async fn delete(State(s): State<Shared>, Body(b): Body<DeleteBody>) -> Response 
         "skipped": skipped + pin_skipped as u64,
         "status": "deleted",
     }))
-}
-
-/// Sends one eviction pass's orders (fire and forget, as LMCache: the coordinator learns of
-/// the deletes from the servers' events), in batches of 10,000 keys.
-pub(crate) fn send_evictions(fleet: &Fleet, orders: Vec<crate::fleet::EvictionOrder>) {
-    let agent = crate::server_client::ServerClient::new(
-        std::time::Duration::from_secs(30),
-        fleet.config().server_http_auth_token.as_deref(),
-    );
-    for o in orders {
-        for batch in o.keys.chunks(10_000) {
-            let body = json!({"keys": batch, "tier": "l2", "force": false});
-            let url = format!("{}/cache/objects", o.base_url);
-            match agent.delete(&url).force_send_body().send_json(body) {
-                Ok(r) if r.status().is_success() => {
-                    fleet.metrics.evictions_requested.inc_by(batch.len() as u64);
-                    tracing::info!(instance = %o.instance_id, keys = batch.len(), "fleet L2 eviction sent");
-                }
-                Ok(r) => {
-                    tracing::warn!(instance = %o.instance_id, status = r.status().as_u16(), "fleet L2 eviction refused")
-                }
-                Err(e) => {
-                    tracing::warn!(instance = %o.instance_id, error = %e, "fleet L2 eviction failed")
-                }
-            }
-        }
-    }
 }

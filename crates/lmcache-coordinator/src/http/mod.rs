@@ -1,58 +1,37 @@
 //! LMCache's coordinator HTTP API (axum), its routes, JSON shapes and status codes, plus
 //! `POST /directory/route` (the routing answer LMCache leaves to routers) and the
 //! Mooncake RFC #1403 indexer queries `POST /query` and `POST /query_by_hash` that Dynamo's
-//! and Mooncake's routers speak.
+//! and Mooncake's routers speak. One module per resource, each a route table over the shared
+//! service shell ([`lmcache_http`]); they import only from here, never from each other:
+//! - [`registry`]: registration, heartbeats, usage;
+//! - [`events`]: `POST /events`;
+//! - [`directory`]: lookups, listings, stats, digests, blend lookups, routing, RFC #1403;
+//! - [`control`]: quotas, pins, prefetch and delete relays.
 //!
 //! Errors are `{"detail": ...}`: 422 for a body LMCache's models would refuse, 400 for a
 //! request that cannot be served (too many tokens), 404 for an unknown instance. A handler
 //! that panics answers 500 and the coordinator keeps serving.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::{FromRequest, Json, Path, Query, Request, State};
+use axum::extract::{Json, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post, put};
-use lmcache_directory::{KeyFilter, Tier};
-use lmcache_protocol::coordinator::{
-    CacheEventsRequest, DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse,
-    RegisterRequest, WireTier,
-};
-use serde::Deserialize;
-use serde::de::DeserializeOwned;
+use lmcache_http::{Api, error};
 use serde_json::json;
 
-use crate::fleet::{Fleet, FleetError, keys_of_chunks};
+use crate::fleet::{Fleet, FleetError};
+
+pub mod control;
+pub mod directory;
+pub mod events;
+pub mod registry;
 
 type Shared = Arc<Fleet>;
 
 /// The largest request body accepted (bytes).
 pub const MAX_BODY: usize = 64 << 20;
-
-/// A JSON body whose rejection is a 422 naming the problem (FastAPI's status for any
-/// undecodable body), not axum's 400/415 split.
-pub(crate) struct Body<T>(pub(crate) T);
-
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Body<T> {
-    type Rejection = Response;
-
-    /// Straight `serde_json::from_slice` (axum's `Json` tracks every field's path, which cost
-    /// a tenth of event ingest); serde's message still names the line, column and problem.
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = axum::body::Bytes::from_request(req, state).await.map_err(|e| {
-            error(StatusCode::UNPROCESSABLE_ENTITY, format!("body: {}", e.body_text()))
-        })?;
-        serde_json::from_slice(&bytes)
-            .map(Body)
-            .map_err(|e| error(StatusCode::UNPROCESSABLE_ENTITY, format!("body: {e}")))
-    }
-}
-
-pub(crate) fn error(code: StatusCode, detail: impl Into<String>) -> Response {
-    (code, Json(json!({"detail": detail.into()}))).into_response()
-}
 
 pub(crate) fn fail(s: &Fleet, e: FleetError) -> Response {
     let code = match &e {
@@ -68,44 +47,33 @@ pub(crate) fn fail(s: &Fleet, e: FleetError) -> Response {
     error(code, e.to_string())
 }
 
-/// The router.
-pub fn router(state: Shared) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { Json(json!({"status": "healthy"})) }))
-        .route("/metrics", get(metrics))
-        .route("/instances", post(register).get(instances))
-        .route("/instances/usage", get(usage))
-        .route("/instances/{id}/usage", get(instance_usage))
-        .route("/instances/{id}/heartbeat", put(heartbeat))
-        .route("/instances/{id}", axum::routing::delete(deregister))
-        .route("/events", post(events))
-        .route("/directory/lookup", post(lookup))
-        .route("/directory/keys", get(keys))
-        .route("/directory/stats", get(stats))
-        .route("/directory/digest", get(digest))
-        .route("/directory/blend-lookup", post(blend_lookup))
-        .route("/directory/route", post(route))
-        .route("/query", post(rfc_query))
-        .route("/query_by_hash", post(rfc_query))
-        .merge(crate::http_control::routes())
-        // Bodies of LMCache's sizes: a 1,000,000-token lookup, or event batches with tokens.
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
-        .layer(catch_panics())
-        .with_state(state)
+/// Every route of the API.
+fn api() -> Api<Shared> {
+    Api::new()
+        .get("/healthz", || async { Json(json!({"status": "healthy"})) })
+        .get("/metrics", metrics)
+        .merge(registry::api())
+        .merge(events::api())
+        .merge(directory::api())
+        .merge(control::api())
 }
 
-fn catch_panics() -> tower_http::catch_panic::CatchPanicLayer<
-    impl Fn(Box<dyn std::any::Any + Send + 'static>) -> Response + Clone,
-> {
-    tower_http::catch_panic::CatchPanicLayer::custom(|payload: Box<dyn std::any::Any + Send>| {
-        let reason = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "panic".into());
-        tracing::error!(error = %reason, "coordinator handler failed");
-        error(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {reason}"))
-    })
+/// `(method, path)` of every route the router serves, in the order they were added.
+pub fn route_list() -> Vec<(&'static str, &'static str)> {
+    api().routes().to_vec()
+}
+
+/// The router: the API, under the body limit and the panic catcher.
+pub fn router(state: Shared) -> Router {
+    let metrics = Arc::clone(&state.metrics);
+    Router::new()
+        .merge(api().into_router())
+        // Bodies of LMCache's sizes: a 1,000,000-token lookup, or event batches with tokens.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(lmcache_http::catch_panics("coordinator", move || {
+            metrics.handler_panics.inc();
+        }))
+        .with_state(state)
 }
 
 async fn metrics(State(s): State<Shared>) -> Response {
@@ -126,362 +94,4 @@ async fn metrics(State(s): State<Shared>) -> Response {
         s.metrics.encode(),
     )
         .into_response()
-}
-
-async fn register(State(s): State<Shared>, Body(req): Body<RegisterRequest>) -> Response {
-    match s.register(req) {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&s, e),
-    }
-}
-
-async fn heartbeat(State(s): State<Shared>, Path(id): Path<String>) -> Response {
-    if s.heartbeat(&id) {
-        Json(json!({"instance_id": id})).into_response()
-    } else {
-        (
-            StatusCode::NOT_FOUND,
-            Json(json!({"error": format!("unknown instance {id}; re-register")})),
-        )
-            .into_response()
-    }
-}
-
-async fn deregister(State(s): State<Shared>, Path(id): Path<String>) -> StatusCode {
-    tokio::task::block_in_place(|| s.deregister(&id));
-    StatusCode::NO_CONTENT
-}
-
-async fn instances(State(s): State<Shared>) -> Response {
-    Json(json!({"instances": s.instances()})).into_response()
-}
-
-async fn usage(State(s): State<Shared>) -> Response {
-    Json(s.usage()).into_response()
-}
-
-async fn instance_usage(State(s): State<Shared>, Path(id): Path<String>) -> Response {
-    match s.usage().instances.into_iter().find(|i| i.instance_id == id) {
-        Some(i) => Json(i).into_response(),
-        None => error(StatusCode::NOT_FOUND, format!("unknown instance {id}")),
-    }
-}
-
-async fn events(State(s): State<Shared>, Body(req): Body<CacheEventsRequest>) -> Response {
-    if s.config().event_transport != crate::transport::EventTransport::Http {
-        return error(
-            StatusCode::NOT_FOUND,
-            "POST /events is disabled: this coordinator consumes cache events from NATS JetStream (--event-transport jetstream)",
-        );
-    }
-    match tokio::task::block_in_place(|| s.ingest(&req.batches)) {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => fail(&s, e),
-    }
-}
-
-async fn lookup(State(s): State<Shared>, Body(req): Body<DirectoryLookupRequest>) -> Response {
-    if req.keys.is_empty() == req.token_ids.is_empty() {
-        return fail(&s, FleetError::Invalid("supply exactly one of 'keys' or 'token_ids'".into()));
-    }
-    let (chunks, keys) = if req.keys.is_empty() {
-        if req.model_name.is_empty() {
-            return fail(
-                &s,
-                FleetError::Invalid("'model_name' is required with 'token_ids'".into()),
-            );
-        }
-        match s.resolve_tokens(&req.token_ids, &req.model_name, req.world_size, &req.cache_salt) {
-            Ok((chunks, keys)) => (chunks, s.across_object_groups(keys)),
-            Err(e) => return fail(&s, e),
-        }
-    } else {
-        (req.keys.len(), req.keys)
-    };
-    match s.lookup(&keys) {
-        Ok(results) => {
-            Json(DirectoryLookupResponse { chunks: chunks as u64, results }).into_response()
-        }
-        Err(e) => fail(&s, e),
-    }
-}
-
-#[derive(Debug, Deserialize)]
-struct ListQuery {
-    #[serde(default)]
-    tier: WireTier,
-    #[serde(default)]
-    instance_id: String,
-    #[serde(default)]
-    backend: String,
-    #[serde(default)]
-    offset: usize,
-    #[serde(default = "thousand")]
-    limit: usize,
-}
-
-fn thousand() -> usize {
-    1000
-}
-
-async fn keys(
-    State(s): State<Shared>,
-    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
-) -> Response {
-    let Query(q) = match q {
-        Ok(q) => q,
-        Err(e) => return fail(&s, FleetError::Invalid(e.body_text())),
-    };
-    if !(1..=10_000).contains(&q.limit) {
-        return fail(&s, FleetError::Invalid(format!("limit: {} is not in 1..10000", q.limit)));
-    }
-    let filter = KeyFilter {
-        tier: match q.tier {
-            WireTier::L1 => Some(Tier::L1),
-            WireTier::L2 => Some(Tier::L2),
-            WireTier::All => None,
-        },
-        instance: (!q.instance_id.is_empty()).then_some(q.instance_id),
-        backend: (!q.backend.is_empty()).then_some(q.backend),
-    };
-    let (total, keys) = tokio::task::block_in_place(|| s.list(&filter, q.offset, q.limit));
-    Json(DirectoryListResponse { total, keys }).into_response()
-}
-
-async fn stats(State(s): State<Shared>) -> Response {
-    Json(s.directory_stats()).into_response()
-}
-
-/// An order-independent digest of every placement (total and per instance) and the stream
-/// position it reflects: replicas at one position must agree.
-async fn digest(State(s): State<Shared>) -> Response {
-    Json(tokio::task::block_in_place(|| s.digest())).into_response()
-}
-
-#[derive(Debug, Deserialize)]
-struct BlendLookupRequest {
-    #[serde(default)]
-    tokens_b64: String,
-    #[serde(default)]
-    model_name: String,
-    #[serde(default = "one_u")]
-    world_size: u32,
-    #[serde(default)]
-    cache_salt: String,
-}
-
-/// The most tokens one blend query may carry (LMCache's lookup cap).
-const MAX_BLEND_TOKENS: usize = 1_000_000;
-
-/// `tokens_b64` as LMCache packs it: base64 of little-endian `u32` token ids.
-fn decode_tokens(b64: &str) -> Result<Vec<u32>, String> {
-    use base64::Engine as _;
-    let raw = base64::engine::general_purpose::STANDARD
-        .decode(b64)
-        .map_err(|e| format!("tokens_b64 is not valid base64: {e}"))?;
-    if raw.len() % 4 != 0 {
-        return Err(format!(
-            "tokens_b64 byte length {} is not a multiple of 4 (malformed uint32 token buffer)",
-            raw.len()
-        ));
-    }
-    if raw.len() / 4 > MAX_BLEND_TOKENS {
-        return Err(format!("tokens_b64: {} tokens, more than {MAX_BLEND_TOKENS}", raw.len() / 4));
-    }
-    Ok(raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-}
-
-/// CacheBlend's fragment lookup: the stored chunks of the caller's namespace whose tokens
-/// occur anywhere in the query, each verified token-exactly, with where each sat when stored
-/// (`old_st`) and where it sits in the query (`cur_st`). Empty unless the coordinator runs
-/// with `--enable-blend-lookup`, as LMCache's.
-async fn blend_lookup(State(s): State<Shared>, Body(req): Body<BlendLookupRequest>) -> Response {
-    let tokens = match decode_tokens(&req.tokens_b64) {
-        Ok(t) => t,
-        Err(e) => return fail(&s, FleetError::Invalid(e)),
-    };
-    if !req.tokens_b64.is_empty() && req.model_name.is_empty() {
-        return fail(&s, FleetError::Invalid("'model_name' is required with 'tokens_b64'".into()));
-    }
-    if req.world_size < 1 {
-        return fail(&s, FleetError::Invalid("world_size: must be >= 1".into()));
-    }
-    let matches = tokio::task::block_in_place(|| {
-        s.blend_matches(&tokens, &req.model_name, &req.cache_salt, req.world_size)
-    });
-    let matches: Vec<serde_json::Value> = matches
-        .iter()
-        .map(|m| json!({"chunk_hash": hex::encode(m.chunk_hash), "old_st": m.old_st, "cur_st": m.cur_st}))
-        .collect();
-    Json(json!({"matches": matches})).into_response()
-}
-
-fn half() -> f64 {
-    0.5
-}
-
-fn one_f() -> f64 {
-    1.0
-}
-
-fn one_u() -> u32 {
-    1
-}
-
-/// `POST /directory/route` body: a request's tokens (its whole sequence from position 0) or
-/// its chunk hashes, and how to weigh L2 and load.
-#[derive(Debug, Deserialize)]
-struct RouteRequest {
-    #[serde(default)]
-    token_ids: Vec<u32>,
-    /// Hex chunk hashes, in prefix order (instead of `token_ids`).
-    #[serde(default)]
-    chunk_hashes: Vec<String>,
-    #[serde(default)]
-    model_name: String,
-    #[serde(default = "one_u")]
-    world_size: u32,
-    #[serde(default)]
-    cache_salt: String,
-    /// Value of a chunk loaded from L2 relative to one in L1.
-    #[serde(default = "half")]
-    l2_weight: f64,
-    /// Cost of one unit of `loads` in chunks.
-    #[serde(default = "one_f")]
-    load_weight: f64,
-    /// The router's view of each instance's load (e.g. queued prefill chunks).
-    #[serde(default)]
-    loads: BTreeMap<String, f64>,
-}
-
-async fn route(State(s): State<Shared>, Body(req): Body<RouteRequest>) -> Response {
-    if req.model_name.is_empty() {
-        return fail(&s, FleetError::Invalid("'model_name' is required".into()));
-    }
-    if req.token_ids.is_empty() == req.chunk_hashes.is_empty() {
-        return fail(
-            &s,
-            FleetError::Invalid("supply exactly one of 'token_ids' or 'chunk_hashes'".into()),
-        );
-    }
-    if ![req.l2_weight, req.load_weight].iter().all(|w| w.is_finite())
-        || req.loads.values().any(|l| !l.is_finite())
-    {
-        return fail(&s, FleetError::Invalid("weights and loads must be finite numbers".into()));
-    }
-    let (chunks, keys) = if req.chunk_hashes.is_empty() {
-        match s.resolve_tokens(&req.token_ids, &req.model_name, req.world_size, &req.cache_salt) {
-            Ok(r) => r,
-            Err(e) => return fail(&s, e),
-        }
-    } else {
-        match keys_of_chunks(&req.chunk_hashes, &req.model_name, req.world_size, &req.cache_salt) {
-            Ok(keys) => (req.chunk_hashes.len(), keys),
-            Err(e) => return fail(&s, e),
-        }
-    };
-    let per_chunk = req.world_size.max(1) as usize;
-    match s.route(&keys, per_chunk, req.l2_weight, req.load_weight, &req.loads) {
-        Ok(cands) => {
-            let best = cands.first().map(|c| c.instance_id.clone());
-            Json(json!({"chunks": chunks, "best": best, "instances": cands})).into_response()
-        }
-        Err(e) => fail(&s, e),
-    }
-}
-
-fn default_tenant() -> String {
-    "default".into()
-}
-
-/// Mooncake RFC #1403 `POST /query` (`token_ids`) and `POST /query_by_hash` (`seq_hashes`, or
-/// the older `block_hash`). LMCache chunk hashes are 32-byte BLAKE3 prefix chains, so hashes
-/// are taken as 64-hex strings; `block_size` must be the fleet's chunk size. `world_size`
-/// (an lmcache-rs extension, default 1) selects the rank fan-out. Media: `CPU` is the L1 run,
-/// `DISK` the run reachable from L1 or L2 (cumulative, as Dynamo's indexer reports tiers),
-/// `GPU` 0 (engine memory is not reported to this coordinator).
-#[derive(Debug, Deserialize)]
-struct RfcQuery {
-    model: String,
-    #[serde(default)]
-    lora_name: Option<String>,
-    #[serde(default)]
-    token_ids: Vec<u32>,
-    #[serde(default)]
-    seq_hashes: Vec<serde_json::Value>,
-    #[serde(default)]
-    block_hash: Vec<serde_json::Value>,
-    #[serde(default = "default_tenant")]
-    tenant_id: String,
-    #[serde(default)]
-    instance_id: Option<String>,
-    block_size: usize,
-    #[serde(default)]
-    cache_salt: String,
-    #[serde(default = "one_u")]
-    world_size: u32,
-}
-
-async fn rfc_query(State(s): State<Shared>, Body(req): Body<RfcQuery>) -> Response {
-    if req.lora_name.as_deref().is_some_and(|l| !l.is_empty()) {
-        return fail(&s, FleetError::BadRequest(
-            "lora_name: LoRA adapters are not part of LMCache's chunk keys; query the adapter's own model name".into(),
-        ));
-    }
-    let chunk = s.config().chunk_size;
-    if req.block_size != chunk {
-        return fail(
-            &s,
-            FleetError::BadRequest(format!(
-                "block_size: {} differs from the fleet's chunk size {chunk}",
-                req.block_size
-            )),
-        );
-    }
-    let hashes: Vec<serde_json::Value> =
-        if req.seq_hashes.is_empty() { req.block_hash } else { req.seq_hashes };
-    let keys = if hashes.is_empty() {
-        match s.resolve_tokens(&req.token_ids, &req.model, req.world_size, &req.cache_salt) {
-            Ok((_, keys)) => keys,
-            Err(e) => return fail(&s, e),
-        }
-    } else {
-        let mut hex = Vec::with_capacity(hashes.len());
-        for (i, h) in hashes.iter().enumerate() {
-            let Some(h) = h.as_str() else {
-                return fail(
-                    &s,
-                    FleetError::BadRequest(format!(
-                        "seq_hashes[{i}]: LMCache chunk hashes are 32-byte BLAKE3 values; give them as 64 hex digits (or query by token_ids)"
-                    )),
-                );
-            };
-            hex.push(h.to_string());
-        }
-        match keys_of_chunks(&hex, &req.model, req.world_size, &req.cache_salt) {
-            Ok(keys) => keys,
-            Err(e) => return fail(&s, e),
-        }
-    };
-    let per_chunk = req.world_size.max(1) as usize;
-    match s.route(&keys, per_chunk, 1.0, 0.0, &BTreeMap::new()) {
-        Ok(cands) => {
-            let instances: serde_json::Map<String, serde_json::Value> = cands
-                .into_iter()
-                .filter(|c| req.instance_id.as_deref().is_none_or(|i| i == c.instance_id))
-                .map(|c| {
-                    let answer = json!({
-                        "longest_matched": c.l1_l2_tokens,
-                        "GPU": 0,
-                        "CPU": c.l1_tokens,
-                        "DISK": c.l1_l2_tokens,
-                        "DP": {"0": c.l1_l2_tokens},
-                    });
-                    (c.instance_id, answer)
-                })
-                .collect();
-            Json(json!({ req.tenant_id: instances })).into_response()
-        }
-        Err(e) => fail(&s, e),
-    }
 }

@@ -22,6 +22,7 @@ use axum::extract::{Json, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use lmcache_core::CacheSalt;
+use lmcache_http::{Api, error};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -42,11 +43,6 @@ use status::*;
 
 type Shared = Arc<ServerState>;
 
-/// Constant-time comparison, so response timing does not leak the token.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Refuses requests without the configured bearer token (none configured: all pass).
 async fn auth(
     State(s): State<Shared>,
@@ -55,52 +51,15 @@ async fn auth(
 ) -> Response {
     if let Some(token) = &s.config.http_auth_token
         && req.uri().path() != "/healthcheck"
+        && !lmcache_http::bearer_ok(req.headers(), token)
     {
-        let given = req
-            .headers()
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if !given.is_some_and(|g| same(g.as_bytes(), token.as_bytes())) {
-            return error(StatusCode::UNAUTHORIZED, "authorization: missing or wrong bearer token");
-        }
+        return error(StatusCode::UNAUTHORIZED, "authorization: missing or wrong bearer token");
     }
     next.run(req).await
 }
 
-/// The API's routes, recorded as they are added: the router serves exactly what
-/// [`route_list`] lists, so a test can walk every route of the built router.
-struct Api {
-    router: Router<Shared>,
-    routes: Vec<(&'static str, &'static str)>,
-}
-
-macro_rules! method {
-    ($name:ident, $verb:literal) => {
-        fn $name<H, T>(mut self, path: &'static str, handler: H) -> Self
-        where
-            H: axum::handler::Handler<T, Shared>,
-            T: 'static,
-        {
-            self.router = self.router.route(path, axum::routing::$name(handler));
-            self.routes.push(($verb, path));
-            self
-        }
-    };
-}
-
-impl Api {
-    fn new() -> Self {
-        Self { router: Router::new(), routes: Vec::new() }
-    }
-    method!(get, "GET");
-    method!(post, "POST");
-    method!(put, "PUT");
-    method!(delete, "DELETE");
-}
-
 /// Every route of the API.
-fn api() -> Api {
+fn api() -> Api<Shared> {
     Api::new()
         .get("/", || async { Json(json!({"status": "ok", "service": "LMCache HTTP API"})) })
         .get("/healthcheck", || async { Json(json!({"status": "healthy"})) })
@@ -131,7 +90,7 @@ fn api() -> Api {
 
 /// `(method, path)` of every route the router serves, in the order they were added.
 pub fn route_list() -> Vec<(&'static str, &'static str)> {
-    api().routes
+    api().routes().to_vec()
 }
 
 /// The router. The bearer-token guard and the panic catcher wrap the whole API as one
@@ -139,9 +98,9 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
 pub fn router(state: Shared) -> Router {
     let guard = axum::middleware::from_fn_with_state(state.clone(), auth);
     Router::new()
-        .merge(api().router)
+        .merge(api().into_router())
         .layer(guard)
-        .layer(catch_panics({
+        .layer(lmcache_http::catch_panics("server", {
             let state = Arc::clone(&state);
             move || {
                 state.metrics.handler_panics.inc();
@@ -149,60 +108,4 @@ pub fn router(state: Shared) -> Router {
             }
         }))
         .with_state(state)
-}
-
-/// Turns a handler panic into a 500 reply, logged and counted by `count`.
-fn catch_panics(
-    count: impl Fn() + Clone + Send + Sync + 'static,
-) -> tower_http::catch_panic::CatchPanicLayer<
-    impl Fn(Box<dyn std::any::Any + Send + 'static>) -> Response + Clone,
-> {
-    tower_http::catch_panic::CatchPanicLayer::custom(
-        move |payload: Box<dyn std::any::Any + Send>| {
-            let reason = crate::handlers::panic_message(payload.as_ref());
-            tracing::error!(error = %reason, "HTTP handler failed");
-            count();
-            error(StatusCode::INTERNAL_SERVER_ERROR, format!("internal error: {reason}"))
-        },
-    )
-}
-
-fn error(code: StatusCode, detail: impl Into<String>) -> Response {
-    (code, Json(json!({"detail": detail.into()}))).into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use axum::routing::get;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use tower::ServiceExt;
-
-    async fn boom() -> &'static str {
-        panic!("exploded on purpose")
-    }
-
-    #[tokio::test]
-    async fn a_panicking_route_answers_500_and_the_router_keeps_serving() {
-        let panics = Arc::new(AtomicU64::new(0));
-        let counted = Arc::clone(&panics);
-        let app = Router::new()
-            .route("/boom", get(boom))
-            .route("/ok", get(|| async { "fine" }))
-            .layer(catch_panics(move || {
-                counted.fetch_add(1, Ordering::Relaxed);
-            }));
-        let call = |path: &str| {
-            let req = axum::http::Request::get(path).body(axum::body::Body::empty());
-            app.clone().oneshot(req.unwrap())
-        };
-        let r = call("/boom").await.unwrap();
-        assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
-        let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
-        let v: Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(v["detail"], "internal error: exploded on purpose");
-        assert_eq!(panics.load(Ordering::Relaxed), 1);
-        assert_eq!(call("/ok").await.unwrap().status(), StatusCode::OK);
-        assert_eq!(panics.load(Ordering::Relaxed), 1);
-    }
 }
