@@ -14,6 +14,7 @@
 //!   byte accounting per cache_salt, runtime add and remove, and the runtime that drives them.
 //! - [`store`]: the write-behind store controller (L1 commit → every adapter), with a bounded
 //!   queue, duplicate skipping, retries with backoff and counted drops.
+//! - `testing` (feature `testing`, for this crate's own tests): the tier internals.
 //! - [`prefetch`]: the prefetch controller (lookup → L2 → L1), with an in-flight limit and a
 //!   deadline per request.
 #![forbid(unsafe_code)]
@@ -24,6 +25,8 @@ pub mod lookup;
 pub mod manager;
 pub mod prefetch;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tier;
 
 pub use lookup::{Lookup, LookupLeases, LookupRequest, PendingLookup, Settled};

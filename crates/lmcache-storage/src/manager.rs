@@ -130,8 +130,14 @@ impl StorageManager {
         &self.l1
     }
 
-    /// The L2 tier, when configured (its counters and settings; its adapters stay inside).
-    pub fn l2(&self) -> Option<&L2Tier> {
+    /// The L2 tier's counters, when one is configured.
+    pub fn l2_stats(&self) -> Option<&crate::tier::TierStats> {
+        self.l2.as_ref().map(L2Tier::stats)
+    }
+
+    /// The L2 tier, when configured: storage's own (nothing above storage reaches an
+    /// adapter, and this crate's visibility, not a review, makes it so).
+    pub(crate) fn l2_tier(&self) -> Option<&L2Tier> {
         self.l2.as_ref()
     }
 
@@ -141,7 +147,7 @@ impl StorageManager {
     }
 
     fn tier(&self) -> Result<&L2Tier, StorageError> {
-        self.l2.as_ref().ok_or(StorageError::NoL2)
+        self.l2_tier().ok_or(StorageError::NoL2)
     }
 
     /// Installs the observers: `tier` hears L2 stores, prefetches and refused blobs; `l1`
@@ -331,7 +337,7 @@ impl StorageManager {
     pub fn l2_adapter(&self, id: Option<u64>) -> Result<AdapterInfo, StorageError> {
         let t = self.tier()?;
         let slot = match id {
-            None => t.adapters().into_iter().next(),
+            None => t.slots().into_iter().next(),
             Some(i) => t.slot(i),
         };
         slot.map(|s| crate::tier::describe_slot(&s))
@@ -440,7 +446,7 @@ impl StorageManager {
         let keys: Vec<ObjectKey> = writes.iter().map(|w| w.key().clone()).collect();
         let results = self.l1.commit_batch(writes);
         if let Some(tier) = &self.l2 {
-            tier.submit_store(
+            tier.queue_store(
                 keys.into_iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(k, _)| k),
             );
         }

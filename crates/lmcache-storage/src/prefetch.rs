@@ -115,7 +115,7 @@ impl PrefetchWaiter {
 
 impl L2Tier {
     /// Starts a prefetch and returns its handle (poll it, or wait on it).
-    pub fn start_prefetch(&self, req: PrefetchRequest) -> PrefetchHandle {
+    pub(crate) fn start_prefetch(&self, req: PrefetchRequest) -> PrefetchHandle {
         let slot = Arc::new(PrefetchSlot::default());
         let s = slot.clone();
         self.prefetch(req, move |outcome| {
@@ -233,7 +233,7 @@ async fn load_missing(
         return true;
     }
     let adapters: Vec<Arc<AdapterSlot>> =
-        shared.adapters().into_iter().filter(|a| a.usable(shared.epoch)).collect();
+        shared.slots().into_iter().filter(|a| a.usable(shared.epoch)).collect();
     if adapters.is_empty() {
         return true;
     }

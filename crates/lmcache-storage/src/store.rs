@@ -34,7 +34,7 @@ impl AsRef<[u8]> for LeaseBytes {
 
 impl L2Tier {
     /// Queues newly committed L1 keys for writing behind. Never blocks.
-    pub fn submit_store(&self, keys: impl IntoIterator<Item = ObjectKey>) {
+    pub(crate) fn queue_store(&self, keys: impl IntoIterator<Item = ObjectKey>) {
         if self.is_empty() {
             return;
         }
@@ -77,7 +77,7 @@ pub(crate) async fn run(shared: Arc<Shared>, mut rx: mpsc::Receiver<ObjectKey>) 
 }
 
 async fn store_batch(shared: &Shared, keys: Vec<ObjectKey>) {
-    let adapters = shared.adapters();
+    let adapters = shared.slots();
     let mut all_ok = vec![true; keys.len()];
     for slot in &adapters {
         if !slot.usable(shared.epoch) {

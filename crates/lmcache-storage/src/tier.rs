@@ -123,7 +123,7 @@ pub struct AdapterSlot {
     /// Stable id: creation order, never reused.
     pub id: u64,
     /// The adapter and its codec.
-    pub built: BuiltAdapter,
+    pub(crate) built: BuiltAdapter,
     /// Counters.
     pub stats: AdapterStats,
     /// What the tier knows the adapter holds: bytes per salt, eviction order, pins.
@@ -437,7 +437,7 @@ impl Shared {
 
 impl Shared {
     /// The adapters in priority order.
-    pub(crate) fn adapters(&self) -> Vec<Arc<AdapterSlot>> {
+    pub(crate) fn slots(&self) -> Vec<Arc<AdapterSlot>> {
         self.adapters.read().clone()
     }
 
@@ -475,7 +475,7 @@ impl Shared {
     /// One watermark and quota pass over every adapter.
     async fn evict_pass(&self) {
         let quotas = self.quotas.read().clone();
-        for slot in self.adapters() {
+        for slot in self.slots() {
             let victims = slot.ledger.pass(&quotas);
             self.delete_victims(&slot, victims).await;
         }
@@ -499,7 +499,7 @@ async fn evict_loop(shared: Arc<Shared>) {
 async fn health_loop(shared: Arc<Shared>) {
     loop {
         tokio::time::sleep(PING_EVERY).await;
-        for slot in shared.adapters() {
+        for slot in shared.slots() {
             let r = tokio::time::timeout(PING_EVERY * 2, slot.built.adapter.ping()).await;
             match r {
                 Ok(Ok(())) => slot.ping_ok(),
@@ -636,8 +636,8 @@ impl L2Tier {
     }
 
     /// The attached adapters in priority order.
-    pub fn adapters(&self) -> Vec<Arc<AdapterSlot>> {
-        self.shared.adapters()
+    pub(crate) fn slots(&self) -> Vec<Arc<AdapterSlot>> {
+        self.shared.slots()
     }
 
     /// Builds and attaches an adapter at the lowest priority; returns its id. Blocks the
@@ -666,7 +666,7 @@ impl L2Tier {
     /// Binds a registered layout's element type to every adapter's codec (fp8 quantizes by
     /// it), all or none: `Err((adapter id, kind, reason))` when one cannot serve it.
     pub fn bind_dtype(&self, dtype: lmcache_core::Dtype) -> Result<(), (u64, String, String)> {
-        let adapters = self.adapters();
+        let adapters = self.slots();
         for dry_run in [true, false] {
             for s in &adapters {
                 s.built
@@ -743,14 +743,14 @@ impl L2Tier {
 
     /// Bytes held under `salt` across adapters.
     pub fn usage_of(&self, salt: &CacheSalt) -> u64 {
-        self.adapters()
+        self.slots()
             .iter()
             .map(|a| a.usage().by_salt.iter().find(|(s, _)| s == salt).map_or(0, |(_, b)| *b))
             .sum()
     }
 
     pub(crate) fn slot(&self, id: u64) -> Option<Arc<AdapterSlot>> {
-        self.adapters().into_iter().find(|a| a.id == id)
+        self.slots().into_iter().find(|a| a.id == id)
     }
 
     /// Runs `fut` on the tier's runtime and awaits it from any runtime (one hop).
@@ -772,7 +772,7 @@ impl L2Tier {
         keys: Vec<ObjectKey>,
     ) -> Result<u64, (Option<(u64, String)>, L2Error)> {
         let slots: Vec<_> =
-            self.adapters().into_iter().filter(|a| id.is_none_or(|i| a.id == i)).collect();
+            self.slots().into_iter().filter(|a| id.is_none_or(|i| a.id == i)).collect();
         let shared = Arc::clone(&self.shared);
         let done = self.on_tier(async move {
             let mut total = 0;
@@ -843,7 +843,7 @@ impl L2Tier {
 
     /// One adapter's view, or all.
     pub fn describe(&self) -> Vec<AdapterInfo> {
-        self.adapters().iter().map(|s| describe_slot(s)).collect()
+        self.slots().iter().map(|s| describe_slot(s)).collect()
     }
 
     /// Runs a future on the tier's runtime from a plain thread.
@@ -858,7 +858,7 @@ impl L2Tier {
     /// Closes every adapter (checkpoints, connections). Queued stores not yet written are
     /// dropped.
     pub fn shutdown(&self) {
-        let adapters = self.adapters();
+        let adapters = self.slots();
         self.block_on(async move {
             for a in adapters {
                 a.built.adapter.close().await;

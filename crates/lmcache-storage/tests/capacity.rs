@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use lmcache_core::{CacheSalt, ObjectKey};
 use lmcache_l1::{L1Cache, WriteRequest};
+use lmcache_storage::testing::{SlotInternals, TierInternals};
 use lmcache_storage::{L2Tier, TierConfig};
 use serde_json::json;
 
@@ -69,7 +70,7 @@ fn disk_bytes(dir: &Path) -> u64 {
 }
 
 fn lookup(tier: &L2Tier, keys: &[ObjectKey]) -> Vec<bool> {
-    let a = tier.adapters()[0].built.adapter.clone();
+    let a = tier.adapters()[0].adapter();
     let keys = keys.to_vec();
     tier.block_on(async move { a.lookup(&keys).await.unwrap() })
 }

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
 use lmcache_l1::{L1Cache, WriteRequest};
+use lmcache_storage::testing::TierInternals;
 use lmcache_storage::{L2Tier, PrefetchRequest, TierConfig};
 use serde_json::{Value, json};
 

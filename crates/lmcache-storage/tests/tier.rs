@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
 use lmcache_l1::{L1Cache, WriteRequest};
+use lmcache_storage::testing::{SlotInternals, TierInternals};
 use lmcache_storage::{L2Tier, PrefetchRequest, TierConfig};
 use serde_json::{Value, json};
 
@@ -253,7 +254,7 @@ fn higher_priority_adapter_serves_and_lower_fills_gaps() {
     tier.submit_store((0..4).map(key));
     wait_stored(&tier, 4);
     // Drop chunk 1 from the first adapter only.
-    let first = tier.adapters()[0].built.adapter.clone();
+    let first = tier.adapters()[0].adapter();
     tier.block_on(async move { first.delete(&[key(1)]).await.unwrap() });
     l1.clear(true);
     let out = tier

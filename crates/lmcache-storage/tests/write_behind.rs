@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use lmcache_core::ObjectKey;
 use lmcache_l1::{L1Cache, WriteRequest};
+use lmcache_storage::testing::{ManagerInternals, SlotInternals, TierInternals};
 use lmcache_storage::{L2Tier, PrefetchRequest, StorageManager, TierConfig};
 use serde_json::{Value, json};
 
@@ -58,7 +59,7 @@ fn store_all(m: &StorageManager, n: u32) -> usize {
 
 fn in_l2(m: &StorageManager, keys: &[ObjectKey]) -> Vec<bool> {
     let tier = m.l2().unwrap();
-    let a = tier.adapters()[0].built.adapter.clone();
+    let a = tier.adapters()[0].adapter();
     let keys = keys.to_vec();
     tier.block_on(async move { a.lookup(&keys).await.unwrap() })
 }

@@ -204,8 +204,7 @@ pub(super) fn refresh_l2_metrics(s: &ServerState) {
     let active = StateLabel { state: "active".into() };
     m.store_adapters.get_or_create(&active).set(n);
     m.prefetch_adapters.get_or_create(&active).set(n);
-    let Some(tier) = s.storage.l2() else { return };
-    let ts = tier.stats();
+    let Some(ts) = s.storage.l2_stats() else { return };
     advance(&m.store_submitted_objects, ts.store_enqueued.load(Relaxed));
     advance(&m.store_dropped_objects, ts.store_dropped.load(Relaxed));
     advance(&m.prefetch_requests, ts.prefetch_requests.load(Relaxed));
