@@ -110,10 +110,15 @@ pub fn check_replaceable(path: &Path) -> Result<(), CheckpointError> {
     }
 }
 
-/// Replaces `path` with `bytes` atomically, unless `path` holds something that is not a
-/// checkpoint ([`check_replaceable`]).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+/// Replaces the checkpoint at `path` with `bytes` atomically, unless `path` holds something
+/// that is not a checkpoint ([`check_replaceable`]).
+pub fn write_checkpoint(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     check_replaceable(path)?;
+    write_atomic(path, bytes)
+}
+
+/// Replaces `path` with `bytes` atomically.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("checkpoint");
     let tmp = dir.join(format!(".{name}.lmcache-rs.{}.tmp", std::process::id()));
@@ -155,21 +160,21 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let theirs = dir.join("notes.txt");
         std::fs::write(&theirs, b"someone's file, long enough").unwrap();
-        let err = write_atomic(&theirs, &frame(b"{}", b"")).unwrap_err();
+        let err = write_checkpoint(&theirs, &frame(b"{}", b"")).unwrap_err();
         assert!(matches!(err, CheckpointError::NotOurs { .. }), "{err}");
         assert_eq!(std::fs::read(&theirs).unwrap(), b"someone's file, long enough");
         let empty = dir.join("empty");
         std::fs::write(&empty, b"").unwrap();
-        assert!(write_atomic(&empty, &frame(b"{}", b"")).is_err());
+        assert!(write_checkpoint(&empty, &frame(b"{}", b"")).is_err());
         assert!(check_replaceable(&dir).is_err(), "a directory is not a checkpoint");
         // A new path, then our own file (even damaged), are replaced.
         let ours = dir.join("coord.ckpt");
-        write_atomic(&ours, &frame(b"{}", b"a")).unwrap();
+        write_checkpoint(&ours, &frame(b"{}", b"a")).unwrap();
         let mut damaged = std::fs::read(&ours).unwrap();
         let n = damaged.len();
         damaged[n - 1] ^= 1;
         std::fs::write(&ours, &damaged).unwrap();
-        write_atomic(&ours, &frame(b"{}", b"b")).unwrap();
+        write_checkpoint(&ours, &frame(b"{}", b"b")).unwrap();
         assert_eq!(unframe(&std::fs::read(&ours).unwrap()).unwrap().1, b"b");
         std::fs::remove_dir_all(&dir).unwrap();
     }

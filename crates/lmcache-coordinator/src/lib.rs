@@ -100,7 +100,7 @@ fn restore(fleet: &Fleet, path: &std::path::Path) {
 fn save(fleet: &Fleet, path: &std::path::Path) {
     let t = std::time::Instant::now();
     let bytes = fleet.checkpoint();
-    match checkpoint::write_atomic(path, &bytes) {
+    match checkpoint::write_checkpoint(path, &bytes) {
         Ok(()) => {
             tracing::debug!(path = %path.display(), bytes = bytes.len(), ms = t.elapsed().as_millis() as u64, "checkpoint written");
             fleet.metrics.checkpoints_written.inc();
