@@ -101,6 +101,17 @@ impl ServerConfig {
         }
     }
 
+    /// What the server's storage is built from.
+    pub fn storage_config(&self) -> lmcache_storage::StorageConfig {
+        lmcache_storage::StorageConfig {
+            arena: self.arena.clone(),
+            align: self.align,
+            l1: self.l1.clone(),
+            l2_adapters: self.l2_adapters.clone(),
+            l2: self.l2.clone(),
+        }
+    }
+
     /// The ZMQ endpoint to bind.
     pub fn endpoint(&self) -> String {
         if self.host.contains("://") {

@@ -10,9 +10,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lmcache_core::TokenHasher;
-use lmcache_l1::{L1Cache, L1ConfigError, Maintenance};
+use lmcache_memory::ArenaBacking;
 use lmcache_memory::shm::{SHM_DIR, clean_stale_segments};
-use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, MemoryError, Prefaulter};
 use thiserror::Error;
 
 use crate::config::ServerConfig;
@@ -30,18 +29,13 @@ pub enum ServerError {
     /// A setting is unusable.
     #[error("invalid configuration: {0}")]
     Config(String),
-    /// The L1 arena could not be created.
-    #[error("L1 memory: {0}")]
-    Memory(#[from] MemoryError),
-    /// The L1 settings are invalid.
-    #[error(transparent)]
-    L1(#[from] L1ConfigError),
     /// ZMQ failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
-    /// An L2 adapter could not be built (the message names the adapter and field).
+    /// Storage could not be built (the arena, L1's settings, an L2 adapter: the message says
+    /// which).
     #[error(transparent)]
-    L2(#[from] lmcache_l2::ConfigError),
+    Storage(#[from] lmcache_storage::BuildError),
     /// HTTP bind or thread start failed.
     #[error("{what}: {source}")]
     Io {
@@ -58,42 +52,6 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
     move |source| ServerError::Io { what, source }
 }
 
-/// The storage tiers a server runs on, without the server: L1 (arena, allocator, prefaulter,
-/// maintenance) and the L2 tier of the configured adapters. `trace replay` builds one from
-/// the server's own flags.
-#[derive(Debug)]
-pub struct StorageStack {
-    /// L1 and L2.
-    pub storage: lmcache_storage::StorageManager,
-    /// L1's background maintenance (stops when dropped).
-    pub maintenance: Maintenance,
-    /// Commits L1 memory ahead of use (stops when dropped).
-    pub prefaulter: Prefaulter,
-}
-
-impl StorageStack {
-    /// Builds the tiers `config` describes.
-    pub fn start(config: &ServerConfig) -> Result<Self, ServerError> {
-        let arena = Arena::create(&config.arena)?;
-        let memory = ArenaAllocator::new(arena, config.align)?;
-        let prefaulter =
-            memory.spawn_prefaulter(PREFAULT_AHEAD).map_err(io("starting the L1 prefaulter"))?;
-        let l1 = L1Cache::new(config.l1.clone(), memory)?;
-        let maintenance = Maintenance::spawn(l1.clone()).map_err(io("starting L1 maintenance"))?;
-        let l2 = if config.l2_adapters.is_empty() {
-            None
-        } else {
-            let tier =
-                lmcache_storage::L2Tier::start(l1.clone(), &config.l2_adapters, config.l2.clone())?;
-            for a in tier.describe() {
-                tracing::info!(id = a.id, kind = %a.kind, "L2 adapter ready");
-            }
-            Some(tier)
-        };
-        Ok(Self { storage: lmcache_storage::StorageManager::new(l1, l2), maintenance, prefaulter })
-    }
-}
-
 /// A running server. Dropping it shuts it down.
 #[derive(Debug)]
 pub struct Server {
@@ -105,12 +63,7 @@ pub struct Server {
     http: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
     reaper: Option<(Sender<()>, JoinHandle<()>)>,
     reporter: Option<JoinHandle<()>>,
-    maintenance: Option<Maintenance>,
-    prefaulter: Option<Prefaulter>,
 }
-
-/// Most L1 memory committed ahead of use by the prefaulter.
-const PREFAULT_AHEAD: u64 = 1 << 30;
 
 impl Server {
     /// Builds everything and starts serving.
@@ -124,7 +77,7 @@ impl Server {
                 tracing::info!(segments = ?removed, "removed stale L1 segments of crashed runs");
             }
         }
-        let StorageStack { storage, maintenance, prefaulter } = StorageStack::start(&config)?;
+        let storage = lmcache_storage::Storage::build(&config.storage_config())?;
         let transport = Transport::bind(&config.endpoint())?;
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
@@ -253,8 +206,6 @@ impl Server {
             http,
             reaper: Some(reaper),
             reporter,
-            maintenance: Some(maintenance),
-            prefaulter: Some(prefaulter),
         })
     }
 
@@ -305,8 +256,6 @@ impl Server {
         if let Some(t) = &self.state.trace {
             t.close();
         }
-        self.maintenance.take();
-        self.prefaulter.take();
         self.state.sessions.clear();
         // The segment's name goes now, whatever still holds the memory until exit.
         self.state.l1().memory().arena().unlink_name();

@@ -104,7 +104,7 @@ pub struct ServerState {
     /// L1 and L2: the one owner of both tiers. Stores reserve and commit through it (the
     /// commit queues the write-behind), lookups and retrieves lock and spend through it, and
     /// HTTP lists, deletes, sets quotas and attaches adapters through it.
-    pub storage: lmcache_storage::StorageManager,
+    pub storage: lmcache_storage::Storage,
     /// Prefetches asked over HTTP: request id → `None` while running, then
     /// `(found_keys, total_keys)` until polled once.
     pub http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,

@@ -1,5 +1,7 @@
 //! The storage controllers of lmcache-rs: the L2 tier joined to L1.
 //!
+//! - `build`: [`Storage`], storage built whole from a [`StorageConfig`] (arena, L1 and its
+//!   maintenance, the L2 tier and its runtime), the one door the server and tools use.
 //! - [`fold`]: what a hit means for a hybrid model: the longest prefix every object group
 //!   can serve (full attention: every chunk; a window of `w` chunks: its last `w`), and the
 //!   cells that prefix needs.
@@ -19,6 +21,7 @@
 //!   deadline per request.
 #![forbid(unsafe_code)]
 
+mod build;
 pub mod fold;
 pub mod ledger;
 pub mod lookup;
@@ -29,6 +32,7 @@ pub mod store;
 pub mod testing;
 pub mod tier;
 
+pub use build::{BuildError, Storage, StorageConfig};
 pub use lookup::{Lookup, LookupLeases, LookupRequest, PendingLookup, Settled};
 pub use manager::{
     DeleteReport, DeleteScope, L2Listing, StorageError, StorageManager, StoreSlot, TierName,

@@ -271,9 +271,10 @@ fn replay_storage(a: &ReplayArgs) -> anyhow::Result<()> {
     config.arena.backing = lmcache_memory::ArenaBacking::Anonymous;
     let replay_json = lmcache_server::server::storage_config_json(&config);
     let (_, replay_digest) = lmcache_server::trace_record::config_digest(&replay_json);
-    let stack = lmcache_server::server::StorageStack::start(&config)
+    // The same door the server builds its storage through.
+    let storage = lmcache_storage::Storage::build(&config.storage_config())
         .context("building the replay's storage")?;
-    let mut replayer = replay::Replayer::new(stack.storage.clone());
+    let mut replayer = replay::Replayer::new((*storage).clone());
     std::fs::create_dir_all(&a.output_dir)
         .with_context(|| format!("creating {}", a.output_dir.display()))?;
     let mut jsonl = match &a.jsonl_out {
@@ -358,8 +359,8 @@ fn replay_storage(a: &ReplayArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", p.display()))?;
     }
     drop(replayer);
-    stack.storage.shutdown();
-    drop(stack);
+    storage.shutdown();
+    drop(storage);
     if !a.quiet {
         match a.format {
             Format::Json => println!("{}", serde_json::to_string_pretty(&doc)?),
