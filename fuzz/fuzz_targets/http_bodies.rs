@@ -1,6 +1,7 @@
-//! HTTP request bodies and queries on every route that reads one. A handler panic would
-//! answer 500 (caught); the target fails on it. Adapters the fuzzer adds may only use paths
-//! inside one temporary root.
+//! HTTP request bodies and queries on every route of the server's API (the built router's own
+//! list, so a new route is fuzzed the day it is added), path parameters fuzzed too. A handler
+//! panic would answer 500 (caught); the target fails on it. Adapters the fuzzer adds may only
+//! use paths inside one temporary root.
 #![no_main]
 
 use std::sync::OnceLock;
@@ -42,27 +43,26 @@ fn fixture() -> &'static Fixture {
     })
 }
 
-const ROUTES: &[(&str, &str)] = &[
-    ("POST", "/cache/clear"),
-    ("POST", "/cache/checksums"),
-    ("POST", "/cache/prefetches"),
-    ("DELETE", "/cache/objects"),
-    ("GET", "/cache/objects"),
-    ("PUT", "/quota/tenant"),
-    ("GET", "/quota/tenant"),
-    ("DELETE", "/quota/tenant"),
-    ("POST", "/reconfigure/lmcache/l2/add"),
-    ("POST", "/reconfigure/lmcache/l2/remove"),
-    ("POST", "/metrics/reset"),
-];
-
-fuzz_target!(|input: (u8, String, Vec<u8>)| {
-    let (which, query, body) = input;
+fuzz_target!(|input: (u8, String, String, Vec<u8>)| {
+    let (which, param, query, body) = input;
     let f = fixture();
-    let (method, path) = ROUTES[which as usize % ROUTES.len()];
-    let query: String =
-        query.chars().filter(|c| c.is_ascii_graphic() && *c != '#').take(200).collect();
-    let uri = if query.is_empty() { path.to_owned() } else { format!("{path}?{query}") };
+    let routes = lmcache_server::http::route_list();
+    let (method, path) = routes[which as usize % routes.len()];
+    let clean = |s: &str, n: usize| -> String {
+        s.chars().filter(|c| c.is_ascii_graphic() && !"#?/{}".contains(*c)).take(n).collect()
+    };
+    // Every `{param}` of the path gets the fuzzed segment (or a plain one when it is empty).
+    let param = clean(&param, 64);
+    let param = if param.is_empty() { "x".to_owned() } else { param };
+    let mut path = path.to_owned();
+    while let (Some(a), Some(b)) = (path.find('{'), path.find('}')) {
+        if b < a {
+            break;
+        }
+        path.replace_range(a..=b, &param);
+    }
+    let query = clean(&query, 200);
+    let uri = if query.is_empty() { path.clone() } else { format!("{path}?{query}") };
     let Ok(mut req) = Request::builder()
         .method(Method::from_bytes(method.as_bytes()).unwrap())
         .uri(uri)
