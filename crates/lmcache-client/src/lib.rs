@@ -7,6 +7,10 @@
 
 use std::time::Duration;
 
+use lmcache_protocol::request::{
+    Command, CommitStore, KeyAndInstance, Lookup, Ping, RegisterKvCache, WaitPrefetchStatus,
+};
+pub use lmcache_protocol::request::{Retrieve, Store};
 use lmcache_protocol::types::{PrepareRetrieveResponse, PrepareStoreResponse};
 use lmcache_protocol::value;
 use lmcache_protocol::{Op, ProtocolError};
@@ -117,23 +121,54 @@ impl Client {
         }
     }
 
-    fn expect(&mut self, op: Op, params: &[Value]) -> Result<Value, ClientError> {
-        self.call(op, params)?.ok_or(ClientError::BadReply {
+    /// Sends one typed request (its shape is the protocol crate's, the one the server
+    /// decodes); returns the payload (`None` for a void reply).
+    pub fn send(&mut self, cmd: &Command) -> Result<Option<Value>, ClientError> {
+        let (op, params) = cmd.encode();
+        self.call(op, &params)
+    }
+
+    fn expect(&mut self, cmd: &Command) -> Result<Value, ClientError> {
+        let op = cmd.encode().0;
+        self.send(cmd)?.ok_or(ClientError::BadReply {
             op: op.name(),
             error: ProtocolError::MissingField { field: "payload".into() },
         })
     }
 
+    /// A transfer's reply `[event_handle, ok]`: its success flag.
+    fn transfer_ok(op: &'static str, v: Option<Value>) -> Result<bool, ClientError> {
+        let bad = |error| ClientError::BadReply { op, error };
+        let v = v.ok_or_else(|| bad(ProtocolError::MissingField { field: "payload".into() }))?;
+        let items = value::array("reply", &v).map_err(bad)?;
+        match items.get(1) {
+            Some(ok) => value::bool_("ok", ok).map_err(bad),
+            None => Err(bad(ProtocolError::MissingField { field: "reply[1]".into() })),
+        }
+    }
+
+    /// `store` (lmcache-driven): whether the server stored every chunk.
+    pub fn store(&mut self, req: Store) -> Result<bool, ClientError> {
+        let v = self.send(&Command::Store(req))?;
+        Self::transfer_ok("store", v)
+    }
+
+    /// `retrieve` (lmcache-driven): whether the server wrote every chunk.
+    pub fn retrieve(&mut self, req: Retrieve) -> Result<bool, ClientError> {
+        let v = self.send(&Command::Retrieve(req))?;
+        Self::transfer_ok("retrieve", v)
+    }
+
     /// `get_chunk_size`.
     pub fn get_chunk_size(&mut self) -> Result<u64, ClientError> {
-        let v = self.expect(Op::GetChunkSize, &[])?;
+        let v = self.expect(&Command::GetChunkSize)?;
         value::u64_("chunk_size", &v)
             .map_err(|error| ClientError::BadReply { op: "get_chunk_size", error })
     }
 
     /// `ping`.
     pub fn ping(&mut self, instance_id: Option<u64>) -> Result<bool, ClientError> {
-        let v = self.expect(Op::Ping, &[instance_id.map_or(Value::Nil, Value::from)])?;
+        let v = self.expect(&Command::Ping(Ping { instance_id }))?;
         value::bool_("ping", &v).map_err(|error| ClientError::BadReply { op: "ping", error })
     }
 
@@ -142,12 +177,12 @@ impl Client {
     /// until it settles or the call timeout passes.
     pub fn lookup(&mut self, key: &CacheKey) -> Result<u64, ClientError> {
         const OP: &str = "query_prefetch_status";
-        self.call(Op::Lookup, &[key.encode(), Value::from(1)])?;
-        let id = Value::from(key.request_id.as_str());
+        self.send(&Command::Lookup(Lookup { key: key.clone(), tp_size: Value::from(1) }))?;
+        let id = key.request_id.clone();
         let hits = |v: &Value| {
             value::u64_("hits", v).map_err(|error| ClientError::BadReply { op: OP, error })
         };
-        match self.call(Op::QueryPrefetchStatus, std::slice::from_ref(&id))? {
+        match self.send(&Command::QueryPrefetchStatus(id.clone()))? {
             Some(Value::Nil) | None => {}
             Some(v) => return hits(&v),
         }
@@ -158,8 +193,9 @@ impl Client {
                 return Err(ClientError::Timeout { op: OP, timeout: self.timeout });
             }
             // Leave the reply time to arrive within this call's own timeout.
-            let wait = Value::F64((left.as_secs_f64() * 0.8).max(0.001));
-            match self.call(Op::WaitPrefetchStatus, &[id.clone(), wait])? {
+            let timeout = (left.as_secs_f64() * 0.8).max(0.001);
+            let wait = WaitPrefetchStatus { request_id: id.clone(), timeout };
+            match self.send(&Command::WaitPrefetchStatus(wait))? {
                 Some(Value::Nil) | None => {}
                 Some(v) => return hits(&v),
             }
@@ -168,7 +204,7 @@ impl Client {
 
     /// `end_session`.
     pub fn end_session(&mut self, request_id: &str) -> Result<(), ClientError> {
-        self.call(Op::EndSession, &[Value::from(request_id)]).map(|_| ())
+        self.send(&Command::EndSession(request_id.to_owned())).map(|_| ())
     }
 
     /// `register_kv_cache` (lmcache-driven): one descriptor per layer tensor, in layer order.
@@ -182,16 +218,16 @@ impl Client {
         world_size: u32,
         engine_group_infos: &[EngineGroupInfo],
     ) -> Result<(), ClientError> {
-        let params = [
-            Value::from(instance_id),
-            Value::Array(kv_cache.iter().map(IpcDescriptor::encode).collect()),
-            Value::from(model_name),
-            Value::from(world_size),
-            Value::from("vllm"),
-            Value::Map(Vec::new()),
-            Value::Array(engine_group_infos.iter().map(EngineGroupInfo::encode).collect()),
-        ];
-        self.call(Op::RegisterKvCache, &params).map(|_| ())
+        self.send(&Command::RegisterKvCache(RegisterKvCache {
+            instance_id,
+            kv_cache: kv_cache.to_vec(),
+            model_name: model_name.to_owned(),
+            world_size,
+            engine_type: "vllm".into(),
+            extra: Value::Map(Vec::new()),
+            engine_group_infos: engine_group_infos.to_vec(),
+        }))
+        .map(|_| ())
     }
 
     /// `register_kv_cache_engine_driven_context`: returns the pool to map.
@@ -200,7 +236,7 @@ impl Client {
         registration: &EngineDrivenRegistration,
     ) -> Result<EngineDrivenRegistered, ClientError> {
         const OP: &str = "register_kv_cache_engine_driven_context";
-        let v = self.expect(Op::RegisterKvCacheEngineDrivenContext, &[registration.encode()])?;
+        let v = self.expect(&Command::RegisterEngineDriven(registration.clone()))?;
         EngineDrivenRegistered::decode("reply", &v)
             .map_err(|error| ClientError::BadReply { op: OP, error })
     }
@@ -211,7 +247,8 @@ impl Client {
         key: &CacheKey,
         instance_id: u64,
     ) -> Result<Vec<(u64, SlotDesc)>, ClientError> {
-        let v = self.expect(Op::PrepareStore, &[key.encode(), Value::from(instance_id)])?;
+        let v =
+            self.expect(&Command::PrepareStore(KeyAndInstance { key: key.clone(), instance_id }))?;
         let r = PrepareStoreResponse::decode("reply", &v)
             .map_err(|error| ClientError::BadReply { op: "prepare_store", error })?;
         Ok(r.chunk_indices.into_iter().zip(r.slots).collect())
@@ -219,10 +256,8 @@ impl Client {
 
     /// `commit_store`.
     pub fn commit_store(&mut self, key: &CacheKey, instance_id: u64) -> Result<bool, ClientError> {
-        let v = self.expect(
-            Op::CommitStore,
-            &[key.encode(), Value::from(instance_id), Value::Binary(Vec::new())],
-        )?;
+        let commit = CommitStore { key: key.clone(), instance_id, data: Vec::new() };
+        let v = self.expect(&Command::CommitStore(commit))?;
         value::bool_("ok", &v).map_err(|error| ClientError::BadReply { op: "commit_store", error })
     }
 
@@ -232,7 +267,8 @@ impl Client {
         key: &CacheKey,
         instance_id: u64,
     ) -> Result<Option<Vec<SlotDesc>>, ClientError> {
-        let v = self.expect(Op::PrepareRetrieve, &[key.encode(), Value::from(instance_id)])?;
+        let k = KeyAndInstance { key: key.clone(), instance_id };
+        let v = self.expect(&Command::PrepareRetrieve(k))?;
         let r = PrepareRetrieveResponse::decode("reply", &v)
             .map_err(|error| ClientError::BadReply { op: "prepare_retrieve", error })?;
         Ok(r.success.then_some(r.slots))
@@ -244,7 +280,8 @@ impl Client {
         key: &CacheKey,
         instance_id: u64,
     ) -> Result<bool, ClientError> {
-        let v = self.expect(Op::CommitRetrieve, &[key.encode(), Value::from(instance_id)])?;
+        let k = KeyAndInstance { key: key.clone(), instance_id };
+        let v = self.expect(&Command::CommitRetrieve(k))?;
         value::bool_("ok", &v)
             .map_err(|error| ClientError::BadReply { op: "commit_retrieve", error })
     }

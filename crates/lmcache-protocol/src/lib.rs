@@ -9,6 +9,8 @@
 //! # Components
 //! - [`op`]: the operation table (integer ids and names).
 //! - [`frame`]: the multipart layout of requests, replies and stream control messages.
+//! - [`request`]: one typed request per operation ([`request::Command`]), decoded once at
+//!   dispatch and encoded by clients, one module per op family.
 //! - [`value`]: strict msgpack readers (a `bool` must be a msgpack bool, `bytes` a bin...),
 //!   each failure naming the field and what was found.
 //! - [`types`]: the payload types (`IPCCacheServerKey`, registration payloads, IPC
@@ -23,6 +25,7 @@ pub mod coordinator;
 pub mod error;
 pub mod frame;
 pub mod op;
+pub mod request;
 pub mod types;
 pub mod value;
 

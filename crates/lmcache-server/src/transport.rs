@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use lmcache_protocol::frame::{self, Control, Header, Incoming, Reply, Request};
-use lmcache_protocol::{Op, ProtocolError, value};
+use lmcache_protocol::{Op, ProtocolError};
 use thiserror::Error;
 
 use crate::handlers::{self, Lane};
@@ -40,18 +40,14 @@ struct Stream {
 }
 
 fn parse_subscription(req: &Request) -> Result<(u64, String, u64, usize), ProtocolError> {
-    req.expect_params(4)?;
-    let instance_id = value::u64_("instance_id", &req.params[0])?;
-    let model = value::str_("model_name", &req.params[1])?.to_owned();
-    let cursor = value::u64_("cursor", &req.params[2])?;
-    let max = value::u64_("max_events", &req.params[3])?;
-    if !(1..=1024).contains(&max) {
+    let s = lmcache_protocol::request::SubscribeKvEvents::decode(&req.params)?;
+    if !(1..=1024).contains(&s.max_events) {
         return Err(ProtocolError::OutOfRange {
             field: "max_events".into(),
-            reason: format!("{max} is outside 1..=1024"),
+            reason: format!("{} is outside 1..=1024", s.max_events),
         });
     }
-    Ok((instance_id, model, cursor, max as usize))
+    Ok((s.instance_id, s.model_name, s.cursor, s.max_events as usize))
 }
 
 /// The worker queues, and the count of requests handed to them and not yet answered.

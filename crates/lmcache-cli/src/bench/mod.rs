@@ -332,21 +332,6 @@ fn setup_rank(
     Ok(Rank { instance_id, kv_worker, stores, kv })
 }
 
-fn blocks_param(lists: &[Vec<u64>]) -> Value {
-    Value::Array(
-        lists.iter().map(|l| Value::Array(l.iter().map(|&b| Value::from(b)).collect())).collect(),
-    )
-}
-
-fn ok_of(reply: Option<Value>) -> bool {
-    reply
-        .as_ref()
-        .and_then(Value::as_array)
-        .and_then(|a| a.get(1))
-        .and_then(Value::as_bool)
-        .unwrap_or(false)
-}
-
 struct Client1<'a> {
     a: &'a BenchArgs,
     plan: &'a Plan,
@@ -421,13 +406,13 @@ impl Client1<'_> {
                 let bytes: u64 =
                     layers.iter().map(|l| l.group.kv_size * l.group.block_bytes() * nblk).sum();
                 let lists = vec![(0..nblk).collect::<Vec<u64>>(); self.plan.groups.len()];
-                let params = [
-                    k.encode(),
-                    Value::from(rank.instance_id),
-                    blocks_param(&lists),
-                    Value::Binary(Vec::new()),
-                ];
-                Ok((bytes, ok_of(self.c.call(Op::Store, &params)?)))
+                let req = lmcache_client::Store {
+                    key: k.clone(),
+                    instance_id: rank.instance_id,
+                    block_ids: lists,
+                    event_ipc_handle: Vec::new(),
+                };
+                Ok((bytes, self.c.store(req)?))
             }
         }
     }
@@ -480,14 +465,14 @@ impl Client1<'_> {
                 let bytes: u64 =
                     layers.iter().map(|l| l.group.kv_size * l.group.block_bytes() * nblk).sum();
                 let lists = vec![(nblk..2 * nblk).collect::<Vec<u64>>(); self.plan.groups.len()];
-                let params = [
-                    k.encode(),
-                    Value::from(rank.instance_id),
-                    blocks_param(&lists),
-                    Value::Binary(Vec::new()),
-                    Value::from(0u64),
-                ];
-                Ok((bytes, ok_of(self.c.call(Op::Retrieve, &params)?)))
+                let req = lmcache_client::Retrieve {
+                    key: k.clone(),
+                    instance_id: rank.instance_id,
+                    block_ids: lists,
+                    event_ipc_handle: Vec::new(),
+                    skip_first_n_tokens: 0,
+                };
+                Ok((bytes, self.c.retrieve(req)?))
             }
         }
     }

@@ -10,34 +10,18 @@
 use std::time::Instant;
 
 use lmcache_l1::WriteRequest;
-use lmcache_protocol::types::{self, CacheKey, EngineDrivenRegistration, SlotDesc};
-use lmcache_protocol::{Op, ProtocolError, Request, value};
+use lmcache_protocol::ProtocolError;
+use lmcache_protocol::request::{Command, CommitStore, KeyAndInstance};
+use lmcache_protocol::types::{self, CacheKey, SlotDesc};
 use lmcache_storage::StoreSlot;
 use rmpv::Value;
 
 use crate::registry::{Family, Instance, ObjectLayout, ObjectShape, Registration};
 use crate::state::{PendingKey, PendingStore, ServerState};
 
-pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
-    match req.op {
-        Op::RegisterKvCacheEngineDrivenContext => {
-            req.expect_params(1)?;
-            let r = match EngineDrivenRegistration::decode("payload", &req.params[0]) {
-                Ok(r) => r,
-                Err(e) => {
-                    // Refused loudly when at least the worker's id could be read.
-                    let f = value::Fields::of("payload", &req.params[0]).ok();
-                    let field = |name: &str| f.as_ref().and_then(|f| f.get(name));
-                    if let Some(id) = field("instance_id").and_then(Value::as_u64) {
-                        let model = field("model_name").and_then(Value::as_str).map(str::to_owned);
-                        let ws = field("world_size")
-                            .and_then(Value::as_u64)
-                            .and_then(|w| u32::try_from(w).ok());
-                        super::refuse_registration(state, Family::EngineDriven, id, model, ws, &e);
-                    }
-                    return Err(e);
-                }
-            };
+pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
+    match cmd {
+        Command::RegisterEngineDriven(r) => {
             let refuse = |e: ProtocolError| {
                 super::refuse_registration(
                     state,
@@ -110,45 +94,30 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
                     .encode(),
             ))
         }
-        Op::UnregisterKvCacheEngineDrivenContext => {
-            req.expect_params(1)?;
-            let id = value::u64_("instance_id", &req.params[0])?;
+        Command::UnregisterEngineDriven(id) => {
             state.registry.unregister(Family::EngineDriven, id);
             Ok(None)
         }
-        Op::PrepareStore => {
-            req.expect_params(2)?;
-            let (key, id) = key_and_instance(req)?;
-            prepare_store(state, &key, id).map(Some)
+        Command::PrepareStore(KeyAndInstance { key, instance_id }) => {
+            prepare_store(state, &key, instance_id).map(Some)
         }
-        Op::CommitStore => {
-            req.expect_params(3)?;
-            let (key, id) = key_and_instance(req)?;
-            let data = value::bin("data", &req.params[2])?;
+        Command::CommitStore(CommitStore { key, instance_id, data }) => {
             if !data.is_empty() {
                 return Err(ProtocolError::OutOfRange {
                     field: "data".into(),
                     reason: "pickle mode is not supported; map the advertised SHM pool".into(),
                 });
             }
-            Ok(Some(Value::Boolean(commit_store(state, &key, id)?)))
+            Ok(Some(Value::Boolean(commit_store(state, &key, instance_id)?)))
         }
-        Op::PrepareRetrieve => {
-            req.expect_params(2)?;
-            let (key, id) = key_and_instance(req)?;
-            prepare_retrieve(state, &key, id).map(Some)
+        Command::PrepareRetrieve(KeyAndInstance { key, instance_id }) => {
+            prepare_retrieve(state, &key, instance_id).map(Some)
         }
-        Op::CommitRetrieve => {
-            req.expect_params(2)?;
-            let (key, id) = key_and_instance(req)?;
-            Ok(Some(Value::Boolean(commit_retrieve(state, &key, id))))
+        Command::CommitRetrieve(KeyAndInstance { key, instance_id }) => {
+            Ok(Some(Value::Boolean(commit_retrieve(state, &key, instance_id))))
         }
-        other => Err(ProtocolError::UnsupportedOp(other.name())),
+        other => Err(ProtocolError::UnsupportedOp(other.encode().0.name())),
     }
-}
-
-fn key_and_instance(req: &Request) -> Result<(CacheKey, u64), ProtocolError> {
-    Ok((CacheKey::decode("key", &req.params[0])?, value::u64_("instance_id", &req.params[1])?))
 }
 
 fn instance(state: &ServerState, id: u64) -> Result<Instance, ProtocolError> {

@@ -15,8 +15,9 @@ use std::time::Instant;
 
 use lmcache_l1::WriteRequest;
 use lmcache_memory::ForeignSegment;
-use lmcache_protocol::types::{self, CacheKey, EngineGroupInfo, IpcDescriptor};
-use lmcache_protocol::{Op, ProtocolError, Request, value};
+use lmcache_protocol::ProtocolError;
+use lmcache_protocol::request::{Command, RegisterKvCache, Retrieve, Store};
+use lmcache_protocol::types::{self, CacheKey, IpcDescriptor};
 use lmcache_storage::StoreSlot;
 use rmpv::Value;
 
@@ -24,43 +25,38 @@ use crate::registry::{Family, Instance, KernelGroup, LayerTensor, Registration};
 use crate::state::ServerState;
 use crate::transfer::{CpuTransfer, KvTransfer};
 
-pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
-    match req.op {
-        Op::RegisterKvCache => {
-            req.expect_params(7)?;
-            let id = value::u64_("instance_id", &req.params[0])?;
-            if let Err(e) = register(state, id, req) {
-                let model = value::str_("model_name", &req.params[2]).ok().map(str::to_owned);
-                let world_size = value::u32_("world_size", &req.params[3]).ok();
-                super::refuse_registration(state, Family::LmcacheDriven, id, model, world_size, &e);
+pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
+    match cmd {
+        Command::RegisterKvCache(r) => {
+            if let Err(e) = register(state, &r) {
+                let model = Some(r.model_name.clone());
+                let ws = Some(r.world_size);
+                super::refuse_registration(
+                    state,
+                    Family::LmcacheDriven,
+                    r.instance_id,
+                    model,
+                    ws,
+                    &e,
+                );
                 return Err(e);
             }
             Ok(None)
         }
-        Op::UnregisterKvCache => {
-            req.expect_params(1)?;
-            let id = value::u64_("instance_id", &req.params[0])?;
+        Command::UnregisterKvCache(id) => {
             state.registry.unregister(Family::LmcacheDriven, id);
             Ok(None)
         }
-        Op::Store => {
-            req.expect_params(4)?;
-            let key = CacheKey::decode("key", &req.params[0])?;
-            let id = value::u64_("instance_id", &req.params[1])?;
-            let blocks = types::block_ids("block_ids", &req.params[2])?;
-            value::bin("event_ipc_handle", &req.params[3])?;
-            Ok(Some(types::transfer_result(store(state, &key, id, &blocks)?)))
+        Command::Store(Store { key, instance_id, block_ids, .. }) => {
+            Ok(Some(types::transfer_result(store(state, &key, instance_id, &block_ids)?)))
         }
-        Op::Retrieve => {
-            req.expect_params(5)?;
-            let key = CacheKey::decode("key", &req.params[0])?;
-            let id = value::u64_("instance_id", &req.params[1])?;
-            let blocks = types::block_ids("block_ids", &req.params[2])?;
-            value::bin("event_ipc_handle", &req.params[3])?;
-            let skip = value::u64_("skip_first_n_tokens", &req.params[4])?;
-            Ok(Some(types::transfer_result(retrieve(state, &key, id, &blocks, skip)?)))
+        Command::Retrieve(Retrieve {
+            key, instance_id, block_ids, skip_first_n_tokens, ..
+        }) => {
+            let ok = retrieve(state, &key, instance_id, &block_ids, skip_first_n_tokens)?;
+            Ok(Some(types::transfer_result(ok)))
         }
-        other => Err(ProtocolError::UnsupportedOp(other.name())),
+        other => Err(ProtocolError::UnsupportedOp(other.encode().0.name())),
     }
 }
 
@@ -96,24 +92,18 @@ fn check_segment(state: &ServerState, name: &str, seg: &ForeignSegment) -> Resul
     Ok(())
 }
 
-fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolError> {
-    let descs = value::array("kv_cache", &req.params[1])?;
-    let model = value::str_("model_name", &req.params[2])?;
-    let model =
-        lmcache_core::ModelName::new(model).map_err(|e| bad("model_name", e.to_string()))?;
-    let world_size = value::u32_("world_size", &req.params[3])?;
+fn register(state: &ServerState, r: &RegisterKvCache) -> Result<(), ProtocolError> {
+    let id = r.instance_id;
+    let model = lmcache_core::ModelName::new(&r.model_name)
+        .map_err(|e| bad("model_name", e.to_string()))?;
+    let world_size = r.world_size;
     lmcache_core::KvRank::new(world_size, 0).map_err(|e| bad("world_size", e.to_string()))?;
-    value::str_("engine_type", &req.params[4])?;
-    let groups = value::array("engine_group_infos", &req.params[6])?;
-    let groups: Vec<EngineGroupInfo> = groups
-        .iter()
-        .enumerate()
-        .map(|(i, g)| EngineGroupInfo::decode(&format!("engine_group_infos[{i}]"), g))
-        .collect::<Result<_, _>>()?;
+    let groups = &r.engine_group_infos;
     if state.registry.contains(Family::LmcacheDriven, id) {
         state.registry.get(Family::LmcacheDriven, id);
         return Ok(());
     }
+    let descs = &r.kv_cache;
     if descs.is_empty() {
         return Err(bad("kv_cache", "no layer tensors"));
     }
@@ -121,7 +111,7 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
     let mut layers = Vec::with_capacity(descs.len());
     for (i, d) in descs.iter().enumerate() {
         let field = format!("kv_cache[{i}]");
-        match IpcDescriptor::decode(&field, d)? {
+        match d.clone() {
             IpcDescriptor::CpuShm { shm_name, nbytes, meta } => {
                 let seg = match segments.get(&shm_name) {
                     Some(s) if s.len() >= nbytes => Arc::clone(s),
@@ -153,7 +143,7 @@ fn register(state: &ServerState, id: u64, req: &Request) -> Result<(), ProtocolE
     }
     let chunk = state.chunk_size() as u64;
     let groups =
-        crate::kv_groups::build(&layers, &groups, chunk, state.config.separate_object_groups)
+        crate::kv_groups::build(&layers, groups, chunk, state.config.separate_object_groups)
             .map_err(|(field, reason)| bad(&field, reason))?;
     let mut dtypes: Vec<lmcache_core::Dtype> = Vec::new();
     for part in groups.objects.iter().flat_map(|o| &o.parts) {

@@ -8,8 +8,9 @@
 //! its leases to the lookup's and answers the L1 and L2 hits together, exactly once.
 //! `wait_prefetch_status` blocks on the prefetch itself (bounded), not on a polling loop.
 
+use lmcache_protocol::ProtocolError;
+use lmcache_protocol::request::{Command, FreeLookupLocks, WaitPrefetchStatus};
 use lmcache_protocol::types::CacheKey;
-use lmcache_protocol::{Op, ProtocolError, Request, value};
 use rmpv::Value;
 
 use std::time::Duration;
@@ -19,23 +20,15 @@ use lmcache_storage::LookupRequest;
 use crate::session::LookupState;
 use crate::state::ServerState;
 
-pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
-    match req.op {
-        Op::Lookup => {
-            req.expect_params(2)?;
-            let key = CacheKey::decode("key", &req.params[0])?;
-            lookup(state, &key)?;
+pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
+    match cmd {
+        Command::Lookup(l) => {
+            lookup(state, &l.key)?;
             Ok(None)
         }
-        Op::QueryPrefetchStatus => {
-            req.expect_params(1)?;
-            let id = value::str_("request_id", &req.params[0])?;
-            Ok(Some(take_hits(state, id)))
-        }
-        Op::WaitPrefetchStatus => {
-            req.expect_params(2)?;
-            let id = value::str_("request_id", &req.params[0])?;
-            let timeout = value::float("timeout", &req.params[1])?;
+        Command::QueryPrefetchStatus(id) => Ok(Some(take_hits(state, &id))),
+        Command::WaitPrefetchStatus(WaitPrefetchStatus { request_id, timeout }) => {
+            let id = request_id.as_str();
             // NaN (any f64 may arrive) waits not at all; +inf waits the longest we allow.
             let secs = if timeout.is_nan() { 0.0 } else { timeout.clamp(0.0, 60.0) };
             let limit = Duration::from_secs_f64(secs);
@@ -49,9 +42,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             }
             Ok(Some(take_hits(state, id)))
         }
-        Op::FreeLookupLocks => {
-            req.expect_params(2)?;
-            let key = CacheKey::decode("key", &req.params[0])?;
+        Command::FreeLookupLocks(FreeLookupLocks { key, .. }) => {
             let c = state.chunk_size();
             let range = key.start / c..key.end / c;
             if !range.is_empty() {
@@ -66,9 +57,8 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             }
             Ok(None)
         }
-        Op::EndSession => {
-            req.expect_params(1)?;
-            let id = value::str_("request_id", &req.params[0])?;
+        Command::EndSession(request_id) => {
+            let id = request_id.as_str();
             if let Some(session) = state.sessions.remove(id) {
                 state.storage.touch(&session.touched);
                 if let Some(r) = &state.reporter {
@@ -81,7 +71,7 @@ pub(super) fn handle(state: &ServerState, req: &Request) -> Result<Option<Value>
             }
             Ok(None)
         }
-        other => Err(ProtocolError::UnsupportedOp(other.name())),
+        other => Err(ProtocolError::UnsupportedOp(other.encode().0.name())),
     }
 }
 

@@ -25,6 +25,7 @@ mod management;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use lmcache_protocol::frame::{Header, ParseFailure};
+use lmcache_protocol::request::Command;
 use lmcache_protocol::types;
 use lmcache_protocol::{Op, ProtocolError, Reply, Request};
 use rmpv::Value;
@@ -236,29 +237,47 @@ fn failure_reply(state: &ServerState, header: Header, op: Option<Op>) -> Reply {
     }
 }
 
+/// Decodes the request once into its typed command, then hands it to its family's handler.
+/// A registration that does not decode is refused loudly (logged, listed in `/status`) when
+/// at least its sender's instance id could be read.
 fn dispatch(state: &ServerState, req: &Request) -> Result<Option<Value>, ProtocolError> {
-    match req.op {
-        Op::GetChunkSize
-        | Op::GetExperimental
-        | Op::Ping
-        | Op::Noop
-        | Op::Clear
-        | Op::ReportBlockAllocation => management::handle(state, req),
-        Op::Lookup
-        | Op::QueryPrefetchStatus
-        | Op::WaitPrefetchStatus
-        | Op::FreeLookupLocks
-        | Op::EndSession => lookup::handle(state, req),
-        Op::RegisterKvCacheEngineDrivenContext
-        | Op::UnregisterKvCacheEngineDrivenContext
-        | Op::PrepareStore
-        | Op::CommitStore
-        | Op::PrepareRetrieve
-        | Op::CommitRetrieve => engine_driven::handle(state, req),
-        Op::RegisterKvCache | Op::UnregisterKvCache | Op::Store | Op::Retrieve => {
-            lmcache_driven::handle(state, req)
+    let cmd = match Command::decode(req.op, &req.params) {
+        Ok(c) => c,
+        Err(e) => {
+            if let Some((id, model, ws)) = Command::registration_identity(req.op, &req.params) {
+                let family = match req.op {
+                    Op::RegisterKvCache => Family::LmcacheDriven,
+                    _ => Family::EngineDriven,
+                };
+                refuse_registration(state, family, id, model, ws, &e);
+            }
+            return Err(e);
         }
-        other => Err(ProtocolError::UnsupportedOp(other.name())),
+    };
+    match cmd {
+        Command::GetChunkSize
+        | Command::GetExperimental
+        | Command::Ping(_)
+        | Command::Noop
+        | Command::Clear(_)
+        | Command::ReportBlockAllocation(_) => management::handle(state, cmd),
+        Command::Lookup(_)
+        | Command::QueryPrefetchStatus(_)
+        | Command::WaitPrefetchStatus(_)
+        | Command::FreeLookupLocks(_)
+        | Command::EndSession(_) => lookup::handle(state, cmd),
+        Command::RegisterEngineDriven(_)
+        | Command::UnregisterEngineDriven(_)
+        | Command::PrepareStore(_)
+        | Command::CommitStore(_)
+        | Command::PrepareRetrieve(_)
+        | Command::CommitRetrieve(_) => engine_driven::handle(state, cmd),
+        Command::RegisterKvCache(_)
+        | Command::UnregisterKvCache(_)
+        | Command::Store(_)
+        | Command::Retrieve(_) => lmcache_driven::handle(state, cmd),
+        // Streams are served by the transport's socket thread, never here.
+        Command::SubscribeKvEvents(_) => Err(ProtocolError::UnsupportedOp(req.op.name())),
     }
 }
 
