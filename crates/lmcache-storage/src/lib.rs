@@ -33,7 +33,7 @@ pub mod testing;
 pub mod tier;
 
 pub use build::{BuildError, Storage, StorageConfig};
-pub use lookup::{Lookup, LookupLeases, LookupRequest, PendingLookup, Settled};
+pub use lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest, PendingLookup, Settled};
 pub use manager::{
     DeleteReport, DeleteScope, L2Listing, StorageError, StorageManager, StoreSlot, TierName,
 };

@@ -33,6 +33,22 @@ impl LookupRequest {
     }
 }
 
+/// One shard's worker id and the keys of its chunks.
+pub type ShardKeys = (u32, Vec<ObjectKey>);
+
+/// What to look up for a model stored as several object groups: per group, its window in
+/// chunks (`None`: full attention, every chunk) and every shard's keys (group 0 first; every
+/// group lists the same shards, in the same order, with the same chunk count).
+#[derive(Debug, Clone)]
+pub struct GroupLookupRequest {
+    /// Per object group: its window, and each shard's worker id and keys.
+    pub groups: Vec<(Option<usize>, Vec<ShardKeys>)>,
+    /// Shards the model has.
+    pub world_size: u32,
+    /// Read locks per served object (one per engine reader).
+    pub readers: u32,
+}
+
 /// The read leases a lookup holds: per worker id, per chunk of the hit prefix, what is left of
 /// the `readers` locks taken (`None` once spent).
 #[derive(Debug, Default)]

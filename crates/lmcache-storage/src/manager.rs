@@ -16,7 +16,7 @@ use lmcache_l1::{L1Cache, L1Error, ReadLease, ReserveMode, WriteRequest, WriteRe
 use lmcache_l2::{ConfigError, KeyPage, L2Error};
 use serde_json::Value;
 
-use crate::lookup::{Lookup, LookupLeases, LookupRequest};
+use crate::lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest};
 use crate::prefetch::{PrefetchOutcome, PrefetchRequest};
 use crate::tier::{AdapterInfo, L2Tier, TierObserver};
 
@@ -183,6 +183,95 @@ impl StorageManager {
             }
             _ => Lookup::Ready { leases, hits: hit },
         }
+    }
+
+    /// A lookup of a model stored as several object groups (a hybrid model under
+    /// `--separate-object-groups`): every (object group, shard) row's resident chunks are
+    /// locked, the hit is the longest prefix every row serves under its window
+    /// ([`crate::fold`]), and only the cells that prefix needs stay locked: a sliding-window
+    /// group never pins chunks it will not restore. When L1 falls short and L2 may have the
+    /// rest, the lookup goes through L2 with every group needing every chunk (never more
+    /// credit than the fold, perhaps less): taken only when L1 gave the windows no advantage,
+    /// i.e. when the fold's hit is the common prefix of every row. With one group this is
+    /// [`Self::lookup`].
+    pub fn lookup_groups(&self, req: &GroupLookupRequest) -> Lookup {
+        use crate::fold;
+        let Some((_, first)) = req.groups.first() else {
+            return Lookup::Ready { leases: LookupLeases::default(), hits: 0 };
+        };
+        if req.groups.len() == 1 && req.groups[0].0.is_none() {
+            let one = LookupRequest {
+                shards: first.clone(),
+                world_size: req.world_size,
+                readers: req.readers,
+            };
+            return self.lookup(&one);
+        }
+        let chunks = first.first().map_or(0, |(_, k)| k.len());
+        // rows[og][shard]: the lock result of every chunk.
+        let rows: Vec<Vec<(u32, Vec<Option<ReadLease>>)>> = req
+            .groups
+            .iter()
+            .map(|(_, shards)| {
+                shards
+                    .iter()
+                    .map(|(w, keys)| {
+                        let l = self.l1.read_lock(keys, req.readers);
+                        (*w, l.into_iter().map(Result::ok).collect())
+                    })
+                    .collect()
+            })
+            .collect();
+        let present: Vec<(Vec<bool>, fold::Window)> = rows
+            .iter()
+            .zip(&req.groups)
+            .flat_map(|(per_shard, (window, _))| {
+                per_shard
+                    .iter()
+                    .map(move |(_, l)| (l.iter().map(Option::is_some).collect(), *window))
+            })
+            .collect();
+        let view: Vec<(&[bool], fold::Window)> =
+            present.iter().map(|(p, w)| (p.as_slice(), *w)).collect();
+        let hit = fold::fold(&view);
+        let common = present.iter().map(|(p, _)| p.iter().take_while(|&&x| x).count()).min();
+        if self.has_l2() && hit < chunks && common == Some(hit) {
+            drop(rows);
+            let ws = req.world_size;
+            let groups = req.groups.len() as u32;
+            let mut strict = LookupRequest {
+                shards: Vec::with_capacity(req.groups.len() * first.len()),
+                world_size: ws.saturating_mul(groups),
+                readers: req.readers,
+            };
+            for (og, (_, shards)) in req.groups.iter().enumerate() {
+                for (w, keys) in shards {
+                    // Row (og, w) is lease shard og * world_size + w: object group 0's rows
+                    // keep their worker ids, which a retrieve spends; the others only hold
+                    // their locks.
+                    strict.shards.push((og as u32 * ws + w, keys.clone()));
+                }
+            }
+            return self.lookup(&strict);
+        }
+        let mut prefix = Vec::new();
+        let mut pinned = Vec::new();
+        for (og, (per_shard, (window, _))) in rows.into_iter().zip(&req.groups).enumerate() {
+            let need = fold::needed(*window, hit);
+            // Group 0 at full attention holds the prefix a retrieve spends; the rest is pinned.
+            let full_attention_group_0 = og == 0 && window.is_none();
+            for (w, leases) in per_shard {
+                let kept = leases.into_iter().enumerate().filter(|(i, _)| need.contains(i));
+                if full_attention_group_0 {
+                    prefix.push((w, kept.filter_map(|(_, l)| l).collect::<Vec<_>>()));
+                } else {
+                    pinned.extend(kept.filter_map(|(_, l)| l));
+                }
+            }
+        }
+        let (mut leases, _) = LookupLeases::of_prefix(req.world_size, prefix);
+        leases.pin(pinned);
+        Lookup::Ready { leases, hits: hit }
     }
 
     /// The read leases a retrieve of `keys` copies from: `spent[i]` (one lock a lookup held,

@@ -165,12 +165,9 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     })
 }
 
-/// A lookup of a model stored as several object groups (`--separate-object-groups`): every
-/// (object group, shard) row's resident chunks are locked, the hit is the longest prefix
-/// every row serves under its window ([`lmcache_storage::fold`]), and only the cells that
-/// prefix needs stay locked: a sliding-window group never pins chunks it will not restore.
-/// When L1 falls short and an L2 tier may have the rest, the lookup goes through L2 with
-/// every group needing every chunk (see below).
+/// A lookup of a model stored as several object groups (`--separate-object-groups`): the
+/// keys of every (object group, shard) row; storage decides what hits and what stays locked
+/// ([`lmcache_storage::StorageManager::lookup_groups`]).
 fn lookup_groups(
     state: &ServerState,
     key: &CacheKey,
@@ -179,79 +176,27 @@ fn lookup_groups(
     windows: &[Option<u64>],
     touched: &mut Vec<lmcache_core::ObjectKey>,
 ) -> Result<lmcache_storage::Lookup, ProtocolError> {
-    use lmcache_storage::fold;
-    let window = |og: usize| windows.get(og).copied().flatten().map(|w| w as usize);
-    // rows[og][shard]: the lock result of every chunk.
-    let mut rows: Vec<Vec<(u32, Vec<Option<lmcache_l1::ReadLease>>)>> = Vec::new();
-    for (og, _) in windows.iter().enumerate() {
-        let mut per_shard = Vec::with_capacity(req.shards.len());
-        for (w, keys0) in &req.shards {
-            let keys = if og == 0 {
-                keys0.clone()
-            } else {
+    let mut groups = Vec::with_capacity(windows.len());
+    for (og, window) in windows.iter().enumerate() {
+        let shards = if og == 0 {
+            req.shards.clone()
+        } else {
+            let mut shards = Vec::with_capacity(req.shards.len());
+            for (w, _) in &req.shards {
                 let k = state.object_keys(key, *w, hashes, og as u32)?;
                 touched.extend(k.iter().cloned());
-                k
-            };
-            let leases =
-                state.l1().read_lock(&keys, req.readers).into_iter().map(Result::ok).collect();
-            per_shard.push((*w, leases));
-        }
-        rows.push(per_shard);
-    }
-    let present: Vec<(Vec<bool>, fold::Window)> = rows
-        .iter()
-        .enumerate()
-        .flat_map(|(og, per_shard)| {
-            per_shard
-                .iter()
-                .map(move |(_, l)| (l.iter().map(Option::is_some).collect(), window(og)))
-        })
-        .collect();
-    let view: Vec<(&[bool], fold::Window)> =
-        present.iter().map(|(p, w)| (p.as_slice(), *w)).collect();
-    let hit = fold::fold(&view);
-    let chunks = hashes.len();
-    // With an L2 tier, a hit short of the prompt may grow from it. The L2 path loads
-    // prefixes, so there every group needs every chunk (never more credit than the fold,
-    // perhaps less): taken only when L1 gave the windows no advantage, i.e. when the fold's
-    // hit is the common prefix of every row.
-    let common = present.iter().map(|(p, _)| p.iter().take_while(|&&x| x).count()).min();
-    if state.storage.has_l2() && hit < chunks && common == Some(hit) {
-        drop(rows);
-        let ws = req.world_size;
-        let mut strict = LookupRequest {
-            shards: Vec::with_capacity(windows.len() * req.shards.len()),
-            world_size: ws.saturating_mul(windows.len() as u32),
-            readers: req.readers,
+                shards.push((*w, k));
+            }
+            shards
         };
-        for og in 0..windows.len() as u32 {
-            for (w, keys0) in &req.shards {
-                let keys =
-                    if og == 0 { keys0.clone() } else { state.object_keys(key, *w, hashes, og)? };
-                // Row (og, w) is lease shard og * world_size + w: object group 0's rows keep
-                // their worker ids, which a retrieve spends; the others only hold their locks.
-                strict.shards.push((og * ws + w, keys));
-            }
-        }
-        return Ok(state.storage.lookup(&strict));
+        groups.push((window.map(|w| w as usize), shards));
     }
-    let mut prefix = Vec::new();
-    let mut pinned = Vec::new();
-    for (og, per_shard) in rows.into_iter().enumerate() {
-        let need = fold::needed(window(og), hit);
-        for (w, leases) in per_shard {
-            let kept = leases.into_iter().enumerate().filter(|(i, _)| need.contains(i));
-            if og == 0 && window(0).is_none() {
-                prefix.push((w, kept.filter_map(|(_, l)| l).collect::<Vec<_>>()));
-            } else {
-                pinned.extend(kept.filter_map(|(_, l)| l));
-            }
-        }
-    }
-    let (mut leases, _) = lmcache_storage::LookupLeases::of_prefix(req.world_size, prefix);
-    leases.pin(pinned);
-    Ok(lmcache_storage::Lookup::Ready { leases, hits: hit })
+    let greq = lmcache_storage::GroupLookupRequest {
+        groups,
+        world_size: req.world_size,
+        readers: req.readers,
+    };
+    Ok(state.storage.lookup_groups(&greq))
 }
 
 /// The lookup as LMCache's storage manager sees it: `submit_prefetch_task` with one key
