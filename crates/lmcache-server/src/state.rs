@@ -80,42 +80,44 @@ impl Pending {
     }
 }
 
-/// The server's shared state.
+/// The server's shared state. Its public surface is what operators and tests observe:
+/// storage (the one door to L1 and L2), the metrics and the event bus; everything else is
+/// the server's own.
 #[derive(Debug)]
 pub struct ServerState {
     /// Settings.
-    pub config: ServerConfig,
+    pub(crate) config: ServerConfig,
     /// Token hasher (chunk size of the server).
-    pub hasher: TokenHasher,
+    pub(crate) hasher: TokenHasher,
     /// Request sessions.
-    pub sessions: Sessions,
+    pub(crate) sessions: Sessions,
     /// Registered workers.
-    pub registry: Registry,
+    pub(crate) registry: Registry,
     /// Engine-driven transfers in flight.
-    pub pending: Pending,
+    pub(crate) pending: Pending,
     /// Counters.
     pub metrics: Metrics,
     /// KV events for `subscribe_kv_events`.
-    pub events: std::sync::Arc<KvEventLog>,
+    pub(crate) events: std::sync::Arc<KvEventLog>,
     /// Typed events for subscribers (logging); never blocks a request.
     pub bus: crate::event_bus::EventBus,
     /// Start time.
-    pub started: Instant,
+    pub(crate) started: Instant,
     /// L1 and L2: the one owner of both tiers. Stores reserve and commit through it (the
     /// commit queues the write-behind), lookups and retrieves lock and spend through it, and
     /// HTTP lists, deletes, sets quotas and attaches adapters through it.
     pub storage: lmcache_storage::Storage,
     /// Prefetches asked over HTTP: request id → `None` while running, then
     /// `(found_keys, total_keys)` until polled once.
-    pub http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
+    pub(crate) http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
     /// Reporting to a fleet coordinator, when `--coordinator-url` is set.
-    pub reporter: Option<std::sync::Arc<crate::fleet_report::Reporter>>,
+    pub(crate) reporter: Option<std::sync::Arc<crate::fleet_report::Reporter>>,
     /// Frozen key lists of `GET /fleet/snapshot`.
-    pub fleet_snapshots: crate::http::fleet::Snapshots,
+    pub(crate) fleet_snapshots: crate::http::fleet::Snapshots,
     /// The lookup-hash log, when `--lookup-hash-log-dir` is set.
-    pub lookup_log: Option<crate::lookup_log::LookupHashLog>,
+    pub(crate) lookup_log: Option<crate::lookup_log::LookupHashLog>,
     /// The trace recorder, when `--trace-level` is set.
-    pub trace: Option<std::sync::Arc<crate::trace_record::TraceRecorder>>,
+    pub(crate) trace: Option<std::sync::Arc<crate::trace_record::TraceRecorder>>,
     /// Fault hooks for tests (feature `testing`).
     #[cfg(feature = "testing")]
     pub faults: Faults,
