@@ -4,6 +4,9 @@
 //! (caught), and the target fails on it.
 #![no_main]
 
+#[path = "common.rs"]
+mod common;
+
 use std::sync::{Arc, OnceLock};
 
 use axum::body::Body;
@@ -50,19 +53,8 @@ fuzz_target!(|input: (u8, String, String, Vec<u8>)| {
     if path.starts_with("/cache/prefetches") || path == "/cache/delete" {
         return;
     }
-    let clean = |s: &str, n: usize| -> String {
-        s.chars().filter(|c| c.is_ascii_graphic() && !"#?/{}".contains(*c)).take(n).collect()
-    };
-    let param = clean(&param, 64);
-    let param = if param.is_empty() { "x".to_owned() } else { param };
-    let mut path = path.to_owned();
-    while let (Some(a), Some(b)) = (path.find('{'), path.find('}')) {
-        if b < a {
-            break;
-        }
-        path.replace_range(a..=b, &param);
-    }
-    let query = clean(&query, 200);
+    let path = common::fill(path, &param);
+    let query = common::clean(&query, 200);
     let uri = if query.is_empty() { path.clone() } else { format!("{path}?{query}") };
     let Ok(req) = Request::builder()
         .method(Method::from_bytes(method.as_bytes()).expect("method"))

@@ -4,6 +4,9 @@
 //! use paths inside one temporary root.
 #![no_main]
 
+#[path = "common.rs"]
+mod common;
+
 use std::sync::OnceLock;
 
 use axum::body::Body;
@@ -48,20 +51,8 @@ fuzz_target!(|input: (u8, String, String, Vec<u8>)| {
     let f = fixture();
     let routes = lmcache_server::http::route_list();
     let (method, path) = routes[which as usize % routes.len()];
-    let clean = |s: &str, n: usize| -> String {
-        s.chars().filter(|c| c.is_ascii_graphic() && !"#?/{}".contains(*c)).take(n).collect()
-    };
-    // Every `{param}` of the path gets the fuzzed segment (or a plain one when it is empty).
-    let param = clean(&param, 64);
-    let param = if param.is_empty() { "x".to_owned() } else { param };
-    let mut path = path.to_owned();
-    while let (Some(a), Some(b)) = (path.find('{'), path.find('}')) {
-        if b < a {
-            break;
-        }
-        path.replace_range(a..=b, &param);
-    }
-    let query = clean(&query, 200);
+    let path = common::fill(path, &param);
+    let query = common::clean(&query, 200);
     let uri = if query.is_empty() { path.clone() } else { format!("{path}?{query}") };
     let Ok(mut req) = Request::builder()
         .method(Method::from_bytes(method.as_bytes()).unwrap())

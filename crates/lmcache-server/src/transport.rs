@@ -237,7 +237,7 @@ impl Transport {
     }
 
     fn socket_thread_panic(&self, state: &ServerState, op: &str, p: &(dyn std::any::Any + Send)) {
-        let reason = handlers::panic_message(p);
+        let reason = lmcache_http::panic_message(p);
         tracing::error!(op, error = %reason, "socket thread caught a panic; serving on");
         state.metrics.handler_panics.inc();
         state.metrics.error(op, "panic");

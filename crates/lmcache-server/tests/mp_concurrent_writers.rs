@@ -93,6 +93,24 @@ fn store_lmcache_driven(c: &mut Client, k: &CacheKey) -> bool {
     r.as_array().unwrap()[1].as_bool().unwrap()
 }
 
+/// Registers engine-driven instance 7 (model `m`, objects the lmcache-driven ones' size) and
+/// maps its pool.
+fn register_engine_driven(c: &mut Client) -> ForeignSegment {
+    let reg = EngineDrivenRegistration {
+        instance_id: 7,
+        model_name: model(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 1,
+        hidden_dim_size: 8,
+        dtype: Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    };
+    let pool = c.register_engine_driven(&reg).unwrap();
+    ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap()
+}
+
 /// An engine-driven writer on its own client and thread: it prepares the store of `k` (so
 /// its chunks are staged), reports, then after `hold` writes and commits them, unless `die`
 /// (then it walks away, its reservations left to expire). Returns its commit's answer.
@@ -106,19 +124,7 @@ fn engine_writer(
     let endpoint = s.endpoint().to_owned();
     std::thread::spawn(move || {
         let mut c = Client::connect(&endpoint, Duration::from_secs(30)).unwrap();
-        let reg = EngineDrivenRegistration {
-            instance_id: 7,
-            model_name: model(),
-            world_size: 1,
-            block_size: 16,
-            num_layers: 1,
-            hidden_dim_size: 8,
-            dtype: Dtype::Float16,
-            use_mla: false,
-            num_physical_slots: None,
-        };
-        let pool = c.register_engine_driven(&reg).unwrap();
-        let pool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+        let pool = register_engine_driven(&mut c);
         let slots = c.prepare_store(&k.for_worker(0), 7).unwrap();
         prepared.send(slots.len()).unwrap();
         std::thread::sleep(hold);
@@ -214,19 +220,7 @@ fn three_clients_storing_the_same_prompts_always_find_what_they_stored() {
         let endpoint = endpoint.clone();
         std::thread::spawn(move || {
             let mut c = Client::connect(&endpoint, Duration::from_secs(30)).unwrap();
-            let reg = EngineDrivenRegistration {
-                instance_id: 7,
-                model_name: model(),
-                world_size: 1,
-                block_size: 16,
-                num_layers: 1,
-                hidden_dim_size: 8,
-                dtype: Dtype::Float16,
-                use_mla: false,
-                num_physical_slots: None,
-            };
-            let pool = c.register_engine_driven(&reg).unwrap();
-            let pool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+            let pool = register_engine_driven(&mut c);
             tx.send(()).unwrap();
             let mut hits = 0;
             for p in 0..8 {

@@ -24,6 +24,7 @@ mod management;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use lmcache_http::panic_message;
 use lmcache_protocol::frame::{Header, ParseFailure};
 use lmcache_protocol::request::Command;
 use lmcache_protocol::types;
@@ -143,15 +144,6 @@ pub fn guarded<T>(
         metrics.handler_panics.inc();
         Err(ProtocolError::Internal { op, reason: panic_message(payload.as_ref()) })
     })
-}
-
-/// The message of a panic payload (`&str` or `String`, as `panic!` makes them).
-pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 /// Records that worker `id` registered something this server cannot serve: an error log
