@@ -17,7 +17,7 @@ pub struct EvictionOrder {
 impl Fleet {
     /// Runs `f` on the quotas and pins; with `persist`, the metadata document is rewritten
     /// (at `--metadata-path`) before this returns, so a 200 means durable.
-    pub fn control<T>(
+    pub(crate) fn control<T>(
         &self,
         persist: bool,
         f: impl FnOnce(&mut crate::control::Control) -> T,
@@ -37,7 +37,7 @@ impl Fleet {
     }
 
     /// Loads `--metadata-path` (before anything is served); a missing file is an empty one.
-    pub fn load_metadata(&self) -> Result<(), String> {
+    pub(crate) fn load_metadata(&self) -> Result<(), String> {
         let Some(path) = &self.config.metadata_path else { return Ok(()) };
         match std::fs::read(path) {
             Ok(b) => {
@@ -53,7 +53,7 @@ impl Fleet {
     }
 
     /// Bytes per cache salt in `tier`, and the total.
-    pub fn salt_bytes(&self, tier: Tier) -> (BTreeMap<String, u64>, u64) {
+    pub(crate) fn salt_bytes(&self, tier: Tier) -> (BTreeMap<String, u64>, u64) {
         let v = self.views.lock();
         let by: BTreeMap<String, u64> =
             v.dir.bytes_by_salt(tier).into_iter().map(|(s, b)| (s.to_string(), b)).collect();
@@ -68,7 +68,7 @@ impl Fleet {
     /// limit (its quota, else the default; neither: exempt), the `ratio` least recently used
     /// of its unpinned L2 keys (all of them for a zero limit), each sent to a registered
     /// server that can delete it (the owner of a private L2, a mounter of a shared pool).
-    pub fn eviction_plan(&self, ratio: f64, watermark: f64) -> Vec<EvictionOrder> {
+    pub(crate) fn eviction_plan(&self, ratio: f64, watermark: f64) -> Vec<EvictionOrder> {
         let (by_salt, _) = self.salt_bytes(Tier::L2);
         let limits: Vec<(String, u64, u64)> = {
             let c = self.control.lock();
@@ -135,17 +135,17 @@ impl Fleet {
     }
 
     /// The last applied stream sequence (JetStream).
-    pub fn stream_position(&self) -> u64 {
+    pub(crate) fn stream_position(&self) -> u64 {
         self.stream_position.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Records that stream sequence `seq` has been applied.
-    pub fn set_stream_position(&self, seq: u64) {
+    pub(crate) fn set_stream_position(&self, seq: u64) {
         self.stream_position.store(seq, std::sync::atomic::Ordering::Release);
     }
 
     /// `GET /directory/digest`.
-    pub fn digest(&self) -> serde_json::Value {
+    pub(crate) fn digest(&self) -> serde_json::Value {
         let v = self.views.lock();
         let (total, by) = v.dir.digest();
         let position = self.stream_position();
@@ -158,7 +158,7 @@ impl Fleet {
     }
 
     /// The `http://ip:port` of registered instance `id`.
-    pub fn base_url(&self, id: &str) -> Option<String> {
+    pub(crate) fn base_url(&self, id: &str) -> Option<String> {
         self.registry.lock().get(id).map(|r| base_url_of(&r.info))
     }
 }

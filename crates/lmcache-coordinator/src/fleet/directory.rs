@@ -8,7 +8,7 @@ impl Fleet {
 
     /// The object keys of a token sequence's complete chunks, chunk-major with one key per
     /// rank, as LMCache's key resolver builds them.
-    pub fn resolve_tokens(
+    pub(crate) fn resolve_tokens(
         &self,
         tokens: &[u32],
         model: &str,
@@ -30,7 +30,10 @@ impl Fleet {
     /// directory holds (LMCache's `get_keys_across_object_groups`: under
     /// `--separate-object-groups` a chunk is stored once per group, and token-addressed
     /// operations resolve group 0), each key's groups in ascending order.
-    pub fn across_object_groups(&self, keys: Vec<EncodedObjectKey>) -> Vec<EncodedObjectKey> {
+    pub(crate) fn across_object_groups(
+        &self,
+        keys: Vec<EncodedObjectKey>,
+    ) -> Vec<EncodedObjectKey> {
         let v = self.views.lock();
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
@@ -86,7 +89,7 @@ impl Fleet {
     }
 
     /// `GET /directory/keys`.
-    pub fn list(
+    pub(crate) fn list(
         &self,
         filter: &KeyFilter,
         offset: usize,
@@ -110,7 +113,7 @@ impl Fleet {
     }
 
     /// `GET /directory/stats`, LMCache's fields plus `streams` and token-binding counts.
-    pub fn directory_stats(&self) -> serde_json::Value {
+    pub(crate) fn directory_stats(&self) -> serde_json::Value {
         let streams = self.streams();
         let v = self.views.lock();
         let st = v.dir.stats();
@@ -145,7 +148,7 @@ impl Fleet {
 
     /// The chunks stored under (`model`, `cache_salt`, `world_size`) found inside `tokens`
     /// (empty unless blend lookup is enabled).
-    pub fn blend_matches(
+    pub(crate) fn blend_matches(
         &self,
         tokens: &[u32],
         model: &str,
@@ -156,7 +159,7 @@ impl Fleet {
     }
 
     /// Placement totals per tier: ((l1 count, l1 bytes), (l2 count, l2 bytes)), and keys.
-    pub fn totals(&self) -> ((u64, u64), (u64, u64), u64) {
+    pub(crate) fn totals(&self) -> ((u64, u64), (u64, u64), u64) {
         let st = self.views.lock().dir.stats();
         ((st.l1.count, st.l1.bytes), (st.l2.count, st.l2.bytes), st.keys)
     }
@@ -164,7 +167,7 @@ impl Fleet {
     /// Each registered instance's longest leading run of `keys` (chunk-major, `per_chunk`
     /// keys a chunk), best first. `l2_weight` values a chunk loaded from L2 against one in
     /// L1 (1.0: equal); `loads` (instance → queued chunks) is subtracted times `load_weight`.
-    pub fn route(
+    pub(crate) fn route(
         &self,
         keys: &[EncodedObjectKey],
         per_chunk: usize,
@@ -215,7 +218,7 @@ impl Fleet {
     }
 
     /// The instances the directory knows by name (for `route` callers that want every one).
-    pub fn registered_ids(&self) -> Vec<String> {
+    pub(crate) fn registered_ids(&self) -> Vec<String> {
         self.registry.lock().keys().cloned().collect()
     }
 }

@@ -154,7 +154,7 @@ impl Fleet {
     }
 
     /// The emitters' streams.
-    pub fn streams(&self) -> Vec<StreamStats> {
+    pub(crate) fn streams(&self) -> Vec<StreamStats> {
         let now = Instant::now();
         let v = self.views.lock();
         let mut out: Vec<StreamStats> = v

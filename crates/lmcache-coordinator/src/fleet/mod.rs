@@ -296,7 +296,7 @@ fn declare(decls: &mut HashMap<String, Declaration>, b: &CacheEventBatch, tier: 
 
 /// The object keys of chunks given by their hex hashes: chunk-major, one key per rank of a
 /// world of `world_size`, object group 0 (LMCache's key resolver).
-pub fn keys_of_chunks(
+pub(crate) fn keys_of_chunks(
     hashes: &[String],
     model: &str,
     world_size: u32,

@@ -22,7 +22,7 @@ type SavedCompartment = (WireTier, String, bool, u64);
 impl Fleet {
     /// The checkpoint of this state (see [`crate::checkpoint`]). The directory is encoded
     /// under the views lock, so it is one consistent moment of the event streams.
-    pub fn checkpoint(&self) -> Vec<u8> {
+    pub(crate) fn checkpoint(&self) -> Vec<u8> {
         let registry = self.instances();
         let mut image = Vec::new();
         let (cursors, declarations, position) = {
@@ -57,7 +57,7 @@ impl Fleet {
 
     /// Replaces this (fresh) state with a checkpoint's. Registered instances count as having
     /// just sent a heartbeat; a gap open at checkpoint time shows up again with the next batch.
-    pub fn restore(
+    pub(crate) fn restore(
         &self,
         bytes: &[u8],
     ) -> Result<RestoreStats, crate::checkpoint::CheckpointError> {

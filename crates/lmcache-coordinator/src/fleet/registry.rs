@@ -30,7 +30,7 @@ impl Fleet {
     }
 
     /// `PUT /instances/{id}/heartbeat`: false when the instance is unknown.
-    pub fn heartbeat(&self, id: &str) -> bool {
+    pub(crate) fn heartbeat(&self, id: &str) -> bool {
         match self.registry.lock().get_mut(id) {
             Some(r) => {
                 r.last_heartbeat = Instant::now();
@@ -42,7 +42,7 @@ impl Fleet {
 
     /// `DELETE /instances/{id}`: forgets it, fences its L1 placements and its stream, and its
     /// capacity declaration. Idempotent.
-    pub fn deregister(&self, id: &str) {
+    pub(crate) fn deregister(&self, id: &str) {
         let known = self.registry.lock().remove(id).is_some();
         tracing::info!(instance = %id, known, "instance deregistered");
         self.drop_instance(id);
@@ -63,7 +63,7 @@ impl Fleet {
 
     /// Drops instances silent for longer than the instance timeout (their L1 placements and
     /// stream cursor go; capacity declarations stay, as in LMCache). Returns their ids.
-    pub fn sweep(&self, now: Instant) -> Vec<String> {
+    pub(crate) fn sweep(&self, now: Instant) -> Vec<String> {
         let timeout = self.config.instance_timeout;
         let dead: Vec<String> = {
             let mut reg = self.registry.lock();

@@ -7,12 +7,12 @@ impl Fleet {
     // ---- repair ---------------------------------------------------------------------------
 
     /// Installs the channel gaps are reported on (the service's repair thread reads it).
-    pub fn set_repairer(&self, tx: std::sync::mpsc::Sender<String>) {
+    pub(crate) fn set_repairer(&self, tx: std::sync::mpsc::Sender<String>) {
         *self.repair_tx.lock() = Some(tx);
     }
 
     /// Drops the repair channel's sender: the repair thread sees it closed and ends.
-    pub fn close_repairer(&self) {
+    pub(crate) fn close_repairer(&self) {
         self.repair_tx.lock().take();
     }
 
@@ -39,19 +39,19 @@ impl Fleet {
     }
 
     /// The incarnation of `id`'s pending repair.
-    pub fn repair_incarnation(&self, id: &str) -> Option<u64> {
+    pub(crate) fn repair_incarnation(&self, id: &str) -> Option<u64> {
         self.views.lock().repairs.get(id).map(|r| r.incarnation)
     }
 
     /// Where to fetch `id`'s snapshot, if it is registered and a repair is pending.
-    pub fn repair_target(&self, id: &str) -> Option<RepairTarget> {
+    pub(crate) fn repair_target(&self, id: &str) -> Option<RepairTarget> {
         let incarnation = self.views.lock().repairs.get(id)?.incarnation;
         Some(RepairTarget { base_url: self.base_url(id)?, incarnation })
     }
 
     /// Applies one snapshot page: each listed key not named by a newer event becomes an L1
     /// placement at `backend`. False when the repair is gone (superseded).
-    pub fn resync_page(
+    pub(crate) fn resync_page(
         &self,
         id: &str,
         incarnation: u64,
@@ -85,7 +85,7 @@ impl Fleet {
 
     /// Ends a repair: with the snapshot complete, L1 placements it did not list (and no
     /// newer event named) go. With `failed`, all of the instance's L1 placements go instead.
-    pub fn resync_finish(&self, id: &str, incarnation: u64, failed: bool) -> RepairOutcome {
+    pub(crate) fn resync_finish(&self, id: &str, incarnation: u64, failed: bool) -> RepairOutcome {
         let mut guard = self.views.lock();
         let v = &mut *guard;
         let Some(r) = v.repairs.remove(id) else { return RepairOutcome::Superseded };

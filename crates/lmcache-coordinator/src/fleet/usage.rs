@@ -92,7 +92,7 @@ impl Fleet {
     }
 
     /// How long the health sweep waits between passes (None: disabled).
-    pub fn sweep_period(&self) -> Option<Duration> {
+    pub(crate) fn sweep_period(&self) -> Option<Duration> {
         (!self.config.health_check_interval.is_zero()).then_some(self.config.health_check_interval)
     }
 }
