@@ -217,7 +217,7 @@ fi
 # not run here: LMCache replies to a lmcache-driven store before the objects are visible, so
 # a lookup right after it can miss (LMCache's own bench hides this behind a checksum call).
 port=$(free_port); http=$(free_port)
-timeout 600 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
+timeout 600 "$VENV/bin/lmcache" server --prometheus-port "$(free_port)" --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
     --http-port "$http" --l1-size-gb 2 --eviction-policy LRU --supported-transfer-mode auto \
     --shm-name "lmc_rsbench_$$" > "$WORK/rsbench.server.log" 2>&1 &
 lpid=$!

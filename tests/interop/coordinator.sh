@@ -37,7 +37,7 @@ start_server() { # kind name -> appends "name=tcp://..=http://.." to $fleet
         --shm-name "lmcache_rs_coord_$$_$name" --max-workers 2 --exit-after-seconds 600 \
         "${report[@]}" > "$WORK/$name.log" 2>&1 &
   else
-    timeout 600 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" \
+    timeout 600 "$VENV/bin/lmcache" server --prometheus-port "$(free_port)" --host 127.0.0.1 --port "$port" \
         --http-host 127.0.0.1 --http-port "$http" --l1-size-gb 1 --eviction-policy LRU \
         --supported-transfer-mode auto --shm-name "lmc_coord_$$_$name" \
         "${report[@]}" > "$WORK/$name.log" 2>&1 &

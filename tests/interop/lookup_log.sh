@@ -21,7 +21,7 @@ for kind in lmcache lmcache-rs; do
         --shm-name "lmcache_rs_lhl_$$" --max-workers 2 --exit-after-seconds 300 \
         --lookup-hash-log-dir "$WORK/$kind" > "$WORK/$kind.server.log" 2>&1 &
   else
-    timeout 300 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
+    timeout 300 "$VENV/bin/lmcache" server --prometheus-port "$(free_port)" --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
         --http-port "$http" --l1-size-gb 1 --eviction-policy LRU --supported-transfer-mode auto \
         --shm-name "lmc_lhl_$$" --lookup-hash-log-dir "$WORK/$kind" > "$WORK/$kind.server.log" 2>&1 &
   fi

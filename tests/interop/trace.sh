@@ -27,7 +27,7 @@ for kind in lmcache lmcache-rs; do
           --shm-name "lmcache_rs_tr_$$" --exit-after-seconds 300 \
           --trace-level "$level" --trace-output "$out" > "$WORK/$kind-$level.server.log" 2>&1 &
     else
-      timeout 300 "$VENV/bin/lmcache" server --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
+      timeout 300 "$VENV/bin/lmcache" server --prometheus-port "$(free_port)" --host 127.0.0.1 --port "$port" --http-host 127.0.0.1 \
           --http-port "$http" --l1-size-gb 1 --eviction-policy LRU --supported-transfer-mode auto \
           --shm-name "lmc_tr_$$" --trace-level "$level" --trace-output "$out" \
           > "$WORK/$kind-$level.server.log" 2>&1 &
@@ -98,7 +98,7 @@ s = json.load(open(f"{work}/replay-lmcache-rs.json"))["storage"]
 assert (s["lookup_chunks"], s["l1_hit_chunks"], s["committed"], s["locks_released"]) == (24, 12, 12, 12), s
 PY
 for kind in lmcache lmcache-rs; do
-  (cd "$WORK" && timeout 120 "$VENV/bin/lmcache" trace replay "$kind-storage.lct" --l1-size-gb 1 \
+  (cd "$WORK" && timeout 120 "$VENV/bin/lmcache" trace replay "$kind-storage.lct" --prometheus-port "$(free_port)" --l1-size-gb 1 \
       --eviction-policy LRU --output-dir "lrep-$kind" --json > "lrep-$kind.log" 2>&1) \
     || { echo "FAILED: LMCache's trace replay of the $kind trace"; tail -20 "$WORK/lrep-$kind.log"; exit 1; }
 done
