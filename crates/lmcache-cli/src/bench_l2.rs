@@ -134,10 +134,12 @@ impl Phase {
 }
 
 /// One operation's section of the metrics document, field for field as LMCache's
-/// `lmcache bench l2` writes it (its names, order, rounding and statistics: nearest-rank
-/// percentiles, sample standard deviation, per-round throughput and key rates).
+/// `lmcache bench l2` writes it (its names, order, rounding and statistics): the tracker's
+/// figures of the rounds (mean, min, max, nearest-rank percentiles) and, from the rounds
+/// themselves, the sample standard deviation and the per-round throughput and key rates.
 fn op_section(
     name: &str,
+    f: &crate::bench::live::OpFigures,
     rounds_ms: &[f64],
     keys_per_round: usize,
     mib_per_round: f64,
@@ -146,10 +148,8 @@ fn op_section(
 ) -> Value {
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
     let n = rounds_ms.len();
-    let mut sorted = rounds_ms.to_vec();
-    sorted.sort_by(f64::total_cmp);
     let mean = |v: &[f64]| if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
-    let avg = mean(rounds_ms);
+    let avg = f.mean_ms;
     let std = if n > 1 {
         (rounds_ms.iter().map(|x| (x - avg).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt()
     } else {
@@ -173,10 +173,10 @@ fn op_section(
         "total_keys": total_keys,
         "total_success": success,
         "duration_avg_ms": r2(avg),
-        "duration_min_ms": r2(sorted.first().copied().unwrap_or(0.0)),
-        "duration_max_ms": r2(sorted.last().copied().unwrap_or(0.0)),
-        "duration_p50_ms": r2(crate::bench::live::nearest_rank(&sorted, 0.50)),
-        "duration_p99_ms": r2(crate::bench::live::nearest_rank(&sorted, 0.99)),
+        "duration_min_ms": r2(f.min_ms),
+        "duration_max_ms": r2(f.max_ms),
+        "duration_p50_ms": r2(f.p50_ms),
+        "duration_p99_ms": r2(f.p99_ms),
         "duration_std_ms": r2(std),
         "throughput_avg_mbps": r2(mean(&mbps)),
         "throughput_min_mbps": r2(fold(&mbps, f64::min)),
@@ -443,7 +443,7 @@ pub fn run(a: BenchL2Args) -> anyhow::Result<()> {
         let bytes_per_round = if *name == "lookup" { 0.0 } else { round_mb };
         metrics.insert(
             format!("op_{i}"),
-            op_section(name, &rounds_ms, keys_per_round, bytes_per_round, success, expected),
+            op_section(name, f, &rounds_ms, keys_per_round, bytes_per_round, success, expected),
         );
         sections.push((
             *name,

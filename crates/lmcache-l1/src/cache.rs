@@ -235,8 +235,8 @@ impl L1Cache {
     /// Turns write-behind protection on: every object committed from now on (temporary ones
     /// excepted) is *unwritten* until [`Self::mark_written`]. Eviction takes written objects
     /// first; [`Self::reserve_write`] and maintenance never evict an unwritten one, and
-    /// [`Self::reserve_write_evicting_unwritten`] does so only when nothing else makes room
-    /// (counted in [`L1Stats::unwritten_evictions`]).
+    /// [`Self::reserve_with`] with [`ReserveMode::evict_unwritten`] does so only when nothing
+    /// else makes room (counted in [`L1Stats::unwritten_evictions`]).
     pub fn set_write_behind(&self, on: bool) {
         self.shared.state.lock().write_behind = on;
     }
@@ -258,15 +258,6 @@ impl L1Cache {
     /// Resident objects not yet written to L2.
     pub fn unwritten(&self) -> usize {
         self.shared.state.lock().unwritten
-    }
-
-    /// As [`Self::reserve_write`], but may evict objects the write-behind has not written yet
-    /// when nothing else makes room: the last resort of a store that waited for L2.
-    pub fn reserve_write_evicting_unwritten(
-        &self,
-        requests: &[WriteRequest],
-    ) -> Vec<Result<WriteReservation, L1Error>> {
-        self.reserve(requests, ReserveMode { evict_unwritten: true, ..ReserveMode::default() })
     }
 
     /// Installs the listener told about every resident object that leaves.
@@ -295,19 +286,11 @@ impl L1Cache {
         &self,
         requests: &[WriteRequest],
     ) -> Vec<Result<WriteReservation, L1Error>> {
-        self.reserve(requests, ReserveMode::default())
+        self.reserve_with(requests, ReserveMode::default())
     }
 
     /// Reserves memory for a store whose reply must mean "visible" ([`ReserveMode`]).
     pub fn reserve_with(
-        &self,
-        requests: &[WriteRequest],
-        mode: ReserveMode,
-    ) -> Vec<Result<WriteReservation, L1Error>> {
-        self.reserve(requests, mode)
-    }
-
-    fn reserve(
         &self,
         requests: &[WriteRequest],
         mode: ReserveMode,

@@ -66,8 +66,8 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
 /// The router: the API, under the body limit and the panic catcher.
 pub fn router(state: Shared) -> Router {
     let metrics = Arc::clone(&state.metrics);
-    Router::new()
-        .merge(api().into_router())
+    api()
+        .into_router()
         // Bodies of LMCache's sizes: a 1,000,000-token lookup, or event batches with tokens.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(lmcache_http::catch_panics("coordinator", move || {

@@ -93,12 +93,12 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
     api().routes().to_vec()
 }
 
-/// The router. The bearer-token guard and the panic catcher wrap the whole API as one
-/// service (an outer router), so no route can be added outside them.
+/// The router. The bearer-token guard and the panic catcher are layered on the whole API
+/// once every route is in it (routes are only added in [`api`]), so none is outside them.
 pub fn router(state: Shared) -> Router {
     let guard = axum::middleware::from_fn_with_state(state.clone(), auth);
-    Router::new()
-        .merge(api().into_router())
+    api()
+        .into_router()
         .layer(guard)
         .layer(lmcache_http::catch_panics("server", {
             let state = Arc::clone(&state);
