@@ -1,5 +1,6 @@
 //! Element types of KV tensors, named as PyTorch names them on the wire (`"float16"`,
-//! `"bfloat16"`, ... without the `torch.` prefix).
+//! `"bfloat16"`, ... without the `torch.` prefix), and the shapes of stored objects
+//! ([`ObjectLayout`], [`ObjectShape`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -84,6 +85,66 @@ impl FromStr for Dtype {
             .find(|(_, n, _)| *n == name)
             .map(|(d, _, _)| *d)
             .ok_or_else(|| UnknownDtype(s.to_owned()))
+    }
+}
+
+/// Shape of one stored object: `[kv, layers, slots, hidden]` (`kv` = 2, or 1 for MLA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectLayout {
+    /// K and V planes (2) or one (MLA).
+    pub kv: u64,
+    /// Layers.
+    pub layers: u64,
+    /// Token slots per chunk.
+    pub slots: u64,
+    /// Elements per token per layer (heads x head size).
+    pub hidden: u64,
+    /// Element type.
+    pub dtype: Dtype,
+}
+
+impl ObjectLayout {
+    /// Bytes of one object; `None` on overflow.
+    pub fn bytes(&self) -> Option<u64> {
+        self.kv
+            .checked_mul(self.layers)?
+            .checked_mul(self.slots)?
+            .checked_mul(self.hidden)?
+            .checked_mul(self.dtype.itemsize())
+    }
+
+    /// The object's tensor shape as the wire describes it.
+    pub fn shape(&self) -> Vec<u64> {
+        if self.kv == 1 {
+            vec![self.layers, self.slots, self.hidden]
+        } else {
+            vec![self.kv, self.layers, self.slots, self.hidden]
+        }
+    }
+}
+
+/// One stored object of an object group: its kernel groups' parts back to back, each a
+/// dense `[kv, layers, slots, hidden]` tensor of its own dtype, in kernel-group order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectShape {
+    /// The parts (never empty).
+    pub parts: Vec<ObjectLayout>,
+    /// Chunks a prefix needs from this group: `None` for full attention (all of them),
+    /// `Some(w)` for a sliding window of `w` chunks (1 for recurrent state).
+    pub window_chunks: Option<u64>,
+    /// Whether the group holds recurrent state (Mamba, linear attention).
+    pub recurrent: bool,
+}
+
+impl ObjectShape {
+    /// One full-attention part.
+    pub fn single(layout: ObjectLayout) -> Self {
+        Self { parts: vec![layout], window_chunks: None, recurrent: false }
+    }
+
+    /// Bytes of one object; `None` on overflow.
+    pub fn bytes(&self) -> Option<u64> {
+        self.parts.iter().try_fold(0u64, |acc, p| acc.checked_add(p.bytes()?))
     }
 }
 

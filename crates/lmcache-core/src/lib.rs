@@ -9,7 +9,7 @@
 //! # Components
 //! - [`key`]: [`ObjectKey`], [`ChunkHash`], [`KvRank`] and their validation.
 //! - [`hashing`]: LMCache 0.5.6's BLAKE3 prefix chain, batch and incremental.
-//! - [`layout`]: tensor element types as the wire names them.
+//! - [`layout`]: tensor element types as the wire names them, and stored objects' shapes.
 //! - [`units`]: byte-size helpers shared by configuration code.
 //! - [`error`]: why a key part or a hash input was refused.
 #![forbid(unsafe_code)]
@@ -23,4 +23,4 @@ pub mod units;
 pub use error::KeyError;
 pub use hashing::{DEFAULT_CHUNK_SIZE, NONE_HASH, PrefixHasher, TokenHasher};
 pub use key::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey};
-pub use layout::Dtype;
+pub use layout::{Dtype, ObjectLayout, ObjectShape};

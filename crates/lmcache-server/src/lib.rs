@@ -11,7 +11,9 @@
 //! - [`kv_events`]: the KV event log behind `subscribe_kv_events`.
 //! - [`http`]: the HTTP API (health, status, clear, checksums, metrics).
 //! - [`server`]: wiring, background reapers, shutdown; [`config`]: [`ServerConfig`].
-//! - [`state`]: the state handlers share (storage, sessions, registry, side channels).
+//! - [`state`]: [`state::RequestState`], all a handler sees (storage, sessions, registry),
+//!   inside [`state::ServerState`], which adds the side channels.
+//! - [`observers`]: the side channels as subscribers of storage's events.
 //! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
 //! - [`metrics`]: LMCache's Prometheus names and ours.
 //! - [`fleet_report`]: registration, heartbeats and cache events to a coordinator.
@@ -28,6 +30,7 @@ pub mod kv_events;
 pub mod kv_groups;
 pub mod lookup_log;
 pub mod metrics;
+pub mod observers;
 pub mod registry;
 pub mod server;
 pub mod session;

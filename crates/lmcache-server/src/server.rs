@@ -19,7 +19,7 @@ use crate::kv_events::KvEventLog;
 use crate::metrics::Metrics;
 use crate::registry::Registry;
 use crate::session::Sessions;
-use crate::state::{Pending, ServerState};
+use crate::state::{Pending, RequestState, ServerState};
 use crate::transport::{Transport, TransportError};
 
 /// Why the server could not start.
@@ -81,11 +81,19 @@ impl Server {
         let transport = Transport::bind(&config.endpoint())?;
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
-        let bus = crate::event_bus::EventBus::start(
-            config.event_bus_queue_size,
-            vec![crate::event_bus::log_subscriber()],
-        )
-        .map_err(io("starting the event bus"))?;
+        #[cfg(feature = "testing")]
+        let faults = crate::state::Faults::default();
+        #[cfg_attr(not(feature = "testing"), expect(unused_mut))]
+        let mut bus_subscribers = vec![crate::event_bus::log_subscriber()];
+        #[cfg(feature = "testing")]
+        {
+            let heard = Arc::clone(&faults.bus_heard);
+            bus_subscribers.push(Box::new(move |e: &crate::event_bus::Event| {
+                heard.lock().push(e.clone());
+            }));
+        }
+        let bus = crate::event_bus::EventBus::start(config.event_bus_queue_size, bus_subscribers)
+            .map_err(io("starting the event bus"))?;
         let trace = match &config.trace {
             None => None,
             Some(c) => {
@@ -144,29 +152,41 @@ impl Server {
         );
         let lookup_log = match &config.lookup_hash_log {
             None => None,
-            Some(c) => Some(
+            Some(c) => Some(Arc::new(
                 crate::lookup_log::LookupHashLog::start(c.clone())
                     .map_err(io("starting the lookup-hash log"))?,
-            ),
+            )),
         };
+        let metrics = Arc::new(Metrics::default());
+        storage.subscribe(subscribers(
+            &config,
+            &metrics,
+            &bus,
+            &events,
+            reporter.as_ref(),
+            trace.as_ref(),
+            lookup_log.as_ref(),
+        ));
         let state = Arc::new(ServerState {
+            requests: RequestState {
+                storage,
+                sessions: Sessions::new(hasher, config.session_ttl),
+                hasher,
+                registry: Registry::default(),
+                pending: Pending::default(),
+                config,
+            },
             lookup_log,
             trace,
             http_prefetches: parking_lot::Mutex::default(),
             reporter,
             fleet_snapshots: parking_lot::Mutex::default(),
-            storage,
             bus,
-            events,
-            sessions: Sessions::new(hasher, config.session_ttl),
-            hasher,
-            registry: Registry::default(),
-            pending: Pending::default(),
-            metrics: Metrics::default(),
+            kv_events: events,
+            metrics,
             started,
-            config,
             #[cfg(feature = "testing")]
-            faults: Default::default(),
+            faults,
         });
         let stop = Arc::new(AtomicBool::new(false));
         let http = match state.config.http_port {
@@ -400,4 +420,36 @@ pub fn storage_config_json(config: &ServerConfig) -> serde_json::Value {
             "prefetch_timeout_seconds": config.l2.prefetch_deadline.as_secs_f64(),
         },
     })
+}
+
+/// The side channels, as storage subscribers, in the order they hear each event: metrics
+/// first, then the bus, KV events, the coordinator reporter, the storage trace and the
+/// lookup-hash log (each only when configured).
+fn subscribers(
+    config: &ServerConfig,
+    metrics: &Arc<Metrics>,
+    bus: &crate::event_bus::EventBus,
+    kv_events: &Arc<KvEventLog>,
+    reporter: Option<&Arc<crate::fleet_report::Reporter>>,
+    trace: Option<&Arc<crate::trace_record::TraceRecorder>>,
+    lookup_log: Option<&Arc<crate::lookup_log::LookupHashLog>>,
+) -> Vec<Arc<dyn lmcache_storage::StorageSubscriber>> {
+    use crate::observers::*;
+    let mut subs: Vec<Arc<dyn lmcache_storage::StorageSubscriber>> = vec![
+        Arc::new(MetricsSubscriber { metrics: Arc::clone(metrics), chunk_size: config.chunk_size }),
+        Arc::new(BusSubscriber(bus.publisher())),
+    ];
+    if kv_events.enabled() {
+        subs.push(Arc::new(KvEventsSubscriber(Arc::clone(kv_events))));
+    }
+    if let Some(r) = reporter {
+        subs.push(Arc::new(ReporterSubscriber(Arc::clone(r))));
+    }
+    if let Some(t) = trace.filter(|t| t.level() == lmcache_workload::trace::Level::Storage) {
+        subs.push(Arc::new(TraceSubscriber(Arc::clone(t))));
+    }
+    if let Some(l) = lookup_log {
+        subs.push(Arc::new(LookupLogSubscriber(Arc::clone(l))));
+    }
+    subs
 }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use lmcache_core::{ChunkHash, ObjectKey, PrefixHasher, TokenHasher};
-use lmcache_storage::{Lookup, LookupLeases, Settled};
+use lmcache_storage::{Lookup, LookupLeases};
 use parking_lot::Mutex;
 
 /// Where the last lookup of a request stands.
@@ -43,15 +43,6 @@ impl LookupState {
     }
 }
 
-/// A prefetch that ended and was joined to its session: what the metrics and events report.
-#[derive(Debug, Clone, Copy)]
-pub struct SettledLookup {
-    /// Chunks asked for.
-    pub chunks: usize,
-    /// What the prefetch added.
-    pub settled: Settled,
-}
-
 /// One request's state.
 #[derive(Debug)]
 pub struct Session {
@@ -78,11 +69,11 @@ impl Session {
     }
 
     /// If the last lookup's prefetch has ended, joins its leases to the lookup's and makes its
-    /// hits ready. Returns what it added, once.
-    pub fn settle(&mut self) -> Option<SettledLookup> {
-        let LookupState::Active { lookup, chunks, .. } = &mut self.lookup else { return None };
-        let settled = lookup.settle()?;
-        Some(SettledLookup { chunks: *chunks, settled })
+    /// hits ready; `storage` announces what it added, once.
+    pub fn settle(&mut self, storage: &lmcache_storage::StorageManager, request_id: &str) {
+        if let LookupState::Active { lookup, chunks, .. } = &mut self.lookup {
+            storage.settle(request_id, *chunks, lookup);
+        }
     }
 
     /// Chunk hashes of the first `chunks` chunks of `tokens`. Incremental: when `tokens`

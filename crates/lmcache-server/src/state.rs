@@ -1,12 +1,15 @@
-//! Everything the handlers share.
+//! The state requests share: [`RequestState`], all a handler sees, inside [`ServerState`],
+//! which adds the side channels.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lmcache_core::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey, TokenHasher};
+use lmcache_core::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey, ObjectShape, TokenHasher};
 use lmcache_l1::{L1Cache, LeaseId, ReadLease};
 use lmcache_protocol::ProtocolError;
 use lmcache_protocol::types::CacheKey;
+use lmcache_storage::RequestContext;
 use parking_lot::Mutex;
 
 use crate::config::ServerConfig;
@@ -80,11 +83,13 @@ impl Pending {
     }
 }
 
-/// The server's shared state. Its public surface is what operators and tests observe:
-/// storage (the one door to L1 and L2), the metrics and the event bus; everything else is
-/// the server's own.
+/// What a request handler can reach: settings, sessions, registered workers, parked
+/// engine-driven transfers, and storage. Nothing else: the side channels (metrics, the event
+/// bus, KV events, the coordinator reporter, trace and lookup-hash logs) subscribe to
+/// storage's events ([`crate::observers`]), so a handler that wanted to feed one by hand has
+/// no field to do it with.
 #[derive(Debug)]
-pub struct ServerState {
+pub struct RequestState {
     /// Settings.
     pub(crate) config: ServerConfig,
     /// Token hasher (chunk size of the server).
@@ -95,35 +100,54 @@ pub struct ServerState {
     pub(crate) registry: Registry,
     /// Engine-driven transfers in flight.
     pub(crate) pending: Pending,
+    /// L1 and L2: the one owner of both tiers, and the one source of what requests did.
+    /// Stores reserve and commit through it (the commit queues the write-behind), lookups
+    /// and retrieves lock and spend through it, and HTTP lists, deletes, sets quotas and
+    /// attaches adapters through it.
+    pub storage: lmcache_storage::Storage,
+}
+
+/// The server's shared state: a [`RequestState`] (it derefs to one) and the side channels
+/// the handlers never see. Its public surface is what operators and tests observe: storage,
+/// the metrics and the event bus.
+#[derive(Debug)]
+pub struct ServerState {
+    /// What handlers see.
+    pub(crate) requests: RequestState,
     /// Counters.
-    pub metrics: Metrics,
-    /// KV events for `subscribe_kv_events`.
-    pub(crate) events: std::sync::Arc<KvEventLog>,
+    pub metrics: Arc<Metrics>,
     /// Typed events for subscribers (logging); never blocks a request.
     pub bus: crate::event_bus::EventBus,
+    /// KV events for `subscribe_kv_events`.
+    pub(crate) kv_events: Arc<KvEventLog>,
     /// Start time.
     pub(crate) started: Instant,
-    /// L1 and L2: the one owner of both tiers. Stores reserve and commit through it (the
-    /// commit queues the write-behind), lookups and retrieves lock and spend through it, and
-    /// HTTP lists, deletes, sets quotas and attaches adapters through it.
-    pub storage: lmcache_storage::Storage,
     /// Prefetches asked over HTTP: request id → `None` while running, then
     /// `(found_keys, total_keys)` until polled once.
     pub(crate) http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
     /// Reporting to a fleet coordinator, when `--coordinator-url` is set.
-    pub(crate) reporter: Option<std::sync::Arc<crate::fleet_report::Reporter>>,
+    pub(crate) reporter: Option<Arc<crate::fleet_report::Reporter>>,
     /// Frozen key lists of `GET /fleet/snapshot`.
     pub(crate) fleet_snapshots: crate::http::fleet::Snapshots,
     /// The lookup-hash log, when `--lookup-hash-log-dir` is set.
-    pub(crate) lookup_log: Option<crate::lookup_log::LookupHashLog>,
+    pub(crate) lookup_log: Option<Arc<crate::lookup_log::LookupHashLog>>,
     /// The trace recorder, when `--trace-level` is set.
-    pub(crate) trace: Option<std::sync::Arc<crate::trace_record::TraceRecorder>>,
+    pub(crate) trace: Option<Arc<crate::trace_record::TraceRecorder>>,
     /// Fault hooks for tests (feature `testing`).
     #[cfg(feature = "testing")]
     pub faults: Faults,
 }
 
-/// Where a test makes the server panic, by operation name (feature `testing` only).
+impl std::ops::Deref for ServerState {
+    type Target = RequestState;
+
+    fn deref(&self) -> &RequestState {
+        &self.requests
+    }
+}
+
+/// Test hooks (feature `testing` only): where a test makes the server panic, by operation
+/// name, and a copy of every event the bus delivered.
 #[cfg(feature = "testing")]
 #[derive(Debug, Default)]
 pub struct Faults {
@@ -131,17 +155,14 @@ pub struct Faults {
     pub panic_in_handler: Mutex<Option<&'static str>>,
     /// Around the handler of this operation (after it answered, while the reply is built).
     pub panic_after_handler: Mutex<Option<&'static str>>,
+    /// Every event the bus's subscribers heard, in order.
+    pub bus_heard: Arc<Mutex<Vec<crate::event_bus::Event>>>,
 }
 
-impl ServerState {
+impl RequestState {
     /// The L1 tier (for L1-only operations: the arena, parked handles, usage).
     pub fn l1(&self) -> &L1Cache {
         self.storage.l1()
-    }
-
-    /// The storage-level trace recorder, when one records.
-    pub fn storage_trace(&self) -> Option<&crate::trace_record::TraceRecorder> {
-        self.trace.as_deref().filter(|t| t.level() == lmcache_workload::trace::Level::Storage)
     }
 
     /// Chunk size in tokens.
@@ -224,65 +245,38 @@ impl ServerState {
     }
 
     /// Runs `f` on the request's existing session (`None` if there is none), after joining
-    /// the last lookup's prefetch if it has ended; what that prefetch added is counted and
-    /// announced once, here.
+    /// the last lookup's prefetch if it has ended (storage announces what it added, once).
     pub fn with_settled<R>(
         &self,
         request_id: &str,
         f: impl FnOnce(&mut Session) -> R,
     ) -> Option<R> {
-        let (r, settled) = self.sessions.with_existing(request_id, |s| {
-            let settled = s.settle();
-            (f(s), settled)
-        })?;
-        if let Some(crate::session::SettledLookup { chunks, settled: st }) = settled {
-            let c = self.chunk_size() as u64;
-            self.metrics.lookup_hit_tokens.inc_by(st.l2_hits as u64 * c);
-            self.metrics.lookup_hit_l2_tokens.inc_by(st.l2_hits as u64 * c);
-            self.metrics.lookup_hit_l2_keys.inc_by(st.loaded_keys as u64);
-            self.bus.publish(crate::event_bus::Event::Lookup {
-                request_id: request_id.to_owned(),
-                chunks,
-                hits: st.hits,
-            });
-        }
-        Some(r)
+        self.sessions.with_existing(request_id, |s| {
+            s.settle(&self.storage, request_id);
+            f(s)
+        })
     }
 
-    /// Announces newly resident chunks of shard 0 (`committed` are indexes into `hashes`) as
-    /// KV events. (The write-behind was queued by [`lmcache_storage::StorageManager::commit`].)
-    pub fn record_stored(
+    /// The context storage announces a request's calls with: `key`'s range on shard `shard`.
+    pub fn context<'a>(
         &self,
-        key: &CacheKey,
-        first: usize,
-        hashes: &[ChunkHash],
+        key: &'a CacheKey,
+        shard: u32,
+        first_chunk: usize,
+        hashes: &'a [ChunkHash],
         parent: Option<ChunkHash>,
-        committed: &[usize],
-    ) {
-        let span = tracing::Span::current();
-        span.record("request_id", key.request_id.as_str());
-        span.record("chunks", committed.len());
-        let c = self.chunk_size();
-        if let Some(rep) = &self.reporter {
-            for &j in committed {
-                let abs = first + j;
-                if let (Some(h), Some(tokens)) =
-                    (hashes.get(j), key.token_ids.get(abs * c..(abs + 1) * c))
-                {
-                    rep.bind_tokens(h, tokens, abs * c);
-                }
-            }
-        }
-        if key.worker_id.unwrap_or(0) != 0 || !self.events.enabled() {
-            return;
-        }
-        for &j in committed {
-            let abs = first + j;
-            let Some(tokens) = key.token_ids.get(abs * c..(abs + 1) * c) else { continue };
-            let parent = if j == 0 { parent } else { hashes.get(j - 1).copied() };
-            if let Some(h) = hashes.get(j) {
-                self.events.stored(key.model_name.as_str(), *h, parent, tokens);
-            }
+        objects: &'a [ObjectShape],
+    ) -> RequestContext<'a> {
+        RequestContext {
+            request_id: &key.request_id,
+            model: &key.model_name,
+            shard,
+            chunk_size: self.chunk_size(),
+            first_chunk,
+            hashes,
+            parent,
+            tokens: &key.token_ids,
+            objects,
         }
     }
 }

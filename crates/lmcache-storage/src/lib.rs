@@ -10,6 +10,10 @@
 //! - [`manager`]: [`StorageManager`], the one owner of L1 and L2 the store path calls:
 //!   reserve (waiting for the write-behind rather than evicting what L2 lacks), commit (L1
 //!   commit plus write-behind in one call), flush.
+//! - [`observe`]: [`StorageEvent`]s, what storage tells its [`StorageSubscriber`]s (metrics,
+//!   KV events, trace recording and the like), with the [`RequestContext`] a caller hands it.
+//! - [`scope`]: [`RequestScope`], a request's view of storage: the manager's operations, each
+//!   announced with the request's context.
 //! - [`lookup`]: a lookup through both tiers as one value (`Ready` leases or `Pending` on a
 //!   prefetch), and the leases a retrieve spends.
 //! - [`tier`]: [`L2Tier`], the ordered set of adapters (priority = order), their health and
@@ -26,18 +30,24 @@ pub mod fold;
 pub mod ledger;
 pub mod lookup;
 pub mod manager;
+pub mod observe;
 pub mod prefetch;
+pub mod scope;
 pub mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod tier;
 
 pub use build::{BuildError, Storage, StorageConfig};
-pub use lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest, PendingLookup, Settled};
+pub use lookup::{
+    GroupLookupRequest, Lookup, LookupLeases, LookupRequest, PendingLookup, Settled, ShardKeys,
+};
 pub use manager::{
     DeleteReport, DeleteScope, L2Listing, StorageError, StorageManager, StoreSlot, TierName,
 };
+pub use observe::{RequestContext, StorageEvent, StorageSubscriber};
 pub use prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchWaiter};
+pub use scope::RequestScope;
 pub use tier::{
     AdapterCounters, AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig,
     TierObserver, TierStats,

@@ -16,8 +16,10 @@ use lmcache_l1::{L1Cache, L1Error, ReadLease, ReserveMode, WriteRequest, WriteRe
 use lmcache_l2::{ConfigError, KeyPage, L2Error};
 use serde_json::Value;
 
-use crate::lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest};
+use crate::lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest, Settled, ShardKeys};
+use crate::observe::{RequestContext, StorageEvent, StorageSubscriber, Subscribers};
 use crate::prefetch::{PrefetchOutcome, PrefetchRequest};
+use crate::scope::RequestScope;
 use crate::tier::{AdapterInfo, L2Tier, TierObserver};
 
 /// One tier, where a caller names one (quotas, listings).
@@ -115,6 +117,7 @@ pub struct L2Listing {
 pub struct StorageManager {
     l1: L1Cache,
     l2: Option<L2Tier>,
+    subscribers: Subscribers,
 }
 
 impl StorageManager {
@@ -122,7 +125,43 @@ impl StorageManager {
     /// (see the module docs).
     pub fn new(l1: L1Cache, l2: Option<L2Tier>) -> Self {
         l1.set_write_behind(l2.as_ref().is_some_and(|t| !t.is_empty()));
-        Self { l1, l2 }
+        Self { l1, l2, subscribers: Subscribers::default() }
+    }
+
+    /// Installs the subscribers every [`RequestScope`] call and [`Self::announce`] tells, in
+    /// this order. Once: false (nothing changes) when some were installed before.
+    pub fn subscribe(&self, subscribers: Vec<Arc<dyn StorageSubscriber>>) -> bool {
+        self.subscribers.install(subscribers)
+    }
+
+    /// Tells the subscribers what only a caller knows (a request began, a retrieve's copy
+    /// ended); storage's own operations announce themselves.
+    pub fn announce(&self, event: &StorageEvent<'_>) {
+        self.subscribers.publish(event);
+    }
+
+    pub(crate) fn subscribers(&self) -> &Subscribers {
+        &self.subscribers
+    }
+
+    /// This storage for one request: every call is announced with `ctx`.
+    pub fn scope<'s, 'a>(&'s self, ctx: &'s RequestContext<'a>) -> RequestScope<'s, 'a> {
+        RequestScope::new(self, ctx)
+    }
+
+    /// If `lookup`'s prefetch has ended, joins it ([`Lookup::settle`]) and announces what it
+    /// added for `request_id`'s lookup of `chunks` chunks. Returns that, once.
+    pub fn settle(&self, request_id: &str, chunks: usize, lookup: &mut Lookup) -> Option<Settled> {
+        let settled = lookup.settle()?;
+        self.announce(&StorageEvent::LookupSettled { request_id, chunks, settled });
+        Some(settled)
+    }
+
+    /// A request ended: `touched` (the keys it used) move up in L1's eviction order, and
+    /// subscribers hear it.
+    pub fn end_session(&self, request_id: &str, touched: &[ObjectKey]) {
+        self.touch(touched);
+        self.announce(&StorageEvent::SessionEnded { request_id, touched });
     }
 
     /// The L1 tier.
@@ -163,23 +202,22 @@ impl StorageManager {
     /// times; if that is short and L2 has adapters, a prefetch of the rest starts and the
     /// answer is [`Lookup::Pending`].
     pub fn lookup(&self, req: &LookupRequest) -> Lookup {
-        let chunks = req.chunks();
-        let per_shard: Vec<(u32, Vec<ReadLease>)> = req
-            .shards
+        self.lookup_shards(&req.shards, req.world_size, req.readers)
+    }
+
+    fn lookup_shards(&self, shards: &[ShardKeys], world_size: u32, readers: u32) -> Lookup {
+        let chunks = shards.first().map_or(0, |(_, k)| k.len());
+        let per_shard: Vec<(u32, Vec<ReadLease>)> = shards
             .iter()
-            .map(|(w, keys)| (*w, self.l1.read_lock_prefix(keys, req.readers).unwrap_or_default()))
+            .map(|(w, keys)| (*w, self.l1.read_lock_prefix(keys, readers).unwrap_or_default()))
             .collect();
-        let (leases, hit) = LookupLeases::common_prefix(req.world_size, per_shard);
+        let (leases, hit) = LookupLeases::common_prefix(world_size, per_shard);
         match &self.l2 {
             Some(l2) if hit < chunks && !l2.is_empty() => {
-                let rest: Vec<Vec<ObjectKey>> = req
-                    .shards
-                    .iter()
-                    .map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec())
-                    .collect();
-                let handle =
-                    l2.start_prefetch(PrefetchRequest { shards: rest, readers: req.readers });
-                Lookup::pending(leases, hit, handle, req.shards.iter().map(|(w, _)| *w).collect())
+                let rest: Vec<Vec<ObjectKey>> =
+                    shards.iter().map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec()).collect();
+                let handle = l2.start_prefetch(PrefetchRequest { shards: rest, readers });
+                Lookup::pending(leases, hit, handle, shards.iter().map(|(w, _)| *w).collect())
             }
             _ => Lookup::Ready { leases, hits: hit },
         }
@@ -200,12 +238,7 @@ impl StorageManager {
             return Lookup::Ready { leases: LookupLeases::default(), hits: 0 };
         };
         if req.groups.len() == 1 && req.groups[0].0.is_none() {
-            let one = LookupRequest {
-                shards: first.clone(),
-                world_size: req.world_size,
-                readers: req.readers,
-            };
-            return self.lookup(&one);
+            return self.lookup_shards(first, req.world_size, req.readers);
         }
         let chunks = first.first().map_or(0, |(_, k)| k.len());
         // rows[og][shard]: the lock result of every chunk.

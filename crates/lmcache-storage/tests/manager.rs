@@ -236,3 +236,102 @@ fn a_failed_l2_delete_names_its_adapter_and_the_others_still_delete() {
         assert_eq!(kept.page.keys.len(), 3, "the failing adapter lost keys");
     });
 }
+
+/// Records what it hears, one line per event.
+#[derive(Debug, Default)]
+struct Heard(parking_lot::Mutex<Vec<String>>);
+
+impl lmcache_storage::StorageSubscriber for Heard {
+    fn on_event(&self, e: &lmcache_storage::StorageEvent<'_>) {
+        use lmcache_storage::StorageEvent as E;
+        let line = match e {
+            E::LookupStarted { ctx, request } => {
+                format!("lookup {} groups={}", ctx.request_id, request.groups.len())
+            }
+            E::LookedUp { l1_hits, shards, pending, .. } => {
+                format!("looked-up hits={l1_hits} shards={shards} pending={pending}")
+            }
+            E::WriteReserving { keys, object_group, .. } => {
+                format!("reserving {} og={object_group}", keys.len())
+            }
+            E::WriteRefused { error, .. } => format!("refused {error}"),
+            E::Committed { results, .. } => {
+                format!(
+                    "committed {}/{}",
+                    results.iter().filter(|r| r.is_ok()).count(),
+                    results.len()
+                )
+            }
+            E::ReadLeased { keys, .. } => format!("read {}", keys.len()),
+            E::StoreFinished { committed, .. } => format!("stored {committed:?}"),
+            E::LookupSettled { settled, .. } => format!("settled hits={}", settled.hits),
+            E::SessionEnded { touched, .. } => format!("ended touched={}", touched.len()),
+            other => format!("{other:?}"),
+        };
+        self.0.lock().push(line);
+    }
+}
+
+#[test]
+fn a_request_scope_announces_every_call_with_its_outcome() {
+    let l1 = common::l1(8 << 20);
+    let m = StorageManager::new(l1.clone(), None);
+    let heard = std::sync::Arc::new(Heard::default());
+    assert!(m.subscribe(vec![heard.clone()]));
+    assert!(!m.subscribe(vec![heard.clone()]), "subscribers are installed once");
+    let model = lmcache_core::ModelName::new("test/model").unwrap();
+    let hashes: Vec<lmcache_core::ChunkHash> = (0..2).map(|i| key(0, i).chunk_hash).collect();
+    let ctx = lmcache_storage::RequestContext {
+        request_id: "r",
+        model: &model,
+        shard: 0,
+        chunk_size: 256,
+        first_chunk: 0,
+        hashes: &hashes,
+        parent: None,
+        tokens: &[],
+        objects: &[],
+    };
+    let scope = m.scope(&ctx);
+    // Two chunks fit, a third of the whole L1's size is refused.
+    let reqs = vec![
+        WriteRequest::new(key(0, 0), OBJ),
+        WriteRequest::new(key(0, 1), OBJ),
+        WriteRequest::new(key(0, 2), 64 << 20),
+    ];
+    let writes: Vec<_> = scope
+        .reserve_for_store(0, &reqs)
+        .into_iter()
+        .filter_map(|s| match s {
+            lmcache_storage::StoreSlot::Write(w) => Some(w),
+            _ => None,
+        })
+        .collect();
+    assert!(scope.commit(writes).iter().all(Result::is_ok));
+    scope.store_finished(&[0, 1], 2 * OBJ, None);
+    let lookup = scope.lookup(&lmcache_storage::GroupLookupRequest {
+        groups: vec![(None, vec![(0, vec![key(0, 0), key(0, 1)])])],
+        world_size: 1,
+        readers: 1,
+    });
+    assert_eq!(lookup.hits(), Some(2));
+    let leases = scope.retrieve_leases(Vec::new(), &[key(0, 0)]);
+    assert!(leases[0].is_ok());
+    m.end_session("r", &[key(0, 0)]);
+    let heard = heard.0.lock().clone();
+    assert_eq!(heard.len(), 8, "{heard:#?}");
+    assert_eq!(heard[0], "reserving 3 og=0");
+    assert!(heard[1].starts_with("refused "), "{heard:#?}");
+    assert_eq!(
+        heard[2..],
+        [
+            "committed 2/2",
+            "stored [0, 1]",
+            "lookup r groups=1",
+            "looked-up hits=2 shards=1 pending=false",
+            "read 1",
+            "ended touched=1",
+        ]
+        .map(str::to_owned)
+    );
+}

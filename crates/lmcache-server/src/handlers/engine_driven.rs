@@ -13,13 +13,13 @@ use lmcache_l1::WriteRequest;
 use lmcache_protocol::ProtocolError;
 use lmcache_protocol::request::{Command, CommitStore, KeyAndInstance};
 use lmcache_protocol::types::{self, CacheKey, SlotDesc};
-use lmcache_storage::StoreSlot;
+use lmcache_storage::{StorageEvent, StoreSlot};
 use rmpv::Value;
 
 use crate::registry::{Family, Instance, ObjectLayout, ObjectShape, Registration};
-use crate::state::{PendingKey, PendingStore, ServerState};
+use crate::state::{PendingKey, PendingStore, RequestState};
 
-pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
+pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
     match cmd {
         Command::RegisterEngineDriven(r) => {
             let refuse = |e: ProtocolError| {
@@ -120,7 +120,7 @@ pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>,
     }
 }
 
-fn instance(state: &ServerState, id: u64) -> Result<Instance, ProtocolError> {
+fn instance(state: &RequestState, id: u64) -> Result<Instance, ProtocolError> {
     state.registry.get(Family::EngineDriven, id).ok_or_else(|| {
         super::refused(state, Family::EngineDriven, id).unwrap_or_else(|| {
             ProtocolError::NotServable {
@@ -143,22 +143,22 @@ fn layout_of(inst: &Instance) -> Result<ObjectLayout, ProtocolError> {
     })
 }
 
-fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
-    let layout = layout_of(&instance(state, id)?)?;
-    state.metrics.submitted_stores.inc();
+fn prepare_store(state: &RequestState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
+    let inst = instance(state, id)?;
+    let layout = layout_of(&inst)?;
+    state.storage.announce(&StorageEvent::StoreStarted { request_id: &key.request_id });
     let size = layout.bytes().unwrap_or(0);
-    let (_, hashes) = state.range_hashes(key);
-    let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, 0)?;
+    let (first, hashes) = state.range_hashes(key);
+    let shard = key.worker_id.unwrap_or(0);
+    let keys = state.object_keys(key, shard, &hashes, 0)?;
+    let ctx = state.context(key, shard, first, &hashes, None, &inst.objects);
     let reqs: Vec<WriteRequest> = keys.iter().map(|k| WriteRequest::new(k.clone(), size)).collect();
     let mut slots = Vec::new();
     let mut indices = Vec::new();
     let mut leases = Vec::new();
-    if let Some(t) = state.storage_trace() {
-        t.reserve_write(&keys, Some(&crate::registry::ObjectShape::single(layout)));
-    }
     // A chunk another writer is still staging gets a slot of this store's own: the client's
     // commit never counts on that writer finishing.
-    for (i, r) in state.storage.reserve_for_store(&reqs).into_iter().enumerate() {
+    for (i, r) in state.storage.scope(&ctx).reserve_for_store(0, &reqs).into_iter().enumerate() {
         match r {
             StoreSlot::Write(w) => {
                 // Allocate the tmpfs pages here, so the client's copy only maps them.
@@ -168,13 +168,7 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
                 leases.push(state.l1().park_write(w));
             }
             StoreSlot::Resident => {}
-            StoreSlot::Refused(e) => {
-                tracing::debug!(error = %e, "chunk not stored");
-                state.bus.publish(crate::event_bus::Event::L1WriteRefused {
-                    request_id: key.request_id.clone(),
-                    reason: e.to_string(),
-                });
-            }
+            StoreSlot::Refused(e) => tracing::debug!(error = %e, "chunk not stored"),
         }
     }
     if !leases.is_empty() {
@@ -186,14 +180,14 @@ fn prepare_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, 
     Ok(types::PrepareStoreResponse { slots, chunk_indices: indices }.encode())
 }
 
-fn discard_parked_writes(state: &ServerState, old: Option<PendingStore>) {
+fn discard_parked_writes(state: &RequestState, old: Option<PendingStore>) {
     for id in old.map(|p| p.leases).unwrap_or_default() {
         drop(state.l1().take_write(id));
     }
 }
 
-fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<bool, ProtocolError> {
-    instance(state, id)?;
+fn commit_store(state: &RequestState, key: &CacheKey, id: u64) -> Result<bool, ProtocolError> {
+    let inst = instance(state, id)?;
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let pk = PendingKey::new(id, key, &hashes);
     let Some(PendingStore { leases: ids, .. }) = state.pending.stores.lock().remove(&pk) else {
@@ -207,41 +201,31 @@ fn commit_store(state: &ServerState, key: &CacheKey, id: u64) -> Result<bool, Pr
         .iter()
         .filter_map(|w| hashes.iter().position(|h| *h == w.key().chunk_hash))
         .collect();
-    let traced: Vec<_> = match state.storage_trace() {
-        Some(_) => writes.iter().map(|w| w.key().clone()).collect(),
-        None => Vec::new(),
-    };
-    let results = state.storage.commit(writes);
-    if let Some(t) = state.storage_trace() {
-        t.finish_write(&traced);
-    }
+    let ctx = state.context(key, key.worker_id.unwrap_or(0), first, &hashes, parent, &inst.objects);
+    let storage = state.storage.scope(&ctx);
+    let results = storage.commit(writes);
     let committed: Vec<usize> =
         idx.iter().zip(&results).filter(|(_, r)| r.is_ok()).map(|(&i, _)| i).collect();
-    state.metrics.l1_write_chunks.inc_by(committed.len() as u64);
-    state.metrics.finished_stores.inc();
-    state.record_stored(key, first, &hashes, parent, &committed);
-    state.bus.publish(crate::event_bus::Event::Stored {
-        request_id: key.request_id.clone(),
-        chunks: committed.len(),
-        bytes: 0,
-    });
+    let span = tracing::Span::current();
+    span.record("request_id", key.request_id.as_str());
+    span.record("chunks", committed.len());
+    storage.store_finished(&committed, 0, None);
     Ok(committed.len() == expected)
 }
 
-fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
-    let layout = layout_of(&instance(state, id)?)?;
-    state.metrics.submitted_retrieves.inc();
+fn prepare_retrieve(state: &RequestState, key: &CacheKey, id: u64) -> Result<Value, ProtocolError> {
+    let inst = instance(state, id)?;
+    let layout = layout_of(&inst)?;
+    state.storage.announce(&StorageEvent::RetrieveStarted { request_id: &key.request_id });
     let (first, hashes) = state.range_hashes(key);
     let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, 0)?;
     // Spend this worker's share of the lookup's locks (a new lock only where it holds none);
     // from here on commit_retrieve releases what this parks, and nothing of the lookup's.
     let shard = key.worker_id.unwrap_or(0) as usize;
     let spent = state.spend_lookup_locks(&key.request_id, shard, first..first + hashes.len());
+    let ctx = state.context(key, shard as u32, first, &hashes, None, &inst.objects);
     let leases: Result<Vec<_>, _> =
-        state.storage.retrieve_leases(spent, &keys).into_iter().collect();
-    if let Some(t) = state.storage_trace() {
-        t.finish_read(&keys, 1);
-    }
+        state.storage.scope(&ctx).retrieve_leases(spent, &keys).into_iter().collect();
     let pk = PendingKey::new(id, key, &hashes);
     // Each object must have this instance's layout: a slot is the client's copy length.
     let want = layout.bytes();
@@ -270,26 +254,25 @@ fn prepare_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> Result<Valu
 
 /// Parks a prepared retrieve's leases (`None`: it failed, having spent the lookup's locks),
 /// releasing any earlier one of the same transfer.
-fn park_retrieve(state: &ServerState, pk: PendingKey, parked: Option<Vec<lmcache_l1::LeaseId>>) {
+fn park_retrieve(state: &RequestState, pk: PendingKey, parked: Option<Vec<lmcache_l1::LeaseId>>) {
     let old = state.pending.retrieves.lock().insert(pk, (Instant::now(), parked));
     for lid in old.and_then(|(_, v)| v).unwrap_or_default() {
         drop(state.l1().take_read(lid));
     }
 }
 
-fn commit_retrieve(state: &ServerState, key: &CacheKey, id: u64) -> bool {
+fn commit_retrieve(state: &RequestState, key: &CacheKey, id: u64) -> bool {
     let (first, hashes) = state.range_hashes(key);
     let pk = PendingKey::new(id, key, &hashes);
     let parked = state.pending.retrieves.lock().remove(&pk);
     match parked {
         Some((_, Some(ids))) => {
             let n = ids.iter().filter_map(|i| state.l1().take_read(*i)).count();
-            state.metrics.l1_read_chunks.inc_by(n as u64);
-            state.metrics.chunks_loaded.inc_by(n as u64);
-            state.metrics.finished_retrieves.inc();
-            state.bus.publish(crate::event_bus::Event::Retrieved {
-                request_id: key.request_id.clone(),
+            state.storage.announce(&StorageEvent::RetrieveFinished {
+                request_id: &key.request_id,
                 chunks: n,
+                bytes: 0,
+                copy_time: None,
             });
             true
         }

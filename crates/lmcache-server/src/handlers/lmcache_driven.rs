@@ -18,14 +18,14 @@ use lmcache_memory::ForeignSegment;
 use lmcache_protocol::ProtocolError;
 use lmcache_protocol::request::{Command, RegisterKvCache, Retrieve, Store};
 use lmcache_protocol::types::{self, CacheKey, IpcDescriptor};
-use lmcache_storage::StoreSlot;
+use lmcache_storage::{StorageEvent, StoreSlot};
 use rmpv::Value;
 
 use crate::registry::{Family, Instance, KernelGroup, LayerTensor, Registration};
-use crate::state::ServerState;
+use crate::state::RequestState;
 use crate::transfer::{CpuTransfer, KvTransfer};
 
-pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
+pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
     match cmd {
         Command::RegisterKvCache(r) => {
             if let Err(e) = register(state, &r) {
@@ -65,7 +65,7 @@ fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
 }
 
 /// A client segment name the server may map: inside `--allowed-shm-prefix` when one is set.
-fn check_segment_name(state: &ServerState, name: &str) -> Result<(), String> {
+fn check_segment_name(state: &RequestState, name: &str) -> Result<(), String> {
     let bare = name.strip_prefix('/').unwrap_or(name);
     match &state.config.allowed_shm_prefix {
         Some(p) if !bare.starts_with(p.as_str()) => {
@@ -78,7 +78,7 @@ fn check_segment_name(state: &ServerState, name: &str) -> Result<(), String> {
 /// A mapped client segment the server may use: owned by the server's own uid (a segment of
 /// another user is not this client's to hand over), and not the server's own L1 pool (which
 /// a client could otherwise have the server copy over itself).
-fn check_segment(state: &ServerState, name: &str, seg: &ForeignSegment) -> Result<(), String> {
+fn check_segment(state: &RequestState, name: &str, seg: &ForeignSegment) -> Result<(), String> {
     let me = nix::unistd::geteuid().as_raw();
     if seg.owner_uid() != me {
         return Err(format!(
@@ -92,7 +92,7 @@ fn check_segment(state: &ServerState, name: &str, seg: &ForeignSegment) -> Resul
     Ok(())
 }
 
-fn register(state: &ServerState, r: &RegisterKvCache) -> Result<(), ProtocolError> {
+fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), ProtocolError> {
     let id = r.instance_id;
     let model = lmcache_core::ModelName::new(&r.model_name)
         .map_err(|e| bad("model_name", e.to_string()))?;
@@ -319,13 +319,13 @@ impl Plan<'_> {
 }
 
 fn store(
-    state: &ServerState,
+    state: &RequestState,
     key: &CacheKey,
     id: u64,
     blocks: &[Vec<u64>],
 ) -> Result<bool, ProtocolError> {
     let t0 = Instant::now();
-    state.metrics.submitted_stores.inc();
+    state.storage.announce(&StorageEvent::StoreStarted { request_id: &key.request_id });
     let Some(inst) = state.registry.get(Family::LmcacheDriven, id) else {
         return super::refused(state, Family::LmcacheDriven, id).map_or(Ok(false), Err);
     };
@@ -333,6 +333,9 @@ fn store(
     let (first, hashes, parent) = state.range_hashes_with_parent(key);
     let n = hashes.len();
     p.check_blocks(blocks, n)?;
+    let shard = key.worker_id.unwrap_or(0);
+    let ctx = state.context(key, shard, first, &hashes, parent, &inst.objects);
+    let storage = state.storage.scope(&ctx);
     let null = state.config.null_block_id;
     let mut ok = true;
     let mut bytes = 0u64;
@@ -340,19 +343,14 @@ fn store(
     let mut stored = vec![true; n];
     let mut any = vec![false; n];
     for og in 0..p.object_groups.len() {
-        let keys = state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, og as u32)?;
+        let keys = state.object_keys(key, shard, &hashes, og as u32)?;
         let size = inst.objects.get(og).and_then(|o| o.bytes()).unwrap_or(0);
         let wanted: Vec<usize> = (0..n).filter(|&i| p.has_data(blocks, og, i, null)).collect();
         let reqs: Vec<WriteRequest> =
             wanted.iter().map(|&i| WriteRequest::new(keys[i].clone(), size)).collect();
         let mut filled = Vec::new();
         let mut filled_idx = Vec::new();
-        let trace = state.storage_trace();
-        if let Some(t) = trace {
-            let ks: Vec<_> = wanted.iter().map(|&i| keys[i].clone()).collect();
-            t.reserve_write(&ks, inst.objects.get(og));
-        }
-        for (&i, res) in wanted.iter().zip(state.storage.reserve_for_store(&reqs)) {
+        for (&i, res) in wanted.iter().zip(storage.reserve_for_store(og as u32, &reqs)) {
             any[i] = true;
             match res {
                 StoreSlot::Write(mut w) => {
@@ -375,43 +373,23 @@ fn store(
                 StoreSlot::Refused(e) => {
                     stored[i] = false;
                     tracing::debug!(error = %e, "chunk not stored");
-                    state.bus.publish(crate::event_bus::Event::L1WriteRefused {
-                        request_id: key.request_id.clone(),
-                        reason: e.to_string(),
-                    });
                 }
             }
         }
-        let traced: Vec<_> = match trace {
-            Some(_) => filled.iter().map(|w| w.key().clone()).collect(),
-            None => Vec::new(),
-        };
-        let results = state.storage.commit(filled);
-        if let Some(t) = trace {
-            t.finish_write(&traced);
-        }
+        let results = storage.commit(filled);
         for (&i, r) in filled_idx.iter().zip(&results) {
             match r {
                 Ok(_) => bytes += size,
                 Err(_) => stored[i] = false,
             }
         }
-        state.metrics.l1_write_chunks.inc_by(results.iter().filter(|r| r.is_ok()).count() as u64);
     }
     let t_copy = t0.elapsed();
     let committed: Vec<usize> = (0..n).filter(|&i| any[i] && stored[i]).collect();
-    state.metrics.finished_stores.inc();
-    crate::metrics::Metrics::copy_throughput(
-        &state.metrics.store_throughput,
-        bytes,
-        t_copy.as_secs_f64(),
-    );
-    state.record_stored(key, first, &hashes, parent, &committed);
-    state.bus.publish(crate::event_bus::Event::Stored {
-        request_id: key.request_id.clone(),
-        chunks: committed.len(),
-        bytes,
-    });
+    let span = tracing::Span::current();
+    span.record("request_id", key.request_id.as_str());
+    span.record("chunks", committed.len());
+    storage.store_finished(&committed, bytes, Some(t_copy));
     tracing::debug!(
         chunks = committed.len(),
         copy_ms = t_copy.as_secs_f64() * 1e3,
@@ -422,7 +400,7 @@ fn store(
 }
 
 fn retrieve(
-    state: &ServerState,
+    state: &RequestState,
     key: &CacheKey,
     id: u64,
     blocks: &[Vec<u64>],
@@ -445,17 +423,19 @@ fn retrieve(
         release();
         return Err(e);
     }
+    let ctx = state.context(key, shard as u32, first, &hashes, None, &inst.objects);
+    let storage = state.storage.scope(&ctx);
     let chunk = state.chunk_size() as u64;
     let mut ok = true;
     let mut copied = 0u64;
     let mut chunks = 0usize;
     let t0 = Instant::now();
-    state.metrics.submitted_retrieves.inc();
+    state.storage.announce(&StorageEvent::RetrieveStarted { request_id: &key.request_id });
     // Spend the lookup's locks on these chunks (a new lock only where it holds none): each
     // lease is released as soon as its chunk is copied.
     let mut spent = Some(state.spend_lookup_locks(&key.request_id, shard, first..first + n));
     for og in 0..p.object_groups.len() {
-        let keys = match state.object_keys(key, key.worker_id.unwrap_or(0), &hashes, og as u32) {
+        let keys = match state.object_keys(key, shard as u32, &hashes, og as u32) {
             Ok(k) => k,
             Err(e) => {
                 release();
@@ -467,22 +447,18 @@ fn retrieve(
             Some(w) => n.saturating_sub(w as usize),
             None => 0,
         };
-        // The lookup locked object group 0; the others take a lock of their own here.
-        let locks = match (og, spent.take()) {
+        // The lookup locked object group 0; the others take a lock of their own here. Locks
+        // on chunks before a window are released unread.
+        let mut locks = match (og, spent.take()) {
             (0, Some(s)) => s,
             (_, s) => {
                 drop(s);
                 (0..n).map(|_| None).collect()
             }
         };
-        let leases: Vec<_> = state.storage.retrieve_leases(locks, &keys).into_iter().collect();
-        if let Some(t) = state.storage_trace() {
-            t.finish_read(&keys[from..], 1);
-        }
-        for (i, lease) in leases.into_iter().enumerate() {
-            if i < from {
-                continue;
-            }
+        let locks = locks.split_off(from.min(locks.len()));
+        let leases = storage.retrieve_leases(locks, &keys[from..]);
+        for (i, lease) in (from..).zip(leases) {
             let Ok(lease) = lease else {
                 ok = false;
                 break;
@@ -494,8 +470,6 @@ fn retrieve(
                 break;
             }
             if og == 0 {
-                state.metrics.l1_read_chunks.inc();
-                state.metrics.chunks_loaded.inc();
                 chunks += 1;
             }
             copied += lease.len();
@@ -504,14 +478,11 @@ fn retrieve(
             break;
         }
     }
-    state.metrics.finished_retrieves.inc();
-    state
-        .bus
-        .publish(crate::event_bus::Event::Retrieved { request_id: key.request_id.clone(), chunks });
-    crate::metrics::Metrics::copy_throughput(
-        &state.metrics.load_throughput,
-        copied,
-        t0.elapsed().as_secs_f64(),
-    );
+    state.storage.announce(&StorageEvent::RetrieveFinished {
+        request_id: &key.request_id,
+        chunks,
+        bytes: copied,
+        copy_time: Some(t0.elapsed()),
+    });
     Ok(ok)
 }

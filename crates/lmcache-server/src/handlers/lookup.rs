@@ -15,12 +15,12 @@ use rmpv::Value;
 
 use std::time::Duration;
 
-use lmcache_storage::LookupRequest;
+use lmcache_storage::{GroupLookupRequest, StorageEvent};
 
 use crate::session::LookupState;
-use crate::state::ServerState;
+use crate::state::RequestState;
 
-pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
+pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
     match cmd {
         Command::Lookup(l) => {
             lookup(state, &l.key)?;
@@ -60,14 +60,7 @@ pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>,
         Command::EndSession(request_id) => {
             let id = request_id.as_str();
             if let Some(session) = state.sessions.remove(id) {
-                state.storage.touch(&session.touched);
-                if let Some(r) = &state.reporter {
-                    r.l1_accessed(&session.touched);
-                }
-                drop(session);
-                state
-                    .bus
-                    .publish(crate::event_bus::Event::SessionEnded { request_id: id.to_owned() });
+                state.storage.end_session(id, &session.touched);
             }
             Ok(None)
         }
@@ -77,7 +70,7 @@ pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>,
 
 /// The hit count of the request's last lookup, exactly once; nil while its prefetch runs; 0
 /// afterwards or if unknown.
-fn take_hits(state: &ServerState, request_id: &str) -> Value {
+fn take_hits(state: &RequestState, request_id: &str) -> Value {
     let hits = state.with_settled(request_id, |s| match &mut s.lookup {
         LookupState::Active { answered: true, .. } | LookupState::Idle => Some(0),
         LookupState::Active { lookup, answered, .. } => {
@@ -92,7 +85,7 @@ fn take_hits(state: &ServerState, request_id: &str) -> Value {
     }
 }
 
-fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
+fn lookup(state: &RequestState, key: &CacheKey) -> Result<(), ProtocolError> {
     let readers = key.num_kv_readers;
     if readers == 0 {
         // LMCache raises here and never replies; we reply, with zero hits.
@@ -106,8 +99,7 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
     let span = tracing::Span::current();
     span.record("request_id", key.request_id.as_str());
     span.record("chunks", chunks);
-    state.metrics.lookups.inc();
-    state.metrics.lookup_requested_tokens.inc_by((chunks * state.chunk_size()) as u64);
+    state.storage.announce(&StorageEvent::LookupAsked { request_id: &key.request_id, chunks });
     if chunks == 0 || !state.registry.has_model(&key.model_name, key.world_size) {
         // Old locks go; nothing to answer but 0.
         state.sessions.with(&key.request_id, |s| s.lookup = LookupState::Idle);
@@ -118,132 +110,37 @@ fn lookup(state: &ServerState, key: &CacheKey) -> Result<(), ProtocolError> {
         None => (0..key.world_size).collect(),
     };
     let readers = readers.min(state.l1().config().max_read_locks);
+    let objects = state.registry.objects(&key.model_name, key.world_size);
     state.sessions.with(&key.request_id, |s| -> Result<(), ProtocolError> {
         let hashes = s.chunk_hashes(&key.token_ids, chunks);
-        if let Some(log) = &state.lookup_log {
-            log_lookup(state, log, key, &hashes);
-        }
         // Old locks go first: a repeated lookup replaces them (and abandons any prefetch it
         // started: dropping it releases that prefetch's leases when it ends).
         s.lookup = LookupState::Idle;
-        let mut req = LookupRequest {
-            shards: Vec::with_capacity(shards.len()),
+        // One row of keys per (object group, shard): object group 0's are what a retrieve
+        // spends; a hybrid model's other groups hold the cells its windows need.
+        let groups = objects.len().max(1);
+        let mut req = GroupLookupRequest {
+            groups: Vec::with_capacity(groups),
             world_size: key.world_size,
             readers,
         };
-        let mut touched = Vec::with_capacity(shards.len() * hashes.len());
-        for &w in &shards {
-            let keys = state.object_keys(key, w, &hashes, 0)?;
-            touched.extend(keys.iter().cloned());
-            req.shards.push((w, keys));
+        let mut touched = Vec::with_capacity(groups * shards.len() * hashes.len());
+        for og in 0..groups {
+            let mut rows = Vec::with_capacity(shards.len());
+            for &w in &shards {
+                let keys = state.object_keys(key, w, &hashes, og as u32)?;
+                touched.extend(keys.iter().cloned());
+                rows.push((w, keys));
+            }
+            let window = objects.get(og).and_then(|o| o.window_chunks).map(|w| w as usize);
+            req.groups.push((window, rows));
         }
-        let windows = state.registry.object_windows(&key.model_name, key.world_size);
-        if let Some(t) = state.storage_trace() {
-            trace_lookup(state, t, key, &hashes, &req)?;
-        }
-        let lookup = if windows.len() > 1 {
-            lookup_groups(state, key, &hashes, req, &windows, &mut touched)?
-        } else {
-            state.storage.lookup(&req)
-        };
-        let hit = lookup.l1_hit();
+        let shard = key.worker_id.unwrap_or(0);
+        let ctx = state.context(key, shard, 0, &hashes, None, &objects);
+        let lookup = state.storage.scope(&ctx).lookup(&req);
         s.touched = touched;
-        tracing::Span::current().record("hits", hit);
-        let hit_tokens = (hit * state.chunk_size()) as u64;
-        state.metrics.lookup_hit_tokens.inc_by(hit_tokens);
-        state.metrics.lookup_hit_l1_tokens.inc_by(hit_tokens);
-        state.metrics.lookup_hit_l1_keys.inc_by((hit * shards.len()) as u64);
-        if !lookup.is_pending() {
-            state.bus.publish(crate::event_bus::Event::Lookup {
-                request_id: key.request_id.clone(),
-                chunks,
-                hits: hit,
-            });
-        }
+        tracing::Span::current().record("hits", lookup.l1_hit());
         s.lookup = LookupState::Active { lookup, chunks, answered: false };
         Ok(())
     })
-}
-
-/// A lookup of a model stored as several object groups (`--separate-object-groups`): the
-/// keys of every (object group, shard) row; storage decides what hits and what stays locked
-/// ([`lmcache_storage::StorageManager::lookup_groups`]).
-fn lookup_groups(
-    state: &ServerState,
-    key: &CacheKey,
-    hashes: &[lmcache_core::ChunkHash],
-    req: LookupRequest,
-    windows: &[Option<u64>],
-    touched: &mut Vec<lmcache_core::ObjectKey>,
-) -> Result<lmcache_storage::Lookup, ProtocolError> {
-    let mut groups = Vec::with_capacity(windows.len());
-    for (og, window) in windows.iter().enumerate() {
-        let shards = if og == 0 {
-            req.shards.clone()
-        } else {
-            let mut shards = Vec::with_capacity(req.shards.len());
-            for (w, _) in &req.shards {
-                let k = state.object_keys(key, *w, hashes, og as u32)?;
-                touched.extend(k.iter().cloned());
-                shards.push((*w, k));
-            }
-            shards
-        };
-        groups.push((window.map(|w| w as usize), shards));
-    }
-    let greq = lmcache_storage::GroupLookupRequest {
-        groups,
-        world_size: req.world_size,
-        readers: req.readers,
-    };
-    Ok(state.storage.lookup_groups(&greq))
-}
-
-/// The lookup as LMCache's storage manager sees it: `submit_prefetch_task` with one key
-/// group per object group, each listing every shard's keys (group 0's are `req`'s own).
-fn trace_lookup(
-    state: &ServerState,
-    t: &crate::trace_record::TraceRecorder,
-    key: &CacheKey,
-    hashes: &[lmcache_core::ChunkHash],
-    req: &LookupRequest,
-) -> Result<(), ProtocolError> {
-    let objects = state.registry.objects(&key.model_name, key.world_size);
-    let groups = objects.len().max(1);
-    let mut out = Vec::with_capacity(groups);
-    for og in 0..groups {
-        let keys = if og == 0 {
-            req.shards.iter().flat_map(|(_, ks)| ks.iter().cloned()).collect()
-        } else {
-            let mut keys = Vec::with_capacity(req.shards.len() * hashes.len());
-            for (w, _) in &req.shards {
-                keys.extend(state.object_keys(key, *w, hashes, og as u32)?);
-            }
-            keys
-        };
-        out.push(crate::trace_record::key_group(og as u32, keys, objects.get(og)));
-    }
-    t.submit_prefetch(&key.request_id, out, req.readers);
-    Ok(())
-}
-
-/// One line of the lookup-hash log (LMCache's format).
-fn log_lookup(
-    state: &ServerState,
-    log: &crate::lookup_log::LookupHashLog,
-    key: &CacheKey,
-    hashes: &[lmcache_core::ChunkHash],
-) {
-    let object = state.registry.first_object(&key.model_name, key.world_size);
-    let layout = crate::trace_record::layout_desc(object.as_ref());
-    log.record(crate::lookup_log::LookupLine {
-        timestamp: crate::lookup_log::now_unix(),
-        request_id: key.request_id.clone(),
-        model_name: key.model_name.to_string(),
-        chunk_size: state.chunk_size(),
-        seq_len: key.token_ids.len(),
-        dtypes: layout.dtypes,
-        shapes: layout.shapes,
-        chunk_hashes: hashes.iter().map(|h| format!("0x{}", h.to_hex())).collect(),
-    });
 }

@@ -4,15 +4,19 @@ use lmcache_protocol::ProtocolError;
 use lmcache_protocol::request::{Clear, Command};
 use rmpv::Value;
 
-use crate::state::ServerState;
+use crate::state::RequestState;
 
 /// What `get_experimental` advertises.
-pub(super) fn capabilities(state: &ServerState) -> Value {
-    let caps = if state.events.enabled() { vec![Value::from("kv_event_stream")] } else { vec![] };
+pub(super) fn capabilities(state: &RequestState) -> Value {
+    let caps = if state.config.kv_event_log_size > 0 {
+        vec![Value::from("kv_event_stream")]
+    } else {
+        vec![]
+    };
     Value::Array(caps)
 }
 
-pub(super) fn handle(state: &ServerState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
+pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
     match cmd {
         Command::GetChunkSize => Ok(Some(Value::from(state.chunk_size() as u64))),
         // "kv_event_stream": vLLM's router then takes block hashes from our event stream.

@@ -33,7 +33,7 @@ use rmpv::Value;
 
 use crate::metrics::Metrics;
 use crate::registry::{Family, Refusal};
-use crate::state::ServerState;
+use crate::state::{RequestState, ServerState};
 
 /// Where an operation runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,7 +150,7 @@ pub fn guarded<T>(
 /// that says what to do, a refusal in the registry (shown in `/status`; later operations of
 /// the worker fail with it), and a count.
 pub(crate) fn refuse_registration(
-    state: &ServerState,
+    state: &RequestState,
     family: Family,
     id: u64,
     model: Option<String>,
@@ -165,7 +165,6 @@ pub(crate) fn refuse_registration(
         model = model.as_deref().unwrap_or("?"),
         "{reason}; every store and retrieve of this worker fails until it registers again"
     );
-    state.metrics.refused_registrations.inc();
     let at_unix = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -174,7 +173,7 @@ pub(crate) fn refuse_registration(
 
 /// The error for an operation of a worker with no registration of `family` whose
 /// registration was refused: the refusal's reason. `None` when it was never refused.
-pub(crate) fn refused(state: &ServerState, family: Family, id: u64) -> Option<ProtocolError> {
+pub(crate) fn refused(state: &RequestState, family: Family, id: u64) -> Option<ProtocolError> {
     let r = state.registry.refusal(family, id)?;
     Some(ProtocolError::NotServable { instance_id: id, reason: r.reason })
 }
@@ -209,7 +208,7 @@ fn failure_reply(state: &ServerState, header: Header, op: Option<Op>) -> Reply {
         Some(Op::Ping) => Some(Value::Boolean(true)),
         // Parameterless queries answer whatever came with them.
         Some(Op::GetChunkSize) => Some(Value::from(state.chunk_size() as u64)),
-        Some(Op::GetExperimental) => Some(management::capabilities(state)),
+        Some(Op::GetExperimental) => Some(management::capabilities(&state.requests)),
         Some(Op::Noop) => Some(Value::from("OK")),
         // CacheBlend and P2P are not served: a handshake that says "incompatible", an empty
         // plan, a lookup task that finds no peer.
@@ -242,10 +241,24 @@ fn dispatch(state: &ServerState, req: &Request) -> Result<Option<Value>, Protoco
                     _ => Family::EngineDriven,
                 };
                 refuse_registration(state, family, id, model, ws, &e);
+                state.metrics.refused_registrations.inc();
             }
             return Err(e);
         }
     };
+    let registration =
+        matches!(cmd, Command::RegisterKvCache(_) | Command::RegisterEngineDriven(_));
+    // The family handlers get the request state only: storage, sessions, the registry.
+    let requests: &RequestState = state;
+    let result = family_handler(requests, cmd);
+    if registration && result.is_err() {
+        // Every failed registration was refused (and recorded) by its handler.
+        state.metrics.refused_registrations.inc();
+    }
+    result
+}
+
+fn family_handler(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
     match cmd {
         Command::GetChunkSize
         | Command::GetExperimental
@@ -269,7 +282,9 @@ fn dispatch(state: &ServerState, req: &Request) -> Result<Option<Value>, Protoco
         | Command::Store(_)
         | Command::Retrieve(_) => lmcache_driven::handle(state, cmd),
         // Streams are served by the transport's socket thread, never here.
-        Command::SubscribeKvEvents(_) => Err(ProtocolError::UnsupportedOp(req.op.name())),
+        Command::SubscribeKvEvents(_) => {
+            Err(ProtocolError::UnsupportedOp(Op::SubscribeKvEvents.name()))
+        }
     }
 }
 

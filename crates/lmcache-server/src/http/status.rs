@@ -244,7 +244,7 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     s.metrics.l1_usage_ratio.set(u.usage_fraction());
     s.metrics.l1_staging_bytes.set(u.staged_bytes as i64);
     s.metrics.l1_capacity_bytes.set(u.capacity as i64);
-    s.metrics.kv_events_log_depth.set(s.events.len() as i64);
+    s.metrics.kv_events_log_depth.set(s.kv_events.len() as i64);
     s.metrics.active_sessions.set(s.sessions.len() as i64);
     s.metrics.process_resident_memory_bytes.set(crate::metrics::process_rss_bytes() as i64);
     s.metrics.event_bus_queue_depth.set(s.bus.depth());
