@@ -122,14 +122,13 @@ impl Fleet {
                 }
             }
         }
-        let reg = self.registry.lock();
         orders
             .into_iter()
             .filter_map(|(id, mut keys)| {
                 keys.sort();
                 keys.dedup();
-                let info = &reg.get(&id)?.info;
-                Some(EvictionOrder { base_url: base_url_of(info), instance_id: id, keys })
+                let info = self.registry.info(&id)?;
+                Some(EvictionOrder { base_url: base_url_of(&info), instance_id: id, keys })
             })
             .collect()
     }
@@ -159,6 +158,6 @@ impl Fleet {
 
     /// The `http://ip:port` of registered instance `id`.
     pub(crate) fn base_url(&self, id: &str) -> Option<String> {
-        self.registry.lock().get(id).map(|r| base_url_of(&r.info))
+        self.registry.info(id).map(|info| base_url_of(&info))
     }
 }

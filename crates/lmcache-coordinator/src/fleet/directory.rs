@@ -193,12 +193,11 @@ impl Fleet {
                 .filter_map(|r| Some((v.dir.instance_name(r.instance).ok()?.to_string(), r)))
                 .collect()
         };
-        let reg = self.registry.lock();
         let chunk = self.config.chunk_size as u64;
         let mut out: Vec<RouteCandidate> = runs
             .into_iter()
             .filter_map(|(id, r)| {
-                let info = &reg.get(&id)?.info;
+                let info = self.registry.info(&id)?;
                 let load = loads.get(&id).copied().unwrap_or(0.0);
                 Some(RouteCandidate {
                     score: f64::from(r.l1) + l2_weight * f64::from(r.any - r.l1)
@@ -207,7 +206,7 @@ impl Fleet {
                     l1_l2_chunks: r.any,
                     l1_tokens: u64::from(r.l1) * chunk,
                     l1_l2_tokens: u64::from(r.any) * chunk,
-                    ip: info.ip.clone(),
+                    ip: info.ip,
                     http_port: info.http_port,
                     instance_id: id,
                 })
@@ -219,6 +218,6 @@ impl Fleet {
 
     /// The instances the directory knows by name (for `route` callers that want every one).
     pub(crate) fn registered_ids(&self) -> Vec<String> {
-        self.registry.lock().keys().cloned().collect()
+        self.registry.ids()
     }
 }

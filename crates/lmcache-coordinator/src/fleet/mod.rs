@@ -1,5 +1,6 @@
 //! The coordinator's state and every operation on it, without HTTP, one module per question:
-//! - `registry`: registration, heartbeats, the health sweep;
+//! - `registry`: registration, heartbeats, the health sweep (the table is `Instances`, its
+//!   own type and lock);
 //! - `events`: the event gate (in order per emitter) and applying batches;
 //! - `repair`: resyncing an emitter's stream after a gap;
 //! - `directory`: lookups, listings, stats, blend matches, routing;
@@ -189,7 +190,7 @@ pub struct Fleet {
     config: CoordinatorConfig,
     hasher: TokenHasher,
     views: Mutex<Views>,
-    registry: Mutex<HashMap<String, Registration>>,
+    registry: registry::Instances,
     /// Instances whose stream needs a resync, for the repair thread.
     repair_tx: Mutex<Option<std::sync::mpsc::Sender<String>>>,
     /// Quotas and pins (lock order: views before control; never the other way).
@@ -261,7 +262,7 @@ impl Fleet {
                 declarations: HashMap::new(),
                 repairs: HashMap::new(),
             }),
-            registry: Mutex::new(HashMap::new()),
+            registry: registry::Instances::default(),
             repair_tx: Mutex::new(None),
             control: Mutex::new(crate::control::Control::default()),
             stream_position: std::sync::atomic::AtomicU64::new(0),

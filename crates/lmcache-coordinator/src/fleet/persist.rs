@@ -106,11 +106,7 @@ impl Fleet {
                 .collect();
         }
         self.set_stream_position(h.stream_position);
-        *self.registry.lock() = h
-            .registry
-            .into_iter()
-            .map(|info| (info.instance_id.clone(), Registration { info, last_heartbeat: now }))
-            .collect();
+        self.registry.replace(h.registry, now);
         Ok(stats)
     }
 }

@@ -1,6 +1,74 @@
 //! The instance registry: registration, heartbeats, deregistration, the health sweep.
+//! [`Instances`] is the table (its own lock, a small surface); `Fleet`'s methods here add
+//! what registration means to the rest of the state (fencing, metrics).
 
 use super::*;
+
+/// The registered instances, by id. Never held while taking the views lock, nor the other
+/// way round.
+#[derive(Debug, Default)]
+pub(crate) struct Instances(Mutex<HashMap<String, Registration>>);
+
+impl Instances {
+    /// Records `info` as registered now; true when it replaced a registration.
+    fn insert(&self, info: InstanceInfo, now: Instant) -> bool {
+        let id = info.instance_id.clone();
+        self.0.lock().insert(id, Registration { info, last_heartbeat: now }).is_some()
+    }
+
+    /// A heartbeat of `id`; false when it is not registered.
+    fn beat(&self, id: &str, now: Instant) -> bool {
+        self.0.lock().get_mut(id).map(|r| r.last_heartbeat = now).is_some()
+    }
+
+    /// Forgets `id`; true when it was registered.
+    fn remove(&self, id: &str) -> bool {
+        self.0.lock().remove(id).is_some()
+    }
+
+    /// Removes and returns the instances silent for longer than `timeout` at `now`.
+    fn expire(&self, now: Instant, timeout: Duration) -> Vec<String> {
+        let mut reg = self.0.lock();
+        let dead: Vec<String> = reg
+            .iter()
+            .filter(|(_, r)| now.saturating_duration_since(r.last_heartbeat) > timeout)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &dead {
+            reg.remove(id);
+        }
+        dead
+    }
+
+    /// Registered instances, in registration order.
+    pub(crate) fn infos(&self) -> Vec<InstanceInfo> {
+        let mut v: Vec<InstanceInfo> = self.0.lock().values().map(|r| r.info.clone()).collect();
+        v.sort_by(|a, b| {
+            a.registration_time
+                .total_cmp(&b.registration_time)
+                .then(a.instance_id.cmp(&b.instance_id))
+        });
+        v
+    }
+
+    /// `id`'s registration, if any.
+    pub(crate) fn info(&self, id: &str) -> Option<InstanceInfo> {
+        self.0.lock().get(id).map(|r| r.info.clone())
+    }
+
+    /// The registered ids.
+    pub(crate) fn ids(&self) -> Vec<String> {
+        self.0.lock().keys().cloned().collect()
+    }
+
+    /// Replaces the table with `infos`, each as having just sent a heartbeat (a restore).
+    pub(crate) fn replace(&self, infos: Vec<InstanceInfo>, now: Instant) {
+        *self.0.lock() = infos
+            .into_iter()
+            .map(|info| (info.instance_id.clone(), Registration { info, last_heartbeat: now }))
+            .collect();
+    }
+}
 
 impl Fleet {
     // ---- registry -------------------------------------------------------------------------
@@ -19,11 +87,7 @@ impl Fleet {
             p2p_advertised_url: req.p2p_advertised_url,
             mq_port: req.mq_port,
         };
-        let re_registered = self
-            .registry
-            .lock()
-            .insert(instance_id.clone(), Registration { info, last_heartbeat: Instant::now() })
-            .is_some();
+        let re_registered = self.registry.insert(info, Instant::now());
         tracing::info!(instance = %instance_id, re_registered, "instance registered");
         self.metrics.registrations.inc();
         Ok(RegisterResponse { instance_id, re_registered })
@@ -31,19 +95,13 @@ impl Fleet {
 
     /// `PUT /instances/{id}/heartbeat`: false when the instance is unknown.
     pub(crate) fn heartbeat(&self, id: &str) -> bool {
-        match self.registry.lock().get_mut(id) {
-            Some(r) => {
-                r.last_heartbeat = Instant::now();
-                true
-            }
-            None => false,
-        }
+        self.registry.beat(id, Instant::now())
     }
 
     /// `DELETE /instances/{id}`: forgets it, fences its L1 placements and its stream, and its
     /// capacity declaration. Idempotent.
     pub(crate) fn deregister(&self, id: &str) {
-        let known = self.registry.lock().remove(id).is_some();
+        let known = self.registry.remove(id);
         tracing::info!(instance = %id, known, "instance deregistered");
         self.drop_instance(id);
         self.views.lock().declarations.remove(id);
@@ -51,32 +109,14 @@ impl Fleet {
 
     /// Registered instances, in registration order.
     pub fn instances(&self) -> Vec<InstanceInfo> {
-        let mut v: Vec<InstanceInfo> =
-            self.registry.lock().values().map(|r| r.info.clone()).collect();
-        v.sort_by(|a, b| {
-            a.registration_time
-                .total_cmp(&b.registration_time)
-                .then(a.instance_id.cmp(&b.instance_id))
-        });
-        v
+        self.registry.infos()
     }
 
     /// Drops instances silent for longer than the instance timeout (their L1 placements and
     /// stream cursor go; capacity declarations stay, as in LMCache). Returns their ids.
     pub(crate) fn sweep(&self, now: Instant) -> Vec<String> {
         let timeout = self.config.instance_timeout;
-        let dead: Vec<String> = {
-            let mut reg = self.registry.lock();
-            let dead: Vec<String> = reg
-                .iter()
-                .filter(|(_, r)| now.saturating_duration_since(r.last_heartbeat) > timeout)
-                .map(|(id, _)| id.clone())
-                .collect();
-            for id in &dead {
-                reg.remove(id);
-            }
-            dead
-        };
+        let dead = self.registry.expire(now, timeout);
         for id in &dead {
             tracing::warn!(instance = %id, timeout_s = timeout.as_secs_f64(), "instance missed its heartbeats; dropped");
             self.metrics.expired_instances.inc();
