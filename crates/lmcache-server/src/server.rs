@@ -176,13 +176,9 @@ impl Server {
                 pending: Pending::default(),
                 config,
             },
-            lookup_log,
-            trace,
-            http_prefetches: parking_lot::Mutex::default(),
-            reporter,
-            fleet_snapshots: parking_lot::Mutex::default(),
             bus,
-            kv_events: events,
+            channels: crate::state::SideChannels { kv_events: events, reporter, lookup_log, trace },
+            http: crate::state::HttpJobs::default(),
             metrics,
             started,
             #[cfg(feature = "testing")]
@@ -203,7 +199,7 @@ impl Server {
                 .map_err(io("starting the socket thread"))?
         };
         let reaper = start_reaper(Arc::clone(&state))?;
-        let reporter = match &state.reporter {
+        let reporter = match &state.channels.reporter {
             Some(r) => {
                 r.set_topology(compartments(&state), l2_identities(&state));
                 let port = http_addr.map_or(0, |a| a.port());
@@ -268,12 +264,12 @@ impl Server {
         }
         self.state.storage.shutdown();
         // After the write-behind flushed, so its last L2 events are reported; then deregister.
-        if let (Some(r), Some(j)) = (&self.state.reporter, self.reporter.take()) {
+        if let (Some(r), Some(j)) = (&self.state.channels.reporter, self.reporter.take()) {
             r.stop();
             let _ = j.join();
         }
         // Last: the events trace's final batches and stop mark are queued by now.
-        if let Some(t) = &self.state.trace {
+        if let Some(t) = &self.state.channels.trace {
             t.close();
         }
         self.state.sessions.clear();

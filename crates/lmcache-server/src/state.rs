@@ -107,9 +107,9 @@ pub struct RequestState {
     pub storage: lmcache_storage::Storage,
 }
 
-/// The server's shared state: a [`RequestState`] (it derefs to one) and the side channels
-/// the handlers never see. Its public surface is what operators and tests observe: storage,
-/// the metrics and the event bus.
+/// The server's shared state: a [`RequestState`] (it derefs to one) and what the handlers
+/// never see. Its public surface is what operators and tests observe: storage, the metrics
+/// and the event bus.
 #[derive(Debug)]
 pub struct ServerState {
     /// What handlers see.
@@ -118,24 +118,40 @@ pub struct ServerState {
     pub metrics: Arc<Metrics>,
     /// Typed events for subscribers (logging); never blocks a request.
     pub bus: crate::event_bus::EventBus,
-    /// KV events for `subscribe_kv_events`.
-    pub(crate) kv_events: Arc<KvEventLog>,
+    /// The side channels storage's subscribers feed, as the transport, HTTP and shutdown
+    /// reach them.
+    pub(crate) channels: SideChannels,
+    /// HTTP's own jobs.
+    pub(crate) http: HttpJobs,
     /// Start time.
     pub(crate) started: Instant,
-    /// Prefetches asked over HTTP: request id → `None` while running, then
-    /// `(found_keys, total_keys)` until polled once.
-    pub(crate) http_prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
-    /// Reporting to a fleet coordinator, when `--coordinator-url` is set.
-    pub(crate) reporter: Option<Arc<crate::fleet_report::Reporter>>,
-    /// Frozen key lists of `GET /fleet/snapshot`.
-    pub(crate) fleet_snapshots: crate::http::fleet::Snapshots,
-    /// The lookup-hash log, when `--lookup-hash-log-dir` is set.
-    pub(crate) lookup_log: Option<Arc<crate::lookup_log::LookupHashLog>>,
-    /// The trace recorder, when `--trace-level` is set.
-    pub(crate) trace: Option<Arc<crate::trace_record::TraceRecorder>>,
     /// Fault hooks for tests (feature `testing`).
     #[cfg(feature = "testing")]
     pub faults: Faults,
+}
+
+/// The side channels beside the metrics and the bus, each also held by its storage subscriber
+/// ([`crate::observers`]).
+#[derive(Debug)]
+pub(crate) struct SideChannels {
+    /// KV events for `subscribe_kv_events` (the transport streams them).
+    pub(crate) kv_events: Arc<KvEventLog>,
+    /// Reporting to a fleet coordinator, when `--coordinator-url` is set.
+    pub(crate) reporter: Option<Arc<crate::fleet_report::Reporter>>,
+    /// The lookup-hash log, when `--lookup-hash-log-dir` is set.
+    pub(crate) lookup_log: Option<Arc<crate::lookup_log::LookupHashLog>>,
+    /// The trace recorder, when `--trace-level` is set (closed at shutdown).
+    pub(crate) trace: Option<Arc<crate::trace_record::TraceRecorder>>,
+}
+
+/// What HTTP keeps between calls.
+#[derive(Debug, Default)]
+pub(crate) struct HttpJobs {
+    /// Prefetches asked over HTTP: request id → `None` while running, then
+    /// `(found_keys, total_keys)` until polled once.
+    pub(crate) prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
+    /// Frozen key lists of `GET /fleet/snapshot`.
+    pub(crate) snapshots: crate::http::fleet::Snapshots,
 }
 
 impl std::ops::Deref for ServerState {

@@ -294,7 +294,7 @@ impl Transport {
     fn subscribe(&self, state: &ServerState, req: Request, streams: &mut Vec<Stream>) {
         state.metrics.request(req.op.name());
         let parsed = parse_subscription(&req).and_then(|p| {
-            if state.kv_events.enabled() {
+            if state.channels.kv_events.enabled() {
                 Ok(p)
             } else {
                 Err(ProtocolError::UnsupportedOp("subscribe_kv_events (--kv-event-log-size 0)"))
@@ -343,7 +343,7 @@ impl Transport {
             true
         });
         for s in streams.iter_mut().filter(|s| s.credits > 0) {
-            let batch = state.kv_events.read(&s.model, s.cursor, s.max_events);
+            let batch = state.channels.kv_events.read(&s.model, s.cursor, s.max_events);
             s.cursor = batch.next_cursor;
             if s.first || !batch.events.is_empty() || batch.lost || !batch.enabled {
                 s.first = false;

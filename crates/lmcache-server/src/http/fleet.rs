@@ -41,7 +41,7 @@ pub(super) async fn snapshot(State(s): State<Shared>, Query(q): Query<SnapshotQu
     let (id, offset, keys) = match q.page_token.as_deref() {
         None => {
             let keys = Arc::new(s.l1().resident_keys());
-            let mut all = s.fleet_snapshots.lock();
+            let mut all = s.http.snapshots.lock();
             all.retain(|(_, at, _)| now.duration_since(*at) < TTL);
             if all.len() >= KEPT {
                 all.remove(0);
@@ -60,7 +60,7 @@ pub(super) async fn snapshot(State(s): State<Shared>, Query(q): Query<SnapshotQu
                     "page_token: not a token this server issued",
                 );
             };
-            let all = s.fleet_snapshots.lock();
+            let all = s.http.snapshots.lock();
             match all.iter().find(|(i, at, _)| *i == id && now.duration_since(*at) < TTL) {
                 Some((_, _, keys)) => (id, offset, Arc::clone(keys)),
                 None => {
@@ -81,8 +81,8 @@ pub(super) async fn snapshot(State(s): State<Shared>, Query(q): Query<SnapshotQu
     let shown = offset.saturating_add(entries.len());
     let next = (shown < keys.len()).then(|| format!("{id}:{shown}"));
     Json(json!({
-        "instance_id": s.reporter.as_ref().and_then(|r| r.registered_as.lock().clone()),
-        "incarnation": s.reporter.as_ref().map(|r| r.incarnation()),
+        "instance_id": s.channels.reporter.as_ref().and_then(|r| r.registered_as.lock().clone()),
+        "incarnation": s.channels.reporter.as_ref().map(|r| r.incarnation()),
         "tier": "l1",
         "backend": "dram",
         "total": keys.len(),

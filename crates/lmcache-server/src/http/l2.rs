@@ -158,7 +158,7 @@ pub(super) async fn prefetch_submit(State(s): State<Shared>, raw: axum::body::By
         HTTP_PREFETCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     );
     {
-        let mut jobs = s.http_prefetches.lock();
+        let mut jobs = s.http.prefetches.lock();
         if jobs.len() >= 10_000 {
             return error(StatusCode::SERVICE_UNAVAILABLE, "too many unpolled prefetches");
         }
@@ -169,10 +169,10 @@ pub(super) async fn prefetch_submit(State(s): State<Shared>, raw: axum::body::By
     let started = s.storage.prefetch(req, move |out| {
         // The leases drop here: loaded objects stay in L1 under its eviction policy.
         let found = out.hits * out.leases.len();
-        me.http_prefetches.lock().insert(rid, Some((found, total)));
+        me.http.prefetches.lock().insert(rid, Some((found, total)));
     });
     if let Err(e) = started {
-        s.http_prefetches.lock().remove(&id);
+        s.http.prefetches.lock().remove(&id);
         return error(StatusCode::SERVICE_UNAVAILABLE, e.to_string());
     }
     (StatusCode::ACCEPTED, Json(json!({"request_id": id, "chunks": chunks, "status": "submitted"})))
@@ -184,7 +184,7 @@ pub(super) async fn prefetch_status(
     State(s): State<Shared>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Response {
-    let mut jobs = s.http_prefetches.lock();
+    let mut jobs = s.http.prefetches.lock();
     match jobs.get(&id).copied() {
         None => error(StatusCode::NOT_FOUND, format!("request_id: no prefetch {id:?}")),
         Some(None) => Json(json!({"request_id": id, "status": "pending"})).into_response(),

@@ -244,7 +244,7 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     s.metrics.l1_usage_ratio.set(u.usage_fraction());
     s.metrics.l1_staging_bytes.set(u.staged_bytes as i64);
     s.metrics.l1_capacity_bytes.set(u.capacity as i64);
-    s.metrics.kv_events_log_depth.set(s.kv_events.len() as i64);
+    s.metrics.kv_events_log_depth.set(s.channels.kv_events.len() as i64);
     s.metrics.active_sessions.set(s.sessions.len() as i64);
     s.metrics.process_resident_memory_bytes.set(crate::metrics::process_rss_bytes() as i64);
     s.metrics.event_bus_queue_depth.set(s.bus.depth());
@@ -262,7 +262,7 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     advance(&m.l1_expired_write_leases, st.expired_write_leases);
     advance(&m.l1_unwritten_evictions, st.unwritten_evictions);
     m.l1_unwritten_objects.set(s.l1().unwritten() as i64);
-    if let Some(log) = &s.lookup_log {
+    if let Some(log) = &s.channels.lookup_log {
         advance(&m.lookup_hash_log_dropped, log.dropped());
     }
     refresh_l2_metrics(&s);
