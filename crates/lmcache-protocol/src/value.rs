@@ -162,6 +162,11 @@ impl<'a> Fields<'a> {
         self.entries.iter().find(|(k, _)| k.as_str() == Some(name)).map(|(_, v)| v)
     }
 
+    /// Every entry, in order (a map keyed by something other than field names).
+    pub fn entries(&self) -> &'a [(Value, Value)] {
+        self.entries
+    }
+
     /// Field `name`, required.
     pub fn req(&self, name: &str) -> Result<&'a Value, ProtocolError> {
         self.get(name).ok_or_else(|| ProtocolError::MissingField { field: self.path(name) })

@@ -158,6 +158,16 @@ pub struct Metrics {
     pub kv_events_log_depth: Gauge,
     /// Prefetch jobs in flight (lookups complete synchronously: always 0 until L2 exists).
     pub active_prefetch_jobs: Gauge,
+    /// P2P lookups of peers whose answer was not taken yet (set when scraped).
+    pub active_p2p_lookup_jobs: Gauge,
+    /// Keys peers asked this server's L1 for (P2P lookups served).
+    pub p2p_served_keys: Counter,
+    /// Of those, keys found and read-locked for the peer.
+    pub p2p_served_hits: Counter,
+    /// Peer locks released by the peer's unlock.
+    pub p2p_unlocked_keys: Counter,
+    /// Peer locks whose unlock came after they expired.
+    pub p2p_unlock_expired: Counter,
     /// Live sessions (set when scraped).
     pub active_sessions: Gauge,
     /// Resident memory of the process (set when scraped).
@@ -227,6 +237,11 @@ impl Default for Metrics {
             l1_capacity_bytes: Gauge::default(),
             kv_events_log_depth: Gauge::default(),
             active_prefetch_jobs: Gauge::default(),
+            active_p2p_lookup_jobs: Gauge::default(),
+            p2p_served_keys: Counter::default(),
+            p2p_served_hits: Counter::default(),
+            p2p_unlocked_keys: Counter::default(),
+            p2p_unlock_expired: Counter::default(),
             active_sessions: Gauge::default(),
             process_resident_memory_bytes: Gauge::default(),
             event_bus_queue_depth: Gauge::default(),
@@ -375,6 +390,11 @@ impl Default for Metrics {
                 "Number of active prefetch jobs",
                 m.active_prefetch_jobs.clone(),
             );
+            mp.register(
+                "active_p2p_lookup_jobs",
+                "Number of active P2P lookup jobs",
+                m.active_p2p_lookup_jobs.clone(),
+            );
         }
         {
             let rs = r.sub_registry_with_prefix("lmcache_rs");
@@ -398,6 +418,26 @@ impl Default for Metrics {
                 "lookup_hash_log_dropped_lines",
                 "Lookup-hash log lines dropped because the writer was behind the lookups",
                 m.lookup_hash_log_dropped.clone(),
+            );
+            rs.register(
+                "p2p_served_keys",
+                "Keys peers of the fleet asked this server's L1 for (P2P lookups served)",
+                m.p2p_served_keys.clone(),
+            );
+            rs.register(
+                "p2p_served_hits",
+                "Keys found in L1 and read-locked for a peer",
+                m.p2p_served_hits.clone(),
+            );
+            rs.register(
+                "p2p_unlocked_keys",
+                "Peer read locks released by the peer",
+                m.p2p_unlocked_keys.clone(),
+            );
+            rs.register(
+                "p2p_unlock_expired",
+                "Peer read locks whose unlock came after they expired (L1 read TTL)",
+                m.p2p_unlock_expired.clone(),
             );
             rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());

@@ -66,6 +66,14 @@ impl StorageSubscriber for MetricsSubscriber {
                     Metrics::copy_throughput(&m.load_throughput, *bytes, t.as_secs_f64());
                 }
             }
+            StorageEvent::PeerLocked { keys, found } => {
+                m.p2p_served_keys.inc_by(*keys as u64);
+                m.p2p_served_hits.inc_by(*found as u64);
+            }
+            StorageEvent::PeerUnlocked { released, expired } => {
+                m.p2p_unlocked_keys.inc_by(*released as u64);
+                m.p2p_unlock_expired.inc_by(*expired as u64);
+            }
             _ => {}
         }
     }

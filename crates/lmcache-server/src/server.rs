@@ -174,6 +174,7 @@ impl Server {
                 hasher,
                 registry: Registry::default(),
                 pending: Pending::default(),
+                peers: crate::peer_locks::PeerLocks::default(),
                 config,
             },
             bus,
@@ -384,6 +385,7 @@ fn start_reaper(state: Arc<ServerState>) -> Result<(Sender<()>, JoinHandle<()>),
                 let workers =
                     state.registry.reap(now, c.worker_reap_timeout, c.worker_registration_grace);
                 state.pending.reap(now, c.l1.write_ttl.max(c.l1.read_ttl));
+                state.peers.reap(now, c.l1.read_ttl);
                 if sessions + workers > 0 {
                     tracing::info!(sessions, workers, "reaped");
                 }

@@ -157,6 +157,25 @@ impl StorageManager {
         Some(settled)
     }
 
+    /// A peer's lookup (P2P): read-locks, once each, the keys of `keys` resident in L1, and
+    /// nothing else (no L2, gaps allowed). One result per key, in order.
+    pub fn lock_for_peer(&self, keys: &[ObjectKey]) -> Vec<Option<ReadLease>> {
+        let locked: Vec<Option<ReadLease>> =
+            self.l1.read_lock(keys, 1).into_iter().map(Result::ok).collect();
+        let found = locked.iter().filter(|l| l.is_some()).count();
+        self.announce(&StorageEvent::PeerLocked { keys: keys.len(), found });
+        locked
+    }
+
+    /// A peer unlocked what [`Self::lock_for_peer`] locked for it: `leases` are the parked
+    /// leases its keys named (`None`: expired before the unlock came). Releases them.
+    pub fn unlock_for_peer(&self, leases: Vec<Option<ReadLease>>) {
+        let expired = leases.iter().filter(|l| l.is_none()).count();
+        let released = leases.len() - expired;
+        drop(leases);
+        self.announce(&StorageEvent::PeerUnlocked { released, expired });
+    }
+
     /// A request ended: `touched` (the keys it used) move up in L1's eviction order, and
     /// subscribers hear it.
     pub fn end_session(&self, request_id: &str, touched: &[ObjectKey]) {

@@ -162,6 +162,21 @@ pub enum StorageEvent<'a> {
         /// How long the server's copy took (`None` when the client copied).
         copy_time: Option<Duration>,
     },
+    /// A peer of the fleet asked which of `keys` L1 holds; `found` of them were read-locked for
+    /// it (once each, until it unlocks them or the read lease expires).
+    PeerLocked {
+        /// Keys asked for.
+        keys: usize,
+        /// Keys locked.
+        found: usize,
+    },
+    /// A peer unlocked keys: `released` locks went back, `expired` had expired first.
+    PeerUnlocked {
+        /// Locks released.
+        released: usize,
+        /// Locks that had expired before the unlock came.
+        expired: usize,
+    },
     /// A request ended; `touched` are the keys it used (now first in line to stay in L1).
     SessionEnded {
         /// The request.

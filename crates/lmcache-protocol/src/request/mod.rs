@@ -9,7 +9,8 @@
 //! - [`lookup`]: lookup, query/wait_prefetch_status, free_lookup_locks, end_session;
 //! - [`engine_driven`]: the engine-driven registration, prepare/commit store and retrieve;
 //! - [`lmcache_driven`]: register_kv_cache, store, retrieve;
-//! - [`events`]: the KV event stream's subscription (`subscribe_kv_events`).
+//! - [`events`]: the KV event stream's subscription (`subscribe_kv_events`);
+//! - [`p2p`]: what one server of a fleet asks another about its L1.
 
 use rmpv::Value;
 
@@ -22,12 +23,14 @@ pub mod events;
 pub mod lmcache_driven;
 pub mod lookup;
 pub mod management;
+pub mod p2p;
 
 pub use engine_driven::{CommitStore, KeyAndInstance};
 pub use events::SubscribeKvEvents;
 pub use lmcache_driven::{RegisterKvCache, Retrieve, Store};
 pub use lookup::{FreeLookupLocks, Lookup, WaitPrefetchStatus};
 pub use management::{Clear, Ping, ReportBlockAllocation};
+pub use p2p::{P2pLookupAndLock, P2pUnlockObjects};
 
 /// A request's parameters: exactly `n` of them, or a [`ProtocolError::ParamCount`].
 pub(crate) fn expect(op: Op, params: &[Value], n: usize) -> Result<(), ProtocolError> {
@@ -84,6 +87,12 @@ pub enum Command {
     Retrieve(Retrieve),
     /// `subscribe_kv_events`.
     SubscribeKvEvents(SubscribeKvEvents),
+    /// `p2p_lookup_and_lock`.
+    P2pLookupAndLock(P2pLookupAndLock),
+    /// `p2p_query_lookup_results`: the task id.
+    P2pQueryLookupResults(u64),
+    /// `p2p_unlock_objects`.
+    P2pUnlockObjects(P2pUnlockObjects),
 }
 
 impl Command {
@@ -127,6 +136,12 @@ impl Command {
             Op::Store => Self::Store(Store::decode(params)?),
             Op::Retrieve => Self::Retrieve(Retrieve::decode(params)?),
             Op::SubscribeKvEvents => Self::SubscribeKvEvents(SubscribeKvEvents::decode(params)?),
+            Op::P2pLookupAndLock => Self::P2pLookupAndLock(P2pLookupAndLock::decode(params)?),
+            Op::P2pQueryLookupResults => {
+                expect(op, params, 1)?;
+                Self::P2pQueryLookupResults(crate::value::u64_("task_id", &params[0])?)
+            }
+            Op::P2pUnlockObjects => Self::P2pUnlockObjects(P2pUnlockObjects::decode(params)?),
             other => return Err(ProtocolError::UnsupportedOp(other.name())),
         })
     }
@@ -163,6 +178,9 @@ impl Command {
             Self::Store(s) => (Op::Store, s.encode()),
             Self::Retrieve(r) => (Op::Retrieve, r.encode()),
             Self::SubscribeKvEvents(s) => (Op::SubscribeKvEvents, s.encode()),
+            Self::P2pLookupAndLock(l) => (Op::P2pLookupAndLock, l.encode()),
+            Self::P2pQueryLookupResults(id) => (Op::P2pQueryLookupResults, vec![Value::from(*id)]),
+            Self::P2pUnlockObjects(u) => (Op::P2pUnlockObjects, u.encode()),
         }
     }
 
@@ -270,6 +288,24 @@ mod tests {
                 model_name: "m".into(),
                 cursor: 0,
                 max_events: 64,
+            }),
+            Command::P2pLookupAndLock(P2pLookupAndLock {
+                keys: vec![crate::types::WireObjectKey(Some(
+                    lmcache_core::ObjectKey::new([1; 32], "m", 1, 0, 0, "").unwrap(),
+                ))],
+                group_layout_descs: vec![(
+                    0,
+                    crate::types::LayoutDesc {
+                        shapes: vec![vec![2, 4, 256, 64]],
+                        dtypes: vec!["float16".into()],
+                    },
+                )],
+            }),
+            Command::P2pQueryLookupResults(7),
+            Command::P2pUnlockObjects(P2pUnlockObjects {
+                keys: vec![crate::types::WireObjectKey(Some(
+                    lmcache_core::ObjectKey::new([1; 32], "m", 1, 0, 0, "").unwrap(),
+                ))],
             }),
         ];
         for c in commands {

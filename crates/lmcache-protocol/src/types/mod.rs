@@ -5,15 +5,19 @@
 //! - [`lmcache_driven`]: [`TensorMeta`], [`IpcDescriptor`], [`EngineGroupInfo`], block ids and
 //!   the transfer result;
 //! - [`engine_driven`]: [`EngineDrivenRegistration`], [`EngineDrivenRegistered`], [`SlotDesc`],
-//!   [`PrepareStoreResponse`], [`PrepareRetrieveResponse`].
+//!   [`PrepareStoreResponse`], [`PrepareRetrieveResponse`];
+//! - [`p2p`]: what a P2P peer is asked and answers: [`WireObjectKey`], [`LayoutDesc`],
+//!   [`TransferAddress`].
 
 pub mod engine_driven;
 pub mod key;
 pub mod lmcache_driven;
+pub mod p2p;
 
 pub use engine_driven::*;
 pub use key::*;
 pub use lmcache_driven::*;
+pub use p2p::{LayoutDesc, TransferAddress, WireObjectKey};
 
 #[cfg(test)]
 mod tests {

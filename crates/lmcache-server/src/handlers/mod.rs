@@ -21,6 +21,7 @@ mod engine_driven;
 mod lmcache_driven;
 mod lookup;
 mod management;
+mod p2p;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -210,11 +211,13 @@ fn failure_reply(state: &ServerState, header: Header, op: Option<Op>) -> Reply {
         Some(Op::GetChunkSize) => Some(Value::from(state.chunk_size() as u64)),
         Some(Op::GetExperimental) => Some(management::capabilities(&state.requests)),
         Some(Op::Noop) => Some(Value::from("OK")),
-        // CacheBlend and P2P are not served: a handshake that says "incompatible", an empty
-        // plan, a lookup task that finds no peer.
+        // CacheBlend is not served: a handshake that says "incompatible", an empty plan. A
+        // P2P call that failed: a task id whose answer is nil (never issued: ids count up
+        // from 0 and this one is the largest), and nil for its answer.
         Some(Op::CbProtocolHandshake) => list(vec![Value::from(0), Value::Boolean(false)]),
-        Some(Op::CbReorderPlan | Op::P2pQueryLookupResults) => list(Vec::new()),
-        Some(Op::P2pLookupAndLock) => Some(Value::from(0)),
+        Some(Op::CbReorderPlan) => list(Vec::new()),
+        Some(Op::P2pQueryLookupResults) => Some(Value::Nil),
+        Some(Op::P2pLookupAndLock) => Some(Value::from(u64::MAX)),
         Some(Op::ServerModuleCall) => Some(lmcache_protocol::value::map(vec![
             ("success", Value::Boolean(false)),
             ("payload", Value::Binary(Vec::new())),
@@ -281,6 +284,9 @@ fn family_handler(state: &RequestState, cmd: Command) -> Result<Option<Value>, P
         | Command::UnregisterKvCache(_)
         | Command::Store(_)
         | Command::Retrieve(_) => lmcache_driven::handle(state, cmd),
+        Command::P2pLookupAndLock(_)
+        | Command::P2pQueryLookupResults(_)
+        | Command::P2pUnlockObjects(_) => p2p::handle(state, cmd),
         // Streams are served by the transport's socket thread, never here.
         Command::SubscribeKvEvents(_) => {
             Err(ProtocolError::UnsupportedOp(Op::SubscribeKvEvents.name()))

@@ -246,6 +246,7 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     s.metrics.l1_capacity_bytes.set(u.capacity as i64);
     s.metrics.kv_events_log_depth.set(s.channels.kv_events.len() as i64);
     s.metrics.active_sessions.set(s.sessions.len() as i64);
+    s.metrics.active_p2p_lookup_jobs.set(s.peers.active() as i64);
     s.metrics.process_resident_memory_bytes.set(crate::metrics::process_rss_bytes() as i64);
     s.metrics.event_bus_queue_depth.set(s.bus.depth());
     use crate::metrics::advance;

@@ -1,0 +1,119 @@
+//! The RPCs a P2P peer serves, over real ZMQ: addresses that point at the stored bytes, locks
+//! that hold what a peer is reading, exactly-once answers, and unlocks that release.
+
+use std::time::Duration;
+
+use lmcache_client::{CacheKey, Client};
+use lmcache_core::{ModelName, ObjectKey, TokenHasher};
+use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
+use lmcache_protocol::request::{Clear, Command, P2pLookupAndLock, P2pUnlockObjects};
+use lmcache_protocol::types::{LayoutDesc, TransferAddress, WireObjectKey};
+use lmcache_server::{Server, ServerConfig};
+use rmpv::Value;
+
+mod common;
+
+const CHUNK: usize = 16;
+const CHUNKS: usize = 3;
+/// `[2, 2 layers, 16 slots, 32]` float16.
+const OBJECT: u64 = 2 * 2 * 16 * 32 * 2;
+
+fn layout() -> Vec<(u32, LayoutDesc)> {
+    vec![(0, LayoutDesc { shapes: vec![vec![2, 2, 16, 32]], dtypes: vec!["float16".into()] })]
+}
+
+fn wire(keys: &[ObjectKey]) -> Vec<WireObjectKey> {
+    keys.iter().cloned().map(|k| WireObjectKey(Some(k))).collect()
+}
+
+fn lookup(c: &mut Client, keys: &[ObjectKey], groups: Vec<(u32, LayoutDesc)>) -> u64 {
+    let req = P2pLookupAndLock { keys: wire(keys), group_layout_descs: groups };
+    let v = c.send(&Command::P2pLookupAndLock(req)).unwrap().expect("a task id");
+    v.as_u64().expect("an int task id")
+}
+
+fn answer(c: &mut Client, task: u64) -> Option<Vec<TransferAddress>> {
+    match c.send(&Command::P2pQueryLookupResults(task)).unwrap() {
+        Some(Value::Nil) | None => None,
+        Some(Value::Array(a)) => {
+            Some(a.iter().map(|v| TransferAddress::decode("a", v).unwrap()).collect())
+        }
+        other => panic!("unexpected answer {other:?}"),
+    }
+}
+
+fn unlock(c: &mut Client, keys: &[ObjectKey]) {
+    let cmd = Command::P2pUnlockObjects(P2pUnlockObjects { keys: wire(keys) });
+    assert_eq!(c.send(&cmd).unwrap(), None, "unlock is void");
+}
+
+#[test]
+fn a_peer_reads_locked_objects_at_their_addresses_and_unlocks_them() {
+    let arena = ArenaConfig {
+        size: 32 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_mp_p2p_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let server =
+        Server::start(ServerConfig { chunk_size: CHUNK, ..ServerConfig::local(arena) }).unwrap();
+    let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).unwrap();
+    let reg = common::small_registration(7, "m", lmcache_core::Dtype::Float16);
+    let pool = c.register_engine_driven(&reg).unwrap();
+    let pool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    let tokens: Vec<u32> = (0..(CHUNKS * CHUNK) as u32).collect();
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), "w", tokens.clone(), CHUNK);
+    for (i, s) in c.prepare_store(&key, 7).unwrap() {
+        pool.write(s.offset, &vec![0x40 + i as u8; s.length as usize]).unwrap();
+    }
+    assert!(c.commit_store(&key, 7).unwrap());
+    c.end_session("w").unwrap();
+
+    let hashes = TokenHasher::new(CHUNK).unwrap().hash_tokens(&tokens);
+    let keys: Vec<ObjectKey> =
+        hashes.iter().map(|h| ObjectKey::new(h.0, "m", 1, 0, 0, "").unwrap()).collect();
+    let absent = ObjectKey::new([0xee; 32], "m", 1, 0, 0, "").unwrap();
+
+    // Chunks 0 and 2, one absent key, chunk 0 again: sparse, in request order.
+    let asked = [keys[0].clone(), absent.clone(), keys[2].clone(), keys[0].clone()];
+    let task = lookup(&mut c, &asked, layout());
+    let got = answer(&mut c, task).expect("answered");
+    assert_eq!(answer(&mut c, task), None, "answered exactly once");
+    assert_eq!(answer(&mut c, task + 1000), None, "an unknown task is nil");
+    assert_eq!(got.len(), 4);
+    assert_eq!(got[1], TransferAddress::MISS);
+    for (i, chunk) in [(0, 0u8), (2, 2), (3, 0)] {
+        let a = got[i];
+        assert!(a.is_hit() && a.size == OBJECT, "{i}: {a:?}");
+        // The address is an offset in the pool the peer reads: the stored bytes are there.
+        let mut buf = vec![0u8; a.size as usize];
+        pool.read(a.offset as u64, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x40 + chunk), "{i}: not chunk {chunk}'s bytes");
+    }
+
+    // What the peer locked survives a clear; the unlocked chunk 1 goes.
+    assert_eq!(c.send(&Command::Clear(Clear { force: false })).unwrap(), None);
+    let t = lookup(&mut c, &keys, layout());
+    let after = answer(&mut c, t).unwrap();
+    assert_eq!(after.iter().map(TransferAddress::is_hit).collect::<Vec<_>>(), [true, false, true]);
+    unlock(&mut c, &[keys[0].clone(), keys[2].clone()]); // this lookup's own locks
+
+    // Released: one lock per key named, then nothing is left to keep them.
+    unlock(&mut c, &asked);
+    assert_eq!(c.send(&Command::Clear(Clear { force: false })).unwrap(), None);
+    let t = lookup(&mut c, &keys, layout());
+    assert!(answer(&mut c, t).unwrap().iter().all(|a| !a.is_hit()), "all released and cleared");
+
+    // Object groups with unequal key counts, or without a layout: every key a miss.
+    let other = ObjectKey { object_group_id: 1, ..keys[0].clone() };
+    let t = lookup(&mut c, &[keys[0].clone(), keys[1].clone(), other], layout());
+    assert_eq!(answer(&mut c, t).unwrap(), vec![TransferAddress::MISS; 3]);
+    let t = lookup(&mut c, &[keys[0].clone()], Vec::new());
+    assert_eq!(answer(&mut c, t).unwrap(), vec![TransferAddress::MISS]);
+
+    let m = &server.state().metrics;
+    assert_eq!(m.p2p_served_keys.get(), 4 + 3 + 3 + 3 + 1);
+    assert_eq!(m.p2p_served_hits.get(), 3 + 2);
+    assert_eq!(m.p2p_unlocked_keys.get(), 2 + 3);
+}
