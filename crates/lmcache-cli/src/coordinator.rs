@@ -9,9 +9,24 @@ use lmcache_coordinator::{Coordinator, CoordinatorConfig};
 /// events to it; routers ask it which server holds a request's prefix.
 #[derive(Debug, clap::Args)]
 pub struct CoordinatorArgs {
-    /// Address the HTTP server binds to.
-    #[arg(long, default_value = "0.0.0.0")]
+    /// Address the HTTP server binds to. Loopback by default (LMCache binds 0.0.0.0): open
+    /// it to the fleet's network with --auth-token set.
+    #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// This coordinator's own bearer token: required on registration, heartbeats, event
+    /// reports, deregistration and every write route (quotas, pins, relays). Only servers
+    /// that registered with it are sent --server-http-auth-token.
+    #[arg(
+        long,
+        env = "LMCACHE_RS_COORDINATOR_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub auth_token: Option<String>,
+    /// Accept registrations, heartbeats and event reports without --auth-token (LMCache's
+    /// servers send none). Such instances are never sent --server-http-auth-token.
+    #[arg(long)]
+    pub allow_unauthenticated_registration: bool,
     /// Port the HTTP server binds to.
     #[arg(long, default_value_t = 9300)]
     pub port: u16,
@@ -152,6 +167,8 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         hash_algorithm: a.hash_algorithm.clone(),
         max_token_bindings: a.max_token_bindings,
         server_http_auth_token: a.server_http_auth_token.clone(),
+        auth_token: a.auth_token.clone(),
+        allow_unauthenticated_registration: a.allow_unauthenticated_registration,
         enable_blend_lookup: a.enable_blend_lookup,
         blend_probe_stride: a.blend_probe_stride,
         checkpoint_path: a.checkpoint_path.clone(),

@@ -183,6 +183,16 @@ pub struct ServerArgs {
     /// reaches the coordinator).
     #[arg(long, env = "LMCACHE_COORDINATOR_ADVERTISE_IP", default_value = "")]
     pub coordinator_advertise_ip: String,
+    /// The coordinator's own bearer token (its --auth-token), sent on registration,
+    /// heartbeats and event reports. A coordinator sends this fleet's HTTP token only to
+    /// servers that registered with it.
+    #[arg(
+        long,
+        env = "LMCACHE_RS_COORDINATOR_TOKEN",
+        hide_env_values = true,
+        value_name = "TOKEN"
+    )]
+    pub coordinator_auth_token: Option<String>,
     /// Seconds between heartbeats to the coordinator.
     #[arg(long, env = "LMCACHE_COORDINATOR_HEARTBEAT_INTERVAL", default_value_t = 5.0)]
     pub coordinator_heartbeat_interval: f64,
@@ -256,6 +266,7 @@ fn coordinator_reporting(
             args.coordinator_event_flush_interval,
         )?,
         transport,
+        auth_token: args.coordinator_auth_token.clone(),
     }))
 }
 

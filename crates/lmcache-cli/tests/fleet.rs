@@ -37,6 +37,7 @@ fn server(coordinator_port: u16, id: &str) -> Server {
             event_reporting: true,
             flush_interval: Duration::from_millis(50),
             transport: ReportTransport::Http,
+            auth_token: None,
         }),
         ..ServerConfig::local(arena)
     })
@@ -102,6 +103,53 @@ fn a_server_registers_reports_its_l1_and_deregisters_at_shutdown() {
     s.shutdown();
     assert_eq!(get(&c, "/instances")["instances"], json!([]), "deregistered at shutdown");
     assert!(placed_on(&c, 1).is_empty(), "and its L1 fenced");
+}
+
+#[test]
+fn a_server_with_the_coordinators_token_registers_reports_and_deregisters_through_its_guard() {
+    let c = Coordinator::start(CoordinatorConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        auth_token: Some("coord-token".into()),
+        ..CoordinatorConfig::default()
+    })
+    .unwrap();
+    let start = |token: Option<&str>, id: &str| {
+        let arena = ArenaConfig { size: 16 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+        Server::start(ServerConfig {
+            http_port: Some(0),
+            coordinator: Some(CoordinatorReporting {
+                url: format!("http://127.0.0.1:{}/", c.addr().port()),
+                instance_id: id.into(),
+                advertise_ip: "127.0.0.1".into(),
+                heartbeat_interval: Duration::from_millis(100),
+                event_reporting: true,
+                flush_interval: Duration::from_millis(50),
+                transport: ReportTransport::Http,
+                auth_token: token.map(str::to_owned),
+            }),
+            ..ServerConfig::local(arena)
+        })
+        .unwrap()
+    };
+    let without = start(None, "no-token");
+    let with = start(Some("coord-token"), "with-token");
+    until("the server with the token registered", || {
+        get(&c, "/instances")["instances"].as_array().is_some_and(|a| a.len() == 1)
+    });
+    store(&with, &[7]);
+    until("its events accepted", || placed_on(&c, 7) == ["with-token"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let ids: Vec<Value> = get(&c, "/instances")["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["instance_id"].clone())
+        .collect();
+    assert_eq!(ids, [json!("with-token")], "the server without the token was refused");
+    without.shutdown();
+    with.shutdown();
+    assert_eq!(get(&c, "/instances")["instances"], json!([]), "deregistered with the token");
 }
 
 #[test]
@@ -291,6 +339,7 @@ fn lost_batches_and_a_restart_mid_stream_are_repaired_to_exactly_the_servers_l1(
                 event_reporting: true,
                 flush_interval: Duration::from_millis(5),
                 transport: ReportTransport::Http,
+                auth_token: None,
             }),
             ..ServerConfig::local(arena)
         })
@@ -415,6 +464,7 @@ fn quotas_pins_fleet_eviction_and_relays_work_end_to_end() {
             event_reporting: true,
             flush_interval: Duration::from_millis(20),
             transport: ReportTransport::Http,
+            auth_token: None,
         }),
         ..ServerConfig::local(arena)
     })
@@ -577,6 +627,7 @@ fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
             event_reporting: true,
             flush_interval: Duration::from_millis(10),
             transport: ReportTransport::JetStream { url: nats.clone(), stream: stream.into() },
+            auth_token: None,
         }),
         ..ServerConfig::local(arena)
     })

@@ -120,7 +120,7 @@ fn main() {
             p2p_advertised_url: String::new(),
             mq_port: 0,
         };
-        c.fleet().register(reg).unwrap();
+        c.fleet().register(reg, false).unwrap();
     }
     let body =
         serde_json::to_vec(&serde_json::json!({"chunk_hashes": sequences[0], "model_name": "m"}))

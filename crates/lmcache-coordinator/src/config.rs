@@ -6,7 +6,7 @@ use std::time::Duration;
 /// Settings. [`Default`] is LMCache's defaults.
 #[derive(Debug, Clone)]
 pub struct CoordinatorConfig {
-    /// Address to bind (LMCache: `0.0.0.0`).
+    /// Address to bind (`127.0.0.1`; LMCache binds `0.0.0.0`).
     pub host: String,
     /// Port (9300).
     pub port: u16,
@@ -23,6 +23,15 @@ pub struct CoordinatorConfig {
     /// Bearer token of the servers' HTTP APIs (their `--http-auth-token`), sent on the calls
     /// the coordinator makes to them: snapshot pages, relays, eviction orders.
     pub server_http_auth_token: Option<String>,
+    /// The coordinator's own bearer token. When set, registration, heartbeats, event
+    /// reports, deregistration and every write route require it (see
+    /// `allow_unauthenticated_registration`). Only an instance that registered with it is
+    /// trusted: sent `server_http_auth_token` and this coordinator's calls.
+    pub auth_token: Option<String>,
+    /// With `auth_token` set, still accept registration, heartbeats, event reports and
+    /// deregistration without it (LMCache's servers send no token); such instances are never
+    /// trusted. Without `auth_token` every instance is untrusted anyway.
+    pub allow_unauthenticated_registration: bool,
     /// Index stored chunk contents for `/directory/blend-lookup` (LMCache's
     /// `--enable-blend-lookup`, off by default).
     pub enable_blend_lookup: bool,
@@ -51,7 +60,7 @@ pub struct CoordinatorConfig {
 impl Default for CoordinatorConfig {
     fn default() -> Self {
         Self {
-            host: "0.0.0.0".into(),
+            host: "127.0.0.1".into(),
             port: 9300,
             instance_timeout: Duration::from_secs(30),
             health_check_interval: Duration::from_secs(10),
@@ -59,6 +68,8 @@ impl Default for CoordinatorConfig {
             hash_algorithm: "blake3".into(),
             max_token_bindings: 262_144,
             server_http_auth_token: None,
+            auth_token: None,
+            allow_unauthenticated_registration: false,
             enable_blend_lookup: false,
             blend_probe_stride: 1,
             checkpoint_path: None,

@@ -130,12 +130,12 @@ fn resync(
         if stop.load(Ordering::Acquire) {
             return RepairOutcome::Superseded;
         }
-        let mut url = format!("{}/fleet/snapshot?page_size={PAGE}", target.base_url);
+        let mut url = format!("/fleet/snapshot?page_size={PAGE}");
         if let Some(t) = &token {
             url.push_str("&page_token=");
             url.push_str(t);
         }
-        let page = match fetch(agent, &url) {
+        let page = match fetch(agent, &target.endpoint, &url) {
             Ok(p) => p,
             Err(why) => {
                 tracing::warn!(instance = %id, url = %url, "cannot resync from a snapshot ({why}): fencing its L1 placements");
@@ -168,8 +168,12 @@ fn resync(
     }
 }
 
-fn fetch(agent: &crate::server_client::ServerClient, url: &str) -> Result<SnapshotPage, String> {
-    let mut r = agent.get(url).call().map_err(|e| e.to_string())?;
+fn fetch(
+    agent: &crate::server_client::ServerClient,
+    to: &crate::fleet::Endpoint,
+    path: &str,
+) -> Result<SnapshotPage, String> {
+    let mut r = agent.get(to, path).call().map_err(|e| e.to_string())?;
     if !r.status().is_success() {
         return Err(format!("HTTP {}", r.status().as_u16()));
     }

@@ -7,7 +7,12 @@ use std::time::Duration;
 use ureq::RequestBuilder;
 use ureq::typestate::{WithBody, WithoutBody};
 
-/// An HTTP client for servers: one agent, and the `Authorization` every request carries.
+use crate::fleet::Endpoint;
+
+/// An HTTP client for servers: one agent, and the servers' bearer token, which goes only to
+/// an [`Endpoint`] that registered with the coordinator's own token. A caller names where
+/// to call by the registry's endpoint, never by a bare URL, so no forged registration can
+/// draw the token out.
 #[derive(Clone)]
 pub(crate) struct ServerClient {
     agent: ureq::Agent,
@@ -15,7 +20,8 @@ pub(crate) struct ServerClient {
 }
 
 impl ServerClient {
-    /// A client whose requests give up after `timeout`, sending `token` as a bearer token.
+    /// A client whose requests give up after `timeout`, sending `token` as a bearer token to
+    /// trusted endpoints.
     pub(crate) fn new(timeout: Duration, token: Option<&str>) -> Self {
         let agent = ureq::Agent::config_builder()
             .timeout_global(Some(timeout))
@@ -25,23 +31,26 @@ impl ServerClient {
         Self { agent, authorization: token.map(|t| format!("Bearer {t}")) }
     }
 
-    fn auth<B>(&self, r: RequestBuilder<B>) -> RequestBuilder<B> {
+    fn auth<B>(&self, to: &Endpoint, r: RequestBuilder<B>) -> RequestBuilder<B> {
         match &self.authorization {
-            Some(a) => r.header("Authorization", a),
-            None => r,
+            Some(a) if to.trusted => r.header("Authorization", a),
+            _ => r,
         }
     }
 
-    pub(crate) fn get(&self, url: &str) -> RequestBuilder<WithoutBody> {
-        self.auth(self.agent.get(url))
+    /// `GET` of `path` (from `/`, query included) on `to`.
+    pub(crate) fn get(&self, to: &Endpoint, path: &str) -> RequestBuilder<WithoutBody> {
+        self.auth(to, self.agent.get(format!("{}{path}", to.base_url)))
     }
 
-    pub(crate) fn post(&self, url: &str) -> RequestBuilder<WithBody> {
-        self.auth(self.agent.post(url))
+    /// `POST`.
+    pub(crate) fn post(&self, to: &Endpoint, path: &str) -> RequestBuilder<WithBody> {
+        self.auth(to, self.agent.post(format!("{}{path}", to.base_url)))
     }
 
-    pub(crate) fn delete(&self, url: &str) -> RequestBuilder<WithoutBody> {
-        self.auth(self.agent.delete(url))
+    /// `DELETE`.
+    pub(crate) fn delete(&self, to: &Endpoint, path: &str) -> RequestBuilder<WithoutBody> {
+        self.auth(to, self.agent.delete(format!("{}{path}", to.base_url)))
     }
 }
 
@@ -58,8 +67,7 @@ pub(crate) fn send_evictions(
     for o in orders {
         for batch in o.keys.chunks(10_000) {
             let body = serde_json::json!({"keys": batch, "tier": "l2", "force": false});
-            let url = format!("{}/cache/objects", o.base_url);
-            match agent.delete(&url).force_send_body().send_json(body) {
+            match agent.delete(&o.endpoint, "/cache/objects").force_send_body().send_json(body) {
                 Ok(r) if r.status().is_success() => {
                     fleet.metrics.evictions_requested.inc_by(batch.len() as u64);
                     tracing::info!(instance = %o.instance_id, keys = batch.len(), "fleet L2 eviction sent");

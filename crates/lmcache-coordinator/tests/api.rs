@@ -756,16 +756,24 @@ fn blend_lookups_match_nothing_unless_enabled() {
 #[test]
 fn a_server_behind_a_token_is_resynced_with_it_and_fenced_without_it() {
     for (token, resynced) in [(Some("s3cret"), true), (None, false)] {
+        // The token goes only to a server that registered with the coordinator's own.
         let api = Api::start(CoordinatorConfig {
             server_http_auth_token: token.map(str::to_owned),
+            auth_token: Some("coord".into()),
+            // Its event batches come without the token here.
+            allow_unauthenticated_registration: true,
             ..CoordinatorConfig::default()
         });
         let snapshot = json!({"incarnation": 3, "backend": "dram", "next_page_token": null,
             "entries": [{"key": key(1), "size_bytes": 10}]});
         let port = snapshot_server_with(snapshot, Some("s3cret"));
-        let (s, _) = api
-            .post("/instances", json!({"instance_id": "t", "ip": "127.0.0.1", "http_port": port}));
-        assert_eq!(s, 200);
+        let r = api
+            .agent
+            .post(&api.url("/instances"))
+            .header("Authorization", "Bearer coord")
+            .send_json(json!({"instance_id": "t", "ip": "127.0.0.1", "http_port": port}))
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
         // A first batch past seq 1 is a gap: the coordinator resyncs from the snapshot.
         api.events(json!([batch("t", 3, 5, "store", "l1", "dram", &[2])]));
         let t = std::time::Instant::now();

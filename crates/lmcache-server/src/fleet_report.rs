@@ -57,6 +57,10 @@ pub struct CoordinatorReporting {
     pub flush_interval: Duration,
     /// How event batches travel (registration and heartbeats are always HTTP).
     pub transport: ReportTransport,
+    /// `--coordinator-auth-token`: the coordinator's own bearer token, sent on registration,
+    /// heartbeats, event batches and deregistration. Only a server that registers with it is
+    /// sent this fleet's server token by the coordinator.
+    pub auth_token: Option<String>,
 }
 
 /// `--coordinator-event-transport`.
@@ -246,6 +250,7 @@ impl Reporter {
             event_reporting: true,
             flush_interval,
             transport: ReportTransport::Http,
+            auth_token: None,
         });
         me.set_trace(trace);
         me
@@ -441,6 +446,14 @@ impl Reporter {
         self.wake.notify_all();
     }
 
+    /// `r` with the coordinator's bearer token, when one is configured.
+    fn authed<B>(&self, r: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+        match &self.cfg.auth_token {
+            Some(t) => r.header("Authorization", format!("Bearer {t}")),
+            None => r,
+        }
+    }
+
     fn run(&self) {
         let agent: ureq::Agent = ureq::Agent::config_builder()
             .timeout_global(Some(Duration::from_secs(2)))
@@ -492,8 +505,8 @@ impl Reporter {
                             inflight.extend(decl);
                         }
                     }
-                    Some(cur) => match agent
-                        .put(&format!("{base}/instances/{cur}/heartbeat"))
+                    Some(cur) => match self
+                        .authed(agent.put(&format!("{base}/instances/{cur}/heartbeat")))
                         .send_empty()
                     {
                         Ok(r) if r.status() == 404 => {
@@ -525,7 +538,7 @@ impl Reporter {
                     return;
                 }
                 if let Some(cur) = id {
-                    match agent.delete(&format!("{base}/instances/{cur}")).call() {
+                    match self.authed(agent.delete(&format!("{base}/instances/{cur}"))).call() {
                         Ok(_) => {
                             tracing::info!(instance = %cur, "deregistered from the coordinator")
                         }
@@ -564,7 +577,7 @@ impl Reporter {
             p2p_advertised_url: String::new(),
             mq_port: 0,
         };
-        match agent.post(&format!("{base}/instances")).send_json(&body) {
+        match self.authed(agent.post(&format!("{base}/instances"))).send_json(&body) {
             Ok(mut r) if r.status().is_success() => {
                 match r.body_mut().read_json::<RegisterResponse>() {
                     Ok(reg) => {
@@ -690,7 +703,7 @@ impl Reporter {
 
     fn send(&self, agent: &ureq::Agent, base: &str, batches: &[CacheEventBatch]) -> bool {
         let body = CacheEventsRequest { batches: batches.to_vec() };
-        match agent.post(&format!("{base}/events")).send_json(&body) {
+        match self.authed(agent.post(&format!("{base}/events"))).send_json(&body) {
             Ok(r) if r.status().is_success() => {
                 self.stats.batches_sent.fetch_add(batches.len() as u64, Ordering::Relaxed);
                 let n: usize = batches.iter().map(|b| b.entries.len()).sum();
@@ -738,6 +751,7 @@ mod tests {
             event_reporting: events,
             flush_interval: Duration::from_secs(1),
             transport: ReportTransport::Http,
+            auth_token: None,
         })
     }
 

@@ -3,13 +3,13 @@
 
 use super::*;
 
-/// A fleet L2 eviction order: delete `keys` through the server at `base_url`.
+/// A fleet L2 eviction order: delete `keys` through the server at `endpoint`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EvictionOrder {
     /// Instance.
     pub instance_id: String,
-    /// `http://ip:port`.
-    pub base_url: String,
+    /// Where to send it.
+    pub endpoint: Endpoint,
     /// Keys to delete from L2.
     pub keys: Vec<EncodedObjectKey>,
 }
@@ -127,8 +127,8 @@ impl Fleet {
             .filter_map(|(id, mut keys)| {
                 keys.sort();
                 keys.dedup();
-                let info = self.registry.info(&id)?;
-                Some(EvictionOrder { base_url: base_url_of(&info), instance_id: id, keys })
+                let endpoint = self.registry.endpoint(&id)?;
+                Some(EvictionOrder { endpoint, instance_id: id, keys })
             })
             .collect()
     }
@@ -156,8 +156,8 @@ impl Fleet {
         })
     }
 
-    /// The `http://ip:port` of registered instance `id`.
-    pub(crate) fn base_url(&self, id: &str) -> Option<String> {
-        self.registry.info(id).map(|info| base_url_of(&info))
+    /// Where to call registered instance `id`.
+    pub(crate) fn endpoint(&self, id: &str) -> Option<Endpoint> {
+        self.registry.endpoint(id)
     }
 }

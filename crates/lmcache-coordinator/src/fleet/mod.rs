@@ -64,6 +64,19 @@ pub enum FleetError {
 struct Registration {
     info: InstanceInfo,
     last_heartbeat: Instant,
+    /// Whether the registration carried the coordinator's `--auth-token`: only then do the
+    /// servers' bearer token and this coordinator's calls go to the address it gave.
+    trusted: bool,
+}
+
+/// Where the coordinator calls a registered server, and whether the servers' bearer token
+/// may go there (only to an instance that registered with the coordinator's own token).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// `http://ip:port`.
+    pub base_url: String,
+    /// Registered with the coordinator's token.
+    pub trusted: bool,
 }
 
 /// A resync of one instance's L1 placements from its snapshot, in progress.
@@ -82,8 +95,8 @@ struct Repair {
 /// Where a repair fetches from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RepairTarget {
-    /// `http://ip:port`.
-    pub base_url: String,
+    /// The server.
+    pub endpoint: Endpoint,
     /// The incarnation being repaired.
     pub incarnation: u64,
 }

@@ -11,9 +11,9 @@ pub(crate) struct Instances(Mutex<HashMap<String, Registration>>);
 
 impl Instances {
     /// Records `info` as registered now; true when it replaced a registration.
-    fn insert(&self, info: InstanceInfo, now: Instant) -> bool {
+    fn insert(&self, info: InstanceInfo, now: Instant, trusted: bool) -> bool {
         let id = info.instance_id.clone();
-        self.0.lock().insert(id, Registration { info, last_heartbeat: now }).is_some()
+        self.0.lock().insert(id, Registration { info, last_heartbeat: now, trusted }).is_some()
     }
 
     /// A heartbeat of `id`; false when it is not registered.
@@ -56,16 +56,30 @@ impl Instances {
         self.0.lock().get(id).map(|r| r.info.clone())
     }
 
+    /// Where to call `id`, if registered.
+    pub(crate) fn endpoint(&self, id: &str) -> Option<Endpoint> {
+        self.0
+            .lock()
+            .get(id)
+            .map(|r| Endpoint { base_url: base_url_of(&r.info), trusted: r.trusted })
+    }
+
     /// The registered ids.
     pub(crate) fn ids(&self) -> Vec<String> {
         self.0.lock().keys().cloned().collect()
     }
 
     /// Replaces the table with `infos`, each as having just sent a heartbeat (a restore).
+    /// Trust is not restored: a checkpoint file is not a credential, so each instance is
+    /// trusted again once it registers again with the token (a server re-registers within
+    /// a heartbeat when the coordinator does not know its id).
     pub(crate) fn replace(&self, infos: Vec<InstanceInfo>, now: Instant) {
         *self.0.lock() = infos
             .into_iter()
-            .map(|info| (info.instance_id.clone(), Registration { info, last_heartbeat: now }))
+            .map(|info| {
+                let r = Registration { info, last_heartbeat: now, trusted: false };
+                (r.info.instance_id.clone(), r)
+            })
             .collect();
     }
 }
@@ -73,8 +87,13 @@ impl Instances {
 impl Fleet {
     // ---- registry -------------------------------------------------------------------------
 
-    /// `POST /instances`.
-    pub fn register(&self, mut req: RegisterRequest) -> Result<RegisterResponse, FleetError> {
+    /// `POST /instances`; `trusted` when the call carried the coordinator's own token (see
+    /// [`Endpoint::trusted`]). A registration replaces the id's earlier one, trust included.
+    pub fn register(
+        &self,
+        mut req: RegisterRequest,
+        trusted: bool,
+    ) -> Result<RegisterResponse, FleetError> {
         req.validate().map_err(FleetError::Invalid)?;
         let instance_id =
             if req.instance_id.is_empty() { fresh_instance_id() } else { req.instance_id.clone() };
@@ -87,8 +106,8 @@ impl Fleet {
             p2p_advertised_url: req.p2p_advertised_url,
             mq_port: req.mq_port,
         };
-        let re_registered = self.registry.insert(info, Instant::now());
-        tracing::info!(instance = %instance_id, re_registered, "instance registered");
+        let re_registered = self.registry.insert(info, Instant::now(), trusted);
+        tracing::info!(instance = %instance_id, re_registered, trusted, "instance registered");
         self.metrics.registrations.inc();
         Ok(RegisterResponse { instance_id, re_registered })
     }

@@ -46,7 +46,7 @@ impl Fleet {
     /// Where to fetch `id`'s snapshot, if it is registered and a repair is pending.
     pub(crate) fn repair_target(&self, id: &str) -> Option<RepairTarget> {
         let incarnation = self.views.lock().repairs.get(id)?.incarnation;
-        Some(RepairTarget { base_url: self.base_url(id)?, incarnation })
+        Some(RepairTarget { endpoint: self.endpoint(id)?, incarnation })
     }
 
     /// Applies one snapshot page: each listed key not named by a newer event becomes an L1

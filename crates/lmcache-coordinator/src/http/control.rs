@@ -265,7 +265,8 @@ async fn pins(State(s): State<Shared>, Query(q): Query<PinsQuery>) -> Response {
 async fn relay(
     s: &Shared,
     method: &'static str,
-    url: String,
+    to: crate::fleet::Endpoint,
+    path: String,
     body: Option<Value>,
 ) -> Result<(u16, Value), String> {
     let agent = crate::server_client::ServerClient::new(
@@ -274,10 +275,10 @@ async fn relay(
     );
     tokio::task::spawn_blocking(move || {
         let resp = match (method, body) {
-            ("GET", _) => agent.get(&url).call(),
-            ("DELETE", Some(b)) => agent.delete(&url).force_send_body().send_json(b),
-            (_, Some(b)) => agent.post(&url).send_json(b),
-            (_, None) => agent.post(&url).send_empty(),
+            ("GET", _) => agent.get(&to, &path).call(),
+            ("DELETE", Some(b)) => agent.delete(&to, &path).force_send_body().send_json(b),
+            (_, Some(b)) => agent.post(&to, &path).send_json(b),
+            (_, None) => agent.post(&to, &path).send_empty(),
         };
         let mut r = resp.map_err(|e| e.to_string())?;
         let code = r.status().as_u16();
@@ -304,9 +305,9 @@ struct PrefetchBody {
 }
 
 async fn prefetch(State(s): State<Shared>, Body(b): Body<PrefetchBody>) -> Response {
-    let Some(base) = s.base_url(&b.instance_id) else { return unknown(&b.instance_id) };
+    let Some(to) = s.endpoint(&b.instance_id) else { return unknown(&b.instance_id) };
     let body = json!({"model_name": b.model_name, "world_size": b.world_size, "token_ids": b.token_ids, "cache_salt": b.cache_salt});
-    match relay(&s, "POST", format!("{base}/cache/prefetches"), Some(body)).await {
+    match relay(&s, "POST", to, "/cache/prefetches".into(), Some(body)).await {
         Ok((code, v)) if (200..300).contains(&code) => json(json!({
             "instance_id": b.instance_id,
             "request_id": v.get("request_id").and_then(Value::as_str).unwrap_or(""),
@@ -328,12 +329,12 @@ async fn prefetch_status(
     State(s): State<Shared>,
     Path((instance, request)): Path<(String, String)>,
 ) -> Response {
-    let Some(base) = s.base_url(&instance) else { return unknown(&instance) };
+    let Some(to) = s.endpoint(&instance) else { return unknown(&instance) };
     let request = request
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || "-_.".contains(*c))
         .collect::<String>();
-    match relay(&s, "GET", format!("{base}/cache/prefetches/{request}"), None).await {
+    match relay(&s, "GET", to, format!("/cache/prefetches/{request}"), None).await {
         Ok((code, v)) => {
             (StatusCode::from_u16(code).unwrap_or(StatusCode::BAD_GATEWAY), axum::Json(v))
                 .into_response()
@@ -364,7 +365,7 @@ struct DeleteBody {
 }
 
 async fn delete(State(s): State<Shared>, Body(b): Body<DeleteBody>) -> Response {
-    let Some(base) = s.base_url(&b.instance_id) else { return unknown(&b.instance_id) };
+    let Some(to) = s.endpoint(&b.instance_id) else { return unknown(&b.instance_id) };
     let (chunks, keys) =
         match s.resolve_tokens(&b.token_ids, &b.model_name, b.world_size, &b.cache_salt) {
             Ok((chunks, keys)) => (chunks, s.across_object_groups(keys)),
@@ -390,7 +391,7 @@ async fn delete(State(s): State<Shared>, Body(b): Body<DeleteBody>) -> Response 
     let (mut deleted, mut skipped) = (0, 0);
     if !keys.is_empty() {
         let body = json!({"keys": keys, "tier": b.tier, "force": b.force});
-        match relay(&s, "DELETE", format!("{base}/cache/objects"), Some(body)).await {
+        match relay(&s, "DELETE", to, "/cache/objects".into(), Some(body)).await {
             Ok((code, v)) if (200..300).contains(&code) => {
                 deleted = v.get("deleted").and_then(Value::as_u64).unwrap_or(0);
                 skipped = v.get("skipped").and_then(Value::as_u64).unwrap_or(0);

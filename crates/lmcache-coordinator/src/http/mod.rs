@@ -63,11 +63,56 @@ pub fn route_list() -> Vec<(&'static str, &'static str)> {
     api().routes().to_vec()
 }
 
-/// The router: the API, under the body limit and the panic catcher.
+/// Whether `method path` changes the coordinator's state: every PUT and DELETE, and every
+/// POST but the directory's queries (lookups, routing, RFC #1403), which only read.
+pub fn is_write(method: &str, path: &str) -> bool {
+    match method {
+        "GET" | "HEAD" => false,
+        "POST" => !(path.starts_with("/directory/") || path.starts_with("/query")),
+        _ => true,
+    }
+}
+
+/// Whether a write route is one a cache server calls about itself (registration, heartbeats,
+/// deregistration, event reports): what `--allow-unauthenticated-registration` opens.
+fn is_instance_route(path: &str) -> bool {
+    path == "/instances" || path == "/events" || path.starts_with("/instances/")
+}
+
+/// With `--auth-token`, refuses writes without it (instance routes pass when unauthenticated
+/// registration is allowed: the instance is then untrusted).
+async fn auth(
+    State(s): State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if let Some(token) = &s.config().auth_token
+        && is_write(req.method().as_str(), req.uri().path())
+        && !lmcache_http::bearer_ok(req.headers(), token)
+        && !(s.config().allow_unauthenticated_registration && is_instance_route(req.uri().path()))
+    {
+        s.metrics.invalid_requests.inc();
+        tracing::warn!(method = %req.method(), path = req.uri().path(), "write without the coordinator's token refused");
+        return lmcache_http::error(
+            StatusCode::UNAUTHORIZED,
+            "authorization: this route needs the coordinator's bearer token (--auth-token)",
+        );
+    }
+    next.run(req).await
+}
+
+/// Whether `headers` carry the coordinator's token (never, when it has none).
+pub(crate) fn trusted(s: &Fleet, headers: &axum::http::HeaderMap) -> bool {
+    s.config().auth_token.as_deref().is_some_and(|t| lmcache_http::bearer_ok(headers, t))
+}
+
+/// The router: the API, under the write guard, the body limit and the panic catcher.
 pub fn router(state: Shared) -> Router {
     let metrics = Arc::clone(&state.metrics);
+    let guard = axum::middleware::from_fn_with_state(Arc::clone(&state), auth);
     api()
         .into_router()
+        .layer(guard)
         // Bodies of LMCache's sizes: a 1,000,000-token lookup, or event batches with tokens.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .layer(lmcache_http::catch_panics("coordinator", move || {

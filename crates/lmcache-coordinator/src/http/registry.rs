@@ -21,8 +21,12 @@ pub(super) fn api() -> Api<Shared> {
         .delete("/instances/{id}", deregister)
 }
 
-async fn register(State(s): State<Shared>, Body(req): Body<RegisterRequest>) -> Response {
-    match s.register(req) {
+async fn register(
+    State(s): State<Shared>,
+    headers: axum::http::HeaderMap,
+    Body(req): Body<RegisterRequest>,
+) -> Response {
+    match s.register(req, super::trusted(&s, &headers)) {
         Ok(r) => Json(r).into_response(),
         Err(e) => fail(&s, e),
     }
