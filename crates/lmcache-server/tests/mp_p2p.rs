@@ -117,3 +117,41 @@ fn a_peer_reads_locked_objects_at_their_addresses_and_unlocks_them() {
     assert_eq!(m.p2p_served_hits.get(), 3 + 2);
     assert_eq!(m.p2p_unlocked_keys.get(), 2 + 3);
 }
+
+#[test]
+fn locks_a_peer_never_releases_expire_and_a_late_unlock_is_counted() {
+    let arena = ArenaConfig {
+        size: 32 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_mp_p2p_ttl_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let mut config = ServerConfig { chunk_size: CHUNK, ..ServerConfig::local(arena) };
+    config.l1.read_ttl = Duration::from_millis(300);
+    let server = Server::start(config).unwrap();
+    let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).unwrap();
+    let reg = common::small_registration(7, "m", lmcache_core::Dtype::Float16);
+    c.register_engine_driven(&reg).unwrap();
+    let tokens: Vec<u32> = (0..CHUNK as u32).collect();
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), "w", tokens.clone(), CHUNK);
+    assert_eq!(c.prepare_store(&key, 7).unwrap().len(), 1);
+    assert!(c.commit_store(&key, 7).unwrap());
+    let hash = TokenHasher::new(CHUNK).unwrap().hash_tokens(&tokens)[0];
+    let k = ObjectKey::new(hash.0, "m", 1, 0, 0, "").unwrap();
+    let t = lookup(&mut c, std::slice::from_ref(&k), layout());
+    assert!(answer(&mut c, t).unwrap()[0].is_hit());
+    // The peer goes silent past the read TTL: L1's maintenance (every second) expires the
+    // lock, and a clear then finds the object free.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while server.state().l1().usage().stats.expired_read_leases == 0 {
+        assert!(std::time::Instant::now() < deadline, "the peer's lock never expired");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(c.send(&Command::Clear(Clear { force: false })).unwrap(), None);
+    let t = lookup(&mut c, std::slice::from_ref(&k), layout());
+    assert!(!answer(&mut c, t).unwrap()[0].is_hit(), "an expired lock kept the object");
+    unlock(&mut c, std::slice::from_ref(&k));
+    let m = &server.state().metrics;
+    assert_eq!((m.p2p_unlocked_keys.get(), m.p2p_unlock_expired.get()), (0, 1));
+}
