@@ -396,6 +396,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         port: args.port,
         http_host: args.http_host.clone(),
         http_port: Some(args.http_port),
+        p2p_channel: None,
         http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),
         chunk_size: args.chunk_size,
         max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),

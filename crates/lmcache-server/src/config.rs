@@ -16,6 +16,9 @@ pub struct ServerConfig {
     pub http_host: String,
     /// HTTP port (0: any free port); `None` disables the HTTP server.
     pub http_port: Option<u16>,
+    /// Where the native P2P transfer channel listens (`None`: off). Not yet reachable from
+    /// the command line: the reader side and discovery that would use it are still to come.
+    pub p2p_channel: Option<std::net::SocketAddr>,
     /// When set, every HTTP route but `/healthcheck` requires `Authorization: Bearer <token>`.
     pub http_auth_token: Option<String>,
     /// Tokens per chunk.
@@ -76,6 +79,7 @@ impl ServerConfig {
             port: 0,
             http_host: "127.0.0.1".into(),
             http_port: None,
+            p2p_channel: None,
             http_auth_token: None,
             chunk_size: lmcache_core::DEFAULT_CHUNK_SIZE,
             max_cpu_workers: 1,

@@ -14,6 +14,7 @@
 //! - [`state`]: [`state::RequestState`], all a handler sees (storage, sessions, registry),
 //!   inside [`state::ServerState`], which adds the side channels.
 //! - [`observers`]: the side channels as subscribers of storage's events.
+//! - [`p2p_channel`]: the native transfer channel: locked objects' bytes to a peer's L1.
 //! - [`peer_locks`]: P2P lookup answers and the L1 locks held for the fleet's peers.
 //! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
 //! - [`metrics`]: LMCache's Prometheus names and ours.
@@ -32,6 +33,7 @@ pub mod kv_groups;
 pub mod lookup_log;
 pub mod metrics;
 pub mod observers;
+pub mod p2p_channel;
 pub mod peer_locks;
 pub mod registry;
 pub mod server;

@@ -63,6 +63,11 @@ impl PeerLocks {
         out
     }
 
+    /// Whether a peer holds a lock on `key` (what the transfer channel may send).
+    pub fn holds(&self, key: &ObjectKey) -> bool {
+        self.held.lock().contains_key(key)
+    }
+
     /// Answers not taken yet (LMCache's `active_p2p_lookup_jobs`).
     pub fn active(&self) -> usize {
         self.answers.lock().len()

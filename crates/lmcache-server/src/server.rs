@@ -62,6 +62,7 @@ pub struct Server {
     transport: Option<JoinHandle<Result<(), TransportError>>>,
     http: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
     reaper: Option<(Sender<()>, JoinHandle<()>)>,
+    p2p_channel: Option<(SocketAddr, JoinHandle<()>)>,
     reporter: Option<JoinHandle<()>>,
 }
 
@@ -174,7 +175,7 @@ impl Server {
                 hasher,
                 registry: Registry::default(),
                 pending: Pending::default(),
-                peers: crate::peer_locks::PeerLocks::default(),
+                peers: Arc::default(),
                 config,
             },
             bus,
@@ -200,6 +201,29 @@ impl Server {
                 .map_err(io("starting the socket thread"))?
         };
         let reaper = start_reaper(Arc::clone(&state))?;
+        let p2p_channel = match state.config.p2p_channel {
+            None => None,
+            Some(addr) => {
+                let listener = std::net::TcpListener::bind(addr)
+                    .map_err(io("binding the P2P transfer channel"))?;
+                let bound =
+                    listener.local_addr().map_err(io("binding the P2P transfer channel"))?;
+                let (l1, peers) = (state.l1().clone(), Arc::clone(&state.peers));
+                let stop = Arc::clone(&stop);
+                let timeout = Duration::from_secs(30);
+                let join = std::thread::Builder::new()
+                    .name("p2p-listen".into())
+                    .spawn(move || {
+                        if let Err(e) =
+                            crate::p2p_channel::serve(listener, l1, peers, stop, timeout)
+                        {
+                            tracing::error!(error = %e, "P2P transfer channel stopped");
+                        }
+                    })
+                    .map_err(io("starting the P2P transfer channel"))?;
+                Some((bound, join))
+            }
+        };
         let reporter = match &state.channels.reporter {
             Some(r) => {
                 r.set_topology(compartments(&state), l2_identities(&state));
@@ -222,6 +246,7 @@ impl Server {
             transport: Some(transport),
             http,
             reaper: Some(reaper),
+            p2p_channel,
             reporter,
         })
     }
@@ -234,6 +259,11 @@ impl Server {
     /// The bound HTTP address, if HTTP is on.
     pub fn http_addr(&self) -> Option<SocketAddr> {
         self.http_addr
+    }
+
+    /// Where the native P2P transfer channel listens, if on.
+    pub fn p2p_channel_addr(&self) -> Option<SocketAddr> {
+        self.p2p_channel.as_ref().map(|(a, _)| *a)
     }
 
     /// The shared state (for tests and embedding).
@@ -257,6 +287,9 @@ impl Server {
         }
         if let Some((tx, j)) = self.http.take() {
             let _ = tx.send(());
+            let _ = j.join();
+        }
+        if let Some((_, j)) = self.p2p_channel.take() {
             let _ = j.join();
         }
         if let Some((tx, j)) = self.reaper.take() {

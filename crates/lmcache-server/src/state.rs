@@ -101,7 +101,7 @@ pub struct RequestState {
     /// Engine-driven transfers in flight.
     pub(crate) pending: Pending,
     /// P2P lookups' answers and the locks they hold for peers.
-    pub(crate) peers: crate::peer_locks::PeerLocks,
+    pub(crate) peers: Arc<crate::peer_locks::PeerLocks>,
     /// L1 and L2: the one owner of both tiers, and the one source of what requests did.
     /// Stores reserve and commit through it (the commit queues the write-behind), lookups
     /// and retrieves lock and spend through it, and HTTP lists, deletes, sets quotas and

@@ -155,3 +155,124 @@ fn locks_a_peer_never_releases_expire_and_a_late_unlock_is_counted() {
     let m = &server.state().metrics;
     assert_eq!((m.p2p_unlocked_keys.get(), m.p2p_unlock_expired.get()), (0, 1));
 }
+
+/// A server with the native P2P channel on, over a shm pool named by `tag`.
+fn channel_server(tag: &str) -> Server {
+    let arena = ArenaConfig {
+        size: 32 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_mp_p2p_{tag}_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let config = ServerConfig {
+        chunk_size: CHUNK,
+        p2p_channel: Some("127.0.0.1:0".parse().unwrap()),
+        ..ServerConfig::local(arena)
+    };
+    Server::start(config).unwrap()
+}
+
+/// Reservations on `reader`'s L1 for `keys`, one object each.
+fn reserve(reader: &Server, keys: &[ObjectKey]) -> Vec<lmcache_l1::WriteReservation> {
+    let reqs: Vec<_> =
+        keys.iter().map(|k| lmcache_l1::WriteRequest::new(k.clone(), OBJECT)).collect();
+    reader.state().l1().reserve_write(&reqs).into_iter().map(Result::unwrap).collect()
+}
+
+#[test]
+fn the_native_channel_moves_locked_objects_into_a_readers_l1_verified() {
+    use lmcache_server::p2p_channel::{ChannelError, fetch};
+    let peer = channel_server("src");
+    let reader = channel_server("dst");
+    let mut c = Client::connect(peer.endpoint(), Duration::from_secs(5)).unwrap();
+    let reg = common::small_registration(7, "m", lmcache_core::Dtype::Float16);
+    let pool = c.register_engine_driven(&reg).unwrap();
+    let pool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    let tokens: Vec<u32> = (0..(CHUNKS * CHUNK) as u32).collect();
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), "w", tokens.clone(), CHUNK);
+    for (i, s) in c.prepare_store(&key, 7).unwrap() {
+        let bytes: Vec<u8> = (0..s.length).map(|j| (j as u8).wrapping_mul(31) ^ i as u8).collect();
+        pool.write(s.offset, &bytes).unwrap();
+    }
+    assert!(c.commit_store(&key, 7).unwrap());
+    let hashes = TokenHasher::new(CHUNK).unwrap().hash_tokens(&tokens);
+    let keys: Vec<ObjectKey> =
+        hashes.iter().map(|h| ObjectKey::new(h.0, "m", 1, 0, 0, "").unwrap()).collect();
+    // The peer locks chunks 0 and 1 only.
+    let t = lookup(&mut c, &keys[..2], layout());
+    let addrs = answer(&mut c, t).unwrap();
+    let addr = peer.p2p_channel_addr().unwrap();
+
+    let got = fetch(addr, reserve(&reader, &keys), Duration::from_secs(5));
+    assert_eq!(got[2].as_ref().err(), Some(&ChannelError::NotServed), "chunk 2 is not locked");
+    let filled: Vec<_> = got.into_iter().take(2).map(Result::unwrap).collect();
+    for r in reader.state().l1().commit_batch(filled) {
+        r.unwrap();
+    }
+    // Byte for byte what the peer holds at the addresses it answered.
+    for (k, a) in keys[..2].iter().zip(&addrs) {
+        let lease = reader.state().l1().read_lock(std::slice::from_ref(k), 1).pop().unwrap();
+        let mut want = vec![0u8; a.size as usize];
+        pool.read(a.offset as u64, &mut want).unwrap();
+        assert!(lease.unwrap().bytes() == want.as_slice(), "the fetched object differs");
+    }
+    assert_eq!(reader.state().l1().usage().staged_objects, 0, "nothing left staged");
+    // Once the peer unlocked them, the channel serves them no more.
+    unlock(&mut c, &keys[..2]);
+    reader.state().l1().clear(true);
+    let again = fetch(addr, reserve(&reader, &keys[..1]), Duration::from_secs(5));
+    assert_eq!(again[0].as_ref().err(), Some(&ChannelError::NotServed));
+}
+
+/// A fake peer channel: answers one request with `answer` (bytes after the request), then
+/// closes.
+fn fake_peer(answer: Vec<u8>) -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut head = [0u8; 12];
+        conn.read_exact(&mut head).unwrap();
+        let len = u32::from_be_bytes(head[8..12].try_into().unwrap()) as usize;
+        let mut body = vec![0u8; len];
+        conn.read_exact(&mut body).unwrap();
+        let _ = conn.write_all(&answer);
+    });
+    addr
+}
+
+#[test]
+fn a_lying_or_dying_peer_gives_misses_and_leaves_nothing_staged() {
+    use lmcache_server::p2p_channel::{ChannelError, fetch};
+    let reader = channel_server("liar");
+    let keys: Vec<ObjectKey> =
+        (0..2u8).map(|i| ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap()).collect();
+    let object = vec![7u8; OBJECT as usize];
+    let header = |hash: &[u8]| {
+        let mut h = vec![0u8];
+        h.extend_from_slice(&OBJECT.to_be_bytes());
+        h.extend_from_slice(hash);
+        h
+    };
+    // Bytes that do not hash to what the peer announced.
+    let mut lie = header(blake3::hash(b"something else").as_bytes());
+    lie.extend_from_slice(&object);
+    let got = fetch(fake_peer(lie), reserve(&reader, &keys), Duration::from_secs(5));
+    assert_eq!(got[0].as_ref().err(), Some(&ChannelError::Checksum));
+    assert!(got[1].is_err(), "the stream is out of step after a bad object");
+    // A peer that dies half-way through the first object.
+    let mut half = header(blake3::hash(&object).as_bytes());
+    half.extend_from_slice(&object[..object.len() / 2]);
+    let got = fetch(fake_peer(half), reserve(&reader, &keys), Duration::from_secs(5));
+    assert!(got.iter().all(|r| matches!(r, Err(ChannelError::Io(_)))), "{got:?}");
+    // A peer that never answers: the timeout ends the read.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let t = std::time::Instant::now();
+    let got =
+        fetch(silent.local_addr().unwrap(), reserve(&reader, &keys), Duration::from_millis(300));
+    assert!(got.iter().all(Result::is_err) && t.elapsed() < Duration::from_secs(3));
+    drop(got);
+    assert_eq!(reader.state().l1().usage().staged_objects, 0, "no reservation outlived its fetch");
+}
