@@ -5,13 +5,16 @@
 //! - request: magic `LMRSP2P1`, a `u32` length, then a msgpack array of `ObjectKey` maps (as
 //!   the P2P RPCs carry them);
 //! - answer, per key in order: a status byte (0: the object follows; 1: not served), then for
-//!   0 a `u64` length, the BLAKE3 of the bytes, and the bytes.
+//!   0 a `u64` length, the bytes, and their xxh3-64 (the L2 blob format's checksum), which
+//!   both sides compute piece by piece as the bytes go, overlapping the transfer.
 //!
 //! The serving side sends only objects a peer holds a P2P lock on ([`PeerLocks`]), reading
 //! each under a read lease of its own for the time of the send (the peer's unlock can come
 //! meanwhile: nothing is freed under a reader). The reading side receives each object into a
 //! reservation of exactly its size with no copy beyond the socket's, hashes it and refuses it
-//! when the hash differs: a faulty or lying transfer is a miss, never wrong KV. Every socket
+//! when the hash differs: a damaged or truncated transfer is a miss, never wrong KV. (The
+//! hash is the sender's: it proves the bytes arrived as sent, not that a peer that lies about
+//! its own KV is honest; peers are trusted as MP clients are.) Every socket
 //! step has a timeout; a peer that dies mid-read fails the objects not yet complete, and
 //! their reservations are dropped (nothing is left locked or staged on either side).
 
@@ -26,10 +29,14 @@ use lmcache_l1::{L1Cache, WriteReservation};
 use lmcache_protocol::types::WireObjectKey;
 use lmcache_protocol::types::p2p::decode_keys;
 use rmpv::Value;
+use std::hash::Hasher as _;
+use twox_hash::XxHash3_64;
 
 use crate::peer_locks::PeerLocks;
 
 const MAGIC: &[u8; 8] = b"LMRSP2P1";
+/// Bytes hashed and sent (or received) per step.
+const PIECE: usize = 4 << 20;
 /// The most keys one request may name.
 pub const MAX_KEYS: usize = 65_536;
 const MAX_REQUEST: u32 = 64 << 20;
@@ -117,12 +124,15 @@ fn serve_one(
         match lease {
             Some(lease) => {
                 let bytes = lease.bytes();
-                let mut head = Vec::with_capacity(41);
-                head.push(0u8);
-                head.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
-                head.extend_from_slice(blake3::hash(bytes).as_bytes());
+                let mut head = [0u8; 9];
+                head[1..].copy_from_slice(&(bytes.len() as u64).to_be_bytes());
                 conn.write_all(&head).map_err(io)?;
-                conn.write_all(bytes).map_err(io)?;
+                let mut hasher = XxHash3_64::new();
+                for piece in bytes.chunks(PIECE) {
+                    hasher.write(piece);
+                    conn.write_all(piece).map_err(io)?;
+                }
+                conn.write_all(&hasher.finish().to_be_bytes()).map_err(io)?;
             }
             None => conn.write_all(&[1u8]).map_err(io)?,
         }
@@ -211,17 +221,20 @@ fn receive(conn: &mut TcpStream, w: &mut WriteReservation) -> Result<(), Channel
     if status[0] != 0 {
         return Err(ChannelError::NotServed);
     }
-    let mut head = [0u8; 40];
-    conn.read_exact(&mut head).map_err(io)?;
     let mut len = [0u8; 8];
-    len.copy_from_slice(&head[..8]);
+    conn.read_exact(&mut len).map_err(io)?;
     let got = u64::from_be_bytes(len);
     if got != w.len() {
         return Err(ChannelError::Length { expected: w.len(), got });
     }
-    let slot = w.as_mut_slice();
-    conn.read_exact(slot).map_err(io)?;
-    if blake3::hash(slot).as_bytes()[..] != head[8..40] {
+    let mut hasher = XxHash3_64::new();
+    for piece in w.as_mut_slice().chunks_mut(PIECE) {
+        conn.read_exact(piece).map_err(io)?;
+        hasher.write(piece);
+    }
+    let mut sum = [0u8; 8];
+    conn.read_exact(&mut sum).map_err(io)?;
+    if u64::from_be_bytes(sum) != hasher.finish() {
         return Err(ChannelError::Checksum);
     }
     Ok(())
