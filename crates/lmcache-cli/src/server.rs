@@ -212,6 +212,19 @@ pub struct ServerArgs {
     /// JetStream stream the events go to (created when missing).
     #[arg(long, default_value = "LMCACHE_CACHE_EVENTS")]
     pub coordinator_nats_stream: String,
+    /// Turns on P2P: this server registers HOST:PORT with the coordinator as its transfer
+    /// channel, serves its L1 to the fleet's peers there (p2p_lookup_and_lock and friends on
+    /// the MP port, the bytes on the channel) and lists the peers it discovers in /status.
+    /// Needs --coordinator-url. Reading from peers is not built yet.
+    #[arg(long, env = "LMCACHE_P2P_ADVERTISE_URL", value_name = "HOST:PORT")]
+    pub p2p_advertise_url: Option<String>,
+    /// Where the transfer channel listens (default: the advertise URL).
+    #[arg(long, value_name = "HOST:PORT", requires = "p2p_advertise_url")]
+    pub p2p_listen_url: Option<String>,
+    /// The transfer channel: native (between lmcache-rs servers). LMCache's nixl and
+    /// mooncake_te are refused: not built yet.
+    #[arg(long, default_value = "native", value_parser = ["native", "nixl", "mooncake_te"])]
+    pub p2p_transfer_engine: String,
     /// Record a trace for `lmcache-rs trace` (and LMCache's `lmcache trace`): `storage`
     /// records the storage calls requests make (replayed by `trace replay`), `events` the
     /// cache-event stream a coordinator would receive (replayed by `trace replay-events`;
@@ -224,6 +237,32 @@ pub struct ServerArgs {
     /// Exit after this many seconds (for tests and benchmarks); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
+}
+
+/// `--p2p-advertise-url` / `--p2p-listen-url`: where the transfer channel listens.
+fn p2p_channel(args: &ServerArgs) -> anyhow::Result<Option<std::net::SocketAddr>> {
+    let Some(advertise) = &args.p2p_advertise_url else { return Ok(None) };
+    if args.coordinator_url.as_deref().is_none_or(str::is_empty) {
+        bail!(
+            "--p2p-advertise-url: P2P requires a coordinator (peers are found through it): set --coordinator-url"
+        );
+    }
+    if args.p2p_transfer_engine != "native" {
+        bail!(
+            "--p2p-transfer-engine {}: not built yet; lmcache-rs servers serve each other over \
+             their native channel (--p2p-transfer-engine native)",
+            args.p2p_transfer_engine
+        );
+    }
+    let listen = args.p2p_listen_url.as_deref().unwrap_or(advertise);
+    let bare = listen.strip_prefix("tcp://").unwrap_or(listen);
+    use std::net::ToSocketAddrs as _;
+    let addr = bare
+        .to_socket_addrs()
+        .with_context(|| format!("--p2p-listen-url {listen}: not a HOST:PORT"))?
+        .next()
+        .with_context(|| format!("--p2p-listen-url {listen}: resolves to no address"))?;
+    Ok(Some(addr))
 }
 
 fn coordinator_reporting(
@@ -267,6 +306,7 @@ fn coordinator_reporting(
         )?,
         transport,
         auth_token: args.coordinator_auth_token.clone(),
+        p2p_advertised_url: args.p2p_advertise_url.clone(),
     }))
 }
 
@@ -311,8 +351,8 @@ pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
     "--enable-dedup-content",
     "--enable-blend-reorder",
     "--enable",
-    "--p2p-advertise-url",
-    "--p2p-listen-url",
+    "--p2p-lookup-timeout",
+    "--p2p-load-timeout",
     "--coordinator-kafka-bootstrap-servers",
     "--coordinator-kafka-topic",
     "--coordinator-kafka-delivery-timeout",
@@ -396,7 +436,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         port: args.port,
         http_host: args.http_host.clone(),
         http_port: Some(args.http_port),
-        p2p_channel: None,
+        p2p_channel: p2p_channel(args)?,
         http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),
         chunk_size: args.chunk_size,
         max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),

@@ -38,6 +38,7 @@ fn server(coordinator_port: u16, id: &str) -> Server {
             flush_interval: Duration::from_millis(50),
             transport: ReportTransport::Http,
             auth_token: None,
+            p2p_advertised_url: None,
         }),
         ..ServerConfig::local(arena)
     })
@@ -127,6 +128,7 @@ fn a_server_with_the_coordinators_token_registers_reports_and_deregisters_throug
                 flush_interval: Duration::from_millis(50),
                 transport: ReportTransport::Http,
                 auth_token: token.map(str::to_owned),
+                p2p_advertised_url: None,
             }),
             ..ServerConfig::local(arena)
         })
@@ -150,6 +152,63 @@ fn a_server_with_the_coordinators_token_registers_reports_and_deregisters_throug
     without.shutdown();
     with.shutdown();
     assert_eq!(get(&c, "/instances")["instances"], json!([]), "deregistered with the token");
+}
+
+#[test]
+fn p2p_servers_find_each_other_through_the_coordinator_and_drop_a_peer_that_left() {
+    let c = coordinator(0);
+    let start = |id: &str| {
+        let arena = ArenaConfig { size: 16 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+        let channel: std::net::SocketAddr = "127.0.0.1:0".parse().unwrap();
+        Server::start(ServerConfig {
+            http_port: Some(0),
+            p2p_channel: Some(channel),
+            coordinator: Some(CoordinatorReporting {
+                url: format!("http://127.0.0.1:{}/", c.addr().port()),
+                instance_id: id.into(),
+                advertise_ip: "127.0.0.1".into(),
+                heartbeat_interval: Duration::from_millis(100),
+                event_reporting: true,
+                flush_interval: Duration::from_millis(50),
+                transport: ReportTransport::Http,
+                auth_token: None,
+                p2p_advertised_url: Some(format!("127.0.0.1:76{}", id.len())),
+            }),
+            ..ServerConfig::local(arena)
+        })
+        .unwrap()
+    };
+    let servers = [start("p-a"), start("p-bb"), start("p-ccc")];
+    let status = |s: &Server| {
+        let url = format!("http://{}/status", s.http_addr().unwrap());
+        let mut r = ureq::get(&url).call().unwrap();
+        serde_json::from_str::<Value>(&r.body_mut().read_to_string().unwrap()).unwrap()
+    };
+    let peer_ids = |s: &Server| -> Vec<String> {
+        status(s)["p2p_peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["instance_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    until("every server sees the two others", || {
+        servers.iter().all(|s| status(s)["p2p_state"] == "registered" && peer_ids(s).len() == 2)
+    });
+    assert_eq!(peer_ids(&servers[0]), ["p-bb", "p-ccc"]);
+    // The registration carries the MP port peers call and the advertised channel.
+    let st = status(&servers[0]);
+    let bb =
+        st["p2p_peers"].as_array().unwrap().iter().find(|p| p["instance_id"] == "p-bb").unwrap();
+    let port = servers[1].endpoint().rsplit(':').next().unwrap();
+    assert_eq!(bb["mq_url"], format!("tcp://127.0.0.1:{port}"));
+    assert_eq!(bb["p2p_advertised_url"], "127.0.0.1:764");
+    assert_eq!(st["p2p_enabled"], true);
+    let [a, b, leaving] = servers;
+    leaving.shutdown();
+    until("a peer that left is dropped after its missed polls", || {
+        peer_ids(&a) == ["p-bb"] && peer_ids(&b) == ["p-a"]
+    });
 }
 
 #[test]
@@ -340,6 +399,7 @@ fn lost_batches_and_a_restart_mid_stream_are_repaired_to_exactly_the_servers_l1(
                 flush_interval: Duration::from_millis(5),
                 transport: ReportTransport::Http,
                 auth_token: None,
+                p2p_advertised_url: None,
             }),
             ..ServerConfig::local(arena)
         })
@@ -465,6 +525,7 @@ fn quotas_pins_fleet_eviction_and_relays_work_end_to_end() {
             flush_interval: Duration::from_millis(20),
             transport: ReportTransport::Http,
             auth_token: None,
+            p2p_advertised_url: None,
         }),
         ..ServerConfig::local(arena)
     })
@@ -628,6 +689,7 @@ fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
             flush_interval: Duration::from_millis(10),
             transport: ReportTransport::JetStream { url: nats.clone(), stream: stream.into() },
             auth_token: None,
+            p2p_advertised_url: None,
         }),
         ..ServerConfig::local(arena)
     })

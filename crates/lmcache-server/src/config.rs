@@ -16,8 +16,8 @@ pub struct ServerConfig {
     pub http_host: String,
     /// HTTP port (0: any free port); `None` disables the HTTP server.
     pub http_port: Option<u16>,
-    /// Where the native P2P transfer channel listens (`None`: off). Not yet reachable from
-    /// the command line: the reader side and discovery that would use it are still to come.
+    /// Where the native P2P transfer channel listens (`None`: off; `--p2p-listen-url`, or the
+    /// `--p2p-advertise-url`).
     pub p2p_channel: Option<std::net::SocketAddr>,
     /// When set, every HTTP route but `/healthcheck` requires `Authorization: Bearer <token>`.
     pub http_auth_token: Option<String>,

@@ -61,6 +61,9 @@ pub struct CoordinatorReporting {
     /// heartbeats, event batches and deregistration. Only a server that registers with it is
     /// sent this fleet's server token by the coordinator.
     pub auth_token: Option<String>,
+    /// `--p2p-advertise-url`: the transfer-channel address registered for peers, which also
+    /// turns on P2P discovery (the coordinator's instance list, polled each heartbeat).
+    pub p2p_advertised_url: Option<String>,
 }
 
 /// `--coordinator-event-transport`.
@@ -198,6 +201,10 @@ pub struct Reporter {
     /// An events-level trace: every batch is recorded as it is sent (or, with no coordinator,
     /// as it would have been).
     trace: Mutex<Option<Arc<crate::trace_record::TraceRecorder>>>,
+    /// The MP port peers call (registered as `mq_port`).
+    mq_port: std::sync::atomic::AtomicU32,
+    /// P2P discovery, with `--p2p-advertise-url`.
+    peers: Option<Arc<crate::p2p_peers::Peers>>,
 }
 
 fn encoded(k: &ObjectKey) -> EncodedObjectKey {
@@ -218,8 +225,12 @@ impl Reporter {
         // new stream's first batches as duplicates.
         let incarnation =
             SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let peers =
+            cfg.p2p_advertised_url.clone().map(|u| Arc::new(crate::p2p_peers::Peers::new(u)));
         Arc::new(Self {
             cfg,
+            mq_port: std::sync::atomic::AtomicU32::new(0),
+            peers,
             http_port: std::sync::atomic::AtomicU32::new(0),
             incarnation,
             l2: Mutex::default(),
@@ -251,6 +262,7 @@ impl Reporter {
             flush_interval,
             transport: ReportTransport::Http,
             auth_token: None,
+            p2p_advertised_url: None,
         });
         me.set_trace(trace);
         me
@@ -432,9 +444,20 @@ impl Reporter {
         }
     }
 
-    /// Starts the reporting thread, registering the HTTP API at `http_port`.
-    pub fn start(self: &Arc<Self>, http_port: u16) -> std::io::Result<JoinHandle<()>> {
+    /// P2P discovery's peer table, when `--p2p-advertise-url` is set.
+    pub fn peers(&self) -> Option<&Arc<crate::p2p_peers::Peers>> {
+        self.peers.as_ref()
+    }
+
+    /// Starts the reporting thread, registering the HTTP API at `http_port` and the MP server
+    /// at `mq_port`.
+    pub fn start(
+        self: &Arc<Self>,
+        http_port: u16,
+        mq_port: u16,
+    ) -> std::io::Result<JoinHandle<()>> {
         self.http_port.store(u32::from(http_port), Ordering::Relaxed);
+        self.mq_port.store(u32::from(mq_port), Ordering::Relaxed);
         let me = Arc::clone(self);
         std::thread::Builder::new().name("coordinator-report".into()).spawn(move || me.run())
     }
@@ -519,6 +542,9 @@ impl Reporter {
                         Err(e) => self.failed("heartbeat", &e.to_string()),
                     },
                 }
+                if let Some(peers) = &self.peers {
+                    self.discover(&agent, &base, id.as_deref(), peers);
+                }
             }
             if let (Some(cur), true) = (&id, now >= next_flush || stopping) {
                 next_flush = now + self.cfg.flush_interval;
@@ -558,6 +584,38 @@ impl Reporter {
         }
     }
 
+    /// One P2P discovery poll: the coordinator's instance list.
+    fn discover(
+        &self,
+        agent: &ureq::Agent,
+        base: &str,
+        me: Option<&str>,
+        peers: &crate::p2p_peers::Peers,
+    ) {
+        #[derive(serde::Deserialize)]
+        struct List {
+            instances: Vec<lmcache_protocol::coordinator::InstanceInfo>,
+        }
+        match agent.get(&format!("{base}/instances")).call() {
+            Ok(mut r) if r.status().is_success() => match r.body_mut().read_json::<List>() {
+                Ok(list) => peers.apply(me, &list.instances),
+                Err(e) => {
+                    self.failed("P2P discovery", &format!("bad instance list: {e}"));
+                    peers.poll_failed(false);
+                }
+            },
+            Ok(r) => {
+                self.failed("P2P discovery", &format!("HTTP {}", r.status().as_u16()));
+                peers.poll_failed(false);
+            }
+            Err(e) => {
+                let timed_out = matches!(e, ureq::Error::Timeout(_));
+                self.failed("P2P discovery", &e.to_string());
+                peers.poll_failed(timed_out);
+            }
+        }
+    }
+
     fn failed(&self, what: &str, why: &str) {
         self.stats.failures.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(coordinator = %self.cfg.url, "coordinator {what} failed: {why}");
@@ -574,8 +632,8 @@ impl Reporter {
             ip,
             http_port: self.http_port.load(Ordering::Relaxed),
             metadata: Default::default(),
-            p2p_advertised_url: String::new(),
-            mq_port: 0,
+            p2p_advertised_url: self.cfg.p2p_advertised_url.clone().unwrap_or_default(),
+            mq_port: if self.peers.is_some() { self.mq_port.load(Ordering::Relaxed) } else { 0 },
         };
         match self.authed(agent.post(&format!("{base}/instances"))).send_json(&body) {
             Ok(mut r) if r.status().is_success() => {
@@ -752,6 +810,7 @@ mod tests {
             flush_interval: Duration::from_secs(1),
             transport: ReportTransport::Http,
             auth_token: None,
+            p2p_advertised_url: None,
         })
     }
 

@@ -15,6 +15,7 @@
 //!   inside [`state::ServerState`], which adds the side channels.
 //! - [`observers`]: the side channels as subscribers of storage's events.
 //! - [`p2p_channel`]: the native transfer channel: locked objects' bytes to a peer's L1.
+//! - [`p2p_peers`]: P2P discovery: the fleet's peers from the coordinator's instance list.
 //! - [`peer_locks`]: P2P lookup answers and the L1 locks held for the fleet's peers.
 //! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
 //! - [`metrics`]: LMCache's Prometheus names and ours.
@@ -34,6 +35,7 @@ pub mod lookup_log;
 pub mod metrics;
 pub mod observers;
 pub mod p2p_channel;
+pub mod p2p_peers;
 pub mod peer_locks;
 pub mod registry;
 pub mod server;

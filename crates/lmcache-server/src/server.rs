@@ -228,7 +228,8 @@ impl Server {
             Some(r) => {
                 r.set_topology(compartments(&state), l2_identities(&state));
                 let port = http_addr.map_or(0, |a| a.port());
-                Some(r.start(port).map_err(io("starting the coordinator reporter"))?)
+                let mq_port = endpoint.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0);
+                Some(r.start(port, mq_port).map_err(io("starting the coordinator reporter"))?)
             }
             None => None,
         };

@@ -44,6 +44,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
             json!({"model_name": inst.model.as_str(), "world_size": inst.world_size, "kv_cache_layout": layout}),
         );
     }
+    let p2p = s.channels.reporter.as_ref().and_then(|r| r.peers());
     Json(json!({
         "cache_context_meta": meta,
         "is_healthy": true,
@@ -55,6 +56,9 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
         "active_sessions": s.sessions.len(),
         "uptime_seconds": s.started.elapsed().as_secs_f64(),
         "registered_instances": instances,
+        "p2p_enabled": p2p.is_some(),
+        "p2p_state": p2p.map(|p| p.state()),
+        "p2p_peers": p2p.map(|p| p.peers()).unwrap_or_default(),
         "refused_instances": refused,
         "storage_manager": {
             "l1_manager": {
