@@ -213,11 +213,18 @@ pub struct ServerArgs {
     #[arg(long, default_value = "LMCACHE_CACHE_EVENTS")]
     pub coordinator_nats_stream: String,
     /// Turns on P2P: this server registers HOST:PORT with the coordinator as its transfer
-    /// channel, serves its L1 to the fleet's peers there (p2p_lookup_and_lock and friends on
-    /// the MP port, the bytes on the channel) and lists the peers it discovers in /status.
-    /// Needs --coordinator-url. Reading from peers is not built yet.
+    /// channel, serves its L1 to the fleet's lmcache-rs peers there (p2p_lookup_and_lock and
+    /// friends on the MP port, the bytes on the channel), lists the peers it discovers in
+    /// /status, and fetches what its L1 lacks from them (when no L2 adapter is attached).
+    /// Needs --coordinator-url.
     #[arg(long, env = "LMCACHE_P2P_ADVERTISE_URL", value_name = "HOST:PORT")]
     pub p2p_advertise_url: Option<String>,
+    /// Seconds before a peer's lookup answer counts as a miss.
+    #[arg(long, default_value_t = 30.0)]
+    pub p2p_lookup_timeout: f64,
+    /// Seconds before a fetch from a peer counts as a failure (a miss).
+    #[arg(long, default_value_t = 30.0)]
+    pub p2p_load_timeout: f64,
     /// Where the transfer channel listens (default: the advertise URL).
     #[arg(long, value_name = "HOST:PORT", requires = "p2p_advertise_url")]
     pub p2p_listen_url: Option<String>,
@@ -237,6 +244,14 @@ pub struct ServerArgs {
     /// Exit after this many seconds (for tests and benchmarks); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
+}
+
+/// A positive number of seconds.
+fn positive_secs(name: &str, v: f64) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .with_context(|| format!("--{name}: {v} is not a positive number of seconds"))
 }
 
 /// `--p2p-advertise-url` / `--p2p-listen-url`: where the transfer channel listens.
@@ -351,8 +366,6 @@ pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
     "--enable-dedup-content",
     "--enable-blend-reorder",
     "--enable",
-    "--p2p-lookup-timeout",
-    "--p2p-load-timeout",
     "--coordinator-kafka-bootstrap-servers",
     "--coordinator-kafka-topic",
     "--coordinator-kafka-delivery-timeout",
@@ -437,6 +450,8 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         http_host: args.http_host.clone(),
         http_port: Some(args.http_port),
         p2p_channel: p2p_channel(args)?,
+        p2p_lookup_timeout: positive_secs("p2p-lookup-timeout", args.p2p_lookup_timeout)?,
+        p2p_load_timeout: positive_secs("p2p-load-timeout", args.p2p_load_timeout)?,
         http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),
         chunk_size: args.chunk_size,
         max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),

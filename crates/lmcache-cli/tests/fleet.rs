@@ -211,6 +211,163 @@ fn p2p_servers_find_each_other_through_the_coordinator_and_drop_a_peer_that_left
     });
 }
 
+/// A P2P server of the fleet at `c`, over a shm L1 (engine-driven clients map it).
+fn p2p_server(c: &Coordinator, id: &str, advertise: &str) -> Server {
+    let arena = ArenaConfig {
+        size: 32 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_fleet_p2p_{id}_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    Server::start(ServerConfig {
+        http_port: Some(0),
+        chunk_size: 16,
+        p2p_channel: Some(advertise.parse().unwrap()),
+        p2p_lookup_timeout: Duration::from_secs(3),
+        p2p_load_timeout: Duration::from_secs(3),
+        coordinator: Some(CoordinatorReporting {
+            url: format!("http://127.0.0.1:{}/", c.addr().port()),
+            instance_id: id.into(),
+            advertise_ip: "127.0.0.1".into(),
+            heartbeat_interval: Duration::from_millis(100),
+            event_reporting: true,
+            flush_interval: Duration::from_millis(50),
+            transport: ReportTransport::Http,
+            auth_token: None,
+            p2p_advertised_url: Some(advertise.into()),
+        }),
+        ..ServerConfig::local(arena)
+    })
+    .unwrap()
+}
+
+fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+#[test]
+fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
+    use lmcache_client::{CacheKey, Client};
+    use lmcache_core::ModelName;
+    use lmcache_memory::ForeignSegment;
+    let c = Coordinator::start(CoordinatorConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        chunk_size: 16,
+        ..CoordinatorConfig::default()
+    })
+    .unwrap();
+    // Peers are asked in id order: the empty one first, then the one holding the prefix.
+    let empty = p2p_server(&c, "p1-empty", &free_addr());
+    let holder = p2p_server(&c, "p2-holder", &free_addr());
+    let reader = p2p_server(&c, "p3-reader", &free_addr());
+    let status = |s: &Server| {
+        let url = format!("http://{}/status", s.http_addr().unwrap());
+        let mut r = ureq::get(&url).call().unwrap();
+        serde_json::from_str::<Value>(&r.body_mut().read_to_string().unwrap()).unwrap()
+    };
+    until("the reader sees both peers", || {
+        status(&reader)["p2p_peers"].as_array().is_some_and(|a| a.len() == 2)
+    });
+    let registration = |id: u64| lmcache_protocol::types::EngineDrivenRegistration {
+        instance_id: id,
+        model_name: ModelName::new("m").unwrap(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 2,
+        hidden_dim_size: 32,
+        dtype: lmcache_core::Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    };
+    let tokens: Vec<u32> = (0..64).collect();
+    let key = |rid: &str| CacheKey::whole(ModelName::new("m").unwrap(), rid, tokens.clone(), 16);
+    // The holder computes the prefix (4 chunks).
+    let mut h = Client::connect(holder.endpoint(), Duration::from_secs(5)).unwrap();
+    let pool = h.register_engine_driven(&registration(1)).unwrap();
+    let hpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    let mut stored = Vec::new();
+    for (i, s) in h.prepare_store(&key("w"), 1).unwrap() {
+        let bytes: Vec<u8> = (0..s.length).map(|j| (j as u8) ^ (i as u8 * 37)).collect();
+        hpool.write(s.offset, &bytes).unwrap();
+        stored.push(bytes);
+    }
+    assert!(h.commit_store(&key("w"), 1).unwrap());
+    // The reader never stored it: its lookup is a full hit through the holder.
+    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
+    let pool = r.register_engine_driven(&registration(2)).unwrap();
+    let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    assert_eq!(r.lookup(&key("q")).unwrap(), 4, "the peer's prefix is a hit");
+    let slots = r.prepare_retrieve(&key("q").for_worker(0), 2).unwrap().expect("retrieved");
+    assert_eq!(slots.len(), 4);
+    for (i, s) in slots.iter().enumerate() {
+        let mut got = vec![0u8; s.length as usize];
+        rpool.read(s.offset, &mut got).unwrap();
+        assert!(got == stored[i], "chunk {i} differs from what the holder stored");
+    }
+    assert!(r.commit_retrieve(&key("q").for_worker(0), 2).unwrap());
+    let rm = &reader.state().metrics;
+    assert_eq!((rm.p2p_fetched_keys.get(), rm.p2p_fetch_failures.get()), (4, 0));
+    // Every lock the holder took for the reader was released; the empty peer was asked.
+    let hm = &holder.state().metrics;
+    assert_eq!((hm.p2p_served_hits.get(), hm.p2p_unlocked_keys.get()), (4, 4));
+    assert_eq!(empty.state().metrics.p2p_served_keys.get(), 4);
+    // The fetched chunks are the reader's own now: the coordinator places them there too.
+    until("the reader's copies reach the directory", || {
+        let body = json!({"token_ids": tokens, "model_name": "m"});
+        let mut resp =
+            ureq::post(&format!("http://{}/directory/lookup", c.addr())).send_json(body).unwrap();
+        let v: Value = serde_json::from_str(&resp.body_mut().read_to_string().unwrap()).unwrap();
+        v.to_string().contains("p3-reader")
+    });
+    // A prompt no peer holds is a plain miss, after asking them.
+    let other: Vec<u32> = (1000..1064).collect();
+    let miss = CacheKey::whole(ModelName::new("m").unwrap(), "m", other, 16);
+    assert_eq!(r.lookup(&miss).unwrap(), 0);
+}
+
+#[test]
+fn a_peer_that_died_gives_a_miss_in_bounded_time_and_leaves_nothing_behind() {
+    use lmcache_client::{CacheKey, Client};
+    use lmcache_core::ModelName;
+    let c = coordinator(0);
+    let dead = p2p_server(&c, "d1-dead", &free_addr());
+    let reader = p2p_server(&c, "d2-reader", &free_addr());
+    until("the reader sees its peer", || {
+        let url = format!("http://{}/status", reader.http_addr().unwrap());
+        let mut r = ureq::get(&url).call().unwrap();
+        r.body_mut().read_to_string().unwrap().contains("d1-dead")
+    });
+    // The peer goes before the reader's next poll notices.
+    dead.shutdown();
+    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
+    let registration = lmcache_protocol::types::EngineDrivenRegistration {
+        instance_id: 2,
+        model_name: ModelName::new("m").unwrap(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 2,
+        hidden_dim_size: 32,
+        dtype: lmcache_core::Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    };
+    r.register_engine_driven(&registration).unwrap();
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), "q", (0..64).collect(), 16);
+    let t = Instant::now();
+    assert_eq!(r.lookup(&key).unwrap(), 0, "a dead peer serves nothing");
+    assert!(
+        t.elapsed() < Duration::from_secs(8),
+        "bounded by the lookup timeout: {:?}",
+        t.elapsed()
+    );
+    let u = reader.state().l1().usage();
+    assert_eq!((u.staged_objects, u.resident_objects), (0, 0), "nothing left behind");
+    assert_eq!(reader.state().metrics.p2p_fetched_keys.get(), 0);
+}
+
 #[test]
 fn events_wait_for_a_coordinator_that_is_down_and_arrive_without_a_gap() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -19,6 +19,10 @@ pub struct ServerConfig {
     /// Where the native P2P transfer channel listens (`None`: off; `--p2p-listen-url`, or the
     /// `--p2p-advertise-url`).
     pub p2p_channel: Option<std::net::SocketAddr>,
+    /// `--p2p-lookup-timeout` (30 s): each RPC to a peer.
+    pub p2p_lookup_timeout: std::time::Duration,
+    /// `--p2p-load-timeout` (30 s): one fetch over a peer's channel.
+    pub p2p_load_timeout: std::time::Duration,
     /// When set, every HTTP route but `/healthcheck` requires `Authorization: Bearer <token>`.
     pub http_auth_token: Option<String>,
     /// Tokens per chunk.
@@ -80,6 +84,8 @@ impl ServerConfig {
             http_host: "127.0.0.1".into(),
             http_port: None,
             p2p_channel: None,
+            p2p_lookup_timeout: std::time::Duration::from_secs(30),
+            p2p_load_timeout: std::time::Duration::from_secs(30),
             http_auth_token: None,
             chunk_size: lmcache_core::DEFAULT_CHUNK_SIZE,
             max_cpu_workers: 1,

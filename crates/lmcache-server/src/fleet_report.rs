@@ -631,7 +631,14 @@ impl Reporter {
             instance_id: self.cfg.instance_id.clone(),
             ip,
             http_port: self.http_port.load(Ordering::Relaxed),
-            metadata: Default::default(),
+            metadata: match self.peers {
+                Some(_) => [(
+                    crate::p2p_reader::CHANNEL_KEY.to_owned(),
+                    crate::p2p_reader::NATIVE_CHANNEL.to_owned(),
+                )]
+                .into(),
+                None => Default::default(),
+            },
             p2p_advertised_url: self.cfg.p2p_advertised_url.clone().unwrap_or_default(),
             mq_port: if self.peers.is_some() { self.mq_port.load(Ordering::Relaxed) } else { 0 },
         };

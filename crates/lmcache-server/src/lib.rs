@@ -16,6 +16,7 @@
 //! - [`observers`]: the side channels as subscribers of storage's events.
 //! - [`p2p_channel`]: the native transfer channel: locked objects' bytes to a peer's L1.
 //! - [`p2p_peers`]: P2P discovery: the fleet's peers from the coordinator's instance list.
+//! - [`p2p_reader`]: the reader side of P2P: a short lookup's rest fetched from peers.
 //! - [`peer_locks`]: P2P lookup answers and the L1 locks held for the fleet's peers.
 //! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
 //! - [`metrics`]: LMCache's Prometheus names and ours.
@@ -36,6 +37,7 @@ pub mod metrics;
 pub mod observers;
 pub mod p2p_channel;
 pub mod p2p_peers;
+pub mod p2p_reader;
 pub mod peer_locks;
 pub mod registry;
 pub mod server;

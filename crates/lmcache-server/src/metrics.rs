@@ -168,6 +168,12 @@ pub struct Metrics {
     pub p2p_unlocked_keys: Counter,
     /// Peer locks whose unlock came after they expired.
     pub p2p_unlock_expired: Counter,
+    /// Objects fetched from peers, verified and committed into L1 (P2P reads).
+    pub p2p_fetched_keys: Counter,
+    /// Their bytes.
+    pub p2p_fetched_bytes: Counter,
+    /// Objects a peer locked that did not arrive whole (refused: a miss).
+    pub p2p_fetch_failures: Counter,
     /// Live sessions (set when scraped).
     pub active_sessions: Gauge,
     /// Resident memory of the process (set when scraped).
@@ -242,6 +248,9 @@ impl Default for Metrics {
             p2p_served_hits: Counter::default(),
             p2p_unlocked_keys: Counter::default(),
             p2p_unlock_expired: Counter::default(),
+            p2p_fetched_keys: Counter::default(),
+            p2p_fetched_bytes: Counter::default(),
+            p2p_fetch_failures: Counter::default(),
             active_sessions: Gauge::default(),
             process_resident_memory_bytes: Gauge::default(),
             event_bus_queue_depth: Gauge::default(),
@@ -438,6 +447,21 @@ impl Default for Metrics {
                 "p2p_unlock_expired",
                 "Peer read locks whose unlock came after they expired (L1 read TTL)",
                 m.p2p_unlock_expired.clone(),
+            );
+            rs.register(
+                "p2p_fetched_keys",
+                "Objects fetched from the fleet's peers, verified and committed into L1",
+                m.p2p_fetched_keys.clone(),
+            );
+            rs.register(
+                "p2p_fetched_bytes",
+                "Bytes fetched from peers",
+                m.p2p_fetched_bytes.clone(),
+            );
+            rs.register(
+                "p2p_fetch_failures",
+                "Objects a peer locked that did not arrive whole (refused: served as a miss)",
+                m.p2p_fetch_failures.clone(),
             );
             rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());

@@ -70,6 +70,11 @@ impl StorageSubscriber for MetricsSubscriber {
                 m.p2p_served_keys.inc_by(*keys as u64);
                 m.p2p_served_hits.inc_by(*found as u64);
             }
+            StorageEvent::PeerFetched { keys, bytes, failed } => {
+                m.p2p_fetched_keys.inc_by(*keys as u64);
+                m.p2p_fetched_bytes.inc_by(*bytes);
+                m.p2p_fetch_failures.inc_by(*failed as u64);
+            }
             StorageEvent::PeerUnlocked { released, expired } => {
                 m.p2p_unlocked_keys.inc_by(*released as u64);
                 m.p2p_unlock_expired.inc_by(*expired as u64);

@@ -39,6 +39,8 @@ pub struct Peer {
     pub p2p_advertised_url: String,
     /// Polls in a row it was missing from.
     pub missed_polls: u32,
+    /// Whether it registered lmcache-rs's native channel (the only one this server reads).
+    pub native: bool,
 }
 
 #[derive(Debug)]
@@ -93,6 +95,8 @@ impl Peers {
                     mq_url: format!("tcp://{host}:{}", i.mq_port),
                     p2p_advertised_url: i.p2p_advertised_url.clone(),
                     missed_polls: 0,
+                    native: i.metadata.get(crate::p2p_reader::CHANNEL_KEY).map(String::as_str)
+                        == Some(crate::p2p_reader::NATIVE_CHANNEL),
                 };
                 (i.instance_id.clone(), peer)
             })
@@ -117,6 +121,12 @@ impl Peers {
     /// The state.
     pub fn state(&self) -> P2pState {
         self.inner.lock().state
+    }
+
+    /// Whether this server is registered and has a peer it can read from.
+    pub fn has_peers(&self) -> bool {
+        let g = self.inner.lock();
+        g.state == P2pState::Registered && g.peers.values().any(|p| p.native)
     }
 
     /// The current peers, by instance id.

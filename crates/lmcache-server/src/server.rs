@@ -63,6 +63,7 @@ pub struct Server {
     http: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
     reaper: Option<(Sender<()>, JoinHandle<()>)>,
     p2p_channel: Option<(SocketAddr, JoinHandle<()>)>,
+    peer_reader: Option<Arc<crate::p2p_reader::PeerReader>>,
     reporter: Option<JoinHandle<()>>,
 }
 
@@ -158,6 +159,24 @@ impl Server {
                     .map_err(io("starting the lookup-hash log"))?,
             )),
         };
+        // P2P: with --p2p-advertise-url, what L1 lacks is asked of the fleet's peers.
+        let peer_reader = match reporter.as_ref().and_then(|r| r.peers()) {
+            Some(peers) => {
+                let timeouts = crate::p2p_reader::ReaderTimeouts {
+                    lookup: config.p2p_lookup_timeout,
+                    load: config.p2p_load_timeout,
+                };
+                let reader = crate::p2p_reader::PeerReader::start(
+                    (*storage).clone(),
+                    Arc::clone(peers),
+                    timeouts,
+                )
+                .map_err(io("starting the P2P readers"))?;
+                storage.set_peer_source(reader.clone());
+                Some(reader)
+            }
+            None => None,
+        };
         let metrics = Arc::new(Metrics::default());
         storage.subscribe(subscribers(
             &config,
@@ -248,6 +267,7 @@ impl Server {
             http,
             reaper: Some(reaper),
             p2p_channel,
+            peer_reader,
             reporter,
         })
     }
@@ -289,6 +309,9 @@ impl Server {
         if let Some((tx, j)) = self.http.take() {
             let _ = tx.send(());
             let _ = j.join();
+        }
+        if let Some(r) = self.peer_reader.take() {
+            r.stop();
         }
         if let Some((_, j)) = self.p2p_channel.take() {
             let _ = j.join();

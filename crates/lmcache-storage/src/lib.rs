@@ -12,6 +12,8 @@
 //!   commit plus write-behind in one call), flush.
 //! - [`observe`]: [`StorageEvent`]s, what storage tells its [`StorageSubscriber`]s (metrics,
 //!   KV events, trace recording and the like), with the [`RequestContext`] a caller hands it.
+//! - [`peers`]: [`PeerSource`], the fleet's peers as a source of a lookup's L1 misses
+//!   (P2P), asked as L2 would be when no L2 adapter is attached.
 //! - [`scope`]: [`RequestScope`], a request's view of storage: the manager's operations, each
 //!   announced with the request's context.
 //! - [`lookup`]: a lookup through both tiers as one value (`Ready` leases or `Pending` on a
@@ -31,6 +33,7 @@ pub mod ledger;
 pub mod lookup;
 pub mod manager;
 pub mod observe;
+pub mod peers;
 pub mod prefetch;
 pub mod scope;
 pub mod store;
@@ -46,6 +49,7 @@ pub use manager::{
     DeleteReport, DeleteScope, L2Listing, StorageError, StorageManager, StoreSlot, TierName,
 };
 pub use observe::{RequestContext, StorageEvent, StorageSubscriber};
+pub use peers::{PeerDone, PeerFetch, PeerSource};
 pub use prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchWaiter};
 pub use scope::RequestScope;
 pub use tier::{

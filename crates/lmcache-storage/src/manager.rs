@@ -118,6 +118,8 @@ pub struct StorageManager {
     l1: L1Cache,
     l2: Option<L2Tier>,
     subscribers: Subscribers,
+    /// The fleet's peers, asked for what L1 lacks when no L2 adapter is attached.
+    peers: Arc<std::sync::OnceLock<Arc<dyn crate::peers::PeerSource>>>,
 }
 
 impl StorageManager {
@@ -125,7 +127,7 @@ impl StorageManager {
     /// (see the module docs).
     pub fn new(l1: L1Cache, l2: Option<L2Tier>) -> Self {
         l1.set_write_behind(l2.as_ref().is_some_and(|t| !t.is_empty()));
-        Self { l1, l2, subscribers: Subscribers::default() }
+        Self { l1, l2, subscribers: Subscribers::default(), peers: Arc::default() }
     }
 
     /// Installs the subscribers every [`RequestScope`] call and [`Self::announce`] tells, in
@@ -138,6 +140,12 @@ impl StorageManager {
     /// ended); storage's own operations announce themselves.
     pub fn announce(&self, event: &StorageEvent<'_>) {
         self.subscribers.publish(event);
+    }
+
+    /// Installs the fleet's peers as a source of lookups' L1 misses (once; false when one
+    /// was installed before).
+    pub fn set_peer_source(&self, source: Arc<dyn crate::peers::PeerSource>) -> bool {
+        self.peers.set(source).is_ok()
     }
 
     pub(crate) fn subscribers(&self) -> &Subscribers {
@@ -221,10 +229,16 @@ impl StorageManager {
     /// times; if that is short and L2 has adapters, a prefetch of the rest starts and the
     /// answer is [`Lookup::Pending`].
     pub fn lookup(&self, req: &LookupRequest) -> Lookup {
-        self.lookup_shards(&req.shards, req.world_size, req.readers)
+        self.lookup_shards(&req.shards, req.world_size, req.readers, None)
     }
 
-    fn lookup_shards(&self, shards: &[ShardKeys], world_size: u32, readers: u32) -> Lookup {
+    fn lookup_shards(
+        &self,
+        shards: &[ShardKeys],
+        world_size: u32,
+        readers: u32,
+        object: Option<&lmcache_core::ObjectShape>,
+    ) -> Lookup {
         let chunks = shards.first().map_or(0, |(_, k)| k.len());
         let per_shard: Vec<(u32, Vec<ReadLease>)> = shards
             .iter()
@@ -238,7 +252,19 @@ impl StorageManager {
                 let handle = l2.start_prefetch(PrefetchRequest { shards: rest, readers });
                 Lookup::pending(leases, hit, handle, shards.iter().map(|(w, _)| *w).collect())
             }
-            _ => Lookup::Ready { leases, hits: hit },
+            _ => match self.peers.get() {
+                Some(p) if hit < chunks && p.has_peers() => {
+                    let rest: Vec<Vec<ObjectKey>> = shards
+                        .iter()
+                        .map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec())
+                        .collect();
+                    let req =
+                        crate::peers::PeerFetch { shards: rest, readers, object: object.cloned() };
+                    let handle = crate::peers::start(p.as_ref(), req);
+                    Lookup::pending(leases, hit, handle, shards.iter().map(|(w, _)| *w).collect())
+                }
+                _ => Lookup::Ready { leases, hits: hit },
+            },
         }
     }
 
@@ -252,12 +278,23 @@ impl StorageManager {
     /// i.e. when the fold's hit is the common prefix of every row. With one group this is
     /// [`Self::lookup`].
     pub fn lookup_groups(&self, req: &GroupLookupRequest) -> Lookup {
+        self.lookup_groups_of(req, None)
+    }
+
+    /// As [`Self::lookup_groups`], with the model's object shapes (what peers check a P2P
+    /// lookup's layout against).
+    pub(crate) fn lookup_groups_of(
+        &self,
+        req: &GroupLookupRequest,
+        objects: Option<&[lmcache_core::ObjectShape]>,
+    ) -> Lookup {
         use crate::fold;
         let Some((_, first)) = req.groups.first() else {
             return Lookup::Ready { leases: LookupLeases::default(), hits: 0 };
         };
         if req.groups.len() == 1 && req.groups[0].0.is_none() {
-            return self.lookup_shards(first, req.world_size, req.readers);
+            let object = objects.and_then(<[_]>::first);
+            return self.lookup_shards(first, req.world_size, req.readers, object);
         }
         let chunks = first.first().map_or(0, |(_, k)| k.len());
         // rows[og][shard]: the lock result of every chunk.
@@ -304,7 +341,7 @@ impl StorageManager {
                     strict.shards.push((og as u32 * ws + w, keys.clone()));
                 }
             }
-            return self.lookup(&strict);
+            return self.lookup_shards(&strict.shards, strict.world_size, strict.readers, None);
         }
         let mut prefix = Vec::new();
         let mut pinned = Vec::new();

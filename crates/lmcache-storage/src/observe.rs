@@ -177,6 +177,15 @@ pub enum StorageEvent<'a> {
         /// Locks that had expired before the unlock came.
         expired: usize,
     },
+    /// A fetch from the fleet's peers ended (P2P, the reader side).
+    PeerFetched {
+        /// Objects fetched, verified and committed into L1.
+        keys: usize,
+        /// Their bytes.
+        bytes: u64,
+        /// Objects a peer locked that did not arrive whole (channel, checksum, timeout).
+        failed: usize,
+    },
     /// A request ended; `touched` are the keys it used (now first in line to stay in L1).
     SessionEnded {
         /// The request.

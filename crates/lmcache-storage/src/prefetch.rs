@@ -78,6 +78,18 @@ enum SlotState {
 }
 
 impl PrefetchHandle {
+    /// A handle completed by the returned function, called once from anywhere (a source
+    /// outside the tier: the fleet's peers).
+    pub(crate) fn external() -> (Self, impl FnOnce(PrefetchOutcome) + Send + 'static) {
+        let slot = Arc::new(PrefetchSlot::default());
+        let s = slot.clone();
+        let complete = move |outcome| {
+            *s.state.lock() = SlotState::Done(outcome);
+            s.done.notify_all();
+        };
+        (Self { slot }, complete)
+    }
+
     /// The outcome, once the prefetch has ended; `None` while it runs (and after it was taken).
     pub fn poll(&self) -> Option<PrefetchOutcome> {
         let mut st = self.slot.state.lock();

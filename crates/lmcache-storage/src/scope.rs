@@ -37,7 +37,7 @@ impl<'s, 'a> RequestScope<'s, 'a> {
     /// what L1 served.
     pub fn lookup(&self, req: &GroupLookupRequest) -> Lookup {
         self.publish(&StorageEvent::LookupStarted { ctx: self.ctx, request: req });
-        let lookup = self.storage.lookup_groups(req);
+        let lookup = self.storage.lookup_groups_of(req, Some(self.ctx.objects));
         let shards = req.groups.first().map_or(0, |(_, s)| s.len());
         self.publish(&StorageEvent::LookedUp {
             ctx: self.ctx,
