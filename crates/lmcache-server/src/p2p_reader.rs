@@ -114,6 +114,8 @@ fn work(
     stop: &AtomicBool,
     timeouts: ReaderTimeouts,
 ) {
+    // One MP client per peer, kept between fetches (a connection costs more than a miss may).
+    let mut clients: std::collections::HashMap<String, Client> = std::collections::HashMap::new();
     while !stop.load(Ordering::Acquire) {
         let next = rx.lock().recv_timeout(Duration::from_secs(1));
         let (req, done) = match next {
@@ -123,15 +125,31 @@ fn work(
         };
         let mut outcome = PrefetchOutcome::default();
         let mut report = FetchReport::default();
-        for peer in peers.peers().iter().filter(|p| p.native) {
-            match fetch_from(storage, peer, &req, timeouts, &mut report) {
+        let current = peers.peers();
+        clients.retain(|id, _| current.iter().any(|p| &p.instance_id == id));
+        for peer in current.iter().filter(|p| p.native) {
+            let client = match clients.entry(peer.instance_id.clone()) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    match Client::connect(&peer.mq_url, timeouts.lookup) {
+                        Ok(c) => e.insert(c),
+                        Err(err) => {
+                            tracing::warn!(peer = %peer.instance_id, error = %err, "P2P peer unreachable: a miss");
+                            continue;
+                        }
+                    }
+                }
+            };
+            match fetch_from(storage, client, peer, &req, timeouts, &mut report) {
                 Ok(Some(o)) => {
                     outcome = o;
                     break;
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    tracing::warn!(peer = %peer.instance_id, error = %e, "P2P fetch failed: a miss")
+                    // A client whose request failed may be out of step: a new one next time.
+                    clients.remove(&peer.instance_id);
+                    tracing::warn!(peer = %peer.instance_id, error = %e, "P2P fetch failed: a miss");
                 }
             }
         }
@@ -166,6 +184,7 @@ fn channel_addr(peer: &Peer) -> Result<SocketAddr, String> {
 /// Asks one peer. `Ok(None)`: it served nothing.
 fn fetch_from(
     storage: &StorageManager,
+    c: &mut Client,
     peer: &Peer,
     req: &PeerFetch,
     timeouts: ReaderTimeouts,
@@ -176,7 +195,6 @@ fn fetch_from(
     if n == 0 || keys.is_empty() {
         return Ok(None);
     }
-    let mut c = Client::connect(&peer.mq_url, timeouts.lookup).map_err(|e| e.to_string())?;
     let wire = |ks: &[ObjectKey]| ks.iter().cloned().map(|k| WireObjectKey(Some(k))).collect();
     let ask = P2pLookupAndLock { keys: wire(&keys), group_layout_descs: layout(req) };
     let task = c
