@@ -17,7 +17,7 @@ export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONW
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK" || true' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { scripts/free-port "$WORK/.ports"; }
 
 passed=0
 failed=0

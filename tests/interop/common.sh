@@ -11,10 +11,11 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A free TCP port on 127.0.0.1. LMCache's server and trace replay also bind a Prometheus port
+# A free TCP port on 127.0.0.1, never one this run handed out before (scripts/free-port: bind(0)
+# can give two calls in a row the same port). LMCache's server and trace replay also bind a Prometheus port
 # (9090 unless told): every script gives them a free one, so nothing else on the machine (a
 # real Prometheus, another test) can make them fail.
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { "$PWD/scripts/free-port" "$WORK/.ports"; }
 
 # Runs LMCache's `lmcache bench server` (lmcache-driven, 1024 tokens, sequences 0..END) against
 # the server just started (the last of `pids`) once its HTTP answers, then stops that server.

@@ -25,7 +25,7 @@ WORK=$(mktemp -d)
 pids=()
 trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null; [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { scripts/free-port "$WORK/.ports"; }
 metric() { # http-url name: the sum of a metric's samples
   python3 - "$1" "$2" <<'PY'
 import re, sys, urllib.request

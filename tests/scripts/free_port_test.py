@@ -1,0 +1,30 @@
+"""scripts/free-port never hands a run the same port twice, even when bind(0) does."""
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATH = os.path.join(ROOT, "scripts", "free-port")
+loader = importlib.machinery.SourceFileLoader("free_port", PATH)
+spec = importlib.util.spec_from_loader("free_port", loader)
+fp = importlib.util.module_from_spec(spec)
+loader.exec_module(fp)
+
+# The OS offers the same port twice in a row, as it did to trace.sh: the second pick skips it.
+offers = iter([5000, 5000, 5000, 5001])
+used = set()
+first = fp.pick(used, source=lambda: next(offers))
+used.add(first)
+second = fp.pick(used, source=lambda: next(offers))
+assert (first, second) == (5000, 5001), (first, second)
+
+# Through the command and its file: 50 ports in a row, all distinct.
+with tempfile.TemporaryDirectory() as d:
+    f = os.path.join(d, "ports")
+    ports = [int(subprocess.check_output([sys.executable, PATH, f])) for _ in range(50)]
+    assert len(set(ports)) == 50, ports
+    assert sorted(map(int, open(f).read().split())) == sorted(ports)
+print("free-port: ok (a port offered twice is handed out once)")
