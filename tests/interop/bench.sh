@@ -17,7 +17,8 @@ export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONW
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK" || true' EXIT
 
-free_port() { scripts/free-port "$WORK/.ports"; }
+FREE_PORT="$PWD/scripts/free-port"  # absolute: some calls run after a `cd`
+free_port() { "$FREE_PORT" "$WORK/.ports"; }
 
 passed=0
 failed=0

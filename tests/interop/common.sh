@@ -15,7 +15,8 @@ trap cleanup EXIT
 # can give two calls in a row the same port). LMCache's server and trace replay also bind a Prometheus port
 # (9090 unless told): every script gives them a free one, so nothing else on the machine (a
 # real Prometheus, another test) can make them fail.
-free_port() { "$PWD/scripts/free-port" "$WORK/.ports"; }
+FREE_PORT="$PWD/scripts/free-port"  # absolute: some calls run after a `cd`
+free_port() { "$FREE_PORT" "$WORK/.ports"; }
 
 # Runs LMCache's `lmcache bench server` (lmcache-driven, 1024 tokens, sequences 0..END) against
 # the server just started (the last of `pids`) once its HTTP answers, then stops that server.

@@ -25,7 +25,8 @@ WORK=$(mktemp -d)
 pids=()
 trap 'for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null; [ -n "${KEEP_WORK:-}" ] || rm -rf "$WORK"' EXIT
 
-free_port() { scripts/free-port "$WORK/.ports"; }
+FREE_PORT="$PWD/scripts/free-port"  # absolute: some calls run after a `cd`
+free_port() { "$FREE_PORT" "$WORK/.ports"; }
 metric() { # http-url name: the sum of a metric's samples
   python3 - "$1" "$2" <<'PY'
 import re, sys, urllib.request

@@ -28,3 +28,19 @@ with tempfile.TemporaryDirectory() as d:
     assert len(set(ports)) == 50, ports
     assert sorted(map(int, open(f).read().split())) == sorted(ports)
 print("free-port: ok (a port offered twice is handed out once)")
+
+# The interop scripts' free_port works after a `cd` (trace.sh asks for one inside the work
+# directory): common.sh keeps the helper's absolute path.
+with tempfile.TemporaryDirectory() as d:
+    script = f"""
+set -euo pipefail
+cd {ROOT}
+WORK={d}
+eval "$(grep -E '^(FREE_PORT=|free_port\\(\\))' tests/interop/common.sh)"
+cd /
+a=$(free_port); b=$(free_port)
+[ -n "$a" ] && [ -n "$b" ] && [ "$a" != "$b" ] && echo "$a $b"
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0 and len(out.stdout.split()) == 2, (out.stdout, out.stderr)
+print("free-port: ok after a cd too")
