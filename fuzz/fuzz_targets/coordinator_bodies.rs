@@ -34,7 +34,7 @@ fn fixture() -> &'static Fixture {
             serde_json::json!({"instance_id": "fuzz-1", "ip": "127.0.0.1", "http_port": 1}),
         )
         .expect("registration");
-        fleet.register(reg).expect("register");
+        fleet.register(reg, false).expect("register");
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
