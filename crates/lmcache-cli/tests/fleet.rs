@@ -25,21 +25,27 @@ fn coordinator(port: u16) -> Coordinator {
     .unwrap()
 }
 
+/// Reporting to the coordinator on `coordinator_port` as `id`: heartbeats every 100 ms,
+/// events flushed every 50 ms over HTTP, no token, no P2P.
+fn reporting(coordinator_port: u16, id: &str) -> CoordinatorReporting {
+    CoordinatorReporting {
+        url: format!("http://127.0.0.1:{coordinator_port}/"),
+        instance_id: id.into(),
+        advertise_ip: "127.0.0.1".into(),
+        heartbeat_interval: Duration::from_millis(100),
+        event_reporting: true,
+        flush_interval: Duration::from_millis(50),
+        transport: ReportTransport::Http,
+        auth_token: None,
+        p2p_advertised_url: None,
+    }
+}
+
 fn server(coordinator_port: u16, id: &str) -> Server {
     let arena = ArenaConfig { size: 16 << 20, backing: ArenaBacking::Anonymous, mlock: false };
     Server::start(ServerConfig {
         http_port: Some(0),
-        coordinator: Some(CoordinatorReporting {
-            url: format!("http://127.0.0.1:{coordinator_port}/"),
-            instance_id: id.into(),
-            advertise_ip: "127.0.0.1".into(),
-            heartbeat_interval: Duration::from_millis(100),
-            event_reporting: true,
-            flush_interval: Duration::from_millis(50),
-            transport: ReportTransport::Http,
-            auth_token: None,
-            p2p_advertised_url: None,
-        }),
+        coordinator: Some(reporting(coordinator_port, id)),
         ..ServerConfig::local(arena)
     })
     .unwrap()
@@ -120,15 +126,8 @@ fn a_server_with_the_coordinators_token_registers_reports_and_deregisters_throug
         Server::start(ServerConfig {
             http_port: Some(0),
             coordinator: Some(CoordinatorReporting {
-                url: format!("http://127.0.0.1:{}/", c.addr().port()),
-                instance_id: id.into(),
-                advertise_ip: "127.0.0.1".into(),
-                heartbeat_interval: Duration::from_millis(100),
-                event_reporting: true,
-                flush_interval: Duration::from_millis(50),
-                transport: ReportTransport::Http,
                 auth_token: token.map(str::to_owned),
-                p2p_advertised_url: None,
+                ..reporting(c.addr().port(), id)
             }),
             ..ServerConfig::local(arena)
         })
@@ -164,15 +163,8 @@ fn p2p_servers_find_each_other_through_the_coordinator_and_drop_a_peer_that_left
             http_port: Some(0),
             p2p_channel: Some(channel),
             coordinator: Some(CoordinatorReporting {
-                url: format!("http://127.0.0.1:{}/", c.addr().port()),
-                instance_id: id.into(),
-                advertise_ip: "127.0.0.1".into(),
-                heartbeat_interval: Duration::from_millis(100),
-                event_reporting: true,
-                flush_interval: Duration::from_millis(50),
-                transport: ReportTransport::Http,
-                auth_token: None,
                 p2p_advertised_url: Some(format!("127.0.0.1:76{}", id.len())),
+                ..reporting(c.addr().port(), id)
             }),
             ..ServerConfig::local(arena)
         })
@@ -227,15 +219,8 @@ fn p2p_server(c: &Coordinator, id: &str, advertise: &str) -> Server {
         p2p_lookup_timeout: Duration::from_secs(3),
         p2p_load_timeout: Duration::from_secs(3),
         coordinator: Some(CoordinatorReporting {
-            url: format!("http://127.0.0.1:{}/", c.addr().port()),
-            instance_id: id.into(),
-            advertise_ip: "127.0.0.1".into(),
-            heartbeat_interval: Duration::from_millis(100),
-            event_reporting: true,
-            flush_interval: Duration::from_millis(50),
-            transport: ReportTransport::Http,
-            auth_token: None,
             p2p_advertised_url: Some(advertise.into()),
+            ..reporting(c.addr().port(), id)
         }),
         ..ServerConfig::local(arena)
     })
