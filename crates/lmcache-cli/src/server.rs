@@ -228,10 +228,18 @@ pub struct ServerArgs {
     /// Where the transfer channel listens (default: the advertise URL).
     #[arg(long, value_name = "HOST:PORT", requires = "p2p_advertise_url")]
     pub p2p_listen_url: Option<String>,
-    /// The transfer channel: native (between lmcache-rs servers). LMCache's nixl and
-    /// mooncake_te are refused: not built yet.
+    /// The transfer channel. native: lmcache-rs's own (TCP, every object checksummed),
+    /// between lmcache-rs servers. nixl: LMCache's default, for a fleet with LMCache's
+    /// servers (they read our L1 and we read theirs); it loads the nixl-cu12 wheel's
+    /// libnixl_capi.so (pip install nixl-cu12==1.5.1), found in python3's site-packages or
+    /// named by --nixl-library. mooncake_te is refused: not built.
     #[arg(long, default_value = "native", value_parser = ["native", "nixl", "mooncake_te"])]
     pub p2p_transfer_engine: String,
+    /// With --p2p-transfer-engine nixl: the NIXL C API library (libnixl_capi.so, or the folder
+    /// holding it). Default: the nixl, nixl_cu12 or nixl_cu13 wheel in python3's
+    /// site-packages.
+    #[arg(long, env = "LMCACHE_RS_NIXL_LIBRARY", value_name = "PATH")]
+    pub nixl_library: Option<std::path::PathBuf>,
     /// Record a trace for `lmcache-rs trace` (and LMCache's `lmcache trace`): `storage`
     /// records the storage calls requests make (replayed by `trace replay`), `events` the
     /// cache-event stream a coordinator would receive (replayed by `trace replay-events`;
@@ -262,11 +270,10 @@ fn p2p_channel(args: &ServerArgs) -> anyhow::Result<Option<std::net::SocketAddr>
             "--p2p-advertise-url: P2P requires a coordinator (peers are found through it): set --coordinator-url"
         );
     }
-    if args.p2p_transfer_engine != "native" {
+    if args.p2p_transfer_engine == "mooncake_te" {
         bail!(
-            "--p2p-transfer-engine {}: not built yet; lmcache-rs servers serve each other over \
-             their native channel (--p2p-transfer-engine native)",
-            args.p2p_transfer_engine
+            "--p2p-transfer-engine mooncake_te: not built; use nixl (LMCache's default, with \
+             LMCache's servers) or native (between lmcache-rs servers)"
         );
     }
     let listen = args.p2p_listen_url.as_deref().unwrap_or(advertise);
@@ -278,6 +285,17 @@ fn p2p_channel(args: &ServerArgs) -> anyhow::Result<Option<std::net::SocketAddr>
         .next()
         .with_context(|| format!("--p2p-listen-url {listen}: resolves to no address"))?;
     Ok(Some(addr))
+}
+
+/// `--p2p-transfer-engine` (and, for nixl, where its library is).
+fn p2p_engine(args: &ServerArgs) -> anyhow::Result<lmcache_server::config::P2pEngine> {
+    use lmcache_server::config::P2pEngine;
+    if args.p2p_advertise_url.is_none() || args.p2p_transfer_engine != "nixl" {
+        return Ok(P2pEngine::Native);
+    }
+    let library = lmcache_nixl::locate(args.nixl_library.as_deref(), "python3")
+        .context("--p2p-transfer-engine nixl")?;
+    Ok(P2pEngine::Nixl { library })
 }
 
 fn coordinator_reporting(
@@ -450,6 +468,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         http_host: args.http_host.clone(),
         http_port: Some(args.http_port),
         p2p_channel: p2p_channel(args)?,
+        p2p_engine: p2p_engine(args)?,
         p2p_lookup_timeout: positive_secs("p2p-lookup-timeout", args.p2p_lookup_timeout)?,
         p2p_load_timeout: positive_secs("p2p-load-timeout", args.p2p_load_timeout)?,
         http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),

@@ -123,6 +123,11 @@ impl ArenaAllocator {
         })
     }
 
+    /// The alignment of every allocation's offset and size (`--l1-align-bytes`).
+    pub fn align(&self) -> u64 {
+        self.shared.allocator.lock().align()
+    }
+
     /// Allocates `len` bytes (aligned up internally). On a shared-memory arena the range
     /// is backed by /dev/shm first; [`AllocError::BackingFull`] when it cannot be.
     pub fn allocate(&self, len: u64) -> Result<Allocation, AllocError> {

@@ -228,6 +228,13 @@ impl Arena {
         self.shm.is_some()
     }
 
+    /// The mapping's address, as a number (to register the arena with a transfer engine
+    /// such as NIXL, which a peer then reads by offset). Valid for `len()` bytes while `self`
+    /// lives.
+    pub fn base_address(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+
     /// Base address of the mapping. Valid for `len()` bytes while `self` lives.
     pub(crate) fn base_ptr(&self) -> *mut u8 {
         self.map.as_mut_ptr()

@@ -7,6 +7,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use lmcache_l1::{L1Cache, WriteReservation};
+
 use crate::NixlError;
 use crate::ffi::{Api, RawAgent, RawPrepped, RawRegList, RawXfer};
 use crate::serdes::DescList;
@@ -87,6 +89,76 @@ impl Agent {
         Ok(Registration { agent: Arc::clone(self), list })
     }
 
+    /// Registers `l1`'s whole arena and prepares it as pages of the L1 alignment
+    /// (`--l1-align-bytes`), as LMCache's channel lists its L1 for peers.
+    pub fn register_l1(self: &Arc<Self>, l1: &L1Cache) -> Result<L1Registration, NixlError> {
+        let arena = l1.memory().arena();
+        let (base, len) = (arena.base_address(), arena.len());
+        let page = l1.memory().align();
+        let len_usize =
+            usize::try_from(len).map_err(|_| NixlError::Invalid("an arena beyond usize".into()))?;
+        // SAFETY: the arena stays mapped while an `L1Cache` clone lives, and the
+        // registration holds one, dropped after the registration itself.
+        let registration = unsafe { self.register_dram(base, len_usize)? };
+        let list = DescList::pages(base as u64, len, page)?;
+        let local = self.prep_local(&list)?;
+        Ok(L1Registration { local, _registration: registration, list, page, _l1: l1.clone() })
+    }
+
+    /// READs each object from the peer's page list `remote` at its byte offset (page-aligned,
+    /// as `p2p_query_lookup_results` answered it) into its L1 reservation, in one transfer
+    /// bounded by `deadline`. Gives the reservations back filled, or an error (they are then
+    /// dropped: nothing stays staged). A transfer NIXL could not abort keeps its
+    /// reservations forever: the memory it may still write is never reused.
+    pub fn read_into(
+        self: &Arc<Self>,
+        l1: &L1Registration,
+        remote: &Prepped,
+        objects: Vec<(WriteReservation, u64)>,
+        deadline: Instant,
+    ) -> Result<Vec<WriteReservation>, NixlError> {
+        let mut local_idx: Vec<c_int> = Vec::new();
+        let mut remote_idx: Vec<c_int> = Vec::new();
+        for (w, remote_off) in &objects {
+            let count = w.len().div_ceil(l1.page).max(1);
+            let bad = |why: &str| {
+                NixlError::Invalid(format!("object at peer offset {remote_off}: {why}"))
+            };
+            if remote_off % l1.page != 0 || w.offset() % l1.page != 0 {
+                return Err(bad("not page-aligned"));
+            }
+            let pages = |start: u64, limit: usize| -> Result<std::ops::Range<c_int>, NixlError> {
+                let s = start / l1.page;
+                let e = s
+                    .checked_add(count)
+                    .filter(|&e| e <= limit as u64)
+                    .ok_or_else(|| bad("beyond the page list"))?;
+                Ok(c_int::try_from(s).map_err(|_| bad("beyond c_int"))?
+                    ..c_int::try_from(e).map_err(|_| bad("beyond c_int"))?)
+            };
+            // The reservation owns `count` whole pages: the allocator aligns sizes to them.
+            local_idx.extend(pages(w.offset(), l1.local.len())?);
+            remote_idx.extend(pages(*remote_off, remote.len())?);
+        }
+        let reservations: Vec<WriteReservation> = objects.into_iter().map(|(w, _)| w).collect();
+        if reservations.is_empty() {
+            return Ok(reservations);
+        }
+        // SAFETY: every local index lies in a page of a reservation in `reservations`, which
+        // we hold, unread, until the transfer ends; on `Abandoned` they are never released.
+        let x = unsafe { self.read(&l1.local, &local_idx, remote, &remote_idx)? };
+        match x.wait(deadline) {
+            Finished::Done => Ok(reservations),
+            Finished::Failed(e) => Err(e),
+            Finished::Abandoned => {
+                std::mem::forget(reservations);
+                Err(NixlError::Invalid(
+                    "a READ NIXL could not abort: its L1 space is retired".into(),
+                ))
+            }
+        }
+    }
+
     /// Prepares our own descriptors (those a registration covers) for indexed transfers.
     pub fn prep_local(self: &Arc<Self>, descs: &DescList) -> Result<Prepped, NixlError> {
         self.prep("", descs)
@@ -128,6 +200,37 @@ impl Agent {
         // SAFETY: forwarded contract.
         let raw = unsafe { self.raw.lock().read(l, local_idx, r, remote_idx)? };
         Ok(Transfer { agent: Arc::clone(self), raw: Some(raw) })
+    }
+}
+
+/// An L1 arena registered with an agent, with its prepped page list.
+pub struct L1Registration {
+    // Drop order: the prepped list, the registration, then the L1 (the arena's owner).
+    local: Prepped,
+    _registration: Registration,
+    list: DescList,
+    page: u64,
+    _l1: L1Cache,
+}
+
+impl std::fmt::Debug for L1Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("L1Registration")
+            .field("pages", &self.list.descs.len())
+            .field("page", &self.page)
+            .finish()
+    }
+}
+
+impl L1Registration {
+    /// The page list peers read by (pickle it for LMCache's handshake).
+    pub fn pages(&self) -> &DescList {
+        &self.list
+    }
+
+    /// The page size (the L1 alignment).
+    pub fn page(&self) -> u64 {
+        self.page
     }
 }
 

@@ -392,8 +392,10 @@ pub(crate) struct RawRegList {
     list: Handle,
 }
 
-// SAFETY: a plain heap object of the library.
+// SAFETY: a plain heap object of the library; every call on it takes the agent's mutex.
 unsafe impl Send for RawRegList {}
+// SAFETY: as for Send: shared references never call into the library without the mutex.
+unsafe impl Sync for RawRegList {}
 
 impl Drop for RawRegList {
     fn drop(&mut self) {
@@ -406,6 +408,11 @@ struct RawXferList {
     api: &'static Api,
     list: Handle,
 }
+
+// SAFETY: a heap object of the library, only freed (once) on drop.
+unsafe impl Send for RawXferList {}
+// SAFETY: never called through a shared reference.
+unsafe impl Sync for RawXferList {}
 
 impl Drop for RawXferList {
     fn drop(&mut self) {
@@ -423,6 +430,8 @@ pub(crate) struct RawPrepped {
 
 // SAFETY: plain heap objects of the library; used under the agent's mutex.
 unsafe impl Send for RawPrepped {}
+// SAFETY: as for Send: shared references only read `len` or call under the mutex.
+unsafe impl Sync for RawPrepped {}
 
 impl RawPrepped {
     /// How many descriptors it indexes.

@@ -8,7 +8,8 @@
 //!
 //! - `ffi`: the C API's declarations, the loaded function table and owning wrappers of its
 //!   handles; every unsafe block of the crate but the two `agent` forwards is here.
-//! - `agent`: [`Nixl`] → [`Agent`] (UCX, progress thread) → [`Registration`] of L1,
+//! - `agent`: [`Nixl`] → [`Agent`] (UCX, progress thread) → [`L1Registration`] of the L1
+//!   arena (safe: it holds the L1; READs land only in L1 reservations it owns meanwhile),
 //!   [`Prepped`] descriptor lists (ours and a peer's), [`Transfer`] (a posted READ;
 //!   [`Finished`]).
 //! - `serdes`: [`DescList`], the page-granular descriptor lists LMCache's channel exchanges,
@@ -21,7 +22,7 @@ mod ffi;
 mod locate;
 mod serdes;
 
-pub use agent::{Agent, Finished, Nixl, Prepped, Registration, Transfer};
+pub use agent::{Agent, Finished, L1Registration, Nixl, Prepped, Registration, Transfer};
 pub use locate::{LIBRARY, locate};
 pub use serdes::{Desc, DescList, MAX_DESCS, MemType};
 

@@ -19,6 +19,8 @@ pub struct ServerConfig {
     /// Where the native P2P transfer channel listens (`None`: off; `--p2p-listen-url`, or the
     /// `--p2p-advertise-url`).
     pub p2p_channel: Option<std::net::SocketAddr>,
+    /// `--p2p-transfer-engine`: what the channel speaks.
+    pub p2p_engine: P2pEngine,
     /// `--p2p-lookup-timeout` (30 s): each RPC to a peer.
     pub p2p_lookup_timeout: std::time::Duration,
     /// `--p2p-load-timeout` (30 s): one fetch over a peer's channel.
@@ -84,6 +86,7 @@ impl ServerConfig {
             http_host: "127.0.0.1".into(),
             http_port: None,
             p2p_channel: None,
+            p2p_engine: P2pEngine::Native,
             p2p_lookup_timeout: std::time::Duration::from_secs(30),
             p2p_load_timeout: std::time::Duration::from_secs(30),
             http_auth_token: None,
@@ -134,4 +137,18 @@ impl ServerConfig {
             format!("tcp://{host}:{}", self.port)
         }
     }
+}
+
+/// `--p2p-transfer-engine`: the P2P transfer channel.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum P2pEngine {
+    /// lmcache-rs's own channel (TCP, every object checksummed), between lmcache-rs servers.
+    #[default]
+    Native,
+    /// NIXL, LMCache's default: with LMCache's servers (and ours in NIXL mode), through the
+    /// nixl wheel's `libnixl_capi.so` at this path.
+    Nixl {
+        /// The library.
+        library: std::path::PathBuf,
+    },
 }

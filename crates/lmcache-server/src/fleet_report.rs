@@ -205,6 +205,9 @@ pub struct Reporter {
     mq_port: std::sync::atomic::AtomicU32,
     /// P2P discovery, with `--p2p-advertise-url`.
     peers: Option<Arc<crate::p2p_peers::Peers>>,
+    /// Whether the P2P channel is lmcache-rs's native one (registered in the metadata) or
+    /// NIXL (registered as LMCache's servers do: no metadata).
+    p2p_native: AtomicBool,
 }
 
 fn encoded(k: &ObjectKey) -> EncodedObjectKey {
@@ -242,7 +245,18 @@ impl Reporter {
             stats: ReportStats::default(),
             registered_as: Mutex::new(None),
             trace: Mutex::new(None),
+            p2p_native: AtomicBool::new(true),
         })
+    }
+
+    /// Registers the P2P channel as NIXL (LMCache's default) rather than the native one.
+    pub fn set_p2p_nixl(&self) {
+        self.p2p_native.store(false, Ordering::Relaxed);
+    }
+
+    /// The instance id this server registers as.
+    pub fn instance_id(&self) -> &str {
+        &self.cfg.instance_id
     }
 
     /// A reporter that only records the stream to an events-level trace (no coordinator):
@@ -632,12 +646,12 @@ impl Reporter {
             ip,
             http_port: self.http_port.load(Ordering::Relaxed),
             metadata: match self.peers {
-                Some(_) => [(
+                Some(_) if self.p2p_native.load(Ordering::Relaxed) => [(
                     crate::p2p_reader::CHANNEL_KEY.to_owned(),
                     crate::p2p_reader::NATIVE_CHANNEL.to_owned(),
                 )]
                 .into(),
-                None => Default::default(),
+                _ => Default::default(),
             },
             p2p_advertised_url: self.cfg.p2p_advertised_url.clone().unwrap_or_default(),
             mq_port: if self.peers.is_some() { self.mq_port.load(Ordering::Relaxed) } else { 0 },

@@ -15,6 +15,8 @@
 //!   inside [`state::ServerState`], which adds the side channels.
 //! - [`observers`]: the side channels as subscribers of storage's events.
 //! - [`p2p_channel`]: the native transfer channel: locked objects' bytes to a peer's L1.
+//! - [`p2p_nixl`]: the NIXL channel (LMCache's default): LMCache's handshake on ZMQ, the
+//!   registered L1 arena, READs of a peer's pages into L1 reservations.
 //! - [`p2p_peers`]: P2P discovery: the fleet's peers from the coordinator's instance list.
 //! - [`p2p_reader`]: the reader side of P2P: a short lookup's rest fetched from peers.
 //! - [`peer_locks`]: P2P lookup answers and the L1 locks held for the fleet's peers.
@@ -36,6 +38,7 @@ pub mod lookup_log;
 pub mod metrics;
 pub mod observers;
 pub mod p2p_channel;
+pub mod p2p_nixl;
 pub mod p2p_peers;
 pub mod p2p_reader;
 pub mod peer_locks;

@@ -123,10 +123,11 @@ impl Peers {
         self.inner.lock().state
     }
 
-    /// Whether this server is registered and has a peer it can read from.
-    pub fn has_peers(&self) -> bool {
+    /// Whether this server is registered and has a peer for which `reads` holds (one it
+    /// can read from over its channel).
+    pub fn has_peer(&self, reads: impl Fn(&Peer) -> bool) -> bool {
         let g = self.inner.lock();
-        g.state == P2pState::Registered && g.peers.values().any(|p| p.native)
+        g.state == P2pState::Registered && g.peers.values().any(reads)
     }
 
     /// The current peers, by instance id.

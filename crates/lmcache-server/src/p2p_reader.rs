@@ -8,9 +8,10 @@
 //! 3. fetched objects are committed and read-locked for the reader, like an L2 load;
 //! 4. everything the peer locked is unlocked, whether the load succeeded or not.
 //!
-//! Peers are asked in instance-id order until one serves a prefix. Only peers that registered
-//! the native channel (metadata `p2p_channel: lmcache-rs-native`) are asked: LMCache's
-//! servers speak NIXL, which is not built. A peer is never written to.
+//! Peers are asked in instance-id order until one serves a prefix, over this server's
+//! channel: with the native one, the peers that registered it (metadata `p2p_channel:
+//! lmcache-rs-native`); with NIXL (`p2p_nixl`), the others (LMCache's servers, and ours in
+//! NIXL mode). A peer is never written to.
 
 use std::net::{SocketAddr, ToSocketAddrs as _};
 use std::sync::Arc;
@@ -58,10 +59,30 @@ pub struct FetchReport {
     pub failed: usize,
 }
 
+/// The channel this server reads peers over.
+#[derive(Debug, Clone)]
+pub enum Channel {
+    /// The native channel (`p2p_channel`).
+    Native,
+    /// NIXL (`p2p_nixl`).
+    Nixl(Arc<crate::p2p_nixl::NixlChannel>),
+}
+
+impl Channel {
+    /// Whether a peer speaks this channel.
+    pub fn speaks(&self, peer: &Peer) -> bool {
+        match self {
+            Self::Native => peer.native,
+            Self::Nixl(_) => !peer.native,
+        }
+    }
+}
+
 /// The reader: a bounded queue to its threads.
 #[derive(Debug)]
 pub struct PeerReader {
     peers: Arc<Peers>,
+    channel: Channel,
     jobs: SyncSender<(PeerFetch, PeerDone)>,
     stop: Arc<AtomicBool>,
 }
@@ -72,18 +93,19 @@ impl PeerReader {
         storage: StorageManager,
         peers: Arc<Peers>,
         timeouts: ReaderTimeouts,
+        channel: Channel,
     ) -> std::io::Result<Arc<Self>> {
         let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
         let rx = Arc::new(Mutex::new(rx));
         let stop = Arc::new(AtomicBool::new(false));
         for i in 0..THREADS {
             let (storage, peers, rx) = (storage.clone(), Arc::clone(&peers), Arc::clone(&rx));
-            let stop = Arc::clone(&stop);
+            let (stop, channel) = (Arc::clone(&stop), channel.clone());
             std::thread::Builder::new()
                 .name(format!("p2p-read-{i}"))
-                .spawn(move || work(&storage, &peers, &rx, &stop, timeouts))?;
+                .spawn(move || work(&storage, &peers, &rx, &stop, timeouts, &channel))?;
         }
-        Ok(Arc::new(Self { peers, jobs: tx, stop }))
+        Ok(Arc::new(Self { peers, channel, jobs: tx, stop }))
     }
 
     /// Stops the fetch threads (within a second; a fetch under way ends first).
@@ -94,7 +116,7 @@ impl PeerReader {
 
 impl PeerSource for PeerReader {
     fn has_peers(&self) -> bool {
-        self.peers.has_peers()
+        self.peers.has_peer(|p| self.channel.speaks(p))
     }
 
     fn start(&self, req: PeerFetch, done: PeerDone) {
@@ -113,6 +135,7 @@ fn work(
     rx: &Mutex<Receiver<(PeerFetch, PeerDone)>>,
     stop: &AtomicBool,
     timeouts: ReaderTimeouts,
+    channel: &Channel,
 ) {
     // One MP client per peer, kept between fetches (a connection costs more than a miss may).
     let mut clients: std::collections::HashMap<String, Client> = std::collections::HashMap::new();
@@ -127,7 +150,7 @@ fn work(
         let mut report = FetchReport::default();
         let current = peers.peers();
         clients.retain(|id, _| current.iter().any(|p| &p.instance_id == id));
-        for peer in current.iter().filter(|p| p.native) {
+        for peer in current.iter().filter(|p| channel.speaks(p)) {
             let client = match clients.entry(peer.instance_id.clone()) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(e) => {
@@ -140,7 +163,7 @@ fn work(
                     }
                 }
             };
-            match fetch_from(storage, client, peer, &req, timeouts, &mut report) {
+            match fetch_from(storage, client, peer, &req, timeouts, channel, &mut report) {
                 Ok(Some(o)) => {
                     outcome = o;
                     break;
@@ -188,6 +211,7 @@ fn fetch_from(
     peer: &Peer,
     req: &PeerFetch,
     timeouts: ReaderTimeouts,
+    channel: &Channel,
     report: &mut FetchReport,
 ) -> Result<Option<PrefetchOutcome>, String> {
     let keys: Vec<ObjectKey> = req.shards.iter().flatten().cloned().collect();
@@ -227,7 +251,7 @@ fn fetch_from(
     let outcome = if prefix == 0 {
         None
     } else {
-        load(storage, peer, req, &addrs, n, prefix, timeouts, report)
+        load(storage, peer, req, &addrs, n, prefix, timeouts, channel, report)
     };
     // Whatever happened, the peer's locks go.
     if !locked.is_empty() {
@@ -249,15 +273,9 @@ fn load(
     n: usize,
     prefix: usize,
     timeouts: ReaderTimeouts,
+    channel: &Channel,
     report: &mut FetchReport,
 ) -> Option<PrefetchOutcome> {
-    let addr = match channel_addr(peer) {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::warn!(peer = %peer.instance_id, "{e}");
-            return None;
-        }
-    };
     let mut wanted = Vec::new();
     for (s, keys) in req.shards.iter().enumerate() {
         for (i, k) in keys.iter().take(prefix).enumerate() {
@@ -268,13 +286,26 @@ fn load(
     let reqs: Vec<WriteRequest> = wanted.iter().map(|(_, _, r)| r.clone()).collect();
     let mut into = Vec::new();
     let mut slots = Vec::new();
+    let mut from = Vec::new();
     for ((s, i, _), r) in wanted.iter().zip(storage.reserve_write(&reqs)) {
         if let Ok(w) = r {
             into.push(w);
             slots.push((*s, *i));
+            from.push(addrs.get(s * n + i).copied().unwrap_or(TransferAddress::MISS));
         }
     }
-    let fetched = crate::p2p_channel::fetch(addr, into, timeouts.load);
+    let fetched = match channel {
+        Channel::Native => match channel_addr(peer) {
+            Ok(addr) => crate::p2p_channel::fetch(addr, into, timeouts.load),
+            Err(e) => {
+                tracing::warn!(peer = %peer.instance_id, "{e}");
+                return None;
+            }
+        },
+        Channel::Nixl(nixl) => {
+            nixl.fetch(&peer.p2p_advertised_url, into, &from, timeouts.lookup, timeouts.load)
+        }
+    };
     // Per shard, the leases of its leading chunks that arrived whole.
     let mut per_shard: Vec<Vec<Option<ReadLease>>> =
         (0..req.shards.len()).map(|_| (0..prefix).map(|_| None).collect()).collect();

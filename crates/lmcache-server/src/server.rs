@@ -159,9 +159,30 @@ impl Server {
                     .map_err(io("starting the lookup-hash log"))?,
             )),
         };
+        // P2P over NIXL: the agent and the registered arena come first (the reader reads
+        // into them, and peers may read the arena as soon as they hold our metadata).
+        let nixl = match (&config.p2p_engine, config.p2p_channel, reporter.as_ref()) {
+            (crate::config::P2pEngine::Nixl { library }, Some(_), Some(r)) => Some(
+                crate::p2p_nixl::NixlChannel::start(
+                    library,
+                    storage.l1().clone(),
+                    r.peers().map(|p| p.advertised().to_owned()).unwrap_or_default(),
+                    r.instance_id(),
+                )
+                .map_err(|e| io("--p2p-transfer-engine nixl")(std::io::Error::other(e)))?,
+            ),
+            _ => None,
+        };
+        if let (Some(_), Some(r)) = (&nixl, reporter.as_ref()) {
+            r.set_p2p_nixl();
+        }
         // P2P: with --p2p-advertise-url, what L1 lacks is asked of the fleet's peers.
         let peer_reader = match reporter.as_ref().and_then(|r| r.peers()) {
             Some(peers) => {
+                let channel = match &nixl {
+                    Some(n) => crate::p2p_reader::Channel::Nixl(Arc::clone(n)),
+                    None => crate::p2p_reader::Channel::Native,
+                };
                 let timeouts = crate::p2p_reader::ReaderTimeouts {
                     lookup: config.p2p_lookup_timeout,
                     load: config.p2p_load_timeout,
@@ -170,6 +191,7 @@ impl Server {
                     (*storage).clone(),
                     Arc::clone(peers),
                     timeouts,
+                    channel,
                 )
                 .map_err(io("starting the P2P readers"))?;
                 storage.set_peer_source(reader.clone());
@@ -220,9 +242,15 @@ impl Server {
                 .map_err(io("starting the socket thread"))?
         };
         let reaper = start_reaper(Arc::clone(&state))?;
-        let p2p_channel = match state.config.p2p_channel {
-            None => None,
-            Some(addr) => {
+        let p2p_channel = match (state.config.p2p_channel, &nixl) {
+            (None, _) => None,
+            (Some(addr), Some(nixl)) => {
+                let join = nixl
+                    .serve(addr, Arc::clone(&stop))
+                    .map_err(io("starting the NIXL P2P channel"))?;
+                Some((addr, join))
+            }
+            (Some(addr), None) => {
                 let listener = std::net::TcpListener::bind(addr)
                     .map_err(io("binding the P2P transfer channel"))?;
                 let bound =

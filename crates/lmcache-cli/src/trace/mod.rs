@@ -237,6 +237,7 @@ fn refuse_server_only_flags(given: &ServerArgs) -> anyhow::Result<()> {
         p2p_advertise_url,
         p2p_listen_url,
         p2p_transfer_engine,
+        nixl_library,
         p2p_lookup_timeout,
         p2p_load_timeout,
         trace_level,
