@@ -60,17 +60,31 @@ fn bad_flags_are_refused_with_their_name() {
     let out = bin().args(["server", "--no-such-flag"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--no-such-flag"));
-    // P2P needs a coordinator, and only the native channel is built.
+    // P2P needs a coordinator; mooncake_te is not built; nixl needs the wheel's library.
     let out = bin().args(["server", "--p2p-advertise-url", "127.0.0.1:7600"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--coordinator-url"), "{err}");
     let out = bin()
         .args(["server", "--p2p-advertise-url", "127.0.0.1:7600"])
-        .args(["--coordinator-url", "http://127.0.0.1:1", "--p2p-transfer-engine", "nixl"])
+        .args(["--coordinator-url", "http://127.0.0.1:1", "--p2p-transfer-engine", "mooncake_te"])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("nixl") && err.contains("native"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("mooncake_te") && err.contains("native"),
+        "{err}"
+    );
+    let out = bin()
+        .args(["server", "--p2p-advertise-url", "127.0.0.1:7600"])
+        .args(["--coordinator-url", "http://127.0.0.1:1", "--p2p-transfer-engine", "nixl"])
+        .args(["--nixl-library", "/nonexistent/libnixl_capi.so"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no NIXL library at /nonexistent/libnixl_capi.so"),
+        "{err}"
+    );
     // trace replay takes the server's flags, but refuses by name those it has no use for.
     let out = bin()
         .args(["trace", "replay", "/nonexistent.lct", "--http-port", "9000"])

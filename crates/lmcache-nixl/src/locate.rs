@@ -28,11 +28,16 @@ pub fn locate(explicit: Option<&Path>, python: &str) -> Result<PathBuf, NixlErro
         NixlError::NotFound(format!("cannot run {python} to find the NIXL wheel: {e}"))
     })?;
     let text = String::from_utf8_lossy(&out.stdout);
-    let dirs: Vec<&Path> = text.lines().map(Path::new).collect();
+    let mut dirs: Vec<&Path> = Vec::new();
+    for d in text.lines().map(Path::new) {
+        if !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
     first_in(&dirs).ok_or_else(|| {
         NixlError::NotFound(format!(
             "no NIXL wheel in {python}'s site-packages ({}); install it with `pip install nixl-cu12==1.5.1`, or name the library with --nixl-library",
-            text.lines().collect::<Vec<_>>().join(", ")
+            dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
         ))
     })
 }
