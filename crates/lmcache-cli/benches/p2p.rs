@@ -6,7 +6,8 @@
 //! copy of the 128 MiB out of the shared pool, and commit_retrieve. Then a lookup of a prompt
 //! no peer holds on the reader, against the same lookup on a server without P2P, and a plain
 //! loopback TCP transfer of the same bytes. Medians of 10 rounds (a new prompt each).
-//! Run: `cargo bench -p lmcache-cli --bench p2p`.
+//! Run: `cargo bench -p lmcache-cli --bench p2p`; over NIXL (LMCache's channel, the wheel's
+//! library found as the server finds it): `LMCACHE_RS_BENCH_P2P_ENGINE=nixl cargo bench ...`.
 #![expect(clippy::expect_used, reason = "a benchmark binary: any failure should abort it")]
 
 use std::io::{Read, Write};
@@ -45,6 +46,7 @@ fn server(tag: &str, coordinator: Option<&Coordinator>) -> Server {
     if let Some(c) = coordinator {
         let advertise = free_addr();
         config.p2p_channel = Some(advertise.parse().expect("addr"));
+        config.p2p_engine = engine();
         config.coordinator = Some(CoordinatorReporting {
             url: format!("http://{}/", c.addr()),
             instance_id: tag.into(),
@@ -58,6 +60,16 @@ fn server(tag: &str, coordinator: Option<&Coordinator>) -> Server {
         });
     }
     Server::start(config).expect("server")
+}
+
+/// The channel: native unless `LMCACHE_RS_BENCH_P2P_ENGINE=nixl`.
+fn engine() -> lmcache_server::config::P2pEngine {
+    match std::env::var("LMCACHE_RS_BENCH_P2P_ENGINE").as_deref() {
+        Ok("nixl") => lmcache_server::config::P2pEngine::Nixl {
+            library: lmcache_nixl::locate(None, "python3").expect("the nixl wheel"),
+        },
+        _ => lmcache_server::config::P2pEngine::Native,
+    }
 }
 
 fn registration(id: u64) -> EngineDrivenRegistration {
@@ -187,7 +199,8 @@ fn main() {
     let (l, rt, m, lm, tc) =
         (median(lookups), median(retrieves), median(misses), median(local_misses), median(tcp));
     println!(
-        "P2P from a peer over loopback, {CHUNKS} x {} MiB (1024 tokens, LMCache's default model), median of {ROUNDS}:",
+        "P2P ({:?}) from a peer over loopback, {CHUNKS} x {} MiB (1024 tokens, LMCache's default model), median of {ROUNDS}:",
+        engine(),
         OBJECT >> 20
     );
     println!(

@@ -205,6 +205,17 @@ fn p2p_servers_find_each_other_through_the_coordinator_and_drop_a_peer_that_left
 
 /// A P2P server of the fleet at `c`, over a shm L1 (engine-driven clients map it).
 fn p2p_server(c: &Coordinator, id: &str, advertise: &str) -> Server {
+    p2p_server_on(c, id, advertise, lmcache_server::config::P2pEngine::Native, 4096)
+}
+
+/// As [`p2p_server`], on `engine`, with L1 objects aligned to `align` bytes.
+fn p2p_server_on(
+    c: &Coordinator,
+    id: &str,
+    advertise: &str,
+    engine: lmcache_server::config::P2pEngine,
+    align: u64,
+) -> Server {
     let arena = ArenaConfig {
         size: 32 << 20,
         backing: ArenaBacking::SharedMemory {
@@ -215,6 +226,8 @@ fn p2p_server(c: &Coordinator, id: &str, advertise: &str) -> Server {
     Server::start(ServerConfig {
         http_port: Some(0),
         chunk_size: 16,
+        align,
+        p2p_engine: engine,
         p2p_channel: Some(advertise.parse().unwrap()),
         p2p_lookup_timeout: Duration::from_secs(3),
         p2p_load_timeout: Duration::from_secs(3),
@@ -311,6 +324,123 @@ fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
     let other: Vec<u32> = (1000..1064).collect();
     let miss = CacheKey::whole(ModelName::new("m").unwrap(), "m", other, 16);
     assert_eq!(r.lookup(&miss).unwrap(), 0);
+}
+
+/// NIXL from the wheel in `LMCACHE_RS_TEST_NIXL_PYTHON`'s site-packages.
+fn nixl() -> Option<lmcache_server::config::P2pEngine> {
+    let python = external("LMCACHE_RS_TEST_NIXL_PYTHON")?;
+    let library = lmcache_nixl::locate(None, &python).unwrap();
+    Some(lmcache_server::config::P2pEngine::Nixl { library })
+}
+
+fn engine_driven(id: u64) -> lmcache_protocol::types::EngineDrivenRegistration {
+    lmcache_protocol::types::EngineDrivenRegistration {
+        instance_id: id,
+        model_name: lmcache_core::ModelName::new("m").unwrap(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 2,
+        hidden_dim_size: 32,
+        dtype: lmcache_core::Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    }
+}
+
+#[test]
+fn lmcache_rs_servers_serve_each_other_over_nixl_and_refuse_a_peer_of_other_pages() {
+    use lmcache_client::{CacheKey, Client};
+    use lmcache_core::ModelName;
+    use lmcache_memory::ForeignSegment;
+    let Some(engine) = nixl() else { return };
+    let c = Coordinator::start(CoordinatorConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        chunk_size: 16,
+        ..CoordinatorConfig::default()
+    })
+    .unwrap();
+    // Asked in id order: first a peer whose pages are 8 KiB (its page list cannot be read
+    // with ours: refused at the handshake, a miss), then the holder.
+    let odd = p2p_server_on(&c, "n1-odd-pages", &free_addr(), engine.clone(), 8192);
+    let holder = p2p_server_on(&c, "n2-holder", &free_addr(), engine.clone(), 4096);
+    let reader = p2p_server_on(&c, "n3-reader", &free_addr(), engine, 4096);
+    until("the reader sees both peers", || {
+        let url = format!("http://{}/status", reader.http_addr().unwrap());
+        let v: Value = serde_json::from_str(
+            &ureq::get(&url).call().unwrap().body_mut().read_to_string().unwrap(),
+        )
+        .unwrap();
+        v["p2p_peers"].as_array().is_some_and(|a| a.len() == 2)
+    });
+    let tokens: Vec<u32> = (0..64).collect();
+    let key = |rid: &str| CacheKey::whole(ModelName::new("m").unwrap(), rid, tokens.clone(), 16);
+    let mut stored = Vec::new();
+    for (server, reg) in [(&odd, 7), (&holder, 1)] {
+        let mut h = Client::connect(server.endpoint(), Duration::from_secs(5)).unwrap();
+        let pool = h.register_engine_driven(&engine_driven(reg)).unwrap();
+        let hpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+        stored.clear();
+        for (i, s) in h.prepare_store(&key("w"), reg).unwrap() {
+            let bytes: Vec<u8> =
+                (0..s.length).map(|j| (j as u8) ^ (i as u8 * 37) ^ (reg as u8)).collect();
+            hpool.write(s.offset, &bytes).unwrap();
+            stored.push(bytes);
+        }
+        assert!(h.commit_store(&key("w"), reg).unwrap());
+    }
+    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
+    let pool = r.register_engine_driven(&engine_driven(2)).unwrap();
+    let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    assert_eq!(r.lookup(&key("q")).unwrap(), 4, "the holder's prefix, over NIXL");
+    let slots = r.prepare_retrieve(&key("q").for_worker(0), 2).unwrap().expect("retrieved");
+    for (i, s) in slots.iter().enumerate() {
+        let mut got = vec![0u8; s.length as usize];
+        rpool.read(s.offset, &mut got).unwrap();
+        assert!(got == stored[i], "chunk {i} differs from what the holder stored");
+    }
+    assert!(r.commit_retrieve(&key("q").for_worker(0), 2).unwrap());
+    let rm = &reader.state().metrics;
+    assert_eq!(rm.p2p_fetched_keys.get(), 4);
+    // The odd peer locked its 4 keys for us, and we unlocked them after refusing its pages.
+    let om = &odd.state().metrics;
+    assert_eq!((om.p2p_served_hits.get(), om.p2p_unlocked_keys.get()), (4, 4));
+    assert_eq!(rm.p2p_fetch_failures.get(), 4, "the odd peer's 4 objects were refused");
+    let hm = &holder.state().metrics;
+    assert_eq!((hm.p2p_served_hits.get(), hm.p2p_unlocked_keys.get()), (4, 4));
+}
+
+#[test]
+fn a_nixl_peer_that_died_gives_a_miss_in_bounded_time_and_leaves_nothing_behind() {
+    use lmcache_client::{CacheKey, Client};
+    use lmcache_core::ModelName;
+    use lmcache_memory::ForeignSegment;
+    let Some(engine) = nixl() else { return };
+    let c = coordinator(0);
+    let holder = p2p_server_on(&c, "nd1-holder", &free_addr(), engine.clone(), 4096);
+    let reader = p2p_server_on(&c, "nd2-reader", &free_addr(), engine, 4096);
+    until("the reader sees its peer", || {
+        let url = format!("http://{}/status", reader.http_addr().unwrap());
+        ureq::get(&url).call().unwrap().body_mut().read_to_string().unwrap().contains("nd1-holder")
+    });
+    let key = |rid: &str| CacheKey::whole(ModelName::new("m").unwrap(), rid, (0..64).collect(), 16);
+    let mut h = Client::connect(holder.endpoint(), Duration::from_secs(5)).unwrap();
+    let pool = h.register_engine_driven(&engine_driven(1)).unwrap();
+    let hpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    for (_, s) in h.prepare_store(&key("w"), 1).unwrap() {
+        hpool.write(s.offset, &vec![9u8; s.length as usize]).unwrap();
+    }
+    assert!(h.commit_store(&key("w"), 1).unwrap());
+    // The holder goes before the reader's polls notice: its agent and memory are gone.
+    drop((h, hpool));
+    holder.shutdown();
+    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
+    r.register_engine_driven(&engine_driven(2)).unwrap();
+    let t = Instant::now();
+    assert_eq!(r.lookup(&key("q")).unwrap(), 0, "a dead peer serves nothing");
+    assert!(t.elapsed() < Duration::from_secs(8), "bounded: {:?}", t.elapsed());
+    let u = reader.state().l1().usage();
+    assert_eq!((u.staged_objects, u.resident_objects), (0, 0), "nothing left behind");
 }
 
 #[test]
