@@ -29,6 +29,9 @@ struct AgentConfig {
     capture_telemetry: bool,
 }
 
+/// The progress thread's pause between rounds, in microseconds.
+const PROGRESS_NAP_US: u64 = 200;
+
 const SUCCESS: c_int = 0;
 const IN_PROG: c_int = 1;
 const MEM_DRAM: c_int = 0;
@@ -149,8 +152,9 @@ pub(crate) struct RawAgent {
 unsafe impl Send for RawAgent {}
 
 impl RawAgent {
-    /// An agent as LMCache's Python channel makes one: progress thread on, no listen
-    /// thread, no internal locking, a UCX backend with default parameters.
+    /// An agent as LMCache's Python channel makes one (progress thread on, no listen
+    /// thread, no internal locking, a UCX backend with default parameters), except that its
+    /// progress thread naps between rounds instead of spinning.
     pub(crate) fn new(api: &'static Api, name: &str) -> Result<Self, NixlError> {
         let cname = cstring("agent name", name)?;
         let cfg = AgentConfig {
@@ -159,7 +163,9 @@ impl RawAgent {
             listen_port: 0,
             thread_sync: 0,
             num_workers: 0,
-            pthr_delay_us: 0,
+            // LMCache's agent spins its progress thread (0 µs): a whole core per idle server,
+            // measured here; a 200 µs nap between rounds frees it (docs/ARCHITECTURE.md).
+            pthr_delay_us: PROGRESS_NAP_US,
             lthr_delay_us: 100_000,
             capture_telemetry: false,
         };
