@@ -3,9 +3,11 @@ STORE (through its worker adapter) is looked up and retrieved on server READ, wh
 stored it, and the retrieved KV must equal the stored KV byte for byte. READ finds it in
 STORE's L1 over the P2P channel (NIXL between LMCache and lmcache-rs).
 
-Usage: python p2p_mixed.py tcp://STORE tcp://READ SEED
+Usage: python p2p_mixed.py tcp://STORE tcp://READ SEED [--layers L --heads H --head-size D
+       --tokens N --rounds R --json]   (scripts/bench-p2p times LMCache's default shape)
 """
-import sys
+import argparse
+import json
 import time
 
 import torch
@@ -17,19 +19,18 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
     ParallelStrategy,
 )
 
-from vllm_adapters import wait_for  # beside this file
-
-BS, NB, LAYERS, HEADS, HEAD = 16, 96, 4, 2, 64
+BS = 16
 CHUNK = 256
 MODEL = "p2p-mixed-model"
 
 
-def adapters(url, ctx, seed):
+def adapters(url, ctx, seed, shape):
+    layers, heads, head, blocks = shape
     ps = ParallelStrategy(mla_only=False, vllm_world_size=1, vllm_worker_id=0, tp_size=1,
                           pp_size=1, n_servers=1)
     torch.manual_seed(seed)
-    kv = {f"model.layers.{i}.self_attn.attn": torch.randn(2, NB, BS, HEADS, HEAD, dtype=torch.float16)
-          for i in range(LAYERS)}
+    kv = {f"model.layers.{i}.self_attn.attn": torch.randn(2, blocks, BS, heads, head, dtype=torch.float16)
+          for i in range(layers)}
     worker = LMCacheMPWorkerAdapter(url, ctx, MODEL, BS, ps, mq_timeout=30.0,
                                     heartbeat_interval=1.0)
     worker.register_kv_caches(kv)
@@ -38,45 +39,82 @@ def adapters(url, ctx, seed):
     return worker, sched, kv
 
 
-def main():
-    store_url, read_url, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def poll(what, fn, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v is not None:
+            return v
+        time.sleep(0.0005)
+    raise TimeoutError(what)
+
+
+def transfer(store_url, read_url, seed, shape, tokens_per_round, rounds):
+    """Each round stores a new prompt on STORE and looks it up and retrieves it on READ;
+    returns [(lookups, lookup_s, retrieve_s)] and checks every byte."""
     ctx = zmq.Context()
-    tokens = list(range(seed * 10_000, seed * 10_000 + 3 * CHUNK))  # 3 whole chunks
-    n = 3 * CHUNK // BS
+    n = tokens_per_round // BS
     src, dst = list(range(0, n)), list(range(n, 2 * n))
-
-    worker_a, sched_a, kv_a = adapters(store_url, ctx, seed)
-    op = LoadStoreOp(token_ids=tokens, block_ids=[src], start=0, end=len(tokens))
-    worker_a.submit_store_request("store", op, worker_a.create_recorded_event())
-    wait_for("store", lambda: (worker_a.get_finished({"store"})[0] or set()) & {"store"} or None)
-    sched_a.end_session("store")
-    time.sleep(1)  # LMCache acknowledges a store before its chunks are visible
-
+    worker_a, sched_a, kv_a = adapters(store_url, ctx, seed, shape)
     # The reader, with the same KV in its source blocks (same seed) and zeros where it loads.
-    worker_b, sched_b, kv_b = adapters(read_url, ctx, seed)
-    for t in kv_b.values():
-        t[:, dst[0]:dst[-1] + 1].zero_()
-    hit = 0
-    for attempt in range(20):  # peers are found within a heartbeat or two
-        rid = f"lookup-{attempt}"
-        sched_b.maybe_submit_lookup_request(rid, tokens)
-        hit = wait_for("lookup", lambda: sched_b.check_lookup_result(rid))
-        if hit >= len(tokens) - 1:
-            break
+    worker_b, sched_b, kv_b = adapters(read_url, ctx, seed, shape)
+    out = []
+    for r in range(rounds):
+        tokens = list(range((seed * 100 + r) * 10_000, (seed * 100 + r) * 10_000 + tokens_per_round))
+        op = LoadStoreOp(token_ids=tokens, block_ids=[src], start=0, end=len(tokens))
+        worker_a.submit_store_request(f"store-{r}", op, worker_a.create_recorded_event())
+        poll("store", lambda: (worker_a.get_finished({f"store-{r}"})[0] or set()) & {f"store-{r}"} or None)
+        sched_a.end_session(f"store-{r}")
+        time.sleep(1)  # LMCache acknowledges a store before its chunks are visible
+        for t in kv_b.values():
+            t[:, dst[0]:dst[-1] + 1].zero_()
+        hit = 0
+        for attempt in range(40):  # peers are found within a heartbeat or two
+            rid = f"lookup-{r}-{attempt}"
+            t0 = time.perf_counter()
+            sched_b.maybe_submit_lookup_request(rid, tokens)
+            hit = poll("lookup", lambda: sched_b.check_lookup_result(rid))
+            lookup_s = time.perf_counter() - t0
+            if hit >= len(tokens) - 1:
+                break
+            sched_b.end_session(rid)
+            time.sleep(0.5)
+        assert hit >= len(tokens) - 1, f"the reader found only {hit} tokens of {len(tokens)}"
+        op = LoadStoreOp(token_ids=tokens, block_ids=[dst], start=0, end=len(tokens))
+        t0 = time.perf_counter()
+        worker_b.submit_retrieve_request(rid, op, worker_b.create_recorded_event())
+        poll("retrieve", lambda: (worker_b.get_finished({rid})[1] or set()) & {rid} or None)
+        retrieve_s = time.perf_counter() - t0
         sched_b.end_session(rid)
-        time.sleep(0.5)
-    assert hit >= len(tokens) - 1, f"the reader found only {hit} tokens of {len(tokens)}"
-    op = LoadStoreOp(token_ids=tokens, block_ids=[dst], start=0, end=len(tokens))
-    worker_b.submit_retrieve_request(rid, op, worker_b.create_recorded_event())
-    wait_for("retrieve", lambda: (worker_b.get_finished({rid})[1] or set()) & {rid} or None)
-    sched_b.end_session(rid)
-    for name, t in kv_b.items():
-        if not torch.equal(kv_a[name][:, src], t[:, dst]):
-            raise AssertionError(f"{name}: KV read from the peer differs from the stored KV")
-    print(f"p2p {store_url} -> {read_url}: {hit} tokens found on the peer, "
-          f"{len(kv_b)} layers byte-identical after {attempt + 1} lookup(s)")
+        for name, t in kv_b.items():
+            if not torch.equal(kv_a[name][:, src], t[:, dst]):
+                raise AssertionError(f"{name}: KV read from the peer differs from the stored KV")
+        out.append((attempt + 1, lookup_s, retrieve_s))
     for a in (worker_a, sched_a, worker_b, sched_b):
         a.shutdown()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("store_url")
+    p.add_argument("read_url")
+    p.add_argument("seed", type=int)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=3 * CHUNK)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the timings as JSON")
+    a = p.parse_args()
+    shape = (a.layers, a.heads, a.head_size, 2 * a.tokens // BS)
+    res = transfer(a.store_url, a.read_url, a.seed, shape, a.tokens, a.rounds)
+    if a.json:
+        print(json.dumps([{"lookups": n, "lookup_s": l, "retrieve_s": r} for n, l, r in res]))
+    else:
+        n, l, r = res[-1]
+        print(f"p2p {a.store_url} -> {a.read_url}: {a.tokens} tokens found on the peer after "
+              f"{n} lookup(s), {a.layers} layers byte-identical ({a.rounds} round(s))")
 
 
 if __name__ == "__main__":
