@@ -23,13 +23,14 @@ CHUNK_TOKENS = 256
 TIMEOUT = 30.0
 
 
-def wait_for(what, fn):
-    deadline = time.monotonic() + TIMEOUT
+def wait_for(what, fn, timeout=TIMEOUT, pause=0.01):
+    """fn()'s first value that is not None, asked every `pause` seconds for `timeout`."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = fn()
         if v is not None:
             return v
-        time.sleep(0.01)
+        time.sleep(pause)
     raise TimeoutError(what)
 
 

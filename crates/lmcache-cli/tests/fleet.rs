@@ -269,22 +269,11 @@ fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
     until("the reader sees both peers", || {
         status(&reader)["p2p_peers"].as_array().is_some_and(|a| a.len() == 2)
     });
-    let registration = |id: u64| lmcache_protocol::types::EngineDrivenRegistration {
-        instance_id: id,
-        model_name: ModelName::new("m").unwrap(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 32,
-        dtype: lmcache_core::Dtype::Float16,
-        use_mla: false,
-        num_physical_slots: None,
-    };
     let tokens: Vec<u32> = (0..64).collect();
     let key = |rid: &str| CacheKey::whole(ModelName::new("m").unwrap(), rid, tokens.clone(), 16);
     // The holder computes the prefix (4 chunks).
     let mut h = Client::connect(holder.endpoint(), Duration::from_secs(5)).unwrap();
-    let pool = h.register_engine_driven(&registration(1)).unwrap();
+    let pool = h.register_engine_driven(&engine_driven(1)).unwrap();
     let hpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
     let mut stored = Vec::new();
     for (i, s) in h.prepare_store(&key("w"), 1).unwrap() {
@@ -295,7 +284,7 @@ fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
     assert!(h.commit_store(&key("w"), 1).unwrap());
     // The reader never stored it: its lookup is a full hit through the holder.
     let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
-    let pool = r.register_engine_driven(&registration(2)).unwrap();
+    let pool = r.register_engine_driven(&engine_driven(2)).unwrap();
     let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
     assert_eq!(r.lookup(&key("q")).unwrap(), 4, "the peer's prefix is a hit");
     let slots = r.prepare_retrieve(&key("q").for_worker(0), 2).unwrap().expect("retrieved");
@@ -333,6 +322,7 @@ fn nixl() -> Option<lmcache_server::config::P2pEngine> {
     Some(lmcache_server::config::P2pEngine::Nixl { library })
 }
 
+/// An engine-driven worker of model "m" (2 layers, fp16, blocks of 16) registered as `id`.
 fn engine_driven(id: u64) -> lmcache_protocol::types::EngineDrivenRegistration {
     lmcache_protocol::types::EngineDrivenRegistration {
         instance_id: id,
@@ -458,18 +448,7 @@ fn a_peer_that_died_gives_a_miss_in_bounded_time_and_leaves_nothing_behind() {
     // The peer goes before the reader's next poll notices.
     dead.shutdown();
     let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
-    let registration = lmcache_protocol::types::EngineDrivenRegistration {
-        instance_id: 2,
-        model_name: ModelName::new("m").unwrap(),
-        world_size: 1,
-        block_size: 16,
-        num_layers: 2,
-        hidden_dim_size: 32,
-        dtype: lmcache_core::Dtype::Float16,
-        use_mla: false,
-        num_physical_slots: None,
-    };
-    r.register_engine_driven(&registration).unwrap();
+    r.register_engine_driven(&engine_driven(2)).unwrap();
     let key = CacheKey::whole(ModelName::new("m").unwrap(), "q", (0..64).collect(), 16);
     let t = Instant::now();
     assert_eq!(r.lookup(&key).unwrap(), 0, "a dead peer serves nothing");

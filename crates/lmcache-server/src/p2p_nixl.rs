@@ -298,11 +298,6 @@ impl NixlChannel {
         }
         out.into_iter().map(|r| r.unwrap_or(Err(ChannelError::NotServed))).collect()
     }
-
-    /// Peers linked now.
-    pub fn linked(&self) -> usize {
-        self.links.lock().len()
-    }
 }
 
 /// The Python module a pickle names for the wheel `library` came from.
