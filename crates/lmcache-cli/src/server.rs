@@ -215,7 +215,7 @@ pub struct ServerArgs {
     /// Turns on P2P: this server registers HOST:PORT with the coordinator as its transfer
     /// channel, serves its L1 to the fleet's lmcache-rs peers there (p2p_lookup_and_lock and
     /// friends on the MP port, the bytes on the channel), lists the peers it discovers in
-    /// /status, and fetches what its L1 lacks from them (when no L2 adapter is attached).
+    /// /status, and fetches what its L1 and L2 lack from them.
     /// Needs --coordinator-url.
     #[arg(long, env = "LMCACHE_P2P_ADVERTISE_URL", value_name = "HOST:PORT")]
     pub p2p_advertise_url: Option<String>,

@@ -216,6 +216,18 @@ fn p2p_server_on(
     engine: lmcache_server::config::P2pEngine,
     align: u64,
 ) -> Server {
+    p2p_server_with(c, id, advertise, engine, align, Vec::new())
+}
+
+/// As [`p2p_server_on`], with these L2 adapters.
+fn p2p_server_with(
+    c: &Coordinator,
+    id: &str,
+    advertise: &str,
+    engine: lmcache_server::config::P2pEngine,
+    align: u64,
+    l2_adapters: Vec<Value>,
+) -> Server {
     let arena = ArenaConfig {
         size: 32 << 20,
         backing: ArenaBacking::SharedMemory {
@@ -235,9 +247,52 @@ fn p2p_server_on(
             p2p_advertised_url: Some(advertise.into()),
             ..reporting(c.addr().port(), id)
         }),
+        l2_adapters,
         ..ServerConfig::local(arena)
     })
     .unwrap()
+}
+
+#[test]
+fn a_reader_with_its_own_l2_asks_the_peers_for_what_l2_lacks_and_keeps_no_unwritten_copy() {
+    use lmcache_client::{CacheKey, Client};
+    use lmcache_core::ModelName;
+    use lmcache_memory::ForeignSegment;
+    let dir = tempfile::tempdir().unwrap();
+    let c = coordinator(0);
+    let native = lmcache_server::config::P2pEngine::Native;
+    let holder = p2p_server_on(&c, "pl1-holder", &free_addr(), native.clone(), 4096);
+    let l2 = vec![json!({"type": "fs", "base_path": dir.path().join("reader-l2")})];
+    let reader = p2p_server_with(&c, "pl2-reader", &free_addr(), native, 4096, l2);
+    until("the reader sees its peer", || {
+        let url = format!("http://{}/status", reader.http_addr().unwrap());
+        ureq::get(&url).call().unwrap().body_mut().read_to_string().unwrap().contains("pl1-holder")
+    });
+    let key = |rid: &str| CacheKey::whole(ModelName::new("m").unwrap(), rid, (0..64).collect(), 16);
+    let mut h = Client::connect(holder.endpoint(), Duration::from_secs(5)).unwrap();
+    let pool = h.register_engine_driven(&engine_driven(1)).unwrap();
+    let hpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    let mut stored = Vec::new();
+    for (i, s) in h.prepare_store(&key("w"), 1).unwrap() {
+        let bytes: Vec<u8> = (0..s.length).map(|j| (j as u8).wrapping_mul(7) ^ i as u8).collect();
+        hpool.write(s.offset, &bytes).unwrap();
+        stored.push(bytes);
+    }
+    assert!(h.commit_store(&key("w"), 1).unwrap());
+    // The reader's L1 and L2 lack the prefix; the peer has it.
+    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
+    let pool = r.register_engine_driven(&engine_driven(2)).unwrap();
+    let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    assert_eq!(r.lookup(&key("q")).unwrap(), 4, "L2 missed, so the peer is asked");
+    let slots = r.prepare_retrieve(&key("q").for_worker(0), 2).unwrap().expect("retrieved");
+    for (i, s) in slots.iter().enumerate() {
+        let mut got = vec![0u8; s.length as usize];
+        rpool.read(s.offset, &mut got).unwrap();
+        assert!(got == stored[i], "chunk {i} differs from what the holder stored");
+    }
+    assert!(r.commit_retrieve(&key("q").for_worker(0), 2).unwrap());
+    assert_eq!(reader.state().metrics.p2p_fetched_keys.get(), 4);
+    assert_eq!(reader.state().l1().unwritten(), 0, "a peer's objects are kept from eviction");
 }
 
 fn free_addr() -> String {
@@ -431,6 +486,60 @@ fn a_nixl_peer_that_died_gives_a_miss_in_bounded_time_and_leaves_nothing_behind(
     assert!(t.elapsed() < Duration::from_secs(8), "bounded: {:?}", t.elapsed());
     let u = reader.state().l1().usage();
     assert_eq!((u.staged_objects, u.resident_objects), (0, 0), "nothing left behind");
+}
+
+/// Sends LMCache's first handshake message to a NIXL channel, as anyone could, and returns
+/// the answer's type and reason.
+fn forged_handshake(url: &str) -> (String, String) {
+    use rmpv::Value;
+    let ctx = zmq::Context::new();
+    let sock = ctx.socket(zmq::REQ).unwrap();
+    sock.set_rcvtimeo(10_000).unwrap();
+    sock.set_linger(0).unwrap();
+    sock.connect(&format!("tcp://{url}")).unwrap();
+    let ask = Value::Map(vec![
+        (Value::from("type"), Value::from("InitReq")),
+        (Value::from("agent_name"), Value::from("stranger")),
+        (Value::from("agent_meta"), Value::Binary(b"not an agent".to_vec())),
+    ]);
+    sock.send(lmcache_protocol::value::encode(&ask), 0).unwrap();
+    let got = lmcache_protocol::value::decode(0, &sock.recv_bytes(0).unwrap()).unwrap();
+    let field = |k: &str| {
+        got.as_map()
+            .and_then(|m| m.iter().find(|(n, _)| n.as_str() == Some(k)))
+            .and_then(|(_, v)| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    (field("type"), field("reason"))
+}
+
+#[test]
+fn a_nixl_handshake_from_a_host_no_peer_registered_is_refused_and_counted() {
+    let Some(engine) = nixl() else { return };
+    let c = coordinator(0);
+    let alone = free_addr();
+    let server = p2p_server_on(&c, "nh1-alone", &alone, engine.clone(), 4096);
+    until("registered", || {
+        let url = format!("http://{}/status", server.http_addr().unwrap());
+        let body = ureq::get(&url).call().unwrap().body_mut().read_to_string().unwrap();
+        serde_json::from_str::<Value>(&body).unwrap()["p2p_state"] == "registered"
+    });
+    // No peer in the fleet: a stranger (on loopback, as the test is) gets no agent metadata
+    // and no page list, after a bounded wait for a discovery poll.
+    let t = Instant::now();
+    let (kind, reason) = forged_handshake(&alone);
+    assert_eq!(kind, "Error", "a stranger was answered: {reason}");
+    assert!(reason.contains("127.0.0.1 is no registered peer"), "{reason}");
+    assert!(t.elapsed() < Duration::from_secs(8), "bounded: {:?}", t.elapsed());
+    assert_eq!(server.state().metrics.p2p_handshakes_refused.get(), 1);
+    // Once a server on this host registered as a peer, this host passes the gate (the
+    // forged metadata is then refused by NIXL itself, not by the gate).
+    let _peer = p2p_server_on(&c, "nh2-peer", &free_addr(), engine, 4096);
+    let (kind, reason) = forged_handshake(&alone);
+    assert_eq!(kind, "Error");
+    assert!(!reason.contains("no registered peer"), "a registered host was refused: {reason}");
+    assert_eq!(server.state().metrics.p2p_handshakes_refused.get(), 1);
 }
 
 #[test]

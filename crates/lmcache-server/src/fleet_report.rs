@@ -208,6 +208,9 @@ pub struct Reporter {
     /// Whether the P2P channel is lmcache-rs's native one (registered in the metadata) or
     /// NIXL (registered as LMCache's servers do: no metadata).
     p2p_native: AtomicBool,
+    /// A P2P discovery poll asked for before the next heartbeat (a NIXL handshake from a host
+    /// not yet known).
+    poll_peers: AtomicBool,
 }
 
 fn encoded(k: &ObjectKey) -> EncodedObjectKey {
@@ -246,6 +249,7 @@ impl Reporter {
             registered_as: Mutex::new(None),
             trace: Mutex::new(None),
             p2p_native: AtomicBool::new(true),
+            poll_peers: AtomicBool::new(false),
         })
     }
 
@@ -476,6 +480,13 @@ impl Reporter {
         std::thread::Builder::new().name("coordinator-report".into()).spawn(move || me.run())
     }
 
+    /// Asks for a P2P discovery poll now rather than at the next heartbeat.
+    pub fn poll_peers_now(&self) {
+        self.poll_peers.store(true, Ordering::Release);
+        let _g = self.queue.lock();
+        self.wake.notify_all();
+    }
+
     /// Asks the thread to flush, deregister and exit.
     pub fn stop(&self) {
         self.stop.store(true, Ordering::Release);
@@ -557,6 +568,11 @@ impl Reporter {
                     },
                 }
                 if let Some(peers) = &self.peers {
+                    self.poll_peers.store(false, Ordering::Release);
+                    self.discover(&agent, &base, id.as_deref(), peers);
+                }
+            } else if let (Some(peers), false) = (&self.peers, stopping || trace_only) {
+                if self.poll_peers.swap(false, Ordering::AcqRel) {
                     self.discover(&agent, &base, id.as_deref(), peers);
                 }
             }
@@ -592,7 +608,7 @@ impl Reporter {
                 .saturating_duration_since(Instant::now())
                 .max(Duration::from_millis(5));
             let mut q = self.queue.lock();
-            if !self.stop.load(Ordering::Acquire) {
+            if !self.stop.load(Ordering::Acquire) && !self.poll_peers.load(Ordering::Acquire) {
                 self.wake.wait_for(&mut q, wait);
             }
         }

@@ -174,6 +174,8 @@ pub struct Metrics {
     pub p2p_fetched_bytes: Counter,
     /// Objects a peer locked that did not arrive whole (refused: a miss).
     pub p2p_fetch_failures: Counter,
+    /// NIXL handshakes refused: from an address no peer of the fleet registered.
+    pub p2p_handshakes_refused: Counter,
     /// Live sessions (set when scraped).
     pub active_sessions: Gauge,
     /// Resident memory of the process (set when scraped).
@@ -251,6 +253,7 @@ impl Default for Metrics {
             p2p_fetched_keys: Counter::default(),
             p2p_fetched_bytes: Counter::default(),
             p2p_fetch_failures: Counter::default(),
+            p2p_handshakes_refused: Counter::default(),
             active_sessions: Gauge::default(),
             process_resident_memory_bytes: Gauge::default(),
             event_bus_queue_depth: Gauge::default(),
@@ -462,6 +465,11 @@ impl Default for Metrics {
                 "p2p_fetch_failures",
                 "Objects a peer locked that did not arrive whole (refused: served as a miss)",
                 m.p2p_fetch_failures.clone(),
+            );
+            rs.register(
+                "p2p_handshakes_refused",
+                "NIXL handshakes refused because they came from an address no registered peer has",
+                m.p2p_handshakes_refused.clone(),
             );
             rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());

@@ -19,11 +19,13 @@
 //!
 //! Unlike the native channel, NIXL carries no checksum of ours: the bytes are what UCX
 //! delivered (TCP's own checks on loopback and Ethernet), as in LMCache. And NIXL exposes the
-//! whole registered arena to every agent that completed the handshake, as LMCache's does;
-//! docs/ARCHITECTURE.md's threat model says what that means for a fleet.
+//! whole registered arena to every agent that completed the handshake, as LMCache's does, so
+//! unlike LMCache's the handshake is answered only for a host a registered peer of the fleet
+//! has ([`HandshakeGate`]; an unknown one waits for a discovery poll, bounded, then is
+//! refused and counted); docs/ARCHITECTURE.md's threat model says what that means.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -47,10 +49,19 @@ struct PeerLink {
     remote: Prepped,
 }
 
+/// Who may take part in the handshake: whether a connection from this address may be a peer
+/// of the fleet (it may wait, bounded, for discovery to catch up).
+pub type HandshakeGate = Arc<dyn Fn(IpAddr) -> bool + Send + Sync>;
+
+/// The link to one peer URL, made by one thread at a time: a second fetch from a peer being
+/// dialled waits for that handshake instead of loading the same agent twice.
+#[derive(Default)]
+struct LinkSlot(Mutex<Option<Arc<PeerLink>>>);
+
 /// This server's NIXL side: its agent, the registered arena and the links to peers.
 pub struct NixlChannel {
     // Drop order: the links' prepped lists, then our registration, then the agent.
-    links: Mutex<HashMap<String, Arc<PeerLink>>>,
+    links: Mutex<HashMap<String, Arc<LinkSlot>>>,
     l1: L1Registration,
     agent: Arc<Agent>,
     /// The Python module our pickles name when we dial (the wheel we loaded).
@@ -96,11 +107,14 @@ impl NixlChannel {
         }))
     }
 
-    /// Serves LMCache's handshake on `listen` until `stop` is set (checked every 100 ms).
+    /// Serves LMCache's handshake on `listen` until `stop` is set (checked every 100 ms), to
+    /// connections `gate` admits; `refused` counts the others.
     pub fn serve(
         self: &Arc<Self>,
         listen: SocketAddr,
         stop: Arc<AtomicBool>,
+        gate: HandshakeGate,
+        refused: prometheus_client::metrics::counter::Counter,
     ) -> std::io::Result<std::thread::JoinHandle<()>> {
         let ctx = zmq::Context::new();
         let sock = ctx.socket(zmq::REP).map_err(std::io::Error::other)?;
@@ -114,7 +128,7 @@ impl NixlChannel {
         std::thread::Builder::new().name("p2p-nixl".into()).spawn(move || {
             let _ctx = ctx;
             while !stop.load(Ordering::Acquire) {
-                let msg = match sock.recv_bytes(0) {
+                let mut msg = match sock.recv_msg(0) {
                     Ok(m) => m,
                     Err(zmq::Error::EAGAIN) => continue,
                     Err(e) => {
@@ -122,13 +136,21 @@ impl NixlChannel {
                         continue;
                     }
                 };
-                let reply = match this.answer(&msg) {
-                    Ok(v) => v,
-                    Err(why) => {
-                        tracing::warn!(error = %why, "NIXL handshake refused");
-                        tagged("Error", vec![("reason", Value::from(why))])
+                let from = msg.gets("Peer-Address").and_then(|a| a.parse::<IpAddr>().ok());
+                let reply = match from {
+                    Some(ip) if gate(ip) => this.answer(&msg),
+                    other => {
+                        refused.inc();
+                        Err(match other {
+                            Some(ip) => format!("{ip} is no registered peer of this fleet"),
+                            None => "the connection's address is unknown".to_owned(),
+                        })
                     }
                 };
+                let reply = reply.unwrap_or_else(|why| {
+                    tracing::warn!(error = %why, "NIXL handshake refused");
+                    tagged("Error", vec![("reason", Value::from(why))])
+                });
                 if let Err(e) = sock.send(lmcache_protocol::value::encode(&reply), 0) {
                     tracing::warn!(error = %e, "NIXL handshake reply failed");
                 }
@@ -167,18 +189,22 @@ impl NixlChannel {
         self.l1.pages().to_pickle(module)
     }
 
-    /// The link to the peer at `url` (handshake on first use).
+    /// The link to the peer at `url` (handshake on first use, one at a time per URL).
     fn link(&self, url: &str, timeout: Duration) -> Result<Arc<PeerLink>, String> {
-        if let Some(l) = self.links.lock().get(url) {
+        let slot = Arc::clone(self.links.lock().entry(url.to_owned()).or_default());
+        let mut link = slot.0.lock();
+        if let Some(l) = link.as_ref() {
             return Ok(Arc::clone(l));
         }
-        let link = Arc::new(self.connect(url, timeout)?);
-        self.links.lock().insert(url.to_owned(), Arc::clone(&link));
-        Ok(link)
+        let made = Arc::new(self.connect(url, timeout)?);
+        *link = Some(Arc::clone(&made));
+        Ok(made)
     }
 
+    /// Drops the link to `url` (a READ failed): the next fetch dials afresh.
     fn forget(&self, url: &str) {
-        if let Some(l) = self.links.lock().remove(url) {
+        let slot = self.links.lock().remove(url);
+        if let Some(l) = slot.and_then(|s| s.0.lock().take()) {
             self.agent.remove_remote(&l.name);
         }
     }

@@ -6,11 +6,16 @@
 //! - a peer missing from more than 3 polls in a row is dropped;
 //! - a poll that fails leaves the state `disconnected` (timeout) or `unregistered` (an error)
 //!   and drops no peer.
+//!
+//! The table also says who may take part in the NIXL handshake ([`Peers::knows`]): only a
+//! host some peer registered, by its `ip` or its advertise URL.
 
 use std::collections::BTreeMap;
+use std::net::{IpAddr, ToSocketAddrs as _};
+use std::time::{Duration, Instant};
 
 use lmcache_protocol::coordinator::InstanceInfo;
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use serde::Serialize;
 
 /// Polls a peer may miss before it is dropped.
@@ -41,12 +46,39 @@ pub struct Peer {
     pub missed_polls: u32,
     /// Whether it registered lmcache-rs's native channel (the only one this server reads).
     pub native: bool,
+    /// The host it registered as `ip`.
+    #[serde(skip)]
+    pub ip: String,
+}
+
+impl Peer {
+    /// Whether a connection from `from` may be this peer: `from` is its registered ip or
+    /// the host of its advertise URL (a name is resolved).
+    pub fn is_at(&self, from: IpAddr) -> bool {
+        [self.ip.as_str(), host_of(&self.p2p_advertised_url)].into_iter().any(|h| {
+            match h.trim_matches(|c| c == '[' || c == ']').parse::<IpAddr>() {
+                Ok(ip) => ip == from,
+                Err(_) => {
+                    (h, 0).to_socket_addrs().is_ok_and(|mut addrs| addrs.any(|a| a.ip() == from))
+                }
+            }
+        })
+    }
+}
+
+/// The host of `host:port` or `tcp://host:port` (brackets kept off an IPv6 literal).
+fn host_of(url: &str) -> &str {
+    let bare = url.strip_prefix("tcp://").unwrap_or(url);
+    let host = bare.rsplit_once(':').map_or(bare, |(h, _)| h);
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 #[derive(Debug)]
 struct Inner {
     state: P2pState,
     peers: BTreeMap<String, Peer>,
+    /// Successful polls so far.
+    polls: u64,
 }
 
 /// The peer table.
@@ -55,6 +87,8 @@ pub struct Peers {
     /// This server's advertise URL.
     advertised: String,
     inner: Mutex<Inner>,
+    /// Signalled after every successful poll.
+    polled: Condvar,
 }
 
 impl Peers {
@@ -62,7 +96,12 @@ impl Peers {
     pub fn new(advertised: String) -> Self {
         Self {
             advertised,
-            inner: Mutex::new(Inner { state: P2pState::Unregistered, peers: BTreeMap::new() }),
+            inner: Mutex::new(Inner {
+                state: P2pState::Unregistered,
+                peers: BTreeMap::new(),
+                polls: 0,
+            }),
+            polled: Condvar::new(),
         }
     }
 
@@ -78,6 +117,8 @@ impl Peers {
             instances.iter().any(|i| i.instance_id == me && i.p2p_advertised_url == self.advertised)
         });
         let mut g = self.inner.lock();
+        g.polls += 1;
+        self.polled.notify_all();
         if !listed {
             g.state = P2pState::Unregistered;
             g.peers.clear();
@@ -97,6 +138,7 @@ impl Peers {
                     missed_polls: 0,
                     native: i.metadata.get(crate::p2p_reader::CHANNEL_KEY).map(String::as_str)
                         == Some(crate::p2p_reader::NATIVE_CHANNEL),
+                    ip: i.ip.clone(),
                 };
                 (i.instance_id.clone(), peer)
             })
@@ -128,6 +170,30 @@ impl Peers {
     pub fn has_peer(&self, reads: impl Fn(&Peer) -> bool) -> bool {
         let g = self.inner.lock();
         g.state == P2pState::Registered && g.peers.values().any(reads)
+    }
+
+    /// Whether `from` is the host of a current peer (a registered instance other than this
+    /// one). When it is not, waits up to `wait` for the polls to come (each signals), so a
+    /// server that registered just now is admitted once this one has seen it.
+    pub fn knows(&self, from: IpAddr, wait: Duration) -> bool {
+        let deadline = Instant::now() + wait;
+        loop {
+            // Checked off the lock: a name in an advertise URL may take a DNS lookup, and
+            // every short lookup asks this table.
+            let (peers, seen) = {
+                let g = self.inner.lock();
+                (g.peers.values().cloned().collect::<Vec<_>>(), g.polls)
+            };
+            if peers.iter().any(|p| p.is_at(from)) {
+                return true;
+            }
+            let mut g = self.inner.lock();
+            while g.polls == seen {
+                if self.polled.wait_until(&mut g, deadline).timed_out() {
+                    return false;
+                }
+            }
+        }
     }
 
     /// The current peers, by instance id.
@@ -179,5 +245,33 @@ mod tests {
         p.apply(Some("me"), &[me, a]);
         p.poll_failed(true);
         assert_eq!((p.state(), p.peers().len()), (P2pState::Disconnected, 1));
+    }
+
+    #[test]
+    fn only_a_registered_peers_host_is_known_and_a_poll_can_admit_one_late() {
+        let p = std::sync::Arc::new(Peers::new("me:7600".into()));
+        let me = info("me", "me:7600", 5555);
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let a = InstanceInfo { ip: "10.0.0.7".into(), ..info("a", "127.0.0.1:7600", 5556) };
+        p.apply(Some("me"), &[me.clone(), a]);
+        let no_wait = Duration::ZERO;
+        assert!(p.knows(ip("10.0.0.7"), no_wait), "its registered ip");
+        assert!(p.knows(ip("127.0.0.1"), no_wait), "its advertise URL's host");
+        assert!(!p.knows(ip("10.0.0.8"), no_wait), "a host no peer registered");
+        assert!(!p.knows(ip("10.0.0.1"), no_wait), "this server's own registration is no peer");
+        // A host that registers while a handshake waits is admitted at the next poll.
+        let waiter = {
+            let p = std::sync::Arc::clone(&p);
+            std::thread::spawn(move || p.knows(ip("10.0.0.9"), Duration::from_secs(10)))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        let b = info("b", "10.0.0.9:7600", 5557);
+        p.apply(Some("me"), &[me, b]);
+        assert!(waiter.join().unwrap());
+        let t0 = Instant::now();
+        assert!(!p.knows(ip("10.0.0.10"), Duration::from_millis(100)));
+        assert!(t0.elapsed() >= Duration::from_millis(100), "the wait is bounded, not skipped");
+        assert_eq!(host_of("tcp://[::1]:7600"), "::1");
+        assert_eq!(host_of("node-3:7600"), "node-3");
     }
 }

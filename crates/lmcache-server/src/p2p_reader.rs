@@ -1,6 +1,6 @@
-//! The reader side of P2P: storage's [`PeerSource`]. A lookup that L1 serves short (and no L2
-//! adapter is attached) asks the fleet's lmcache-rs peers for the rest of its prefix, on one
-//! of this module's threads, never on the socket thread:
+//! The reader side of P2P: storage's [`PeerSource`]. A lookup that L1 (then L2, when attached)
+//! serves short asks the fleet's peers for the rest of its prefix, on one of this module's
+//! threads, never on the socket thread:
 //! 1. `p2p_lookup_and_lock` on the peer's MP port, then its answer (each RPC bounded by
 //!    `--p2p-lookup-timeout`);
 //! 2. the longest prefix locked on every shard is reserved in L1 and fetched over the native
@@ -309,11 +309,13 @@ fn load(
     // Per shard, the leases of its leading chunks that arrived whole.
     let mut per_shard: Vec<Vec<Option<ReadLease>>> =
         (0..req.shards.len()).map(|_| (0..prefix).map(|_| None).collect()).collect();
+    let mut committed = Vec::new();
     for ((s, i), got) in slots.into_iter().zip(fetched) {
         match got.map(|w| (w.len(), w.commit_and_read_lock(req.readers.max(1)))) {
             Ok((len, Ok(lease))) => {
                 report.keys += 1;
                 report.bytes += len;
+                committed.push(lease.key().clone());
                 if let Some(slot) = per_shard.get_mut(s).and_then(|v| v.get_mut(i)) {
                     *slot = Some(lease);
                 }
@@ -325,6 +327,9 @@ fn load(
             }
         }
     }
+    // Like an L2 load, a peer's object is nothing for this server's write-behind: without
+    // this, with L2 attached, it would stay "unwritten" (kept from eviction) for good.
+    storage.l1().mark_written(&committed);
     let hits = per_shard.iter().map(|v| v.iter().take_while(|l| l.is_some()).count()).min()?;
     let leases =
         per_shard.into_iter().map(|v| v.into_iter().take(hits).flatten().collect()).collect();

@@ -245,8 +245,12 @@ impl Server {
         let p2p_channel = match (state.config.p2p_channel, &nixl) {
             (None, _) => None,
             (Some(addr), Some(nixl)) => {
+                let gate = handshake_gate(&state).ok_or_else(|| {
+                    io("--p2p-transfer-engine nixl")(std::io::Error::other("no P2P peer table"))
+                })?;
+                let refused = state.metrics.p2p_handshakes_refused.clone();
                 let join = nixl
-                    .serve(addr, Arc::clone(&stop))
+                    .serve(addr, Arc::clone(&stop), gate, refused)
                     .map_err(io("starting the NIXL P2P channel"))?;
                 Some((addr, join))
             }
@@ -372,6 +376,23 @@ impl Drop for Server {
 
 /// What the server declares to a coordinator: L1 `dram` at its size, each L2 adapter by type
 /// (capacity when bounded; `shared` from its spec).
+/// How long a NIXL handshake from a host no peer has waits for a discovery poll (asked for
+/// at once) to list it.
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(3);
+
+/// The NIXL handshake's gate: a connection from the host of a registered peer (after a
+/// discovery poll, for a server that registered since the last one).
+fn handshake_gate(state: &ServerState) -> Option<crate::p2p_nixl::HandshakeGate> {
+    let reporter = Arc::clone(state.channels.reporter.as_ref()?);
+    let peers = Arc::clone(reporter.peers()?);
+    Some(Arc::new(move |from| {
+        peers.knows(from, Duration::ZERO) || {
+            reporter.poll_peers_now();
+            peers.knows(from, HANDSHAKE_WAIT)
+        }
+    }))
+}
+
 fn compartments(state: &ServerState) -> Vec<crate::fleet_report::Compartment> {
     use lmcache_protocol::coordinator::WireTier;
     let mut out = vec![crate::fleet_report::Compartment {

@@ -12,8 +12,8 @@
 //!   commit plus write-behind in one call), flush.
 //! - [`observe`]: [`StorageEvent`]s, what storage tells its [`StorageSubscriber`]s (metrics,
 //!   KV events, trace recording and the like), with the [`RequestContext`] a caller hands it.
-//! - [`peers`]: [`PeerSource`], the fleet's peers as a source of a lookup's L1 misses
-//!   (P2P), asked as L2 would be when no L2 adapter is attached.
+//! - [`peers`]: [`PeerSource`], the fleet's peers as a source of a lookup's misses (P2P),
+//!   asked for what L1 and then L2 could not serve.
 //! - [`scope`]: [`RequestScope`], a request's view of storage: the manager's operations, each
 //!   announced with the request's context.
 //! - [`lookup`]: a lookup through both tiers as one value (`Ready` leases or `Pending` on a

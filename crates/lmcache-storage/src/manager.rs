@@ -118,7 +118,7 @@ pub struct StorageManager {
     l1: L1Cache,
     l2: Option<L2Tier>,
     subscribers: Subscribers,
-    /// The fleet's peers, asked for what L1 lacks when no L2 adapter is attached.
+    /// The fleet's peers, asked for what L1 (and L2, when attached) lacks.
     peers: Arc<std::sync::OnceLock<Arc<dyn crate::peers::PeerSource>>>,
 }
 
@@ -245,26 +245,41 @@ impl StorageManager {
             .map(|(w, keys)| (*w, self.l1.read_lock_prefix(keys, readers).unwrap_or_default()))
             .collect();
         let (leases, hit) = LookupLeases::common_prefix(world_size, per_shard);
-        match &self.l2 {
-            Some(l2) if hit < chunks && !l2.is_empty() => {
-                let rest: Vec<Vec<ObjectKey>> =
-                    shards.iter().map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec()).collect();
+        if hit >= chunks {
+            return Lookup::Ready { leases, hits: hit };
+        }
+        let rest: Vec<Vec<ObjectKey>> =
+            shards.iter().map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec()).collect();
+        let workers = || shards.iter().map(|(w, _)| *w).collect();
+        let peers = self.peers.get().filter(|p| p.has_peers()).cloned();
+        let object = object.cloned();
+        match (self.l2.as_ref().filter(|l2| !l2.is_empty()), peers) {
+            (Some(l2), None) => {
                 let handle = l2.start_prefetch(PrefetchRequest { shards: rest, readers });
-                Lookup::pending(leases, hit, handle, shards.iter().map(|(w, _)| *w).collect())
+                Lookup::pending(leases, hit, handle, workers())
             }
-            _ => match self.peers.get() {
-                Some(p) if hit < chunks && p.has_peers() => {
-                    let rest: Vec<Vec<ObjectKey>> = shards
-                        .iter()
-                        .map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec())
-                        .collect();
-                    let req =
-                        crate::peers::PeerFetch { shards: rest, readers, object: object.cloned() };
-                    let handle = crate::peers::start(p.as_ref(), req);
-                    Lookup::pending(leases, hit, handle, shards.iter().map(|(w, _)| *w).collect())
-                }
-                _ => Lookup::Ready { leases, hits: hit },
-            },
+            (Some(l2), Some(peers)) => {
+                // L2 first; what it could not serve, the peers are asked for.
+                let (handle, complete) = crate::prefetch::PrefetchHandle::external();
+                let req = PrefetchRequest { shards: rest.clone(), readers };
+                l2.prefetch(req, move |from_l2| {
+                    let served = from_l2.hits;
+                    if from_l2.expired || rest.first().is_none_or(|k| served >= k.len()) {
+                        return complete(from_l2);
+                    }
+                    let shards = rest.into_iter().map(|k| k.into_iter().skip(served).collect());
+                    let req = crate::peers::PeerFetch { shards: shards.collect(), readers, object };
+                    let done = move |from_peers| complete(from_l2.then(from_peers));
+                    peers.start(req, crate::peers::PeerDone::new(done));
+                });
+                Lookup::pending(leases, hit, handle, workers())
+            }
+            (None, Some(peers)) => {
+                let req = crate::peers::PeerFetch { shards: rest, readers, object };
+                let handle = crate::peers::start(peers.as_ref(), req);
+                Lookup::pending(leases, hit, handle, workers())
+            }
+            (None, None) => Lookup::Ready { leases, hits: hit },
         }
     }
 

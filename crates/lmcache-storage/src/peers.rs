@@ -1,6 +1,7 @@
-//! The fleet's peers as a source of a lookup's L1 misses (P2P): when L1 falls short and no L2
-//! adapter is attached, a lookup asks the installed [`PeerSource`] for the rest of the prefix,
-//! as it would ask L2, and the answer is the same [`crate::Lookup::Pending`] a prefetch gives:
+//! The fleet's peers as a source of a lookup's misses (P2P): when L1 falls short, a lookup asks
+//! the installed [`PeerSource`] for the rest of the prefix (after L2, when adapters are
+//! attached, for what L2 could not serve, as LMCache's P2P L2 adapter comes after the
+//! others), and the answer is the same [`crate::Lookup::Pending`] a prefetch gives:
 //! the peer's objects land in L1 reservations, are committed and read-locked for the reader,
 //! and `query_prefetch_status` answers once they have (or have not).
 //!
@@ -32,6 +33,11 @@ impl std::fmt::Debug for PeerDone {
 }
 
 impl PeerDone {
+    /// A completion that hands the outcome to `f` (storage's; a source only completes it).
+    pub(crate) fn new(f: impl FnOnce(PrefetchOutcome) + Send + 'static) -> Self {
+        Self(Some(Box::new(f)))
+    }
+
     /// Hands the outcome to the lookup waiting on it.
     pub fn complete(mut self, outcome: PrefetchOutcome) {
         if let Some(f) = self.0.take() {
@@ -61,6 +67,6 @@ pub trait PeerSource: Send + Sync + std::fmt::Debug {
 /// Starts `req` on `source`: the handle a pending lookup holds.
 pub(crate) fn start(source: &dyn PeerSource, req: PeerFetch) -> PrefetchHandle {
     let (handle, complete) = PrefetchHandle::external();
-    source.start(req, PeerDone(Some(Box::new(complete))));
+    source.start(req, PeerDone::new(complete));
     handle
 }

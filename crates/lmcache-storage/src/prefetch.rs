@@ -48,6 +48,24 @@ pub struct PrefetchOutcome {
     pub expired: bool,
 }
 
+impl PrefetchOutcome {
+    /// This outcome followed by `next`, an outcome for the chunks after this one's `hits`
+    /// (the same shards, in order): leases joined per shard, counts summed.
+    pub(crate) fn then(mut self, next: Self) -> Self {
+        let joined = next.hits.min(next.leases.iter().map(Vec::len).min().unwrap_or(0));
+        if self.leases.len() == next.leases.len() {
+            for (mine, theirs) in self.leases.iter_mut().zip(next.leases) {
+                mine.extend(theirs.into_iter().take(joined));
+            }
+            self.hits += joined;
+        }
+        self.loaded_keys += next.loaded_keys;
+        self.loaded_bytes += next.loaded_bytes;
+        self.expired |= next.expired;
+        self
+    }
+}
+
 /// A prefetch in flight, owned by whoever asked for it: [`Self::poll`] takes the outcome once
 /// it is there, [`PrefetchWaiter::wait`] blocks (bounded) until it is. Dropping the handle
 /// abandons the prefetch: its outcome, and the read leases in it, are dropped when it ends.

@@ -335,3 +335,87 @@ fn a_request_scope_announces_every_call_with_its_outcome() {
         .map(str::to_owned)
     );
 }
+
+/// A fleet of peers in a test: it holds `held` (per key, a fill byte) and serves a fetch's
+/// longest prefix held on every shard into the manager's L1, as the server's reader does.
+#[derive(Debug)]
+struct FakePeers {
+    storage: StorageManager,
+    held: std::collections::HashMap<ObjectKey, u8>,
+    asked: std::sync::Mutex<Vec<usize>>,
+}
+
+impl lmcache_storage::PeerSource for FakePeers {
+    fn has_peers(&self) -> bool {
+        true
+    }
+
+    fn start(&self, req: lmcache_storage::PeerFetch, done: lmcache_storage::PeerDone) {
+        self.asked.lock().unwrap().push(req.shards.first().map_or(0, Vec::len));
+        let chunks = req.shards.first().map_or(0, Vec::len);
+        let hits = (0..chunks)
+            .take_while(|&i| req.shards.iter().all(|k| self.held.contains_key(&k[i])))
+            .count();
+        let mut out = lmcache_storage::PrefetchOutcome { hits, ..Default::default() };
+        for keys in &req.shards {
+            let mut leases = Vec::new();
+            for k in &keys[..hits] {
+                let reqs = [WriteRequest::new(k.clone(), OBJ)];
+                let mut w = self.storage.reserve_write(&reqs).pop().unwrap().unwrap();
+                w.as_mut_slice().fill(self.held[k]);
+                leases.push(w.commit_and_read_lock(req.readers).unwrap());
+                out.loaded_keys += 1;
+                out.loaded_bytes += OBJ;
+            }
+            out.leases.push(leases);
+        }
+        std::thread::spawn(move || done.complete(out));
+    }
+}
+
+#[test]
+fn peers_are_asked_for_what_l1_and_then_l2_could_not_serve() {
+    let l1 = common::l1(8 << 20);
+    let m = manager_with_l2(&l1);
+    // Chunk 0 in L1, chunk 1 only in L2, chunks 2 and 3 only on a peer, chunk 4 nowhere.
+    for w in 0..2 {
+        for i in 0..2 {
+            put(&m, &key(w, i), i as u8);
+        }
+    }
+    assert_eq!(m.flush(Duration::from_secs(10)), 0);
+    let gone: Vec<ObjectKey> = (0..2).map(|w| key(w, 1)).collect();
+    assert!(l1.delete(&gone, true).iter().all(Result::is_ok));
+    let held = (0..2).flat_map(|w| (2..4).map(move |i| (key(w, i), 0x20 + i as u8))).collect();
+    let peers = std::sync::Arc::new(FakePeers {
+        storage: m.clone(),
+        held,
+        asked: std::sync::Mutex::default(),
+    });
+    assert!(m.set_peer_source(peers.clone()));
+
+    let mut lookup = m.lookup(&request(5, 1));
+    assert_eq!(lookup.l1_hit(), 1);
+    assert!(lookup.waiter().unwrap().wait(Duration::from_secs(5)), "L2 then peers never ended");
+    let settled = lookup.settle().unwrap();
+    assert_eq!(settled.hits, 4, "L1 served 1, L2 1, the peers 2; chunk 4 is held nowhere");
+    assert_eq!(settled.loaded_keys, 2 + 4, "2 objects from L2, 4 from the peers");
+    assert_eq!(*peers.asked.lock().unwrap(), vec![3], "the peers were asked for chunks 2..5");
+    let leases = lookup.leases_mut();
+    for w in 0..2 {
+        let got = leases.take_one(w, 0..4);
+        let fills: Vec<u8> = got.iter().map(|l| l.as_ref().unwrap().bytes()[0]).collect();
+        assert_eq!(fills, [0, 1, 0x22, 0x23], "shard {w}: every chunk from its own source");
+    }
+    drop(lookup);
+    assert_eq!(l1.usage().locked_objects, 0, "every lease was spent or released");
+
+    // When L1 and L2 serve everything, the peers are not asked.
+    let mut lookup = m.lookup(&request(4, 1));
+    if lookup.is_pending() {
+        assert!(lookup.waiter().unwrap().wait(Duration::from_secs(5)));
+        lookup.settle();
+    }
+    assert!(matches!(lookup, Lookup::Ready { hits: 4, .. }));
+    assert_eq!(peers.asked.lock().unwrap().len(), 1, "a full hit asked the peers");
+}
