@@ -3,7 +3,8 @@
 # (LMCache's default channel; nixl-cu12 1.5.1 in LMCache's virtualenv, whose libnixl_capi.so
 # ours loads), registered with LMCache's coordinator and then with ours. Each way round a
 # prompt stored on one server is looked up and retrieved on the other (tests/interop/
-# p2p_mixed.py), byte for byte; our metrics must show the objects fetched and served.
+# p2p_mixed.py) at LMCache's default shape (32 MiB objects), byte for byte; our metrics must
+# show the objects fetched and served.
 # Usage: tests/interop/p2p_mixed.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -42,16 +43,20 @@ run_case() { # coordinator-kind
   wait_http "http://127.0.0.1:$lm_http/healthcheck" "$WORK/lmcache-$kind.log"
   wait_http "http://127.0.0.1:$rs_http/healthcheck" "$WORK/lmcache-rs-$kind.log"
   fail() { echo "FAILED: $1 ($kind coordinator)"; for l in lmcache lmcache-rs; do echo "--- $l"; tail -25 "$WORK/$l-$kind.log"; done; exit 1; }
+  # LMCache's default bench shape: 1024 tokens of 32 layers, 8 heads, head size 128, fp16,
+  # four 32 MiB objects a prompt.
+  local shape=(--tokens 1024 --layers 32 --heads 8 --head-size 128)
   (cd tests/interop && timeout 120 "$VENV/bin/python" p2p_mixed.py "tcp://127.0.0.1:$lm" \
-      "tcp://127.0.0.1:$rs" 1) || fail "LMCache stores, lmcache-rs reads"
+      "tcp://127.0.0.1:$rs" 1 "${shape[@]}") || fail "LMCache stores, lmcache-rs reads"
   (cd tests/interop && timeout 120 "$VENV/bin/python" p2p_mixed.py "tcp://127.0.0.1:$rs" \
-      "tcp://127.0.0.1:$lm" 2) || fail "lmcache-rs stores, LMCache reads"
+      "tcp://127.0.0.1:$lm" 2 "${shape[@]}") || fail "lmcache-rs stores, LMCache reads"
   python3 - "http://127.0.0.1:$rs_http" <<'PY' || fail "metrics"
 import json, re, sys, urllib.request
 base = sys.argv[1]
 text = urllib.request.urlopen(base + "/metrics", timeout=5).read().decode()
 def m(name):
     return sum(float(x) for x in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+assert m("lmcache_rs_p2p_handshakes_refused_total") == 0, m("lmcache_rs_p2p_handshakes_refused_total")
 assert m("lmcache_rs_p2p_fetched_keys_total") >= 3, m("lmcache_rs_p2p_fetched_keys_total")
 assert m("lmcache_rs_p2p_fetch_failures_total") == 0, m("lmcache_rs_p2p_fetch_failures_total")
 assert m("lmcache_rs_p2p_served_hits_total") >= 3, m("lmcache_rs_p2p_served_hits_total")
