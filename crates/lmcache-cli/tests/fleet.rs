@@ -352,6 +352,9 @@ fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
     assert!(r.commit_retrieve(&key("q").for_worker(0), 2).unwrap());
     let rm = &reader.state().metrics;
     assert_eq!((rm.p2p_fetched_keys.get(), rm.p2p_fetch_failures.get()), (4, 0));
+    // On one host, with pools in segments lmcache-rs made, the bytes came straight from the
+    // holder's pool (the TCP path has its own tests: tests/mp_p2p.rs in lmcache-server).
+    assert_eq!(rm.p2p_fetched_same_host_keys.get(), 4);
     // Every lock the holder took for the reader was released; the empty peer was asked.
     let hm = &holder.state().metrics;
     assert_eq!((hm.p2p_served_hits.get(), hm.p2p_unlocked_keys.get()), (4, 4));

@@ -40,6 +40,11 @@ fn marker_path(dir: &Path, name: &str) -> std::path::PathBuf {
     dir.join(format!("{OWNER_MARKER_PREFIX}{name}"))
 }
 
+/// Whether segment `name` was created by lmcache-rs (its ownership marker is there).
+pub fn is_ours(name: &str) -> bool {
+    validate_name(name).is_ok() && marker_path(Path::new(SHM_DIR), name).exists()
+}
+
 /// Checks a segment name: non-empty, at most 255 bytes, no `/` and no NUL.
 pub fn validate_name(name: &str) -> Result<(), MemoryError> {
     let bad = |reason| Err(MemoryError::InvalidShmName { name: name.to_owned(), reason });

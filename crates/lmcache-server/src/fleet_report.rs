@@ -208,6 +208,8 @@ pub struct Reporter {
     /// Whether the P2P channel is lmcache-rs's native one (registered in the metadata) or
     /// NIXL (registered as LMCache's servers do: no metadata).
     p2p_native: AtomicBool,
+    /// The L1 pool's segment and identity, registered for same-host peers (native channel).
+    p2p_shm: Mutex<Option<(String, String)>>,
     /// A P2P discovery poll asked for before the next heartbeat (a NIXL handshake from a host
     /// not yet known).
     poll_peers: AtomicBool,
@@ -250,6 +252,7 @@ impl Reporter {
             trace: Mutex::new(None),
             p2p_native: AtomicBool::new(true),
             poll_peers: AtomicBool::new(false),
+            p2p_shm: Mutex::new(None),
         })
     }
 
@@ -480,6 +483,12 @@ impl Reporter {
         std::thread::Builder::new().name("coordinator-report".into()).spawn(move || me.run())
     }
 
+    /// Registers the L1 pool's segment `(name, identity)` for same-host peers (before
+    /// [`Self::start`]).
+    pub fn set_p2p_shm(&self, shm: (String, String)) {
+        *self.p2p_shm.lock() = Some(shm);
+    }
+
     /// Asks for a P2P discovery poll now rather than at the next heartbeat.
     pub fn poll_peers_now(&self) {
         self.poll_peers.store(true, Ordering::Release);
@@ -662,11 +671,18 @@ impl Reporter {
             ip,
             http_port: self.http_port.load(Ordering::Relaxed),
             metadata: match self.peers {
-                Some(_) if self.p2p_native.load(Ordering::Relaxed) => [(
-                    crate::p2p_reader::CHANNEL_KEY.to_owned(),
-                    crate::p2p_reader::NATIVE_CHANNEL.to_owned(),
-                )]
-                .into(),
+                Some(_) if self.p2p_native.load(Ordering::Relaxed) => {
+                    let mut m: std::collections::BTreeMap<String, String> = [(
+                        crate::p2p_reader::CHANNEL_KEY.to_owned(),
+                        crate::p2p_reader::NATIVE_CHANNEL.to_owned(),
+                    )]
+                    .into();
+                    if let Some((name, id)) = self.p2p_shm.lock().clone() {
+                        m.insert(crate::p2p_same_host::SHM_KEY.to_owned(), name);
+                        m.insert(crate::p2p_same_host::SHM_ID_KEY.to_owned(), id);
+                    }
+                    m
+                }
                 _ => Default::default(),
             },
             p2p_advertised_url: self.cfg.p2p_advertised_url.clone().unwrap_or_default(),

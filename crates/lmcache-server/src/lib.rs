@@ -19,6 +19,8 @@
 //!   registered L1 arena, READs of a peer's pages into L1 reservations.
 //! - [`p2p_peers`]: P2P discovery: the fleet's peers from the coordinator's instance list.
 //! - [`p2p_reader`]: the reader side of P2P: a short lookup's rest fetched from peers.
+//! - [`p2p_same_host`]: the native channel's same-host path: a peer's pool segment read
+//!   directly.
 //! - [`peer_locks`]: P2P lookup answers and the L1 locks held for the fleet's peers.
 //! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
 //! - [`metrics`]: LMCache's Prometheus names and ours.
@@ -41,6 +43,7 @@ pub mod p2p_channel;
 pub mod p2p_nixl;
 pub mod p2p_peers;
 pub mod p2p_reader;
+pub mod p2p_same_host;
 pub mod peer_locks;
 pub mod registry;
 pub mod server;

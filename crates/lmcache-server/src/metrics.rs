@@ -174,6 +174,8 @@ pub struct Metrics {
     pub p2p_fetched_bytes: Counter,
     /// Objects a peer locked that did not arrive whole (refused: a miss).
     pub p2p_fetch_failures: Counter,
+    /// Of the fetched objects, those copied straight out of a same-host peer's pool.
+    pub p2p_fetched_same_host_keys: Counter,
     /// NIXL handshakes refused: from an address no peer of the fleet registered.
     pub p2p_handshakes_refused: Counter,
     /// Live sessions (set when scraped).
@@ -253,6 +255,7 @@ impl Default for Metrics {
             p2p_fetched_keys: Counter::default(),
             p2p_fetched_bytes: Counter::default(),
             p2p_fetch_failures: Counter::default(),
+            p2p_fetched_same_host_keys: Counter::default(),
             p2p_handshakes_refused: Counter::default(),
             active_sessions: Gauge::default(),
             process_resident_memory_bytes: Gauge::default(),
@@ -465,6 +468,11 @@ impl Default for Metrics {
                 "p2p_fetch_failures",
                 "Objects a peer locked that did not arrive whole (refused: served as a miss)",
                 m.p2p_fetch_failures.clone(),
+            );
+            rs.register(
+                "p2p_fetched_same_host_keys",
+                "Of the fetched objects, those copied straight out of a same-host peer's L1 pool",
+                m.p2p_fetched_same_host_keys.clone(),
             );
             rs.register(
                 "p2p_handshakes_refused",

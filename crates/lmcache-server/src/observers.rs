@@ -70,8 +70,9 @@ impl StorageSubscriber for MetricsSubscriber {
                 m.p2p_served_keys.inc_by(*keys as u64);
                 m.p2p_served_hits.inc_by(*found as u64);
             }
-            StorageEvent::PeerFetched { keys, bytes, failed } => {
+            StorageEvent::PeerFetched { keys, bytes, failed, same_host } => {
                 m.p2p_fetched_keys.inc_by(*keys as u64);
+                m.p2p_fetched_same_host_keys.inc_by(*same_host as u64);
                 m.p2p_fetched_bytes.inc_by(*bytes);
                 m.p2p_fetch_failures.inc_by(*failed as u64);
             }

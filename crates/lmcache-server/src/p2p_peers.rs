@@ -49,6 +49,10 @@ pub struct Peer {
     /// The host it registered as `ip`.
     #[serde(skip)]
     pub ip: String,
+    /// Its L1 pool's segment and identity, when it registered them (see
+    /// [`crate::p2p_same_host`]).
+    #[serde(skip)]
+    pub shm: Option<(String, String)>,
 }
 
 impl Peer {
@@ -139,6 +143,11 @@ impl Peers {
                     native: i.metadata.get(crate::p2p_reader::CHANNEL_KEY).map(String::as_str)
                         == Some(crate::p2p_reader::NATIVE_CHANNEL),
                     ip: i.ip.clone(),
+                    shm: i
+                        .metadata
+                        .get(crate::p2p_same_host::SHM_KEY)
+                        .cloned()
+                        .zip(i.metadata.get(crate::p2p_same_host::SHM_ID_KEY).cloned()),
                 };
                 (i.instance_id.clone(), peer)
             })

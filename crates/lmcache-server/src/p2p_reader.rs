@@ -57,13 +57,15 @@ pub struct FetchReport {
     pub bytes: u64,
     /// Objects a peer locked that could not be fetched (channel, checksum, timeout).
     pub failed: usize,
+    /// Of `keys`, those copied straight out of a same-host peer's pool.
+    pub same_host: usize,
 }
 
 /// The channel this server reads peers over.
 #[derive(Debug, Clone)]
 pub enum Channel {
-    /// The native channel (`p2p_channel`).
-    Native,
+    /// The native channel (`p2p_channel`), with its same-host path (`p2p_same_host`).
+    Native(Arc<crate::p2p_same_host::SameHost>),
     /// NIXL (`p2p_nixl`).
     Nixl(Arc<crate::p2p_nixl::NixlChannel>),
 }
@@ -72,7 +74,7 @@ impl Channel {
     /// Whether a peer speaks this channel.
     pub fn speaks(&self, peer: &Peer) -> bool {
         match self {
-            Self::Native => peer.native,
+            Self::Native(_) => peer.native,
             Self::Nixl(_) => !peer.native,
         }
     }
@@ -180,6 +182,7 @@ fn work(
             keys: report.keys,
             bytes: report.bytes,
             failed: report.failed,
+            same_host: report.same_host,
         });
         done.complete(outcome);
     }
@@ -295,12 +298,18 @@ fn load(
         }
     }
     let fetched = match channel {
-        Channel::Native => match channel_addr(peer) {
-            Ok(addr) => crate::p2p_channel::fetch(addr, into, timeouts.load),
-            Err(e) => {
-                tracing::warn!(peer = %peer.instance_id, "{e}");
-                return None;
+        Channel::Native(same_host) => match same_host.fetch(peer, into, &from) {
+            Ok(copied) => {
+                report.same_host += copied.iter().filter(|r| r.is_ok()).count();
+                copied
             }
+            Err(into) => match channel_addr(peer) {
+                Ok(addr) => crate::p2p_channel::fetch(addr, into, timeouts.load),
+                Err(e) => {
+                    tracing::warn!(peer = %peer.instance_id, "{e}");
+                    return None;
+                }
+            },
         },
         Channel::Nixl(nixl) => {
             nixl.fetch(&peer.p2p_advertised_url, into, &from, timeouts.lookup, timeouts.load)

@@ -173,15 +173,24 @@ impl Server {
             ),
             _ => None,
         };
-        if let (Some(_), Some(r)) = (&nixl, reporter.as_ref()) {
-            r.set_p2p_nixl();
+        match (&nixl, reporter.as_ref()) {
+            (Some(_), Some(r)) => r.set_p2p_nixl(),
+            // Native: a same-host peer may read this server's pool directly.
+            (None, Some(r)) => {
+                if let Some(shm) = crate::p2p_same_host::advertised(storage.l1().memory()) {
+                    r.set_p2p_shm(shm);
+                }
+            }
+            _ => {}
         }
         // P2P: with --p2p-advertise-url, what L1 lacks is asked of the fleet's peers.
         let peer_reader = match reporter.as_ref().and_then(|r| r.peers()) {
             Some(peers) => {
                 let channel = match &nixl {
                     Some(n) => crate::p2p_reader::Channel::Nixl(Arc::clone(n)),
-                    None => crate::p2p_reader::Channel::Native,
+                    None => crate::p2p_reader::Channel::Native(Arc::new(
+                        crate::p2p_same_host::SameHost::new(),
+                    )),
                 };
                 let timeouts = crate::p2p_reader::ReaderTimeouts {
                     lookup: config.p2p_lookup_timeout,

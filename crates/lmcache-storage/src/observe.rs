@@ -185,6 +185,8 @@ pub enum StorageEvent<'a> {
         bytes: u64,
         /// Objects a peer locked that did not arrive whole (channel, checksum, timeout).
         failed: usize,
+        /// Of `keys`, those copied straight out of a same-host peer's pool.
+        same_host: usize,
     },
     /// A request ended; `touched` are the keys it used (now first in line to stay in L1).
     SessionEnded {
