@@ -280,19 +280,32 @@ fn a_reader_with_its_own_l2_asks_the_peers_for_what_l2_lacks_and_keeps_no_unwrit
     }
     assert!(h.commit_store(&key("w"), 1).unwrap());
     // The reader's L1 and L2 lack the prefix; the peer has it.
-    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
+    retrieve_and_verify(&reader, &key("q"), &stored, "L2 missed, so the peer is asked");
+    assert_eq!(reader.state().metrics.p2p_fetched_keys.get(), 4);
+    assert_eq!(reader.state().l1().unwritten(), 0, "a peer's objects are kept from eviction");
+}
+
+/// Looks `key` up on `reader` as a new engine-driven worker (expecting all 4 chunks: `why`),
+/// retrieves it and checks every chunk against `stored`, byte for byte.
+fn retrieve_and_verify(
+    reader: &Server,
+    key: &lmcache_client::CacheKey,
+    stored: &[Vec<u8>],
+    why: &str,
+) {
+    let mut r =
+        lmcache_client::Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
     let pool = r.register_engine_driven(&engine_driven(2)).unwrap();
-    let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
-    assert_eq!(r.lookup(&key("q")).unwrap(), 4, "L2 missed, so the peer is asked");
-    let slots = r.prepare_retrieve(&key("q").for_worker(0), 2).unwrap().expect("retrieved");
+    let rpool = lmcache_memory::ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
+    assert_eq!(r.lookup(key).unwrap(), 4, "{why}");
+    let slots = r.prepare_retrieve(&key.for_worker(0), 2).unwrap().expect("retrieved");
+    assert_eq!(slots.len(), stored.len());
     for (i, s) in slots.iter().enumerate() {
         let mut got = vec![0u8; s.length as usize];
         rpool.read(s.offset, &mut got).unwrap();
         assert!(got == stored[i], "chunk {i} differs from what the holder stored");
     }
-    assert!(r.commit_retrieve(&key("q").for_worker(0), 2).unwrap());
-    assert_eq!(reader.state().metrics.p2p_fetched_keys.get(), 4);
-    assert_eq!(reader.state().l1().unwritten(), 0, "a peer's objects are kept from eviction");
+    assert!(r.commit_retrieve(&key.for_worker(0), 2).unwrap());
 }
 
 fn free_addr() -> String {
@@ -338,18 +351,7 @@ fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
     }
     assert!(h.commit_store(&key("w"), 1).unwrap());
     // The reader never stored it: its lookup is a full hit through the holder.
-    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
-    let pool = r.register_engine_driven(&engine_driven(2)).unwrap();
-    let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
-    assert_eq!(r.lookup(&key("q")).unwrap(), 4, "the peer's prefix is a hit");
-    let slots = r.prepare_retrieve(&key("q").for_worker(0), 2).unwrap().expect("retrieved");
-    assert_eq!(slots.len(), 4);
-    for (i, s) in slots.iter().enumerate() {
-        let mut got = vec![0u8; s.length as usize];
-        rpool.read(s.offset, &mut got).unwrap();
-        assert!(got == stored[i], "chunk {i} differs from what the holder stored");
-    }
-    assert!(r.commit_retrieve(&key("q").for_worker(0), 2).unwrap());
+    retrieve_and_verify(&reader, &key("q"), &stored, "the peer's prefix is a hit");
     let rm = &reader.state().metrics;
     assert_eq!((rm.p2p_fetched_keys.get(), rm.p2p_fetch_failures.get()), (4, 0));
     // On one host, with pools in segments lmcache-rs made, the bytes came straight from the
@@ -370,6 +372,8 @@ fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
     // A prompt no peer holds is a plain miss, after asking them.
     let other: Vec<u32> = (1000..1064).collect();
     let miss = CacheKey::whole(ModelName::new("m").unwrap(), "m", other, 16);
+    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
+    r.register_engine_driven(&engine_driven(3)).unwrap();
     assert_eq!(r.lookup(&miss).unwrap(), 0);
 }
 
@@ -437,17 +441,7 @@ fn lmcache_rs_servers_serve_each_other_over_nixl_and_refuse_a_peer_of_other_page
         }
         assert!(h.commit_store(&key("w"), reg).unwrap());
     }
-    let mut r = Client::connect(reader.endpoint(), Duration::from_secs(10)).unwrap();
-    let pool = r.register_engine_driven(&engine_driven(2)).unwrap();
-    let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).unwrap();
-    assert_eq!(r.lookup(&key("q")).unwrap(), 4, "the holder's prefix, over NIXL");
-    let slots = r.prepare_retrieve(&key("q").for_worker(0), 2).unwrap().expect("retrieved");
-    for (i, s) in slots.iter().enumerate() {
-        let mut got = vec![0u8; s.length as usize];
-        rpool.read(s.offset, &mut got).unwrap();
-        assert!(got == stored[i], "chunk {i} differs from what the holder stored");
-    }
-    assert!(r.commit_retrieve(&key("q").for_worker(0), 2).unwrap());
+    retrieve_and_verify(&reader, &key("q"), &stored, "the holder's prefix, over NIXL");
     let rm = &reader.state().metrics;
     assert_eq!(rm.p2p_fetched_keys.get(), 4);
     // The odd peer locked its 4 keys for us, and we unlocked them after refusing its pages.
