@@ -189,14 +189,7 @@ fn work(
 }
 
 fn layout(req: &PeerFetch) -> Vec<(u32, LayoutDesc)> {
-    let parts = req.object.as_ref().map(|o| o.parts.as_slice()).unwrap_or_default();
-    vec![(
-        0,
-        LayoutDesc {
-            shapes: parts.iter().map(|p| vec![p.kv, p.layers, p.slots, p.hidden]).collect(),
-            dtypes: parts.iter().map(|p| p.dtype.as_str().to_owned()).collect(),
-        },
-    )]
+    vec![(0, LayoutDesc::of_object(req.object.as_ref(), ""))]
 }
 
 fn channel_addr(peer: &Peer) -> Result<SocketAddr, String> {

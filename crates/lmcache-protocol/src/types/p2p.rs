@@ -78,6 +78,18 @@ pub struct LayoutDesc {
 }
 
 impl LayoutDesc {
+    /// The layout of `object` (none: no parts): one shape per part as the wire describes
+    /// it ([`lmcache_core::ObjectLayout::shape`]: `[kv, layers, slots, hidden]`, no `kv`
+    /// for MLA), its dtype spelled with `dtype_prefix` before our name (`""` in the P2P
+    /// RPCs, as LMCache's reader sends it).
+    pub fn of_object(object: Option<&lmcache_core::ObjectShape>, dtype_prefix: &str) -> Self {
+        let parts = object.map(|o| o.parts.as_slice()).unwrap_or_default();
+        Self {
+            shapes: parts.iter().map(lmcache_core::ObjectLayout::shape).collect(),
+            dtypes: parts.iter().map(|p| format!("{dtype_prefix}{}", p.dtype.as_str())).collect(),
+        }
+    }
+
     /// Decodes `{shapes: [[int]], dtypes: [str]}`.
     pub fn decode(field: &str, v: &Value) -> Result<Self, ProtocolError> {
         let f = Fields::of(field, v)?;
@@ -167,6 +179,26 @@ mod tests {
         );
         assert_eq!(LayoutDesc::decode("l", &layout.encode()).unwrap(), layout);
         assert_eq!(TransferAddress::decode("a", &hit.encode()).unwrap(), hit);
+        // LMCache's default model's object, as our reader describes it.
+        let part = |kv| lmcache_core::ObjectLayout {
+            kv,
+            layers: 32,
+            slots: 256,
+            hidden: 1024,
+            dtype: lmcache_core::Dtype::Float16,
+        };
+        let object = |kv| lmcache_core::ObjectShape {
+            parts: vec![part(kv)],
+            window_chunks: None,
+            recurrent: false,
+        };
+        assert_eq!(LayoutDesc::of_object(Some(&object(2)), ""), layout);
+        let mla = LayoutDesc::of_object(Some(&object(1)), "torch.");
+        assert_eq!(
+            (mla.shapes, mla.dtypes),
+            (vec![vec![32, 256, 1024]], vec!["torch.float16".into()])
+        );
+        assert_eq!(LayoutDesc::of_object(None, ""), LayoutDesc { shapes: vec![], dtypes: vec![] });
     }
 
     #[test]
