@@ -8,6 +8,8 @@
 //! loopback TCP transfer of the same bytes. Medians of 10 rounds (a new prompt each).
 //! Run: `cargo bench -p lmcache-cli --bench p2p`; over NIXL (LMCache's channel, the wheel's
 //! library found as the server finds it): `LMCACHE_RS_BENCH_P2P_ENGINE=nixl cargo bench ...`.
+//! The native channel reads a peer on this host out of its pool segment; over TCP instead:
+//! `LMCACHE_RS_BENCH_P2P_SAME_HOST=false`.
 #![expect(clippy::expect_used, reason = "a benchmark binary: any failure should abort it")]
 
 use std::io::{Read, Write};
@@ -47,6 +49,7 @@ fn server(tag: &str, coordinator: Option<&Coordinator>) -> Server {
         let advertise = free_addr();
         config.p2p_channel = Some(advertise.parse().expect("addr"));
         config.p2p_engine = engine();
+        config.p2p_same_host = same_host();
         config.coordinator = Some(CoordinatorReporting {
             url: format!("http://{}/", c.addr()),
             instance_id: tag.into(),
@@ -63,6 +66,11 @@ fn server(tag: &str, coordinator: Option<&Coordinator>) -> Server {
 }
 
 /// The channel: native unless `LMCACHE_RS_BENCH_P2P_ENGINE=nixl`.
+/// The native channel's same-host path: on unless `LMCACHE_RS_BENCH_P2P_SAME_HOST=false`.
+fn same_host() -> bool {
+    std::env::var("LMCACHE_RS_BENCH_P2P_SAME_HOST").as_deref() != Ok("false")
+}
+
 fn engine() -> lmcache_server::config::P2pEngine {
     match std::env::var("LMCACHE_RS_BENCH_P2P_ENGINE").as_deref() {
         Ok("nixl") => lmcache_server::config::P2pEngine::Nixl {
@@ -199,8 +207,9 @@ fn main() {
     let (l, rt, m, lm, tc) =
         (median(lookups), median(retrieves), median(misses), median(local_misses), median(tcp));
     println!(
-        "P2P ({:?}) from a peer over loopback, {CHUNKS} x {} MiB (1024 tokens, LMCache's default model), median of {ROUNDS}:",
+        "P2P ({:?}, same-host path {}) from a peer over loopback, {CHUNKS} x {} MiB (1024 tokens, LMCache's default model), median of {ROUNDS}:",
         engine(),
+        if same_host() { "on" } else { "off" },
         OBJECT >> 20
     );
     println!(

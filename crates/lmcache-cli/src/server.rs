@@ -225,6 +225,10 @@ pub struct ServerArgs {
     /// Seconds before a fetch from a peer counts as a failure (a miss).
     #[arg(long, default_value_t = 30.0)]
     pub p2p_load_timeout: f64,
+    /// With the native channel: read a peer on this host straight out of its L1 pool segment
+    /// (one copy, no socket) rather than over TCP. `--p2p-same-host false` turns it off.
+    #[arg(long, value_parser = clap::builder::FalseyValueParser::new(), num_args = 0..=1, default_missing_value = "true", default_value = "true", value_name = "BOOL")]
+    pub p2p_same_host: bool,
     /// Where the transfer channel listens (default: the advertise URL).
     #[arg(long, value_name = "HOST:PORT", requires = "p2p_advertise_url")]
     pub p2p_listen_url: Option<String>,
@@ -471,6 +475,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         p2p_engine: p2p_engine(args)?,
         p2p_lookup_timeout: positive_secs("p2p-lookup-timeout", args.p2p_lookup_timeout)?,
         p2p_load_timeout: positive_secs("p2p-load-timeout", args.p2p_load_timeout)?,
+        p2p_same_host: args.p2p_same_host,
         http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),
         chunk_size: args.chunk_size,
         max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),
@@ -565,4 +570,27 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     server.shutdown();
     tracing::info!("stopped");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(flags: &[&str]) -> ServerArgs {
+        #[derive(clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            server: ServerArgs,
+        }
+        let argv = std::iter::once("server").chain(flags.iter().copied());
+        <Cmd as clap::Parser>::try_parse_from(argv).unwrap().server
+    }
+
+    #[test]
+    fn the_same_host_path_is_on_unless_turned_off() {
+        assert!(config(&parse(&[])).unwrap().p2p_same_host);
+        assert!(config(&parse(&["--p2p-same-host"])).unwrap().p2p_same_host);
+        assert!(!config(&parse(&["--p2p-same-host", "false"])).unwrap().p2p_same_host);
+        assert!(!config(&parse(&["--p2p-same-host=0"])).unwrap().p2p_same_host);
+    }
 }

@@ -25,6 +25,9 @@ pub struct ServerConfig {
     pub p2p_lookup_timeout: std::time::Duration,
     /// `--p2p-load-timeout` (30 s): one fetch over a peer's channel.
     pub p2p_load_timeout: std::time::Duration,
+    /// `--p2p-same-host` (on): with the native channel, read a same-host peer's L1 pool
+    /// segment directly (`p2p_same_host`) rather than over TCP.
+    pub p2p_same_host: bool,
     /// When set, every HTTP route but `/healthcheck` requires `Authorization: Bearer <token>`.
     pub http_auth_token: Option<String>,
     /// Tokens per chunk.
@@ -89,6 +92,7 @@ impl ServerConfig {
             p2p_engine: P2pEngine::Native,
             p2p_lookup_timeout: std::time::Duration::from_secs(30),
             p2p_load_timeout: std::time::Duration::from_secs(30),
+            p2p_same_host: true,
             http_auth_token: None,
             chunk_size: lmcache_core::DEFAULT_CHUNK_SIZE,
             max_cpu_workers: 1,

@@ -61,7 +61,6 @@ struct Mapped {
 }
 
 /// The reader's mappings of its same-host peers' pools, by instance id.
-#[derive(Default)]
 pub struct SameHost {
     boot_id: Option<String>,
     mapped: Mutex<HashMap<String, Arc<Mapped>>>,
@@ -74,9 +73,9 @@ impl std::fmt::Debug for SameHost {
 }
 
 impl SameHost {
-    /// No mappings yet.
-    pub fn new() -> Self {
-        Self { boot_id: boot_id(), mapped: Mutex::default() }
+    /// No mappings yet; `on: false` (`--p2p-same-host false`) sends every fetch over TCP.
+    pub fn new(on: bool) -> Self {
+        Self { boot_id: boot_id().filter(|_| on), mapped: Mutex::default() }
     }
 
     /// `peer`'s pool, when it is on this host and passes every check (see the module docs).
@@ -85,7 +84,7 @@ impl SameHost {
         let mut parts = id.rsplitn(3, ':');
         let (ino, dev, boot) = (parts.next()?, parts.next()?, parts.next()?);
         let want: (u64, u64) = (dev.parse().ok()?, ino.parse().ok()?);
-        if Some(boot) != self.boot_id.as_deref() || !lmcache_memory::shm::is_ours(name) {
+        if self.boot_id.as_deref() != Some(boot) || !lmcache_memory::shm::is_ours(name) {
             return None;
         }
         // The file under the name now: the advertised one, or the mapping is stale.
@@ -192,13 +191,16 @@ mod tests {
         let reserve = |k: u8| {
             reader.reserve_write(&[WriteRequest::new(key(k), 4096)]).pop().unwrap().unwrap()
         };
-        let same = SameHost::new();
+        let same = SameHost::new(true);
+        let off = SameHost::new(false);
 
         // The advertised segment: read byte for byte.
         let got = same.fetch(&peer(Some((name.clone(), id.clone()))), vec![reserve(1)], &[at]);
         let w = got.ok().unwrap().pop().unwrap().unwrap();
         assert_eq!(w.as_slice(), lease.bytes());
         drop(w);
+        let ok = Some((name.clone(), id.clone()));
+        assert!(off.fetch(&peer(ok), vec![reserve(1)], &[at]).is_err(), "turned off: TCP");
 
         // Another inode under the name, another kernel, no metadata: not read here.
         let (boot, rest) = id.split_once(':').unwrap();

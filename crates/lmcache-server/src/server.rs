@@ -189,7 +189,7 @@ impl Server {
                 let channel = match &nixl {
                     Some(n) => crate::p2p_reader::Channel::Nixl(Arc::clone(n)),
                     None => crate::p2p_reader::Channel::Native(Arc::new(
-                        crate::p2p_same_host::SameHost::new(),
+                        crate::p2p_same_host::SameHost::new(config.p2p_same_host),
                     )),
                 };
                 let timeouts = crate::p2p_reader::ReaderTimeouts {

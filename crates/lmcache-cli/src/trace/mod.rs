@@ -240,6 +240,7 @@ fn refuse_server_only_flags(given: &ServerArgs) -> anyhow::Result<()> {
         nixl_library,
         p2p_lookup_timeout,
         p2p_load_timeout,
+        p2p_same_host,
         trace_level,
         trace_output,
         exit_after_seconds,
