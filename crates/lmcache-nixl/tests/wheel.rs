@@ -94,6 +94,54 @@ fn rust_and_python_agents_read_each_other() {
     drop(Arc::clone(&agent));
 }
 
+#[test]
+fn a_read_from_a_peer_that_died_fails_in_bounded_time_and_leaves_nothing_staged() {
+    use lmcache_l1::{L1Cache, L1Config, WriteRequest};
+    use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+    let Some(py) = python() else { return };
+    let lib = lmcache_nixl::locate(None, &py).expect("the wheel's library");
+    let agent = Nixl::load(&lib).expect("load NIXL").agent("rs-reader").expect("agent");
+    let arena = Arena::create(&ArenaConfig {
+        size: 1 << 20,
+        backing: ArenaBacking::Anonymous,
+        mlock: false,
+    })
+    .unwrap();
+    let l1 = L1Cache::new(L1Config::default(), ArenaAllocator::new(arena, 4096).unwrap()).unwrap();
+    let reg = agent.register_l1(&l1).expect("register L1");
+
+    // The peer hands out its metadata and pages, then dies before we read them.
+    let mut child = Command::new(&py)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/nixl_peer.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let theirs = json_line(&mut out, &mut String::new());
+    let name = agent.add_remote(&hex(theirs["md"].as_str().unwrap())).expect("metadata");
+    let (list, _) = DescList::from_pickle(&hex(theirs["descs"].as_str().unwrap())).unwrap();
+    let remote = agent.prep_remote(&name, &list).expect("prep remote");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let key = |i: u8| lmcache_core::ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap();
+    let reqs: Vec<WriteRequest> = (0..2).map(|i| WriteRequest::new(key(i), 4096)).collect();
+    let objects: Vec<_> = l1
+        .reserve_write(&reqs)
+        .into_iter()
+        .zip([0u64, 8192])
+        .map(|(w, at)| (w.unwrap(), at))
+        .collect();
+    let t = Instant::now();
+    let got = agent.read_into(&reg, &remote, objects, Instant::now() + Duration::from_secs(5));
+    assert!(got.is_err(), "a READ from a dead peer succeeded");
+    assert!(t.elapsed() < Duration::from_secs(15), "unbounded: {:?}", t.elapsed());
+    let u = l1.usage();
+    assert_eq!((u.staged_objects, u.resident_objects), (0, 0), "{:?}", got.err());
+    drop((remote, reg));
+}
+
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap()).collect()
 }
