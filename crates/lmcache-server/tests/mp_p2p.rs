@@ -49,15 +49,7 @@ fn unlock(c: &mut Client, keys: &[ObjectKey]) {
 
 #[test]
 fn a_peer_reads_locked_objects_at_their_addresses_and_unlocks_them() {
-    let arena = ArenaConfig {
-        size: 32 << 20,
-        backing: ArenaBacking::SharedMemory {
-            name: format!("lmcache_rs_mp_p2p_{}", std::process::id()),
-        },
-        mlock: false,
-    };
-    let server =
-        Server::start(ServerConfig { chunk_size: CHUNK, ..ServerConfig::local(arena) }).unwrap();
+    let server = Server::start(config("reads", false)).unwrap();
     let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).unwrap();
     let reg = common::small_registration(7, "m", lmcache_core::Dtype::Float16);
     let pool = c.register_engine_driven(&reg).unwrap();
@@ -120,14 +112,7 @@ fn a_peer_reads_locked_objects_at_their_addresses_and_unlocks_them() {
 
 #[test]
 fn locks_a_peer_never_releases_expire_and_a_late_unlock_is_counted() {
-    let arena = ArenaConfig {
-        size: 32 << 20,
-        backing: ArenaBacking::SharedMemory {
-            name: format!("lmcache_rs_mp_p2p_ttl_{}", std::process::id()),
-        },
-        mlock: false,
-    };
-    let mut config = ServerConfig { chunk_size: CHUNK, ..ServerConfig::local(arena) };
+    let mut config = config("ttl", false);
     config.l1.read_ttl = Duration::from_millis(300);
     let server = Server::start(config).unwrap();
     let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).unwrap();
@@ -156,8 +141,9 @@ fn locks_a_peer_never_releases_expire_and_a_late_unlock_is_counted() {
     assert_eq!((m.p2p_unlocked_keys.get(), m.p2p_unlock_expired.get()), (0, 1));
 }
 
-/// A server with the native P2P channel on, over a shm pool named by `tag`.
-fn channel_server(tag: &str) -> Server {
+/// A server's config over a 32 MiB shm pool named by `tag`, with the native P2P channel on
+/// when `channel`.
+fn config(tag: &str, channel: bool) -> ServerConfig {
     let arena = ArenaConfig {
         size: 32 << 20,
         backing: ArenaBacking::SharedMemory {
@@ -165,12 +151,16 @@ fn channel_server(tag: &str) -> Server {
         },
         mlock: false,
     };
-    let config = ServerConfig {
+    ServerConfig {
         chunk_size: CHUNK,
-        p2p_channel: Some("127.0.0.1:0".parse().unwrap()),
+        p2p_channel: channel.then(|| "127.0.0.1:0".parse().unwrap()),
         ..ServerConfig::local(arena)
-    };
-    Server::start(config).unwrap()
+    }
+}
+
+/// A server with the native P2P channel on, over a shm pool named by `tag`.
+fn channel_server(tag: &str) -> Server {
+    Server::start(config(tag, true)).unwrap()
 }
 
 /// Reservations on `reader`'s L1 for `keys`, one object each.
