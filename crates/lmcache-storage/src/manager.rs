@@ -248,20 +248,23 @@ impl StorageManager {
         if hit >= chunks {
             return Lookup::Ready { leases, hits: hit };
         }
-        let rest: Vec<Vec<ObjectKey>> =
-            shards.iter().map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec()).collect();
+        // Per shard, the keys of the chunks L1 lacks.
+        let rest = || -> Vec<Vec<ObjectKey>> {
+            shards.iter().map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec()).collect()
+        };
         let workers = || shards.iter().map(|(w, _)| *w).collect();
         let peers = self.peers.get().filter(|p| p.has_peers()).cloned();
-        let object = object.cloned();
         match (self.l2.as_ref().filter(|l2| !l2.is_empty()), peers) {
             (Some(l2), None) => {
-                let handle = l2.start_prefetch(PrefetchRequest { shards: rest, readers });
+                let handle = l2.start_prefetch(PrefetchRequest { shards: rest(), readers });
                 Lookup::pending(leases, hit, handle, workers())
             }
             (Some(l2), Some(peers)) => {
                 // L2 first; what it could not serve, the peers are asked for.
                 let (handle, complete) = crate::prefetch::PrefetchHandle::external();
+                let rest = rest();
                 let req = PrefetchRequest { shards: rest.clone(), readers };
+                let object = object.cloned();
                 l2.prefetch(req, move |from_l2| {
                     let served = from_l2.hits;
                     if from_l2.expired || rest.first().is_none_or(|k| served >= k.len()) {
@@ -275,7 +278,8 @@ impl StorageManager {
                 Lookup::pending(leases, hit, handle, workers())
             }
             (None, Some(peers)) => {
-                let req = crate::peers::PeerFetch { shards: rest, readers, object };
+                let req =
+                    crate::peers::PeerFetch { shards: rest(), readers, object: object.cloned() };
                 let handle = crate::peers::start(peers.as_ref(), req);
                 Lookup::pending(leases, hit, handle, workers())
             }
