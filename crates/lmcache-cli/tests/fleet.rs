@@ -308,6 +308,55 @@ fn retrieve_and_verify(
     assert!(r.commit_retrieve(&key.for_worker(0), 2).unwrap());
 }
 
+/// The KV event log of `s` for model "m" from its start, as `subscribe_kv_events` (worker
+/// `instance`, cursor 0) hands it out in its first batch: (kind, block hash, parent, tokens).
+fn kv_events(s: &Server, instance: u64) -> Vec<(String, Vec<u8>, Option<Vec<u8>>, Vec<u32>)> {
+    use lmcache_protocol::value;
+    use rmpv::Value as V;
+    let c = lmcache_client::Client::connect(s.endpoint(), Duration::from_secs(5)).unwrap();
+    let frames: Vec<Vec<u8>> = [
+        V::from(77),
+        V::from("subscribe_kv_events"),
+        V::from(instance),
+        V::from("m"),
+        V::from(0),
+        V::from(64),
+    ]
+    .iter()
+    .map(value::encode)
+    .collect();
+    c.send_frames(&frames).unwrap();
+    let got = c.recv_frames().unwrap().expect("the first batch at once");
+    let batch = value::decode(2, &got[2]).unwrap();
+    let field = |v: &V, k: &str| {
+        v.as_map().unwrap().iter().find(|(n, _)| n.as_str() == Some(k)).unwrap().1.clone()
+    };
+    let bytes = |v: V| match v {
+        V::Binary(b) => Some(b),
+        _ => None,
+    };
+    let events = field(&batch, "events");
+    events
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            let hashes = field(e, "block_hashes");
+            (
+                field(e, "kind").as_str().unwrap().to_owned(),
+                bytes(hashes.as_array().unwrap()[0].clone()).unwrap(),
+                bytes(field(e, "parent_block_hash")),
+                field(e, "token_ids")
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
 fn free_addr() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().to_string()
@@ -361,7 +410,18 @@ fn a_server_serves_a_prefix_another_computed_from_its_peers_l1_byte_for_byte() {
     let hm = &holder.state().metrics;
     assert_eq!((hm.p2p_served_hits.get(), hm.p2p_unlocked_keys.get()), (4, 4));
     assert_eq!(empty.state().metrics.p2p_served_keys.get(), 4);
-    // The fetched chunks are the reader's own now: the coordinator places them there too.
+    // The fetched chunks are the reader's own now: its KV event stream announces them, with
+    // their tokens and parents, like chunks it stored itself...
+    let hashes = lmcache_core::TokenHasher::new(16).unwrap().hash_tokens(&tokens);
+    let events = kv_events(&reader, 2);
+    assert_eq!(events.len(), 4, "one stored record per fetched chunk: {events:?}");
+    for (i, (kind, hash, parent, toks)) in events.iter().enumerate() {
+        assert_eq!(kind, "stored");
+        assert_eq!(hash, &hashes[i].0.to_vec(), "chunk {i}'s block hash");
+        assert_eq!(parent.as_deref(), i.checked_sub(1).map(|p| &hashes[p].0[..]), "chunk {i}");
+        assert_eq!(toks, &tokens[i * 16..(i + 1) * 16], "chunk {i}'s tokens");
+    }
+    // ...and the coordinator places them there too.
     until("the reader's copies reach the directory", || {
         let body = json!({"token_ids": tokens, "model_name": "m"});
         let mut resp =

@@ -9,7 +9,7 @@
 
 use std::sync::Arc;
 
-use lmcache_storage::{StorageEvent, StorageSubscriber};
+use lmcache_storage::{RequestContext, StorageEvent, StorageSubscriber};
 
 use crate::event_bus::{Event, Publisher};
 use crate::metrics::Metrics;
@@ -97,8 +97,8 @@ impl StorageSubscriber for BusSubscriber {
                 chunks: ctx.hashes.len(),
                 hits: *l1_hits,
             },
-            StorageEvent::LookupSettled { request_id, chunks, settled } => Event::Lookup {
-                request_id: (*request_id).to_owned(),
+            StorageEvent::LookupSettled { ctx, chunks, settled } => Event::Lookup {
+                request_id: ctx.request_id.to_owned(),
                 chunks: *chunks,
                 hits: settled.hits,
             },
@@ -123,18 +123,34 @@ impl StorageSubscriber for BusSubscriber {
     }
 }
 
-/// Newly stored chunks of shard 0 as KV events (`subscribe_kv_events`), with their tokens
-/// and parent hash.
+/// The chunks of the range an event made resident in L1 (indexes into `ctx.hashes`): those a
+/// store committed, or those a lookup's prefetch brought in from L2 or the fleet's peers
+/// (P2P), which a router should see on this server like any store.
+fn made_resident<'e>(
+    event: &'e StorageEvent<'_>,
+) -> Option<(&'e RequestContext<'e>, impl Iterator<Item = usize> + 'e)> {
+    let (ctx, listed, range): (_, &[usize], _) = match event {
+        StorageEvent::StoreFinished { ctx, committed, .. } => (ctx, committed, 0..0),
+        StorageEvent::LookupSettled { ctx, settled, .. } if settled.l2_hits > 0 => {
+            (ctx, &[], settled.hits - settled.l2_hits..settled.hits)
+        }
+        _ => return None,
+    };
+    Some((*ctx, listed.iter().copied().chain(range)))
+}
+
+/// Chunks of shard 0 newly resident in L1 (stored, or brought in by a lookup from L2 or a
+/// peer) as KV events (`subscribe_kv_events`), with their tokens and parent hash.
 #[derive(Debug)]
 pub struct KvEventsSubscriber(pub Arc<crate::kv_events::KvEventLog>);
 
 impl StorageSubscriber for KvEventsSubscriber {
     fn on_event(&self, event: &StorageEvent<'_>) {
-        let StorageEvent::StoreFinished { ctx, committed, .. } = event else { return };
+        let Some((ctx, chunks)) = made_resident(event) else { return };
         if ctx.shard != 0 || !self.0.enabled() {
             return;
         }
-        for &j in *committed {
+        for j in chunks {
             if let (Some(h), Some(tokens)) = (ctx.hashes.get(j), ctx.chunk_tokens(j)) {
                 self.0.stored(ctx.model.as_str(), *h, ctx.parent_of(j), tokens);
             }
@@ -150,15 +166,15 @@ pub struct ReporterSubscriber(pub Arc<crate::fleet_report::Reporter>);
 impl StorageSubscriber for ReporterSubscriber {
     fn on_event(&self, event: &StorageEvent<'_>) {
         match event {
-            StorageEvent::StoreFinished { ctx, committed, .. } => {
-                for &j in *committed {
+            StorageEvent::SessionEnded { touched, .. } => self.0.l1_accessed(touched),
+            _ => {
+                let Some((ctx, chunks)) = made_resident(event) else { return };
+                for j in chunks {
                     if let (Some(h), Some(tokens)) = (ctx.hashes.get(j), ctx.chunk_tokens(j)) {
                         self.0.bind_tokens(h, tokens, (ctx.first_chunk + j) * ctx.chunk_size);
                     }
                 }
             }
-            StorageEvent::SessionEnded { touched, .. } => self.0.l1_accessed(touched),
-            _ => {}
         }
     }
 }

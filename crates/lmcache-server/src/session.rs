@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use lmcache_core::{ChunkHash, ObjectKey, PrefixHasher, TokenHasher};
+use lmcache_core::{ChunkHash, ModelName, ObjectKey, PrefixHasher, TokenHasher};
 use lmcache_storage::{Lookup, LookupLeases};
 use parking_lot::Mutex;
 
@@ -25,6 +25,13 @@ pub enum LookupState {
         chunks: usize,
         /// Whether `query_prefetch_status` has handed its hits out (they are answered once).
         answered: bool,
+        /// The lookup's model and the shard it speaks for (what its settle is announced
+        /// with: chunks a prefetch made resident are KV events and the coordinator's).
+        model: ModelName,
+        /// The engine worker (KV shard) of the lookup's context.
+        shard: u32,
+        /// The chunk hashes looked up.
+        hashes: Vec<ChunkHash>,
     },
 }
 
@@ -71,9 +78,28 @@ impl Session {
     /// If the last lookup's prefetch has ended, joins its leases to the lookup's and makes its
     /// hits ready; `storage` announces what it added, once.
     pub fn settle(&mut self, storage: &lmcache_storage::StorageManager, request_id: &str) {
-        if let LookupState::Active { lookup, chunks, .. } = &mut self.lookup {
-            storage.settle(request_id, *chunks, lookup);
+        let LookupState::Active { lookup, chunks, model, shard, hashes, .. } = &mut self.lookup
+        else {
+            return;
+        };
+        if !lookup.is_pending() {
+            return;
         }
+        // The tokens are the lookup's while the session still hashes the same sequence (a
+        // request that switched sequences since gets no tokens: nothing is bound to them).
+        let same = self.hasher.hashes().starts_with(hashes);
+        let ctx = lmcache_storage::RequestContext {
+            request_id,
+            model,
+            shard: *shard,
+            chunk_size: self.base.chunk_size(),
+            first_chunk: 0,
+            hashes,
+            parent: None,
+            tokens: if same { &self.tokens } else { &[] },
+            objects: &[],
+        };
+        storage.scope(&ctx).settle(*chunks, lookup);
     }
 
     /// Chunk hashes of the first `chunks` chunks of `tokens`. Incremental: when `tokens`

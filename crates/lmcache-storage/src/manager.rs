@@ -16,7 +16,7 @@ use lmcache_l1::{L1Cache, L1Error, ReadLease, ReserveMode, WriteRequest, WriteRe
 use lmcache_l2::{ConfigError, KeyPage, L2Error};
 use serde_json::Value;
 
-use crate::lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest, Settled, ShardKeys};
+use crate::lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest, ShardKeys};
 use crate::observe::{RequestContext, StorageEvent, StorageSubscriber, Subscribers};
 use crate::prefetch::{PrefetchOutcome, PrefetchRequest};
 use crate::scope::RequestScope;
@@ -155,14 +155,6 @@ impl StorageManager {
     /// This storage for one request: every call is announced with `ctx`.
     pub fn scope<'s, 'a>(&'s self, ctx: &'s RequestContext<'a>) -> RequestScope<'s, 'a> {
         RequestScope::new(self, ctx)
-    }
-
-    /// If `lookup`'s prefetch has ended, joins it ([`Lookup::settle`]) and announces what it
-    /// added for `request_id`'s lookup of `chunks` chunks. Returns that, once.
-    pub fn settle(&self, request_id: &str, chunks: usize, lookup: &mut Lookup) -> Option<Settled> {
-        let settled = lookup.settle()?;
-        self.announce(&StorageEvent::LookupSettled { request_id, chunks, settled });
-        Some(settled)
     }
 
     /// A peer's lookup (P2P): read-locks, once each, the keys of `keys` resident in L1, and

@@ -86,10 +86,12 @@ pub enum StorageEvent<'a> {
         /// Whether a prefetch is still to settle.
         pending: bool,
     },
-    /// A pending lookup's prefetch ended and was joined to it.
+    /// A pending lookup's prefetch ended and was joined to it: chunks
+    /// `settled.hits - settled.l2_hits..settled.hits` of the range came from L2 or the peers
+    /// and are resident in L1 now.
     LookupSettled {
-        /// The request.
-        request_id: &'a str,
+        /// Who for (the lookup's range, from chunk 0).
+        ctx: &'a RequestContext<'a>,
         /// Whole chunks asked for.
         chunks: usize,
         /// What the prefetch added.

@@ -10,7 +10,7 @@ use lmcache_l1::{L1Error, ReadLease, WriteRequest, WriteReservation};
 
 use crate::manager::{StorageManager, StoreSlot};
 use crate::observe::{RequestContext, StorageEvent};
-use crate::{GroupLookupRequest, Lookup};
+use crate::{GroupLookupRequest, Lookup, Settled};
 
 /// Storage for one request. Cheap: two references.
 #[derive(Debug, Clone, Copy)]
@@ -46,6 +46,16 @@ impl<'s, 'a> RequestScope<'s, 'a> {
             pending: lookup.is_pending(),
         });
         lookup
+    }
+
+    /// If `lookup`'s prefetch (L2, the peers) has ended, joins it ([`Lookup::settle`]) and
+    /// announces what it added to this request's lookup of `chunks` chunks: chunks
+    /// `settled.hits - settled.l2_hits..settled.hits` of the context's range are newly
+    /// resident in L1. Returns that, once.
+    pub fn settle(&self, chunks: usize, lookup: &mut Lookup) -> Option<Settled> {
+        let settled = lookup.settle()?;
+        self.publish(&StorageEvent::LookupSettled { ctx: self.ctx, chunks, settled });
+        Some(settled)
     }
 
     /// Reserves L1 memory for `requests` of object group `object_group`

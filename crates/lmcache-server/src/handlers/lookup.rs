@@ -140,7 +140,14 @@ fn lookup(state: &RequestState, key: &CacheKey) -> Result<(), ProtocolError> {
         let lookup = state.storage.scope(&ctx).lookup(&req);
         s.touched = touched;
         tracing::Span::current().record("hits", lookup.l1_hit());
-        s.lookup = LookupState::Active { lookup, chunks, answered: false };
+        s.lookup = LookupState::Active {
+            lookup,
+            chunks,
+            answered: false,
+            model: key.model_name.clone(),
+            shard,
+            hashes,
+        };
         Ok(())
     })
 }
