@@ -308,9 +308,12 @@ fn retrieve_and_verify(
     assert!(r.commit_retrieve(&key.for_worker(0), 2).unwrap());
 }
 
+/// One KV event record: kind, block hash, parent hash, tokens.
+type KvRecord = (String, Vec<u8>, Option<Vec<u8>>, Vec<u32>);
+
 /// The KV event log of `s` for model "m" from its start, as `subscribe_kv_events` (worker
 /// `instance`, cursor 0) hands it out in its first batch: (kind, block hash, parent, tokens).
-fn kv_events(s: &Server, instance: u64) -> Vec<(String, Vec<u8>, Option<Vec<u8>>, Vec<u32>)> {
+fn kv_events(s: &Server, instance: u64) -> Vec<KvRecord> {
     use lmcache_protocol::value;
     use rmpv::Value as V;
     let c = lmcache_client::Client::connect(s.endpoint(), Duration::from_secs(5)).unwrap();
