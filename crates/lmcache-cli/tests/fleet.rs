@@ -331,29 +331,23 @@ fn kv_events(s: &Server, instance: u64) -> Vec<KvRecord> {
     c.send_frames(&frames).unwrap();
     let got = c.recv_frames().unwrap().expect("the first batch at once");
     let batch = value::decode(2, &got[2]).unwrap();
-    let field = |v: &V, k: &str| {
-        v.as_map().unwrap().iter().find(|(n, _)| n.as_str() == Some(k)).unwrap().1.clone()
-    };
-    let bytes = |v: V| match v {
-        V::Binary(b) => Some(b),
-        _ => None,
-    };
-    let events = field(&batch, "events");
-    events
-        .as_array()
+    let events = value::Fields::of("batch", &batch).unwrap().req("events").unwrap();
+    value::array("events", events)
         .unwrap()
         .iter()
         .map(|e| {
-            let hashes = field(e, "block_hashes");
+            let f = value::Fields::of("event", e).unwrap();
+            let hashes = value::array("block_hashes", f.req("block_hashes").unwrap()).unwrap();
             (
-                field(e, "kind").as_str().unwrap().to_owned(),
-                bytes(hashes.as_array().unwrap()[0].clone()).unwrap(),
-                bytes(field(e, "parent_block_hash")),
-                field(e, "token_ids")
-                    .as_array()
+                value::str_("kind", f.req("kind").unwrap()).unwrap().to_owned(),
+                value::bin("block_hashes[0]", &hashes[0]).unwrap().to_vec(),
+                value::opt(f.req("parent_block_hash").unwrap(), |v| value::bin("parent", v))
+                    .unwrap()
+                    .map(<[u8]>::to_vec),
+                value::array("token_ids", f.req("token_ids").unwrap())
                     .unwrap()
                     .iter()
-                    .map(|t| t.as_u64().unwrap() as u32)
+                    .map(|t| value::u32_("token", t).unwrap())
                     .collect(),
             )
         })
