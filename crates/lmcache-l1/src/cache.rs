@@ -23,7 +23,7 @@ use parking_lot::Mutex;
 use slotmap::SlotMap;
 
 use crate::config::L1Config;
-use crate::entry::{Entry, EntryId, Slot};
+use crate::entry::{Entry, EntryId, ObjectMemory, Slot};
 use crate::error::{L1ConfigError, L1Error};
 use crate::eviction::{EntryMeta, EvictionPolicy};
 use crate::handles::{ReadLease, WriteReservation};
@@ -931,7 +931,7 @@ impl State {
             }
         }
         let e = &mut self.entries[id];
-        let alloc = Arc::new(alloc);
+        let alloc = Arc::new(ObjectMemory::new(alloc));
         e.slot = Slot::Resident { alloc: Arc::clone(&alloc), readers };
         if self.write_behind && !e.temporary {
             e.unwritten = true;

@@ -1,7 +1,7 @@
 //! Index entries: one per object that holds memory (staged, resident, or deleted while still
 //! pinned by a reader or writer).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use lmcache_core::ObjectKey;
 use lmcache_memory::Allocation;
@@ -19,7 +19,59 @@ pub(crate) enum Slot {
     /// to readers; never evicted.
     Staged,
     /// Visible. `readers` read locks are held by [`crate::ReadLease`]s; evictable at zero.
-    Resident { alloc: Arc<Allocation>, readers: u32 },
+    Resident { alloc: Arc<ObjectMemory>, readers: u32 },
+}
+
+/// A resident object's memory, shared by its entry and its read leases. Its bytes no longer
+/// change once committed, so their checksum is computed at most once, when first asked for.
+#[derive(Debug)]
+pub(crate) struct ObjectMemory {
+    alloc: Allocation,
+    checksum: OnceLock<u64>,
+}
+
+impl ObjectMemory {
+    pub(crate) fn new(alloc: Allocation) -> Self {
+        Self { alloc, checksum: OnceLock::new() }
+    }
+
+    /// The xxh3-64 of the bytes (the L2 blob format's checksum), computed on first use.
+    pub(crate) fn checksum(&self) -> u64 {
+        *self.checksum.get_or_init(|| twox_hash::XxHash3_64::oneshot(self.alloc.as_slice()))
+    }
+
+    /// Hands the bytes to `send` in pieces of `piece` bytes, hashing each one first, or all at
+    /// once when the checksum is known; returns the checksum, kept when every piece went.
+    pub(crate) fn hash_pieces<E>(
+        &self,
+        piece: usize,
+        mut send: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<u64, E> {
+        let bytes = self.alloc.as_slice();
+        if let Some(&sum) = self.checksum.get() {
+            send(bytes)?;
+            return Ok(sum);
+        }
+        let mut hasher = twox_hash::XxHash3_64::new();
+        for p in bytes.chunks(piece.max(1)) {
+            std::hash::Hasher::write(&mut hasher, p);
+            send(p)?;
+        }
+        Ok(*self.checksum.get_or_init(|| std::hash::Hasher::finish(&hasher)))
+    }
+
+    /// The checksum if some caller computed it already.
+    pub(crate) fn known_checksum(&self) -> Option<u64> {
+        self.checksum.get().copied()
+    }
+}
+
+impl std::ops::Deref for ObjectMemory {
+    type Target = Allocation;
+
+    fn deref(&self) -> &Allocation {
+        &self.alloc
+    }
 }
 
 #[derive(Debug)]

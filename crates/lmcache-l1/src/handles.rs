@@ -9,7 +9,7 @@ use lmcache_core::ObjectKey;
 use lmcache_memory::{AllocError, Allocation};
 
 use crate::cache::Shared;
-use crate::entry::EntryId;
+use crate::entry::{EntryId, ObjectMemory};
 use crate::error::L1Error;
 
 /// The exclusive right to write one staged object. Commit to make it visible; dropping it
@@ -132,7 +132,7 @@ pub struct ReadLease {
     shared: Arc<Shared>,
     id: EntryId,
     key: ObjectKey,
-    alloc: Arc<Allocation>,
+    alloc: Arc<ObjectMemory>,
     count: u32,
 }
 
@@ -141,7 +141,7 @@ impl ReadLease {
         shared: Arc<Shared>,
         id: EntryId,
         key: ObjectKey,
-        alloc: Arc<Allocation>,
+        alloc: Arc<ObjectMemory>,
         count: u32,
     ) -> Self {
         Self { shared, id, key, alloc, count }
@@ -160,6 +160,28 @@ impl ReadLease {
     /// Offset of the object in the arena.
     pub fn offset(&self) -> u64 {
         self.alloc.offset()
+    }
+
+    /// The xxh3-64 of the object's bytes (the L2 blob format's checksum). Committed bytes
+    /// never change, so it is computed once per object, by whichever lease asks first.
+    pub fn checksum(&self) -> u64 {
+        self.alloc.checksum()
+    }
+
+    /// Hands the object's bytes to `send` in pieces of `piece` bytes (to send them while they
+    /// are hashed) and returns [`Self::checksum`]: hashed here, piece by piece before each
+    /// goes, the first time; once known, the bytes go in one piece.
+    pub fn hash_pieces<E>(
+        &self,
+        piece: usize,
+        send: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<u64, E> {
+        self.alloc.hash_pieces(piece, send)
+    }
+
+    /// [`Self::checksum`] if it was computed already, without computing it.
+    pub fn known_checksum(&self) -> Option<u64> {
+        self.alloc.known_checksum()
     }
 
     /// The object's size.

@@ -26,6 +26,54 @@ fn store_then_read_round_trips_bytes() {
 }
 
 #[test]
+fn an_objects_checksum_is_its_bytes_xxh3_and_a_rewritten_key_gets_its_own() {
+    let c = cache(1 << 20);
+    let mut w = reserve_one(&c, 1, 10_000);
+    w.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i * 7) as u8);
+    w.commit().unwrap();
+    let a = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    let b = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    let expected = twox_hash::XxHash3_64::oneshot(a.bytes());
+    assert_eq!(b.known_checksum(), None, "computed only when asked for");
+    assert_eq!(a.checksum(), expected);
+    assert_eq!(b.known_checksum(), Some(expected), "computed once for the object");
+    assert_eq!(b.checksum(), expected, "every lease of the object sees the same sum");
+    drop((a, b));
+    // Hashed while sent in pieces: a send that fails keeps no sum; one that ends does, and
+    // it is the object's xxh3 (a later send only copies).
+    let mut w = reserve_one(&c, 2, 10_000);
+    w.as_mut_slice().iter_mut().enumerate().for_each(|(i, b)| *b = (i * 11) as u8);
+    w.commit().unwrap();
+    let r = c.read_lock(&[key(2)], 1).pop().unwrap().unwrap();
+    let mut sent = 0;
+    let failed = r.hash_pieces(4096, |p| {
+        sent += p.len();
+        if sent > 4096 { Err("the peer hung up") } else { Ok(()) }
+    });
+    assert_eq!(failed, Err("the peer hung up"));
+    assert_eq!(r.known_checksum(), None, "a sum of bytes not all sent is not kept");
+    let mut copy = Vec::new();
+    let sum = r.hash_pieces(4096, |p| -> Result<(), ()> {
+        copy.extend_from_slice(p);
+        Ok(())
+    });
+    assert_eq!(copy, r.bytes());
+    assert_eq!(sum, Ok(twox_hash::XxHash3_64::oneshot(r.bytes())));
+    assert_eq!(r.known_checksum(), sum.ok());
+    assert_eq!(r.hash_pieces(3000, |_| -> Result<(), ()> { Ok(()) }), sum);
+    drop(r);
+    // Deleted and written again with other bytes: a new object, a new sum (never the cached
+    // one of the old object).
+    assert!(c.delete(&[key(1)], false)[0].is_ok());
+    let mut w = reserve_one(&c, 1, 10_000);
+    w.as_mut_slice().fill(0x33);
+    w.commit().unwrap();
+    let r = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    assert_eq!(r.checksum(), twox_hash::XxHash3_64::oneshot(&[0x33; 10_000]));
+    assert_ne!(r.checksum(), expected);
+}
+
+#[test]
 fn staged_objects_are_invisible_and_exclusive() {
     let c = cache(1 << 20);
     let w = reserve_one(&c, 1, 100);

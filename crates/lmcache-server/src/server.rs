@@ -62,7 +62,7 @@ pub struct Server {
     transport: Option<JoinHandle<Result<(), TransportError>>>,
     http: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
     reaper: Option<(Sender<()>, JoinHandle<()>)>,
-    p2p_channel: Option<(SocketAddr, JoinHandle<()>)>,
+    p2p_channel: Option<P2pChannel>,
     peer_reader: Option<Arc<crate::p2p_reader::PeerReader>>,
     reporter: Option<JoinHandle<()>>,
 }
@@ -209,7 +209,7 @@ impl Server {
             None => None,
         };
         let metrics = Arc::new(Metrics::default());
-        storage.subscribe(subscribers(
+        let subs = subscribers(
             &config,
             &metrics,
             &bus,
@@ -217,7 +217,8 @@ impl Server {
             reporter.as_ref(),
             trace.as_ref(),
             lookup_log.as_ref(),
-        ));
+        );
+        storage.subscribe(subs);
         let state = Arc::new(ServerState {
             requests: RequestState {
                 storage,
@@ -261,27 +262,20 @@ impl Server {
                 let join = nixl
                     .serve(addr, Arc::clone(&stop), gate, refused)
                     .map_err(io("starting the NIXL P2P channel"))?;
-                Some((addr, join))
+                Some(P2pChannel::Nixl(addr, join))
             }
             (Some(addr), None) => {
                 let listener = std::net::TcpListener::bind(addr)
                     .map_err(io("binding the P2P transfer channel"))?;
-                let bound =
-                    listener.local_addr().map_err(io("binding the P2P transfer channel"))?;
                 let (l1, peers) = (state.l1().clone(), Arc::clone(&state.peers));
-                let stop = Arc::clone(&stop);
-                let timeout = Duration::from_secs(30);
-                let join = std::thread::Builder::new()
-                    .name("p2p-listen".into())
-                    .spawn(move || {
-                        if let Err(e) =
-                            crate::p2p_channel::serve(listener, l1, peers, stop, timeout)
-                        {
-                            tracing::error!(error = %e, "P2P transfer channel stopped");
-                        }
-                    })
-                    .map_err(io("starting the P2P transfer channel"))?;
-                Some((bound, join))
+                let listening = crate::p2p_channel::Listening::start(
+                    listener,
+                    l1,
+                    peers,
+                    Duration::from_secs(30),
+                )
+                .map_err(io("starting the P2P transfer channel"))?;
+                Some(P2pChannel::Native(listening))
             }
         };
         let reporter = match &state.channels.reporter {
@@ -325,7 +319,7 @@ impl Server {
 
     /// Where the native P2P transfer channel listens, if on.
     pub fn p2p_channel_addr(&self) -> Option<SocketAddr> {
-        self.p2p_channel.as_ref().map(|(a, _)| *a)
+        self.p2p_channel.as_ref().map(P2pChannel::addr)
     }
 
     /// The shared state (for tests and embedding).
@@ -354,8 +348,12 @@ impl Server {
         if let Some(r) = self.peer_reader.take() {
             r.stop();
         }
-        if let Some((_, j)) = self.p2p_channel.take() {
-            let _ = j.join();
+        match self.p2p_channel.take() {
+            Some(P2pChannel::Native(l)) => l.stop(),
+            Some(P2pChannel::Nixl(_, j)) => {
+                let _ = j.join();
+            }
+            None => {}
         }
         if let Some((tx, j)) = self.reaper.take() {
             drop(tx);
@@ -374,6 +372,24 @@ impl Server {
         self.state.sessions.clear();
         // The segment's name goes now, whatever still holds the memory until exit.
         self.state.l1().memory().arena().unlink_name();
+    }
+}
+
+/// The P2P transfer channel a server serves.
+#[derive(Debug)]
+enum P2pChannel {
+    /// The native channel's accept thread.
+    Native(crate::p2p_channel::Listening),
+    /// NIXL's handshake socket (bound address), stopped by the server's stop flag.
+    Nixl(SocketAddr, JoinHandle<()>),
+}
+
+impl P2pChannel {
+    fn addr(&self) -> SocketAddr {
+        match self {
+            Self::Native(l) => l.addr(),
+            Self::Nixl(a, _) => *a,
+        }
     }
 }
 
