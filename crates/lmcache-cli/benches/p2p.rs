@@ -1,6 +1,6 @@
 //! P2P retrieve from a peer over loopback, end to end: LMCache's default bench request (1024
 //! tokens, 32 layers, 8 heads, head size 128, fp16: four 32 MiB chunk objects, 128 MiB) stored
-//! on one server, then looked up and retrieved on another that never stored it, both in this
+//! on one server through its engine-driven store (prepare_store, copy, commit_store), then looked up and retrieved on another that never stored it, both in this
 //! process with our coordinator between them. The reader's lookup includes the fetch (RPCs,
 //! the native channel, verification, commit); its retrieve is prepare_retrieve, the client's
 //! copy of the 128 MiB out of the shared pool, and commit_retrieve. Then a lookup of a prompt
@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 
 use lmcache_client::{CacheKey, Client};
 use lmcache_coordinator::{Coordinator, CoordinatorConfig};
-use lmcache_core::{Dtype, ModelName, ObjectKey, TokenHasher};
-use lmcache_l1::WriteRequest;
+use lmcache_core::{Dtype, ModelName};
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
 use lmcache_protocol::types::EngineDrivenRegistration;
 use lmcache_server::fleet_report::{CoordinatorReporting, ReportTransport};
@@ -125,12 +124,14 @@ fn main() {
         assert!(t.elapsed() < Duration::from_secs(20), "the reader never saw the holder");
         std::thread::sleep(Duration::from_millis(50));
     }
+    let mut h = Client::connect(holder.endpoint(), Duration::from_secs(30)).expect("client");
+    let pool = h.register_engine_driven(&registration(1)).expect("register");
+    let hpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).expect("pool");
     let mut r = Client::connect(reader.endpoint(), Duration::from_secs(30)).expect("client");
     let pool = r.register_engine_driven(&registration(2)).expect("register");
     let rpool = ForeignSegment::open(&pool.shm_name, pool.pool_size).expect("pool");
     let mut p = Client::connect(plain.endpoint(), Duration::from_secs(30)).expect("client");
     p.register_engine_driven(&registration(3)).expect("register");
-    let hasher = TokenHasher::new(CHUNK).expect("hasher");
     let model = ModelName::new("bench").expect("model");
 
     let (mut lookups, mut retrieves, mut misses, mut local_misses) =
@@ -138,18 +139,15 @@ fn main() {
     let mut buf = vec![0u8; OBJECT as usize];
     for round in 0..=ROUNDS {
         let toks = tokens(round);
-        for (i, h) in hasher.hash_tokens(&toks).iter().enumerate() {
-            let k = ObjectKey::new(h.0, "bench", 1, 0, 0, "").expect("key");
-            let mut w = holder
-                .state()
-                .l1()
-                .reserve_write(&[WriteRequest::new(k, OBJECT)])
-                .pop()
-                .expect("one")
-                .expect("reserved");
-            w.as_mut_slice().fill(i as u8 + round as u8);
-            w.commit().expect("commit");
+        // Stored as an engine stores: prepare_store, the engine's copy into the holder's
+        // pool, commit_store (storage's commit, with everything it announces).
+        let stored = CacheKey::whole(model.clone(), &format!("s{round}"), toks.clone(), CHUNK);
+        for (i, s) in h.prepare_store(&stored.for_worker(0), 1).expect("prepare store") {
+            buf[..s.length as usize].fill(i as u8 + round as u8);
+            hpool.write(s.offset, &buf[..s.length as usize]).expect("copy in");
         }
+        assert!(h.commit_store(&stored.for_worker(0), 1).expect("commit store"));
+        h.end_session(&format!("s{round}")).expect("end");
         let key = CacheKey::whole(model.clone(), &format!("r{round}"), toks, CHUNK);
         let t = Instant::now();
         let hits = r.lookup(&key).expect("lookup");
