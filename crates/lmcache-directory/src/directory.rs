@@ -6,9 +6,9 @@ use std::sync::Arc;
 use smallvec::SmallVec;
 
 use crate::DirectoryError;
-use crate::blend::{BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats};
 use crate::ids::{DirKey, InstanceId, Interner, Namespace, NsId, Site, SiteId, Tier};
 use crate::tokens::{Bindings, TokenBinding};
+use lmcache_blend::{BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats};
 
 /// Limits.
 #[derive(Debug, Clone)]

@@ -23,23 +23,21 @@
 //! - `ids`: the interned names ([`NsId`], [`InstanceId`], [`SiteId`]).
 //! - `runs`: each instance's longest leading run of a request's chunks, by bitsets.
 //! - `tokens`: bounded token bindings, for lookups by tokens.
-//! - `blend`: the CacheBlend fingerprint index (every match verified token by token).
 //! - `persist`: the checked checkpoint image.
 #![forbid(unsafe_code)]
 
-mod blend;
 mod directory;
 mod ids;
 mod persist;
 mod runs;
 mod tokens;
 
-pub use blend::{BlendConfig, BlendMatch, BlendStats, MAX_CONTENTS_PER_FINGERPRINT};
 pub use directory::{
     Directory, DirectoryConfig, DirectoryStats, Entry, EventKind, KeyFilter, PlacementView,
     SiteStats,
 };
 pub use ids::{DirKey, InstanceId, Namespace, NsId, Site, SiteId, Tier};
+pub use lmcache_blend::{BlendConfig, BlendMatch, BlendStats, MAX_CONTENTS_PER_FINGERPRINT};
 pub use persist::DecodeError;
 pub use runs::{PrefixRun, RunQuery};
 pub use tokens::TokenBinding;

@@ -1,9 +1,10 @@
-//! The fleet chunk-fingerprint index for CacheBlend: which stored chunks does a request's
-//! token sequence contain anywhere (not only as a prefix), and where did each sit when it
-//! was stored, so the caller can re-position its KV.
+//! The chunk-fingerprint index for CacheBlend: which stored chunks does a request's token
+//! sequence contain anywhere (not only as a prefix), and where did each sit when it was
+//! stored, so the caller can re-position its KV.
 //!
-//! Built on the directory's token bindings: a chunk is indexed while some key of it is bound
-//! to its tokens, its content is exactly `chunk_size` tokens and its position is known. Each
+//! Its owner claims chunks (the coordinator's directory, from its token bindings; a server,
+//! from its own stores): a chunk is indexed while it is claimed, its content is exactly
+//! `chunk_size` tokens and its position is known. Each
 //! *blend namespace* (model, cache salt, world size; not the object group, as LMCache's) that
 //! holds a key of the chunk claims it; a query only sees chunks its own namespace claims.
 //!
@@ -70,8 +71,8 @@ pub struct BlendStats {
     pub crowded: u64,
 }
 
-/// An interned blend namespace.
-pub(crate) type BlendNs = u32;
+/// A blend namespace, interned by the caller (the fleet's: model, cache salt, world size).
+pub type BlendNs = u32;
 
 #[derive(Debug)]
 struct Content {
@@ -90,9 +91,10 @@ struct Chunk {
     claims: SmallVec<[(BlendNs, u32); 2]>,
 }
 
-/// The index. Driven by the directory (claims follow bound keys); read by [`Self::matches`].
+/// The index. Driven by its owner (the directory's claims follow bound keys; a server's follow
+/// its stores); read by [`Self::matches`].
 #[derive(Debug)]
-pub(crate) struct BlendIndex {
+pub struct BlendIndex {
     config: BlendConfig,
     base: u64,
     /// `base^(chunk_size - 1)`, to roll the oldest token out.
@@ -113,13 +115,15 @@ pub(crate) struct BlendIndex {
 }
 
 impl BlendIndex {
-    pub(crate) fn new(config: BlendConfig) -> Self {
+    /// An empty index with a polynomial base drawn at random for this process.
+    pub fn new(config: BlendConfig) -> Self {
         use std::hash::BuildHasher as _;
         let base = foldhash::fast::RandomState::default().hash_one(0x0062_6c65_6e64_u64) | 1;
         Self::with_base(config, base)
     }
 
-    pub(crate) fn with_base(config: BlendConfig, base: u64) -> Self {
+    /// An empty index with a given base (tests and reproducible benches).
+    pub fn with_base(config: BlendConfig, base: u64) -> Self {
         let config = BlendConfig {
             chunk_size: config.chunk_size.max(1),
             probe_stride: config.probe_stride.max(1),
@@ -183,7 +187,7 @@ impl BlendIndex {
 
     /// `ns` holds one more key of chunk `hash`, whose binding is `tokens` at `offset` (-1:
     /// unknown). Brings the chunk's content up to date first.
-    pub(crate) fn claim(&mut self, hash: &[u8; 32], ns: BlendNs, tokens: &Arc<[u32]>, offset: i64) {
+    pub fn claim(&mut self, hash: &[u8; 32], ns: BlendNs, tokens: &Arc<[u32]>, offset: i64) {
         self.sync(hash, tokens, offset, true);
         let Some(chunk) = self.chunks.get_mut(hash) else { return };
         match chunk.claims.iter_mut().find(|(n, _)| *n == ns) {
@@ -196,7 +200,7 @@ impl BlendIndex {
     }
 
     /// `ns` holds one key fewer of `hash`; the chunk leaves with its last claim.
-    pub(crate) fn release(&mut self, hash: &[u8; 32], ns: BlendNs) {
+    pub fn release(&mut self, hash: &[u8; 32], ns: BlendNs) {
         let Some(chunk) = self.chunks.get_mut(hash) else { return };
         let Some(at) = chunk.claims.iter().position(|(n, _)| *n == ns) else { return };
         chunk.claims[at].1 -= 1;
@@ -221,7 +225,7 @@ impl BlendIndex {
 
     /// The binding of `hash` now reads `tokens` at `offset`: re-index the chunk if its
     /// content changed. `create` makes the chunk entry when there is none.
-    pub(crate) fn sync(&mut self, hash: &[u8; 32], tokens: &Arc<[u32]>, offset: i64, create: bool) {
+    pub fn sync(&mut self, hash: &[u8; 32], tokens: &Arc<[u32]>, offset: i64, create: bool) {
         let indexable = tokens.len() == self.config.chunk_size && offset >= 0;
         let chunk = match self.chunks.get_mut(hash) {
             Some(c) => c,
@@ -326,7 +330,7 @@ impl BlendIndex {
     /// Every chunk `ns` claims whose tokens occur in `query` at a probed position, ascending
     /// by position: at most one chunk per position and each chunk once (matches may
     /// overlap; the caller resolves them).
-    pub(crate) fn matches(&self, query: &[u32], ns: BlendNs) -> Vec<BlendMatch> {
+    pub fn matches(&self, query: &[u32], ns: BlendNs) -> Vec<BlendMatch> {
         let n = self.config.chunk_size;
         let stride = self.config.probe_stride;
         let mut out = Vec::new();
@@ -380,7 +384,8 @@ impl BlendIndex {
         out
     }
 
-    pub(crate) fn stats(&self) -> BlendStats {
+    /// What the index holds.
+    pub fn stats(&self) -> BlendStats {
         BlendStats {
             num_contents: self.live_contents,
             num_chunks: self.chunks.len() as u64,
