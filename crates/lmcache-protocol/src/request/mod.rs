@@ -10,7 +10,8 @@
 //! - [`engine_driven`]: the engine-driven registration, prepare/commit store and retrieve;
 //! - [`lmcache_driven`]: register_kv_cache, store, retrieve;
 //! - [`events`]: the KV event stream's subscription (`subscribe_kv_events`);
-//! - [`p2p`]: what one server of a fleet asks another about its L1.
+//! - [`p2p`]: what one server of a fleet asks another about its L1;
+//! - [`blend`]: CacheBlend's handshake, rope registration, unified lookup, scatter and reorder plan.
 
 use rmpv::Value;
 
@@ -18,6 +19,7 @@ use crate::error::ProtocolError;
 use crate::op::Op;
 use crate::types::EngineDrivenRegistration;
 
+pub mod blend;
 pub mod engine_driven;
 pub mod events;
 pub mod lmcache_driven;
@@ -25,6 +27,7 @@ pub mod lookup;
 pub mod management;
 pub mod p2p;
 
+pub use blend::{CbRegisterRope, CbReorderPlan, CbRetrievePreComputed, CbUnifiedLookup};
 pub use engine_driven::{CommitStore, KeyAndInstance};
 pub use events::SubscribeKvEvents;
 pub use lmcache_driven::{RegisterKvCache, Retrieve, Store};
@@ -93,6 +96,18 @@ pub enum Command {
     P2pQueryLookupResults(u64),
     /// `p2p_unlock_objects`.
     P2pUnlockObjects(P2pUnlockObjects),
+    /// `cb_protocol_handshake`: the client's blend protocol version.
+    CbProtocolHandshake(i64),
+    /// `cb_register_rope`.
+    CbRegisterRope(CbRegisterRope),
+    /// `cb_unregister_rope`: the instance.
+    CbUnregisterRope(u64),
+    /// `cb_unified_lookup`.
+    CbUnifiedLookup(CbUnifiedLookup),
+    /// `cb_retrieve_pre_computed`.
+    CbRetrievePreComputed(CbRetrievePreComputed),
+    /// `cb_reorder_plan`.
+    CbReorderPlan(CbReorderPlan),
 }
 
 impl Command {
@@ -142,6 +157,17 @@ impl Command {
                 Self::P2pQueryLookupResults(crate::value::u64_("task_id", &params[0])?)
             }
             Op::P2pUnlockObjects => Self::P2pUnlockObjects(P2pUnlockObjects::decode(params)?),
+            Op::CbProtocolHandshake => {
+                expect(op, params, 1)?;
+                Self::CbProtocolHandshake(crate::value::int("client_version", &params[0])?)
+            }
+            Op::CbRegisterRope => Self::CbRegisterRope(CbRegisterRope::decode(params)?),
+            Op::CbUnregisterRope => Self::CbUnregisterRope(instance()?),
+            Op::CbUnifiedLookup => Self::CbUnifiedLookup(CbUnifiedLookup::decode(params)?),
+            Op::CbRetrievePreComputed => {
+                Self::CbRetrievePreComputed(CbRetrievePreComputed::decode(params)?)
+            }
+            Op::CbReorderPlan => Self::CbReorderPlan(CbReorderPlan::decode(params)?),
             other => return Err(ProtocolError::UnsupportedOp(other.name())),
         })
     }
@@ -181,6 +207,12 @@ impl Command {
             Self::P2pLookupAndLock(l) => (Op::P2pLookupAndLock, l.encode()),
             Self::P2pQueryLookupResults(id) => (Op::P2pQueryLookupResults, vec![Value::from(*id)]),
             Self::P2pUnlockObjects(u) => (Op::P2pUnlockObjects, u.encode()),
+            Self::CbProtocolHandshake(v) => (Op::CbProtocolHandshake, vec![Value::from(*v)]),
+            Self::CbRegisterRope(r) => (Op::CbRegisterRope, r.encode()),
+            Self::CbUnregisterRope(id) => (Op::CbUnregisterRope, vec![Value::from(*id)]),
+            Self::CbUnifiedLookup(l) => (Op::CbUnifiedLookup, l.encode()),
+            Self::CbRetrievePreComputed(r) => (Op::CbRetrievePreComputed, r.encode()),
+            Self::CbReorderPlan(p) => (Op::CbReorderPlan, p.encode()),
         }
     }
 
@@ -307,6 +339,33 @@ mod tests {
                     lmcache_core::ObjectKey::new([1; 32], "m", 1, 0, 0, "").unwrap(),
                 ))],
             }),
+            Command::CbProtocolHandshake(1),
+            Command::CbUnregisterRope(3),
+            Command::CbRegisterRope(CbRegisterRope {
+                instance_id: 3,
+                cos_sin_caches: Vec::new(),
+                head_size: 64,
+                is_neox_style: true,
+                group_to_cache: vec![0, -1],
+                group_rot: vec![vec![0, 64], vec![]],
+                group_head_size: vec![64, 64],
+                kv_quant: String::new(),
+            }),
+            Command::CbUnifiedLookup(CbUnifiedLookup { key: key(), tp_size: 1 }),
+            Command::CbReorderPlan(CbReorderPlan { key: key(), keep_prefix: 4, budget_ms: 50 }),
+            Command::CbRetrievePreComputed(CbRetrievePreComputed {
+                key: key().for_worker(0),
+                match_results: vec![crate::types::blend::CbMatch {
+                    old_st: 0,
+                    old_ed: 16,
+                    cur_st: 5,
+                    cur_ed: 21,
+                    hash: vec![7; 32],
+                }],
+                block_ids: vec![vec![1, 2]],
+                instance_id: 3,
+                event_ipc_handle: Vec::new(),
+            }),
         ];
         for c in commands {
             let (op, params) = c.encode();
@@ -328,7 +387,7 @@ mod tests {
         let e = Command::decode(Op::CommitStore, &[k, Value::from(1), Value::from(3)]).unwrap_err();
         assert!(e.to_string().contains("data"), "{e}");
         assert!(matches!(
-            Command::decode(Op::CbReorderPlan, &[]),
+            Command::decode(Op::ServerModuleCall, &[]),
             Err(ProtocolError::UnsupportedOp(_))
         ));
     }

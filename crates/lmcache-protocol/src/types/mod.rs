@@ -7,8 +7,10 @@
 //! - [`engine_driven`]: [`EngineDrivenRegistration`], [`EngineDrivenRegistered`], [`SlotDesc`],
 //!   [`PrepareStoreResponse`], [`PrepareRetrieveResponse`];
 //! - [`p2p`]: what a P2P peer is asked and answers: [`WireObjectKey`], [`LayoutDesc`],
-//!   [`TransferAddress`].
+//!   [`TransferAddress`];
+//! - [`blend`]: CacheBlend's match ([`blend::CbMatch`]) and unified lookup answer.
 
+pub mod blend;
 pub mod engine_driven;
 pub mod key;
 pub mod lmcache_driven;

@@ -287,6 +287,15 @@ fn family_handler(state: &RequestState, cmd: Command) -> Result<Option<Value>, P
         Command::P2pLookupAndLock(_)
         | Command::P2pQueryLookupResults(_)
         | Command::P2pUnlockObjects(_) => p2p::handle(state, cmd),
+        // CacheBlend's requests decode (and are checked) but the blend engine is not served
+        // yet: the typed failure answers the handshake "incompatible" and the plan empty, so
+        // LMCache's clients do not blend against this server.
+        Command::CbProtocolHandshake(_)
+        | Command::CbRegisterRope(_)
+        | Command::CbUnregisterRope(_)
+        | Command::CbUnifiedLookup(_)
+        | Command::CbRetrievePreComputed(_)
+        | Command::CbReorderPlan(_) => Err(ProtocolError::UnsupportedOp(cmd.encode().0.name())),
         // Streams are served by the transport's socket thread, never here.
         Command::SubscribeKvEvents(_) => {
             Err(ProtocolError::UnsupportedOp(Op::SubscribeKvEvents.name()))
