@@ -4,10 +4,17 @@
 //! - `index`: [`BlendIndex`], the chunk-fingerprint index: every stored chunk found anywhere
 //!   in a query, each match verified token by token, per blend namespace. The coordinator's
 //!   directory keeps one for the fleet.
+//! - `rope`: re-rotating a reused chunk's K from its stored positions to its new ones
+//!   ([`CosSinCache`], [`Delta`]; NeoX and GPT-J pairs, partial and offset windows, YaRN
+//!   scales removed), in `f32` over `f32`, `f16` or `bf16` KV.
 #![forbid(unsafe_code)]
 
 mod index;
+mod rope;
 
 pub use index::{
     BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats, MAX_CONTENTS_PER_FINGERPRINT,
+};
+pub use rope::{
+    CosSinCache, Delta, KRow, KvElement, MSCALE_TOLERANCE, RopeError, RopeStyle, Rotator,
 };
