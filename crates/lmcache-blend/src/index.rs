@@ -331,6 +331,16 @@ impl BlendIndex {
     /// by position: at most one chunk per position and each chunk once (matches may
     /// overlap; the caller resolves them).
     pub fn matches(&self, query: &[u32], ns: BlendNs) -> Vec<BlendMatch> {
+        self.matches_by(query, ns, false)
+    }
+
+    /// [`Self::matches`], where chunks holding the same tokens are tried newest first (the
+    /// last indexed): the one a matcher that keeps one chunk per content, the latest, finds.
+    pub fn matches_newest_first(&self, query: &[u32], ns: BlendNs) -> Vec<BlendMatch> {
+        self.matches_by(query, ns, true)
+    }
+
+    fn matches_by(&self, query: &[u32], ns: BlendNs, newest_first: bool) -> Vec<BlendMatch> {
         let n = self.config.chunk_size;
         let stride = self.config.probe_stride;
         let mut out = Vec::new();
@@ -364,7 +374,12 @@ impl BlendIndex {
                 if *content.tokens != *window {
                     continue;
                 }
-                for occ in &content.occupants {
+                let order: &mut dyn Iterator<Item = &[u8; 32]> = if newest_first {
+                    &mut content.occupants.iter().rev()
+                } else {
+                    &mut content.occupants.iter()
+                };
+                for occ in order {
                     if seen.contains(occ) {
                         continue;
                     }

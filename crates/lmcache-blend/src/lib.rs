@@ -4,17 +4,22 @@
 //! - `index`: [`BlendIndex`], the chunk-fingerprint index: every stored chunk found anywhere
 //!   in a query, each match verified token by token, per blend namespace. The coordinator's
 //!   directory keeps one for the fleet.
+//! - `matcher`: [`Matcher`], a server's own matcher over its stores, with LMCache's rules
+//!   (which chunks are fingerprinted, first positions, newest or deduplicated contents, stale
+//!   strikes) and namespaces LMCache's matcher lacks.
 //! - `rope`: re-rotating a reused chunk's K from its stored positions to its new ones
 //!   ([`CosSinCache`], [`Delta`]; NeoX and GPT-J pairs, partial and offset windows, YaRN
 //!   scales removed), in `f32` over `f32`, `f16` or `bf16` KV.
 #![forbid(unsafe_code)]
 
 mod index;
+mod matcher;
 mod rope;
 
 pub use index::{
     BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats, MAX_CONTENTS_PER_FINGERPRINT,
 };
+pub use matcher::{Found, Matcher, Namespace, STALE_STRIKES, StoredRun};
 pub use rope::{
     CosSinCache, Delta, KRow, KvElement, MSCALE_TOLERANCE, RopeError, RopeStyle, Rotator,
 };
