@@ -331,6 +331,63 @@ fn kv_event_stream_announces_stores_and_removals_with_credits() {
     assert_eq!(end.len(), 2, "end-of-stream frames carry no payload");
 }
 
+/// A chunk evicted from L1 ("removed") and brought back from L2 by a lookup is in L1 again:
+/// the stream announces it as stored again, with its hash and tokens (before, L2 loads were
+/// never announced, so a subscriber kept the chunk as removed).
+#[test]
+fn chunks_a_lookup_brings_back_from_l2_are_announced_as_stored_again() {
+    let s = server_with("events_l2", |c| {
+        c.l2_adapters = vec![serde_json::json!({"type": "mock", "max_size_gb": 1})];
+    });
+    let mut c = client(&s);
+    let pool = register(&mut c, 3, 1);
+    let sub = client(&s);
+    let enc = |v: Value| value::encode(&v);
+    let uid = enc(Value::from(902));
+    sub.send_frames(&[
+        uid.clone(),
+        enc(Value::from("subscribe_kv_events")),
+        enc(Value::from(3)),
+        enc(Value::from("m")),
+        enc(Value::from(0)),
+        enc(Value::from(16)),
+    ])
+    .unwrap();
+    assert!(batch_events(&sub.recv_frames().unwrap().expect("status batch")).0.is_empty());
+    let ack = || sub.send_frames(&[uid.clone(), Vec::new(), b"ack".to_vec()]).unwrap();
+    let kinds = |events: &[Value]| -> Vec<(String, Value)> {
+        events
+            .iter()
+            .map(|e| {
+                let f = value::Fields::of("e", e).unwrap();
+                let kind = f.req("kind").unwrap().as_str().unwrap().to_owned();
+                (kind, f.req("block_hashes").unwrap().as_array().unwrap()[0].clone())
+            })
+            .collect()
+    };
+    let key = CacheKey::whole(model_m(), "r", tokens(7, 32), CHUNK);
+    assert_eq!(store(&mut c, &pool, &key.for_worker(0), 3, |i| 0x30 + i as u8), 2);
+    ack();
+    let stored = kinds(&batch_events(&sub.recv_frames().unwrap().expect("stored")).0);
+    assert_eq!(stored.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["stored", "stored"]);
+    assert_eq!(s.state().storage.flush(Duration::from_secs(10)), 0, "write-behind unfinished");
+    c.call(Op::Clear, &[Value::Boolean(true)]).unwrap();
+    ack();
+    let removed = kinds(&batch_events(&sub.recv_frames().unwrap().expect("removed")).0);
+    assert!(removed.iter().all(|(k, _)| k == "removed"), "{removed:?}");
+    // The lookup loads both chunks back from L2 into L1.
+    let again = CacheKey { request_id: "again".into(), ..key.clone() };
+    assert_eq!(c.lookup(&again).unwrap(), 2, "both chunks from L2");
+    ack();
+    let got = sub.recv_frames_within(Duration::from_secs(5)).unwrap().expect("the L2 reload");
+    let (events, _) = batch_events(&got);
+    assert_eq!(kinds(&events), stored, "the reloaded chunks are stored again, hashes as before");
+    let e0 = value::Fields::of("e", &events[0]).unwrap();
+    let toks = value::array("t", e0.req("token_ids").unwrap()).unwrap();
+    assert_eq!(toks.len(), CHUNK, "with their tokens");
+    c.end_session("again").unwrap();
+}
+
 #[test]
 fn an_l2_prefetch_is_waited_on_not_polled_and_its_hits_come_once() {
     // A slow L2 (250 ms a call): chunks evicted from L1 come back through a prefetch.
