@@ -28,6 +28,9 @@ pub struct ServerConfig {
     /// `--p2p-same-host` (on): with the native channel, read a same-host peer's L1 pool
     /// segment directly (`p2p_same_host`) rather than over TCP.
     pub p2p_same_host: bool,
+    /// The CacheBlend engine (LMCache's `--engine-type blend`), `None` for prefix caching
+    /// only. Not reachable from the command line until its lookup and scatter are served.
+    pub blend: Option<crate::blend::BlendOptions>,
     /// When set, every HTTP route but `/healthcheck` requires `Authorization: Bearer <token>`.
     pub http_auth_token: Option<String>,
     /// Tokens per chunk.
@@ -93,6 +96,7 @@ impl ServerConfig {
             p2p_lookup_timeout: std::time::Duration::from_secs(30),
             p2p_load_timeout: std::time::Duration::from_secs(30),
             p2p_same_host: true,
+            blend: None,
             http_auth_token: None,
             chunk_size: lmcache_core::DEFAULT_CHUNK_SIZE,
             max_cpu_workers: 1,

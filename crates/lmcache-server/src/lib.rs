@@ -23,12 +23,14 @@
 //!   directly.
 //! - [`peer_locks`]: P2P lookup answers and the L1 locks held for the fleet's peers.
 //! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
+//! - [`blend`]: CacheBlend's state (`--engine-type blend`): rope state, the matcher.
 //! - [`metrics`]: LMCache's Prometheus names and ours.
 //! - [`fleet_report`]: registration, heartbeats and cache events to a coordinator.
 //! - [`lookup_log`]: LMCache's lookup-hash JSONL logs, from a writer thread.
 //! - [`trace_record`]: LMCache's `.lct` traces (storage calls, cache events).
 #![forbid(unsafe_code)]
 
+pub mod blend;
 pub mod config;
 pub mod event_bus;
 pub mod fleet_report;

@@ -227,6 +227,9 @@ impl Server {
                 registry: Registry::default(),
                 pending: Pending::default(),
                 peers: Arc::default(),
+                blend: config
+                    .blend
+                    .map(|o| Arc::new(crate::blend::BlendEngine::new(o, config.chunk_size))),
                 config,
             },
             bus,

@@ -102,6 +102,8 @@ pub struct RequestState {
     pub(crate) pending: Pending,
     /// P2P lookups' answers and the locks they hold for peers.
     pub(crate) peers: Arc<crate::peer_locks::PeerLocks>,
+    /// The CacheBlend engine, with `--engine-type blend`.
+    pub(crate) blend: Option<Arc<crate::blend::BlendEngine>>,
     /// L1 and L2: the one owner of both tiers, and the one source of what requests did.
     /// Stores reserve and commit through it (the commit queues the write-behind), lookups
     /// and retrieves lock and spend through it, and HTTP lists, deletes, sets quotas and
@@ -181,6 +183,11 @@ impl RequestState {
     /// The L1 tier (for L1-only operations: the arena, parked handles, usage).
     pub fn l1(&self) -> &L1Cache {
         self.storage.l1()
+    }
+
+    /// The CacheBlend engine, when the server runs one.
+    pub fn blend(&self) -> Option<&crate::blend::BlendEngine> {
+        self.blend.as_deref()
     }
 
     /// Chunk size in tokens.

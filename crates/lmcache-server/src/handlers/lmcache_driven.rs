@@ -92,6 +92,20 @@ fn check_segment(state: &RequestState, name: &str, seg: &ForeignSegment) -> Resu
     Ok(())
 }
 
+/// Maps a client segment the server may read, with the checks a KV registration's get: its
+/// name inside `--allowed-shm-prefix`, owned by the server's uid, not the server's own pool.
+pub(super) fn open_client_segment(
+    state: &RequestState,
+    name: &str,
+    nbytes: u64,
+) -> Result<ForeignSegment, String> {
+    check_segment_name(state, name)?;
+    let seg =
+        ForeignSegment::open(name, nbytes).map_err(|e| format!("cannot map {name:?}: {e}"))?;
+    check_segment(state, name, &seg)?;
+    Ok(seg)
+}
+
 fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), ProtocolError> {
     let id = r.instance_id;
     let model = lmcache_core::ModelName::new(&r.model_name)
@@ -390,6 +404,10 @@ fn store(
     span.record("request_id", key.request_id.as_str());
     span.record("chunks", committed.len());
     storage.store_finished(&committed, bytes, Some(t_copy));
+    if let Some(blend) = &state.blend {
+        let raw: Vec<[u8; 32]> = hashes.iter().map(|h| h.0).collect();
+        blend.on_store(key, &raw, &committed);
+    }
     tracing::debug!(
         chunks = committed.len(),
         copy_ms = t_copy.as_secs_f64() * 1e3,

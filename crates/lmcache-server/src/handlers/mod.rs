@@ -17,6 +17,7 @@
 //! `lmcache describe kvcache`), counted, and every later operation of that worker fails naming
 //! the reason.
 
+mod blend;
 mod engine_driven;
 mod lmcache_driven;
 mod lookup;
@@ -287,15 +288,14 @@ fn family_handler(state: &RequestState, cmd: Command) -> Result<Option<Value>, P
         Command::P2pLookupAndLock(_)
         | Command::P2pQueryLookupResults(_)
         | Command::P2pUnlockObjects(_) => p2p::handle(state, cmd),
-        // CacheBlend's requests decode (and are checked) but the blend engine is not served
-        // yet: the typed failure answers the handshake "incompatible" and the plan empty, so
-        // LMCache's clients do not blend against this server.
+        // Without the blend engine, the typed failure answers the handshake "incompatible"
+        // and the plan empty, so LMCache's clients do not blend against this server.
         Command::CbProtocolHandshake(_)
         | Command::CbRegisterRope(_)
         | Command::CbUnregisterRope(_)
         | Command::CbUnifiedLookup(_)
         | Command::CbRetrievePreComputed(_)
-        | Command::CbReorderPlan(_) => Err(ProtocolError::UnsupportedOp(cmd.encode().0.name())),
+        | Command::CbReorderPlan(_) => blend::handle(state, cmd),
         // Streams are served by the transport's socket thread, never here.
         Command::SubscribeKvEvents(_) => {
             Err(ProtocolError::UnsupportedOp(Op::SubscribeKvEvents.name()))

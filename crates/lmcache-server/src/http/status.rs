@@ -48,7 +48,8 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
     Json(json!({
         "cache_context_meta": meta,
         "is_healthy": true,
-        "engine_type": "default",
+        "engine_type": if s.blend.is_some() { "blend" } else { "default" },
+        "blend": s.blend.as_ref().map(|b| b.status()),
         "server": "lmcache-rs",
         "version": env!("CARGO_PKG_VERSION"),
         "chunk_size": s.chunk_size(),

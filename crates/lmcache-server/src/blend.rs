@@ -1,0 +1,316 @@
+//! CacheBlend's server state (`--engine-type blend`, LMCache's blend module): each worker's
+//! rope state for re-rotating K, and the matcher over this server's own stores.
+//!
+//! Served so far: the handshake, the rope registration (validated as LMCache validates it;
+//! the cos/sin caches read out of the worker's shared memory and stripped of any baked-in
+//! YaRN scale) and its removal, and the fingerprints of every lmcache-driven store. The
+//! unified lookup, the scatter and the reorder plan are not served yet, so the engine is
+//! not reachable from the command line.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use lmcache_blend::{CosSinCache, Matcher, Namespace, RopeStyle, StoredRun};
+use lmcache_core::Dtype;
+use lmcache_memory::ForeignSegment;
+use lmcache_protocol::request::CbRegisterRope;
+use lmcache_protocol::types::{CacheKey, TensorMeta};
+use parking_lot::Mutex;
+use rmpv::Value;
+
+/// LMCache's blend protocol version.
+pub const PROTOCOL_VERSION: i64 = 1;
+
+/// How the blend engine runs (LMCache's flags).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlendOptions {
+    /// `--enable-segmented-prefix`.
+    pub segmented_prefix: bool,
+    /// `--enable-dedup-content`.
+    pub dedup_content: bool,
+    /// `--enable-blend-reorder`.
+    pub reorder: bool,
+}
+
+/// The fp8 flavour of a worker's KV (`kv_quant`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvQuant {
+    /// Unquantized.
+    None,
+    /// `fp8_e4m3`.
+    E4m3,
+    /// `fp8_e5m2`.
+    E5m2,
+}
+
+/// One worker's rope state.
+#[derive(Debug)]
+pub struct RopeState {
+    /// Rotary head size.
+    pub head_size: u32,
+    /// Pairing style.
+    pub style: RopeStyle,
+    /// The caches (YaRN scales removed), one per rope.
+    pub caches: Vec<CosSinCache>,
+    /// The scale removed from each cache, if any.
+    pub mscales: Vec<Option<f32>>,
+    /// Per engine group, its cache (`-1`: none); empty: cache 0 for all.
+    pub group_to_cache: Vec<i64>,
+    /// Per engine group, its rotary window (`None`: not rotated); empty: `head_size` at 0.
+    pub group_rot: Vec<Option<(u64, u64)>>,
+    /// Per engine group, its head size; empty: `head_size`.
+    pub group_head_size: Vec<u64>,
+    /// The KV's fp8 flavour.
+    pub kv_quant: KvQuant,
+}
+
+/// The blend engine.
+#[derive(Debug)]
+pub struct BlendEngine {
+    options: BlendOptions,
+    ropes: Mutex<HashMap<u64, Arc<RopeState>>>,
+    matcher: Mutex<Matcher>,
+    chunk_size: usize,
+}
+
+impl BlendEngine {
+    /// An engine for chunks of `chunk_size` tokens.
+    pub fn new(options: BlendOptions, chunk_size: usize) -> Self {
+        Self {
+            options,
+            ropes: Mutex::new(HashMap::new()),
+            matcher: Mutex::new(Matcher::new(chunk_size, options.dedup_content)),
+            chunk_size,
+        }
+    }
+
+    /// The handshake's answer: our version, and whether the client's is it.
+    pub fn handshake(client_version: i64) -> Value {
+        Value::Array(vec![
+            Value::from(PROTOCOL_VERSION),
+            Value::Boolean(client_version == PROTOCOL_VERSION),
+        ])
+    }
+
+    /// Validates a rope registration as LMCache does (`max_engine_group` is the largest
+    /// engine group index of the worker's registered KV, `-1` for none) and, with the caches
+    /// already read, records it (replacing an earlier one: registration is idempotent).
+    pub fn register_rope(
+        &self,
+        req: &CbRegisterRope,
+        max_engine_group: i64,
+        caches: Vec<CosSinCache>,
+    ) -> Result<(), String> {
+        let n = caches.len() as i64;
+        if !req.group_to_cache.is_empty() {
+            let (lo, hi) = req
+                .group_to_cache
+                .iter()
+                .fold((i64::MAX, i64::MIN), |(lo, hi), &g| (lo.min(g), hi.max(g)));
+            if lo < -1 || hi >= n {
+                return Err(format!(
+                    "group_to_cache {:?} holds indices outside [-1, {n}) for the {n} cache(s) sent",
+                    req.group_to_cache
+                ));
+            }
+            if (req.group_to_cache.len() as i64) <= max_engine_group {
+                return Err(format!(
+                    "group_to_cache covers {} engine group(s) but the registered model has \
+                     engine groups up to index {max_engine_group}",
+                    req.group_to_cache.len()
+                ));
+            }
+        }
+        let kv_quant = match req.kv_quant.as_str() {
+            "" => KvQuant::None,
+            "fp8_e4m3" => KvQuant::E4m3,
+            "fp8_e5m2" => KvQuant::E5m2,
+            other => {
+                return Err(format!(
+                    "kv_quant={other:?}: expected one of \"fp8_e4m3\", \"fp8_e5m2\" or \"\""
+                ));
+            }
+        };
+        let mut group_rot = Vec::with_capacity(req.group_rot.len());
+        for (g, r) in req.group_rot.iter().enumerate() {
+            match r.as_slice() {
+                [] => group_rot.push(None),
+                &[off, width] if off >= 0 && width > 0 => {
+                    group_rot.push(Some((off as u64, width as u64)));
+                }
+                other => {
+                    return Err(format!(
+                        "group_rot[{g}] = {other:?}: expected [offset >= 0, width > 0] or []"
+                    ));
+                }
+            }
+        }
+        let (caches, mscales): (Vec<_>, Vec<_>) =
+            caches.into_iter().map(CosSinCache::normalized).unzip();
+        for (i, m) in mscales.iter().enumerate() {
+            if let Some(m) = m {
+                tracing::info!(cache = i, mscale = m, "CB re-RoPE: rope-cache scale removed");
+            }
+        }
+        let state = RopeState {
+            head_size: req.head_size,
+            style: if req.is_neox_style { RopeStyle::Neox } else { RopeStyle::GptJ },
+            caches,
+            mscales,
+            group_to_cache: req.group_to_cache.clone(),
+            group_rot,
+            group_head_size: req.group_head_size.clone(),
+            kv_quant,
+        };
+        tracing::info!(
+            instance_id = req.instance_id,
+            caches = state.caches.len(),
+            head_size = state.head_size,
+            style = ?state.style,
+            kv_quant = ?state.kv_quant,
+            "CB rope state registered"
+        );
+        self.ropes.lock().insert(req.instance_id, Arc::new(state));
+        Ok(())
+    }
+
+    /// Drops a worker's rope state (its KV registration stays).
+    pub fn unregister_rope(&self, instance_id: u64) -> bool {
+        self.ropes.lock().remove(&instance_id).is_some()
+    }
+
+    /// A worker's rope state.
+    pub fn rope(&self, instance_id: u64) -> Option<Arc<RopeState>> {
+        self.ropes.lock().get(&instance_id).cloned()
+    }
+
+    /// After an lmcache-driven store of `key`'s range (chunk `first` on, `hashes` one per
+    /// chunk, `committed` the indexes stored): fingerprints the committed runs, as LMCache's
+    /// blend store does (worker 0 or every worker only; from chunk 1 when the range starts at
+    /// token 0). Returns the chunks newly indexed.
+    pub fn on_store(&self, key: &CacheKey, hashes: &[[u8; 32]], committed: &[usize]) -> usize {
+        if !matches!(key.worker_id, None | Some(0)) || hashes.is_empty() {
+            return 0;
+        }
+        let n = self.chunk_size;
+        let ns = namespace(key);
+        let start_chunk = usize::from(key.start == 0);
+        let Some(range) = key.token_ids.get(key.start..key.end) else { return 0 };
+        let mut stored = vec![false; hashes.len()];
+        for &i in committed {
+            if let Some(s) = stored.get_mut(i) {
+                *s = true;
+            }
+        }
+        let mut added = 0;
+        let mut matcher = self.matcher.lock();
+        let mut i = 0;
+        while i < hashes.len() {
+            if !stored[i] {
+                i += 1;
+                continue;
+            }
+            let run_start = i;
+            while i < hashes.len() && stored[i] {
+                i += 1;
+            }
+            let Some(tokens) = range.get(run_start * n..(i * n).min(range.len())) else {
+                continue;
+            };
+            added += matcher.register(
+                &ns,
+                StoredRun {
+                    tokens,
+                    hashes: &hashes[run_start..i],
+                    start_chunk: start_chunk.saturating_sub(run_start),
+                    position: (key.start + run_start * n) as u64,
+                },
+            );
+        }
+        added
+    }
+
+    /// What `/status` shows: the options, the workers with rope state, the index's size.
+    pub fn status(&self) -> serde_json::Value {
+        let mut ropes: Vec<u64> = self.ropes.lock().keys().copied().collect();
+        ropes.sort_unstable();
+        let (chunks, stats) = self.matcher.lock().stats();
+        serde_json::json!({
+            "registered_cb_rope_instances": ropes,
+            "fingerprinted_chunks": chunks,
+            "fingerprint_contents": stats.num_contents,
+            "segmented_prefix": self.options.segmented_prefix,
+            "dedup_content": self.options.dedup_content,
+            "reorder": self.options.reorder,
+        })
+    }
+
+    /// The matcher (the lookup's leg, and tests).
+    pub fn matcher(&self) -> &Mutex<Matcher> {
+        &self.matcher
+    }
+}
+
+/// A request's blend namespace.
+pub fn namespace(key: &CacheKey) -> Namespace {
+    Namespace {
+        model: Arc::from(key.model_name.as_str()),
+        world_size: key.world_size,
+        cache_salt: Arc::from(key.cache_salt.as_str()),
+    }
+}
+
+/// Reads a `[positions, rot_dim]` cos/sin cache of `f32`, `f16` or `bf16` out of a mapped
+/// segment, every element's offset checked against the mapping first.
+pub fn read_cos_sin(seg: &ForeignSegment, meta: &TensorMeta) -> Result<CosSinCache, String> {
+    let [rows, cols] = meta.shape[..] else {
+        return Err(format!(
+            "a cos/sin cache of shape {:?}: expected [positions, rot_dim]",
+            meta.shape
+        ));
+    };
+    let [rs, cs] = meta.stride[..] else {
+        return Err(format!("strides {:?} for a 2-D cache", meta.stride));
+    };
+    let elem = match meta.dtype {
+        Dtype::Float32 => 4u64,
+        Dtype::Float16 | Dtype::BFloat16 => 2,
+        other => {
+            return Err(format!(
+                "a cos/sin cache of {other:?}: expected float32, float16 or bfloat16"
+            ));
+        }
+    };
+    let (rows_us, cols_us) = (
+        usize::try_from(rows).map_err(|e| e.to_string())?,
+        usize::try_from(cols).map_err(|e| e.to_string())?,
+    );
+    if rows_us == 0 || cols_us == 0 || rows_us.saturating_mul(cols_us) > 1 << 28 {
+        return Err(format!("a cos/sin cache of {rows} x {cols}"));
+    }
+    let last = meta
+        .storage_offset
+        .checked_add((rows - 1).checked_mul(rs).ok_or("strides overflow")?)
+        .and_then(|v| v.checked_add((cols - 1).checked_mul(cs)?))
+        .and_then(|v| v.checked_add(1)?.checked_mul(elem))
+        .ok_or("the cache's extent overflows")?;
+    if last > seg.len() {
+        return Err(format!("the cache ends at byte {last}, past its segment's {}", seg.len()));
+    }
+    let mut table = Vec::with_capacity(rows_us * cols_us);
+    let mut row = vec![0u8; (cols_us - 1) * cs as usize * elem as usize + elem as usize];
+    for r in 0..rows {
+        let at = (meta.storage_offset + r * rs) * elem;
+        seg.read(at, &mut row).map_err(|e| e.to_string())?;
+        for c in 0..cols_us {
+            let o = c * cs as usize * elem as usize;
+            let v = match meta.dtype {
+                Dtype::Float32 => f32::from_le_bytes([row[o], row[o + 1], row[o + 2], row[o + 3]]),
+                Dtype::Float16 => half::f16::from_le_bytes([row[o], row[o + 1]]).to_f32(),
+                _ => half::bf16::from_le_bytes([row[o], row[o + 1]]).to_f32(),
+            };
+            table.push(v);
+        }
+    }
+    CosSinCache::new(cols_us, table).map_err(|e| e.to_string())
+}

@@ -1,0 +1,190 @@
+//! The CacheBlend engine's first operations over real ZMQ: the handshake, the rope
+//! registration (LMCache's checks, the cos/sin cache read out of the worker's shared memory
+//! with its YaRN scale removed) and the fingerprints an lmcache-driven store leaves.
+
+use std::time::Duration;
+
+use lmcache_blend::RopeStyle;
+use lmcache_client::{CacheKey, Client, EngineGroupInfo, IpcDescriptor, TensorMeta};
+use lmcache_core::{Dtype, ModelName};
+use lmcache_memory::shm::ShmSegment;
+use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
+use lmcache_protocol::Op;
+use lmcache_protocol::request::{CbRegisterRope, Command};
+use lmcache_server::blend::{BlendOptions, KvQuant, namespace};
+use lmcache_server::{Server, ServerConfig};
+use rmpv::Value;
+
+const CHUNK: usize = 16;
+const BS: u64 = 4;
+const NB: u64 = 16;
+
+fn server(tag: &str, blend: bool) -> Server {
+    Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        blend: blend.then(BlendOptions::default),
+        ..ServerConfig::local(ArenaConfig {
+            size: 32 << 20,
+            backing: ArenaBacking::SharedMemory {
+                name: format!("lmrs_blend_l1_{tag}_{}", std::process::id()),
+            },
+            mlock: false,
+        })
+    })
+    .unwrap()
+}
+
+fn client(s: &Server) -> Client {
+    Client::connect(s.endpoint(), Duration::from_secs(30)).unwrap()
+}
+
+fn contiguous(shape: &[u64]) -> Vec<u64> {
+    let mut stride = vec![1u64; shape.len()];
+    for d in (0..shape.len() - 1).rev() {
+        stride[d] = stride[d + 1] * shape[d + 1];
+    }
+    stride
+}
+
+/// A segment of the test's own holding `bytes`, and its descriptor as `dtype` `shape`.
+fn tensor(name: &str, bytes: &[u8], dtype: Dtype, shape: Vec<u64>) -> (ShmSegment, IpcDescriptor) {
+    let owner = ShmSegment::create(name, bytes.len() as u64).unwrap();
+    ForeignSegment::open(name, bytes.len() as u64).unwrap().write(0, bytes).unwrap();
+    let stride = contiguous(&shape);
+    let meta = TensorMeta { dtype, shape, stride, storage_offset: 0, device_uuid: "cpu".into() };
+    (owner, IpcDescriptor::CpuShm { shm_name: name.into(), nbytes: bytes.len() as u64, meta })
+}
+
+/// A `[positions, rot]` fp32 cos/sin cache, scaled by `m` (a YaRN-style baked-in scale).
+fn cos_sin(name: &str, positions: usize, rot: usize, m: f32) -> (ShmSegment, IpcDescriptor) {
+    let mut v = Vec::new();
+    for p in 0..positions {
+        let ang = |i: usize| p as f32 * 10_000f32.powf(-2.0 * i as f32 / rot as f32);
+        v.extend((0..rot / 2).map(|i| ang(i).cos() * m));
+        v.extend((0..rot / 2).map(|i| ang(i).sin() * m));
+    }
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    tensor(name, &bytes, Dtype::Float32, vec![positions as u64, rot as u64])
+}
+
+fn rope(id: u64, caches: Vec<IpcDescriptor>) -> CbRegisterRope {
+    CbRegisterRope {
+        instance_id: id,
+        cos_sin_caches: caches,
+        head_size: 4,
+        is_neox_style: true,
+        group_to_cache: Vec::new(),
+        group_rot: Vec::new(),
+        group_head_size: Vec::new(),
+        kv_quant: String::new(),
+    }
+}
+
+fn send(c: &mut Client, cmd: Command) -> Option<Value> {
+    c.send(&cmd).unwrap()
+}
+
+#[test]
+fn the_handshake_says_blend_only_with_the_engine() {
+    let on = server("hs_on", true);
+    let off = server("hs_off", false);
+    let hs = |s: &Server, v: i64| send(&mut client(s), Command::CbProtocolHandshake(v));
+    let pair = |a: i64, b: bool| Some(Value::Array(vec![Value::from(a), Value::Boolean(b)]));
+    // LMCache's answers: [1, true] for version 1, [1, false] otherwise.
+    assert_eq!(hs(&on, 1), pair(1, true));
+    assert_eq!(hs(&on, 2), pair(1, false));
+    // Without the engine: "incompatible", so no client blends here.
+    assert_eq!(hs(&off, 1), pair(0, false));
+}
+
+#[test]
+fn rope_state_is_registered_as_lmcache_checks_it_with_yarn_scales_removed() {
+    let s = server("rope", true);
+    let mut c = client(&s);
+    let pid = std::process::id();
+    let (_cs, cache) = cos_sin(&format!("lmrs_blend_cs_{pid}"), 64, 4, 1.2);
+    let engine = s.state().blend().expect("blend engine");
+    // Before register_kv_cache: refused (LMCache raises), nothing recorded.
+    send(&mut c, Command::CbRegisterRope(rope(1, vec![cache.clone()])));
+    assert!(engine.rope(1).is_none(), "rope state without a KV registration");
+
+    let shape = vec![2, NB, BS, 1, 4];
+    let bytes = vec![0u8; (shape.iter().product::<u64>() * 2) as usize];
+    let (_kv, kv) = tensor(&format!("lmrs_blend_kv_{pid}"), &bytes, Dtype::Float16, shape);
+    c.register_kv_cache(1, &[kv], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
+
+    // LMCache's checks, each refused with nothing recorded.
+    let mut bad_map = rope(1, vec![cache.clone()]);
+    bad_map.group_to_cache = vec![1];
+    let mut bad_quant = rope(1, vec![cache.clone()]);
+    bad_quant.kv_quant = "int4".into();
+    let mut bad_rot = rope(1, vec![cache.clone()]);
+    bad_rot.group_rot = vec![vec![0, 0]];
+    let mut short_map = rope(1, vec![cache.clone()]);
+    short_map.group_to_cache = vec![];
+    short_map.group_rot = vec![vec![0]];
+    for bad in [bad_map, bad_quant, bad_rot, short_map] {
+        send(&mut c, Command::CbRegisterRope(bad));
+        assert!(engine.rope(1).is_none(), "a bad registration was recorded");
+    }
+    // A cache past its segment's end is refused before any read.
+    let IpcDescriptor::CpuShm { shm_name, nbytes, mut meta } = cache.clone() else { panic!() };
+    meta.shape = vec![65, 4];
+    let past = IpcDescriptor::CpuShm { shm_name, nbytes, meta };
+    send(&mut c, Command::CbRegisterRope(rope(1, vec![past])));
+    assert!(engine.rope(1).is_none());
+
+    // A good one: the scale is found and removed, the map and quant kept.
+    let mut good = rope(1, vec![cache]);
+    good.group_to_cache = vec![0];
+    good.group_rot = vec![vec![0, 4]];
+    good.kv_quant = "fp8_e5m2".into();
+    good.is_neox_style = false;
+    send(&mut c, Command::CbRegisterRope(good));
+    let r = engine.rope(1).expect("registered");
+    let m = r.mscales[0].expect("a YaRN-like scale");
+    assert!((m - 1.2).abs() < 1e-3, "{m}");
+    assert!((r.caches[0].mscale() - 1.0).abs() < 1e-3);
+    assert_eq!(
+        (r.style, r.kv_quant, r.group_rot.clone(), r.caches[0].positions()),
+        (RopeStyle::GptJ, KvQuant::E5m2, vec![Some((0, 4))], 64)
+    );
+    // NoPE: no caches at all is legal.
+    send(&mut c, Command::CbRegisterRope(rope(1, vec![])));
+    assert!(engine.rope(1).expect("NoPE registered").caches.is_empty());
+    send(&mut c, Command::CbUnregisterRope(1));
+    assert!(engine.rope(1).is_none());
+    assert!(engine.status()["registered_cb_rope_instances"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn an_lmcache_driven_store_fingerprints_its_chunks_but_the_first() {
+    let s = server("fp", true);
+    let mut c = client(&s);
+    let pid = std::process::id();
+    let shape = vec![2, NB, BS, 1, 4];
+    let bytes = vec![3u8; (shape.iter().product::<u64>() * 2) as usize];
+    let (_kv, kv) = tensor(&format!("lmrs_blend_fpkv_{pid}"), &bytes, Dtype::Float16, shape);
+    c.register_kv_cache(1, &[kv], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
+    let tokens: Vec<u32> = (0..(CHUNK * 3) as u32).map(|t| t * 7 + 1).collect();
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), "r", tokens.clone(), CHUNK);
+    let blocks = Value::Array(vec![Value::Array((0..12u64).map(Value::from).collect())]);
+    let params = [key.for_worker(0).encode(), Value::from(1u64), blocks, Value::Binary(vec![])];
+    let r = c.call(Op::Store, &params).unwrap().unwrap();
+    assert_eq!(r.as_array().unwrap()[1], Value::Boolean(true));
+    let engine = s.state().blend().unwrap();
+    // Chunk 0 (the prefix leg's) is not fingerprinted; chunks 1 and 2 are, at 16 and 32.
+    assert_eq!(engine.status()["fingerprinted_chunks"], 2);
+    let hashes = lmcache_core::TokenHasher::new(CHUNK).unwrap().hash_tokens(&tokens);
+    // A prompt with chunk 2's tokens at 5 and chunk 1's at 30.
+    let mut q = vec![9u32; 5];
+    q.extend_from_slice(&tokens[32..48]);
+    q.extend(std::iter::repeat_n(9u32, 9));
+    q.extend_from_slice(&tokens[16..32]);
+    let ns = namespace(&key.for_worker(0));
+    let found = engine.matcher().lock().find(&ns, &q);
+    let got: Vec<_> = found.iter().map(|f| (f.hash, f.old_st, f.cur_st)).collect();
+    assert_eq!(got, vec![(hashes[2].0, 32, 5), (hashes[1].0, 16, 30)]);
+    // Chunk 0's tokens match nothing.
+    assert!(engine.matcher().lock().find(&ns, &tokens[..16]).is_empty());
+}
