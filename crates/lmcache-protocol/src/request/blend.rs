@@ -154,15 +154,10 @@ impl CbRetrievePreComputed {
 
     /// The parameters.
     pub fn encode(&self) -> Vec<Value> {
-        let blocks = self
-            .block_ids
-            .iter()
-            .map(|l| Value::Array(l.iter().map(|&b| Value::from(b)).collect()))
-            .collect();
         vec![
             self.key.encode(),
             Value::Array(self.match_results.iter().map(CbMatch::encode).collect()),
-            Value::Array(blocks),
+            super::lmcache_driven::blocks(&self.block_ids),
             Value::from(self.instance_id),
             Value::Binary(self.event_ipc_handle.clone()),
         ]

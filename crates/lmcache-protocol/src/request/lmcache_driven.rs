@@ -68,7 +68,8 @@ impl RegisterKvCache {
     }
 }
 
-fn blocks(block_ids: &[Vec<u64>]) -> Value {
+/// Block-id lists as sent (one list per KV group).
+pub(super) fn blocks(block_ids: &[Vec<u64>]) -> Value {
     Value::Array(
         block_ids
             .iter()
