@@ -6,6 +6,9 @@
 //! YaRN scale) and its removal, and the fingerprints of every lmcache-driven store. The
 //! unified lookup, the scatter and the reorder plan are not served yet, so the engine is
 //! not reachable from the command line.
+//!
+//! A registration refused gets the void reply its type has (logged as a refused request and
+//! counted); LMCache's server raises and sends none, so its client times out instead.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -260,6 +263,10 @@ pub fn namespace(key: &CacheKey) -> Namespace {
     }
 }
 
+/// The largest cos/sin cache read (64 M elements: 256 MiB as `f32`; vLLM's for 128 k
+/// positions of 128 is 16 M).
+pub const MAX_COS_SIN_ELEMENTS: usize = 1 << 26;
+
 /// Reads a `[positions, rot_dim]` cos/sin cache of `f32`, `f16` or `bf16` out of a mapped
 /// segment, every element's offset checked against the mapping first.
 pub fn read_cos_sin(seg: &ForeignSegment, meta: &TensorMeta) -> Result<CosSinCache, String> {
@@ -281,12 +288,20 @@ pub fn read_cos_sin(seg: &ForeignSegment, meta: &TensorMeta) -> Result<CosSinCac
             ));
         }
     };
+    if cs != 1 || rs < cols {
+        return Err(format!(
+            "strides {:?}: a cos/sin cache's rows must be contiguous",
+            meta.stride
+        ));
+    }
     let (rows_us, cols_us) = (
         usize::try_from(rows).map_err(|e| e.to_string())?,
         usize::try_from(cols).map_err(|e| e.to_string())?,
     );
-    if rows_us == 0 || cols_us == 0 || rows_us.saturating_mul(cols_us) > 1 << 28 {
-        return Err(format!("a cos/sin cache of {rows} x {cols}"));
+    if rows_us == 0 || cols_us == 0 || rows_us.saturating_mul(cols_us) > MAX_COS_SIN_ELEMENTS {
+        return Err(format!(
+            "a cos/sin cache of {rows} x {cols}: empty or over {MAX_COS_SIN_ELEMENTS} elements"
+        ));
     }
     let last = meta
         .storage_offset
@@ -298,12 +313,12 @@ pub fn read_cos_sin(seg: &ForeignSegment, meta: &TensorMeta) -> Result<CosSinCac
         return Err(format!("the cache ends at byte {last}, past its segment's {}", seg.len()));
     }
     let mut table = Vec::with_capacity(rows_us * cols_us);
-    let mut row = vec![0u8; (cols_us - 1) * cs as usize * elem as usize + elem as usize];
+    let mut row = vec![0u8; cols_us * elem as usize];
     for r in 0..rows {
         let at = (meta.storage_offset + r * rs) * elem;
         seg.read(at, &mut row).map_err(|e| e.to_string())?;
         for c in 0..cols_us {
-            let o = c * cs as usize * elem as usize;
+            let o = c * elem as usize;
             let v = match meta.dtype {
                 Dtype::Float32 => f32::from_le_bytes([row[o], row[o + 1], row[o + 2], row[o + 3]]),
                 Dtype::Float16 => half::f16::from_le_bytes([row[o], row[o + 1]]).to_f32(),

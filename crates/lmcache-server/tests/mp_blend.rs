@@ -129,10 +129,16 @@ fn rope_state_is_registered_as_lmcache_checks_it_with_yarn_scales_removed() {
     }
     // A cache past its segment's end is refused before any read.
     let IpcDescriptor::CpuShm { shm_name, nbytes, mut meta } = cache.clone() else { panic!() };
-    meta.shape = vec![65, 4];
-    let past = IpcDescriptor::CpuShm { shm_name, nbytes, meta };
-    send(&mut c, Command::CbRegisterRope(rope(1, vec![past])));
-    assert!(engine.rope(1).is_none());
+    let (mut past_meta, mut strided) = (meta.clone(), meta);
+    past_meta.shape = vec![65, 4];
+    let past = IpcDescriptor::CpuShm { shm_name: shm_name.clone(), nbytes, meta: past_meta };
+    // Rows that are not contiguous (a column stride of 2) are refused too.
+    (strided.shape, strided.stride) = (vec![64, 2], vec![4, 2]);
+    let strided = IpcDescriptor::CpuShm { shm_name, nbytes, meta: strided };
+    for bad in [past, strided] {
+        send(&mut c, Command::CbRegisterRope(rope(1, vec![bad])));
+        assert!(engine.rope(1).is_none());
+    }
 
     // A good one: the scale is found and removed, the map and quant kept.
     let mut good = rope(1, vec![cache]);
