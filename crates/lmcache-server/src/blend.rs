@@ -3,9 +3,10 @@
 //!
 //! Served so far: the handshake, the rope registration (validated as LMCache validates it;
 //! the cos/sin caches read out of the worker's shared memory and stripped of any baked-in
-//! YaRN scale) and its removal, and the fingerprints of every lmcache-driven store. The
-//! unified lookup, the scatter and the reorder plan are not served yet, so the engine is
-//! not reachable from the command line.
+//! YaRN scale) and its removal, the fingerprints of every lmcache-driven store, and the
+//! unified lookup (prefix leg, fingerprint matches locked in L1). Not yet: the scatter, the
+//! reorder plan, the L2 prefetch of matches L1 lost, segmented prefixes and the
+//! coordinator's blend leg; so the engine is not reachable from the command line.
 //!
 //! A registration refused gets the void reply its type has (logged as a refused request and
 //! counted); LMCache's server raises and sends none, so its client times out instead.
@@ -252,6 +253,17 @@ impl BlendEngine {
     pub fn matcher(&self) -> &Mutex<Matcher> {
         &self.matcher
     }
+}
+
+/// A request's CacheBlend state, kept in its session (so it goes with the session, at
+/// `end_session` or the session TTL, and its locks with it).
+#[derive(Debug, Default)]
+pub struct BlendSession {
+    /// A unified lookup whose prefix leg is still loading: the matches found when it began.
+    pub pending: Option<Vec<lmcache_blend::Found>>,
+    /// The matches the last unified lookup answered, with the read locks on their objects
+    /// (every object group and shard of the chunk), for the retrieve.
+    pub matched: Vec<(lmcache_protocol::types::blend::CbMatch, Vec<lmcache_l1::ReadLease>)>,
 }
 
 /// A request's blend namespace.

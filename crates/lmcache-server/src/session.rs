@@ -61,6 +61,9 @@ pub struct Session {
     pub lookup: LookupState,
     /// Keys the request touched (for the LRU touch at `end_session`).
     pub touched: Vec<ObjectKey>,
+    /// CacheBlend: a unified lookup waiting for its prefix leg, and the read locks on the
+    /// matched chunks a retrieve will scatter (released with the session).
+    pub blend: crate::blend::BlendSession,
 }
 
 impl Session {
@@ -72,6 +75,7 @@ impl Session {
             tokens: Vec::new(),
             lookup: LookupState::Idle,
             touched: Vec::new(),
+            blend: crate::blend::BlendSession::default(),
         }
     }
 

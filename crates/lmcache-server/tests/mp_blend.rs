@@ -128,7 +128,7 @@ fn rope_state_is_registered_as_lmcache_checks_it_with_yarn_scales_removed() {
         assert!(engine.rope(1).is_none(), "a bad registration was recorded");
     }
     // A cache past its segment's end is refused before any read.
-    let IpcDescriptor::CpuShm { shm_name, nbytes, mut meta } = cache.clone() else { panic!() };
+    let IpcDescriptor::CpuShm { shm_name, nbytes, meta } = cache.clone() else { panic!() };
     let (mut past_meta, mut strided) = (meta.clone(), meta);
     past_meta.shape = vec![65, 4];
     let past = IpcDescriptor::CpuShm { shm_name: shm_name.clone(), nbytes, meta: past_meta };
@@ -193,4 +193,140 @@ fn an_lmcache_driven_store_fingerprints_its_chunks_but_the_first() {
     assert_eq!(got, vec![(hashes[2].0, 32, 5), (hashes[1].0, 16, 30)]);
     // Chunk 0's tokens match nothing.
     assert!(engine.matcher().lock().find(&ns, &tokens[..16]).is_empty());
+}
+
+/// Registers worker 1 (one fp16 layer `[2, NB, BS, 1, 4]`) and returns its segment.
+fn kv_worker(c: &mut Client, tag: &str) -> ShmSegment {
+    let shape = vec![2, NB, BS, 1, 4];
+    let bytes = vec![3u8; (shape.iter().product::<u64>() * 2) as usize];
+    let name = format!("lmrs_blend_{tag}_{}", std::process::id());
+    let (seg, kv) = tensor(&name, &bytes, Dtype::Float16, shape);
+    c.register_kv_cache(1, &[kv], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
+    seg
+}
+
+fn store_tokens(c: &mut Client, request: &str, tokens: &[u32]) {
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), request, tokens.to_vec(), CHUNK);
+    let nblocks = (tokens.len() as u64).div_ceil(BS);
+    let blocks = Value::Array(vec![Value::Array((0..nblocks).map(Value::from).collect())]);
+    let params = [key.for_worker(0).encode(), Value::from(1u64), blocks, Value::Binary(vec![])];
+    let r = c.call(Op::Store, &params).unwrap().unwrap();
+    assert_eq!(r.as_array().unwrap()[1], Value::Boolean(true), "store {request}");
+    c.end_session(request).unwrap();
+}
+
+/// `cb_unified_lookup`, asked again while it answers nothing (as LMCache's clients do).
+fn unified(
+    c: &mut Client,
+    request: &str,
+    tokens: &[u32],
+) -> lmcache_protocol::types::blend::CbUnifiedLookupResult {
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), request, tokens.to_vec(), CHUNK);
+    let cmd =
+        Command::CbUnifiedLookup(lmcache_protocol::request::CbUnifiedLookup { key, tp_size: 1 });
+    for _ in 0..100 {
+        if let Some(v) = send(c, cmd.clone()) {
+            return lmcache_protocol::types::blend::CbUnifiedLookupResult::decode("r", &v).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("cb_unified_lookup never answered");
+}
+
+fn seq(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|t| seed * 1000 + t).collect()
+}
+
+#[test]
+fn the_unified_lookup_finds_stored_chunks_past_the_prefix_and_locks_them() {
+    let s = server("ul", true);
+    let mut c = client(&s);
+    let _kv = kv_worker(&mut c, "ulkv");
+    let (a, d) = (seq(1, CHUNK), seq(4, CHUNK));
+    let p1: Vec<u32> = [a.clone(), d.clone()].concat();
+    store_tokens(&mut c, "p1", &p1);
+    let h1 = lmcache_core::TokenHasher::new(CHUNK).unwrap().hash_tokens(&p1)[1].0.to_vec();
+    let l1 = s.state().l1();
+
+    // [B | 4 filler | D | tail]: no prefix, D found at 20, stored at 16 (LMCache's example).
+    let p2: Vec<u32> = [seq(2, CHUNK), seq(9, 4), d.clone(), seq(8, 12)].concat();
+    let r = unified(&mut c, "q2", &p2);
+    assert_eq!(r.prefix_coverage_tokens, 0);
+    let seg = |m: &lmcache_protocol::types::blend::CbMatch| {
+        (m.old_st, m.old_ed, m.cur_st, m.cur_ed, m.hash.clone())
+    };
+    assert_eq!(
+        r.non_prefix_segments.iter().map(seg).collect::<Vec<_>>(),
+        vec![(16, 32, 20, 36, h1.clone())]
+    );
+    assert!(r.segmented_prefix_segments.is_empty());
+    assert_eq!(l1.usage().locked_objects, 1, "the match's object is locked for the retrieve");
+    c.end_session("q2").unwrap();
+    assert_eq!(l1.usage().locked_objects, 0, "end_session releases the match's locks");
+
+    // [A | X | D]: A is the prefix (16 tokens), D is found past it at 32.
+    let p3: Vec<u32> = [a.clone(), seq(5, CHUNK), d.clone()].concat();
+    let r = unified(&mut c, "q3", &p3);
+    assert_eq!(r.prefix_coverage_tokens, 16);
+    assert_eq!(
+        r.non_prefix_segments.iter().map(seg).collect::<Vec<_>>(),
+        vec![(16, 32, 32, 48, h1.clone())]
+    );
+    c.end_session("q3").unwrap();
+
+    // A stored chunk F overlapping D's range in the query: the earlier match (D) wins.
+    let f: Vec<u32> = p2[24..40].to_vec();
+    store_tokens(&mut c, "p4", &[seq(6, CHUNK), f].concat());
+    let r = unified(&mut c, "q2b", &p2);
+    assert_eq!(r.non_prefix_segments.iter().map(|m| m.cur_st).collect::<Vec<_>>(), vec![20]);
+    c.end_session("q2b").unwrap();
+
+    // Another salt sees none of it.
+    let mut other = CacheKey::whole(ModelName::new("m").unwrap(), "q5", p2.clone(), CHUNK);
+    other.cache_salt = lmcache_core::CacheSalt::new("tenant-b").unwrap();
+    let cmd = Command::CbUnifiedLookup(lmcache_protocol::request::CbUnifiedLookup {
+        key: other,
+        tp_size: 1,
+    });
+    let v = send(&mut c, cmd).expect("answered");
+    let r = lmcache_protocol::types::blend::CbUnifiedLookupResult::decode("r", &v).unwrap();
+    assert!(r.non_prefix_segments.is_empty(), "{r:?}");
+    c.end_session("q5").unwrap();
+
+    // D's KV gone from L1 (no L2): stale twice, then its fingerprint is removed.
+    let engine = s.state().blend().unwrap();
+    let before = engine.status()["fingerprinted_chunks"].as_u64().unwrap();
+    l1.clear(true);
+    for i in 0..2 {
+        assert!(unified(&mut c, &format!("st{i}"), &p2).non_prefix_segments.is_empty());
+        c.end_session(&format!("st{i}")).unwrap();
+    }
+    let after = engine.status()["fingerprinted_chunks"].as_u64().unwrap();
+    assert!(after < before, "stale fingerprints stay: {before} -> {after}");
+    assert!(
+        engine
+            .matcher()
+            .lock()
+            .find(
+                &namespace(&CacheKey::whole(ModelName::new("m").unwrap(), "x", p2.clone(), CHUNK)),
+                &p2
+            )
+            .iter()
+            .all(|m| m.cur_st != 20)
+    );
+}
+
+#[test]
+fn a_unified_lookup_with_no_reader_is_answered_empty_not_left_pending() {
+    let s = server("ul0", true);
+    let mut c = client(&s);
+    let _kv = kv_worker(&mut c, "ul0kv");
+    let mut key = CacheKey::whole(ModelName::new("m").unwrap(), "z", seq(1, 2 * CHUNK), CHUNK);
+    key.num_kv_readers = 0;
+    let cmd =
+        Command::CbUnifiedLookup(lmcache_protocol::request::CbUnifiedLookup { key, tp_size: 1 });
+    // LMCache raises and never replies; a void reply would read as "still loading" forever.
+    let v = send(&mut c, cmd).expect("a typed answer");
+    let r = lmcache_protocol::types::blend::CbUnifiedLookupResult::decode("r", &v).unwrap();
+    assert_eq!(r, Default::default());
 }

@@ -70,7 +70,7 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
 
 /// The hit count of the request's last lookup, exactly once; nil while its prefetch runs; 0
 /// afterwards or if unknown.
-fn take_hits(state: &RequestState, request_id: &str) -> Value {
+pub(super) fn take_hits(state: &RequestState, request_id: &str) -> Value {
     let hits = state.with_settled(request_id, |s| match &mut s.lookup {
         LookupState::Active { answered: true, .. } | LookupState::Idle => Some(0),
         LookupState::Active { lookup, answered, .. } => {
@@ -85,7 +85,7 @@ fn take_hits(state: &RequestState, request_id: &str) -> Value {
     }
 }
 
-fn lookup(state: &RequestState, key: &CacheKey) -> Result<(), ProtocolError> {
+pub(super) fn lookup(state: &RequestState, key: &CacheKey) -> Result<(), ProtocolError> {
     let readers = key.num_kv_readers;
     if readers == 0 {
         // LMCache raises here and never replies; we reply, with zero hits.

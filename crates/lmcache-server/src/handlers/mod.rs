@@ -217,6 +217,10 @@ fn failure_reply(state: &ServerState, header: Header, op: Option<Op>) -> Reply {
         // from 0 and this one is the largest), and nil for its answer.
         Some(Op::CbProtocolHandshake) => list(vec![Value::from(0), Value::Boolean(false)]),
         Some(Op::CbReorderPlan) => list(Vec::new()),
+        // Not the void reply: that one means "still loading, ask again".
+        Some(Op::CbUnifiedLookup) => {
+            Some(lmcache_protocol::types::blend::CbUnifiedLookupResult::default().encode())
+        }
         Some(Op::P2pQueryLookupResults) => Some(Value::Nil),
         Some(Op::P2pLookupAndLock) => Some(Value::from(u64::MAX)),
         Some(Op::ServerModuleCall) => Some(lmcache_protocol::value::map(vec![
