@@ -321,6 +321,9 @@ fn reply_fits(op: Op, payload: Option<&Value>) -> bool {
             Some(Value::Array(a)) if a.len() == 2 && int(&a[0]) && a[1].is_bool()
         ),
         Op::ServerModuleCall => map_with(payload, &["success", "payload", "error"]),
+        // A request that fails gets an empty answer, never the void that means "still
+        // loading, ask again" (which would keep its client asking).
+        Op::CbUnifiedLookup => map_with(payload, &["prefix_coverage_tokens"]),
         // A stream: its first batch, or a payload-less end.
         Op::SubscribeKvEvents => payload.is_none() || map_with(payload, &["events"]),
         // Void operations (nil is read as None too).
