@@ -249,6 +249,11 @@ impl BlendEngine {
         })
     }
 
+    /// How the engine runs.
+    pub fn options(&self) -> BlendOptions {
+        self.options
+    }
+
     /// The matcher (the lookup's leg, and tests).
     pub fn matcher(&self) -> &Mutex<Matcher> {
         &self.matcher

@@ -95,6 +95,14 @@ fn the_handshake_says_blend_only_with_the_engine() {
     assert_eq!(hs(&on, 2), pair(1, false));
     // Without the engine: "incompatible", so no client blends here.
     assert_eq!(hs(&off, 1), pair(0, false));
+    // No reorder planner (--enable-blend-reorder off): "keep the prompt", not a refusal.
+    let key = CacheKey::whole(ModelName::new("m").unwrap(), "r", (0..32).collect(), CHUNK);
+    let plan = lmcache_protocol::request::CbReorderPlan { key, keep_prefix: 0, budget_ms: 10 };
+    assert_eq!(send(&mut client(&on), Command::CbReorderPlan(plan)), Some(Value::Array(vec![])));
+    let m = on.state().metrics.encode();
+    let refusals: Vec<&str> =
+        m.lines().filter(|l| l.contains("errors") && l.contains("cb_reorder_plan")).collect();
+    assert!(refusals.is_empty(), "counted as a refusal: {refusals:?}");
 }
 
 #[test]

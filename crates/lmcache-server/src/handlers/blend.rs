@@ -31,6 +31,8 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
         Command::CbProtocolHandshake(v) => Ok(Some(BlendEngine::handshake(v))),
         Command::CbRegisterRope(req) => register_rope(state, engine, &req).map(|()| None),
         Command::CbUnifiedLookup(req) => unified_lookup(state, engine, &req.key),
+        // Without --enable-blend-reorder LMCache answers `[]` ("keep the prompt"), quietly.
+        Command::CbReorderPlan(_) if !engine.options().reorder => Ok(Some(Value::Array(vec![]))),
         Command::CbUnregisterRope(id) => {
             if !engine.unregister_rope(id) {
                 tracing::warn!(instance_id = id, "cb_unregister_rope: no rope state registered");
