@@ -3,10 +3,13 @@
 //!
 //! Served so far: the handshake, the rope registration (validated as LMCache validates it;
 //! the cos/sin caches read out of the worker's shared memory and stripped of any baked-in
-//! YaRN scale) and its removal, the fingerprints of every lmcache-driven store, and the
-//! unified lookup (prefix leg, fingerprint matches locked in L1). Not yet: the scatter, the
-//! reorder plan, the L2 prefetch of matches L1 lost, segmented prefixes and the
-//! coordinator's blend leg; so the engine is not reachable from the command line.
+//! YaRN scale) and its removal, the fingerprints of every lmcache-driven store, the unified
+//! lookup (prefix leg, fingerprint matches locked in L1) and the scatter (V as stored, K
+//! re-rotated, token by token into the engine's blocks, with LMCache's early outcomes). Not
+//! yet: the reorder plan, fp8 KV, windowed or compressed groups in the scatter, the L2
+//! prefetch of matches L1 lost, segmented prefixes, the coordinator's blend leg, and the
+//! differential test against LMCache's blend server; so the engine is not reachable from the
+//! command line.
 //!
 //! A registration refused gets the void reply its type has (logged as a refused request and
 //! counted); LMCache's server raises and sends none, so its client times out instead.
@@ -68,10 +71,77 @@ pub struct RopeState {
     pub kv_quant: KvQuant,
 }
 
+impl RopeState {
+    /// Engine group `eg`'s rotation: its cache and, in a token's K row of `hidden` elements,
+    /// where the rotated windows are. `None`: the group's K is copied as stored (NoPE, a `-1`
+    /// group, a group whose window is `[]`). Refused: geometry that does not fit.
+    pub fn for_group(
+        &self,
+        eg: i64,
+        hidden: u64,
+        planes: u64,
+    ) -> Result<Option<(&CosSinCache, lmcache_blend::KRow)>, String> {
+        let at = usize::try_from(eg).ok();
+        let cache = match (&self.caches[..], &self.group_to_cache[..]) {
+            ([], _) => return Ok(None),
+            ([c, ..], []) => c,
+            (caches, map) => match at.and_then(|g| map.get(g)) {
+                Some(&c) if c < 0 => return Ok(None),
+                Some(&c) => {
+                    caches.get(c as usize).ok_or(format!("engine group {eg}: no cache {c}"))?
+                }
+                None => return Err(format!("engine group {eg} has no rope cache mapping")),
+            },
+        };
+        let head = match at.and_then(|g| self.group_head_size.get(g)) {
+            Some(&h) => h,
+            None => u64::from(self.head_size),
+        };
+        let offset = if self.group_rot.is_empty() {
+            0
+        } else {
+            match at.and_then(|g| self.group_rot.get(g)) {
+                Some(Some((off, _))) => *off,
+                Some(None) => return Ok(None),
+                None => return Err(format!("engine group {eg} has no rope window")),
+            }
+        };
+        // A declared window past 0 on a single plane is an MLA latent: one row, rope last.
+        let (heads, stride) =
+            if planes == 1 && offset > 0 { (1, hidden) } else { (hidden / head.max(1), head) };
+        if heads == 0 || heads * stride != hidden {
+            return Err(format!("a row of {hidden} is not heads of {head}"));
+        }
+        let row = lmcache_blend::KRow {
+            heads: heads as usize,
+            head_stride: stride as usize,
+            rot_offset: offset as usize,
+        };
+        Ok(Some((cache, row)))
+    }
+}
+
+/// What identifies a scattered match: its hash, its new start and its destination blocks.
+pub type AppliedKey = (Vec<u8>, u64, Vec<u64>);
+
+/// A request and the worker (shard) a retrieve is for.
+pub type RequestWorker = (String, Option<u32>);
+
+/// Matches already scattered per (request, worker), the oldest request first out.
+#[derive(Debug, Default)]
+struct Applied {
+    done: HashMap<RequestWorker, std::collections::HashSet<AppliedKey>>,
+    order: std::collections::VecDeque<RequestWorker>,
+}
+
+/// Requests whose applied matches are kept (LMCache keeps a bounded LRU too).
+const APPLIED_REQUESTS: usize = 4096;
+
 /// The blend engine.
 #[derive(Debug)]
 pub struct BlendEngine {
     options: BlendOptions,
+    applied: Mutex<Applied>,
     ropes: Mutex<HashMap<u64, Arc<RopeState>>>,
     matcher: Mutex<Matcher>,
     chunk_size: usize,
@@ -82,6 +152,7 @@ impl BlendEngine {
     pub fn new(options: BlendOptions, chunk_size: usize) -> Self {
         Self {
             options,
+            applied: Mutex::default(),
             ropes: Mutex::new(HashMap::new()),
             matcher: Mutex::new(Matcher::new(chunk_size, options.dedup_content)),
             chunk_size,
@@ -247,6 +318,32 @@ impl BlendEngine {
             "dedup_content": self.options.dedup_content,
             "reorder": self.options.reorder,
         })
+    }
+
+    /// Of `matches` (hash, cur_st, destination blocks), those not scattered yet for this
+    /// request and worker.
+    pub fn not_applied<'m, T>(
+        &self,
+        request: &RequestWorker,
+        matches: &'m [(T, AppliedKey)],
+    ) -> Vec<&'m (T, AppliedKey)> {
+        let applied = self.applied.lock();
+        let done = applied.done.get(request);
+        matches.iter().filter(|(_, k)| done.is_none_or(|d| !d.contains(k))).collect()
+    }
+
+    /// Records matches as scattered for this request and worker.
+    pub fn mark_applied(&self, request: RequestWorker, keys: impl IntoIterator<Item = AppliedKey>) {
+        let mut a = self.applied.lock();
+        if !a.done.contains_key(&request) {
+            a.order.push_back(request.clone());
+            while a.order.len() > APPLIED_REQUESTS {
+                if let Some(old) = a.order.pop_front() {
+                    a.done.remove(&old);
+                }
+            }
+        }
+        a.done.entry(request).or_default().extend(keys);
     }
 
     /// How the engine runs.

@@ -185,6 +185,30 @@ impl<'a> CpuTransfer<'a> {
     }
 }
 
+impl CpuTransfer<'_> {
+    /// Writes one token's row (`hidden` elements) of plane `p` of layer `l` into slot
+    /// `in_block` of block `block` (CacheBlend's scatter lands token by token). The block is
+    /// checked against the tensor and the slot against the block before the write, and the
+    /// segment write is bounds-checked again.
+    pub fn write_token_row(
+        &self,
+        l: usize,
+        p: u64,
+        block: u64,
+        in_block: u64,
+        row: &[u8],
+    ) -> Result<(), TransferError> {
+        let g = &self.geometry;
+        let row_bytes = g.hidden.saturating_mul(g.dtype.itemsize());
+        if in_block >= g.block_size || row.len() as u64 != row_bytes || l >= self.layers.len() {
+            return Err(TransferError::ObjectSize { expected: row_bytes, got: row.len() as u64 });
+        }
+        let at = self.block_offset(l, p, block)? + in_block * row_bytes;
+        self.layers[l].segment.write(at, row)?;
+        Ok(())
+    }
+}
+
 /// Copies below this size stay on one thread (spawning costs more than it saves).
 const PARALLEL_MIN_BYTES: usize = 8 << 20;
 

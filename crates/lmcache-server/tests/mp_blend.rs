@@ -338,3 +338,130 @@ fn a_unified_lookup_with_no_reader_is_answered_empty_not_left_pending() {
     let r = lmcache_protocol::types::blend::CbUnifiedLookupResult::decode("r", &v).unwrap();
     assert_eq!(r, Default::default());
 }
+
+const NH: usize = 2;
+const HS: usize = 4;
+const NB32: u64 = 32;
+
+/// RoPE at `pos` (NeoX, over the whole head) applied to one head's raw K, from scratch.
+fn rope_at(raw: &[f32], pos: usize) -> Vec<f32> {
+    let half = HS / 2;
+    let mut out = raw.to_vec();
+    for i in 0..half {
+        let ang = pos as f64 * 10_000f64.powf(-2.0 * i as f64 / HS as f64);
+        let (c, s) = ((ang.cos() as f32) as f64, (ang.sin() as f32) as f64);
+        let (x, y) = (f64::from(raw[i]), f64::from(raw[half + i]));
+        out[i] = (x * c - y * s) as f32;
+        out[half + i] = (x * s + y * c) as f32;
+    }
+    out
+}
+
+/// Element offset of `[plane, block, slot, head, d]` in a contiguous f32 `[2, NB32, BS, NH, HS]`.
+fn at(plane: u64, block: u64, slot: u64, head: usize, d: usize) -> u64 {
+    (((plane * NB32 + block) * BS + slot) * (NH * HS) as u64 + (head * HS + d) as u64) * 4
+}
+
+#[test]
+fn the_scatter_writes_v_as_stored_and_k_rotated_to_the_new_positions_and_nothing_else() {
+    let s = server("sc", true);
+    let mut c = client(&s);
+    let pid = std::process::id();
+    // The worker's KV: f32 [2, 32 blocks, 4 slots, 2 heads, 4]; registration and rope.
+    let shape = vec![2, NB32, BS, NH as u64, HS as u64];
+    let bytes = vec![0u8; (shape.iter().product::<u64>() * 4) as usize];
+    let name = format!("lmrs_blend_sckv_{pid}");
+    let (_owner, kv) = tensor(&name, &bytes, Dtype::Float32, shape);
+    let seg = ForeignSegment::open(&name, bytes.len() as u64).unwrap();
+    c.register_kv_cache(1, &[kv], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
+    let (_cs, cache) = cos_sin(&format!("lmrs_blend_sccs_{pid}"), 256, HS, 1.0);
+    send(&mut c, Command::CbRegisterRope(rope(1, vec![cache])));
+    assert!(s.state().blend().unwrap().rope(1).is_some());
+
+    // P1 = [A | D] in blocks 0..8: K = RoPE(raw, position), V = a pattern.
+    let raw = |pos: usize, h: usize| -> Vec<f32> {
+        (0..HS).map(|d| ((pos * 31 + h * 7 + d * 3) % 17) as f32 / 8.0 - 1.0).collect()
+    };
+    let v_of = |pos: usize, h: usize, d: usize| (pos * 100 + h * 10 + d) as f32;
+    for pos in 0..2 * CHUNK {
+        let (b, slot) = ((pos as u64) / BS, (pos as u64) % BS);
+        for h in 0..NH {
+            let k = rope_at(&raw(pos, h), pos);
+            for (d, kd) in k.iter().enumerate() {
+                seg.write(at(0, b, slot, h, d), &kd.to_le_bytes()).unwrap();
+                seg.write(at(1, b, slot, h, d), &v_of(pos, h, d).to_le_bytes()).unwrap();
+            }
+        }
+    }
+    let (a, d) = (seq(1, CHUNK), seq(4, CHUNK));
+    store_tokens(&mut c, "p1", &[a, d.clone()].concat());
+    // Blocks 0..8 are the engine's again: clear them so nothing but the scatter can match.
+    seg.write(0, &vec![0u8; bytes.len()]).unwrap();
+
+    let p2: Vec<u32> = [seq(2, CHUNK), seq(9, 4), d, seq(8, 12)].concat();
+    let r = unified(&mut c, "q", &p2);
+    assert_eq!(r.non_prefix_segments.len(), 1);
+    // The request's blocks: 20..32 (48 tokens).
+    let table: Vec<u64> = (20..32).collect();
+    let retrieve = |c: &mut Client, table: &[u64]| {
+        let cmd =
+            Command::CbRetrievePreComputed(lmcache_protocol::request::CbRetrievePreComputed {
+                key: CacheKey::whole(ModelName::new("m").unwrap(), "q", p2.clone(), CHUNK)
+                    .for_worker(0),
+                match_results: r.non_prefix_segments.clone(),
+                block_ids: vec![table.to_vec()],
+                instance_id: 1,
+                event_ipc_handle: Vec::new(),
+            });
+        let v = send(c, cmd).expect("a reply");
+        v.as_array().unwrap()[1].as_bool().unwrap()
+    };
+    // Early outcomes first: a table ending before 20 (beyond: true, nothing written) and one
+    // ending inside [20, 36) (straddling: false).
+    assert!(retrieve(&mut c, &table[..4]));
+    assert!(!retrieve(&mut c, &table[..7]));
+    let read = |off: u64| {
+        let mut b = [0u8; 4];
+        seg.read(off, &mut b).unwrap();
+        f32::from_le_bytes(b)
+    };
+    let all_zero = || (0..bytes.len() as u64 / 4).all(|i| read(i * 4) == 0.0);
+    assert!(all_zero(), "an early outcome wrote");
+
+    assert!(retrieve(&mut c, &table), "the scatter ran");
+    for t in 0..CHUNK {
+        let (old, new) = (CHUNK + t, 20 + t);
+        let (b, slot) = (table[new / BS as usize], (new as u64) % BS);
+        for h in 0..NH {
+            let want_k = rope_at(&raw(old, h), new);
+            for (dd, want) in want_k.iter().enumerate() {
+                assert_eq!(read(at(1, b, slot, h, dd)), v_of(old, h, dd), "V at {new}");
+                let got = read(at(0, b, slot, h, dd));
+                assert!((got - want).abs() < 1e-5, "K at {new} head {h}: {got} vs {want}");
+            }
+        }
+    }
+    // Nothing outside slots 20..36 of the request's blocks was touched.
+    let written: std::collections::HashSet<(u64, u64)> =
+        (20..36).map(|p: u64| (table[(p / BS) as usize], p % BS)).collect();
+    for plane in 0..2 {
+        for b in 0..NB32 {
+            for slot in 0..BS {
+                if written.contains(&(b, slot)) {
+                    continue;
+                }
+                for h in 0..NH {
+                    for dd in 0..HS {
+                        assert_eq!(read(at(plane, b, slot, h, dd)), 0.0, "block {b} slot {slot}");
+                    }
+                }
+            }
+        }
+    }
+    // A repeat is "already applied": answered true, nothing written again.
+    seg.write(0, &vec![0u8; bytes.len()]).unwrap();
+    assert!(retrieve(&mut c, &table));
+    assert!(all_zero(), "an applied match was written again");
+    c.end_session("q").unwrap();
+    assert_eq!(s.state().l1().usage().locked_objects, 0, "no lock left behind");
+}

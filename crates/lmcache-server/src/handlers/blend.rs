@@ -1,6 +1,6 @@
 //! CacheBlend's operations (`--engine-type blend`): the handshake, the rope state a scatter
-//! re-rotates K with, and the unified lookup. The scatter and the reorder plan are not
-//! served yet (see [`crate::blend`]).
+//! re-rotates K with, the unified lookup and the scatter. The reorder plan is not served yet
+//! (see [`crate::blend`]).
 //!
 //! The unified lookup, as LMCache's: the first call starts the prefix lookup (the ordinary
 //! lookup's, L1 then an L2 prefetch) and matches the prompt against this server's
@@ -13,7 +13,7 @@
 
 use lmcache_core::ChunkHash;
 use lmcache_protocol::ProtocolError;
-use lmcache_protocol::request::{CbRegisterRope, Command};
+use lmcache_protocol::request::{CbRegisterRope, CbRetrievePreComputed, Command};
 use lmcache_protocol::types::CacheKey;
 use lmcache_protocol::types::IpcDescriptor;
 use lmcache_protocol::types::blend::{CbMatch, CbUnifiedLookupResult};
@@ -31,6 +31,7 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
         Command::CbProtocolHandshake(v) => Ok(Some(BlendEngine::handshake(v))),
         Command::CbRegisterRope(req) => register_rope(state, engine, &req).map(|()| None),
         Command::CbUnifiedLookup(req) => unified_lookup(state, engine, &req.key),
+        Command::CbRetrievePreComputed(req) => retrieve(state, engine, &req).map(Some),
         // Without --enable-blend-reorder LMCache answers `[]` ("keep the prompt"), quietly.
         Command::CbReorderPlan(_) if !engine.options().reorder => Ok(Some(Value::Array(vec![]))),
         Command::CbUnregisterRope(id) => {
@@ -154,4 +155,109 @@ fn unified_lookup(
     };
     state.sessions.with(id, |s| s.blend.matched = kept);
     Ok(Some(result.encode()))
+}
+
+/// `cb_retrieve_pre_computed`: the early outcomes as LMCache answers them, then the scatter.
+/// - every match scattered already for this request and worker: `(b"", true)`, nothing
+///   written again;
+/// - every match past the block table: `(b"", true)`, nothing written (a later call with the
+///   whole table scatters them; the locks stay);
+/// - some inside and some past it: `(b"", false)` (the engine recomputes);
+/// - otherwise each match's object is read from L1 and scattered: `(b"", true)`, or
+///   `(b"", false)` when an object is gone or its geometry is not handled.
+fn retrieve(
+    state: &RequestState,
+    engine: &BlendEngine,
+    req: &CbRetrievePreComputed,
+) -> Result<Value, ProtocolError> {
+    use lmcache_protocol::types::transfer_result;
+    let id = req.instance_id;
+    let inst = state.registry.get(Family::LmcacheDriven, id).ok_or_else(|| {
+        bad("instance_id", format!("instance {id} has no paged KV cache registered"))
+    })?;
+    let rope = engine.rope(id).ok_or_else(|| {
+        bad("instance_id", format!("instance {id} has no rope state; send cb_register_rope first"))
+    })?;
+    let Registration::LmcacheDriven { kernel_groups, object_groups, .. } = &inst.registration
+    else {
+        return Err(bad("instance_id", "not an lmcache-driven registration"));
+    };
+    let chunk = state.chunk_size() as u64;
+    let tpb = |g: usize| kernel_groups.get(g).map_or(1, |k| k.tokens_per_block.max(1));
+    // Each match with what identifies it as applied: its hash, start and destination blocks.
+    let dest = |m: &CbMatch| -> Vec<u64> {
+        object_groups.first().map_or_else(Vec::new, |og| {
+            og.kernel_groups
+                .iter()
+                .flat_map(|&g| {
+                    let list = kernel_groups.get(g).and_then(|k| req.block_ids.get(k.view));
+                    let (a, b) = (m.cur_st / tpb(g), m.cur_ed.div_ceil(tpb(g)));
+                    list.map(|l| {
+                        l.iter()
+                            .skip(a as usize)
+                            .take((b - a) as usize)
+                            .copied()
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default()
+                })
+                .collect()
+        })
+    };
+    let tagged: Vec<(&CbMatch, crate::blend::AppliedKey)> =
+        req.match_results.iter().map(|m| (m, (m.hash.clone(), m.cur_st, dest(m)))).collect();
+    let request = (req.key.request_id.clone(), req.key.worker_id);
+    let todo = engine.not_applied(&request, &tagged);
+    if todo.is_empty() {
+        return Ok(transfer_result(true));
+    }
+    let bound = object_groups
+        .first()
+        .map(|og| {
+            og.kernel_groups
+                .iter()
+                .map(|&g| {
+                    let k = &kernel_groups[g];
+                    req.block_ids.get(k.view).map_or(0, |l| l.len() as u64) * k.tokens_per_block
+                })
+                .min()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0);
+    if todo.iter().any(|(m, _)| m.cur_ed > bound) {
+        let beyond = todo.iter().all(|(m, _)| m.cur_st >= bound);
+        return Ok(transfer_result(beyond));
+    }
+    if todo.iter().any(|(m, _)| m.cur_ed - m.cur_st != chunk || m.old_ed - m.old_st != chunk) {
+        return Err(bad("match_results", "a match is not one chunk long"));
+    }
+    // This worker's object of each match, read-locked for the copy (the lookup's locks keep
+    // them resident meanwhile; these go when the copy ends).
+    let worker = req.key.worker_id.unwrap_or(0);
+    let mut leases = Vec::with_capacity(todo.len());
+    for (m, _) in &todo {
+        let Ok(hash) = <[u8; 32]>::try_from(m.hash.as_slice()) else {
+            return Err(bad("match_results", "a hash of other than 32 bytes"));
+        };
+        let keys = state.object_keys(&req.key, worker, &[ChunkHash(hash)], 0)?;
+        match state.l1().read_lock(&keys, 1).pop() {
+            Some(Ok(lease)) => leases.push(lease),
+            _ => {
+                tracing::warn!(request_id = %req.key.request_id, "CB retrieve: a matched chunk left L1");
+                return Ok(transfer_result(false));
+            }
+        }
+    }
+    let work: Vec<(&CbMatch, &[u8])> =
+        todo.iter().zip(&leases).map(|((m, _), l)| (*m, l.bytes())).collect();
+    match super::lmcache_driven::blend_scatter(state, id, &req.block_ids, &work, &rope) {
+        Ok(()) => {
+            engine.mark_applied(request, todo.iter().map(|(_, k)| k.clone()));
+            Ok(transfer_result(true))
+        }
+        Err(why) => {
+            tracing::warn!(request_id = %req.key.request_id, error = %why, "CB scatter refused");
+            Ok(transfer_result(false))
+        }
+    }
 }

@@ -332,6 +332,136 @@ impl Plan<'_> {
     }
 }
 
+/// CacheBlend's scatter: each match's chunk object (object group 0, this worker's shard)
+/// written token by token into `blocks` at its new positions `[cur_st, cur_st + chunk)`, V as
+/// stored, K re-rotated from `old_st + t` to `cur_st + t` by the worker's rope state. Every
+/// slot outside the matched ranges is left alone. Refused (nothing written for the match
+/// being checked; earlier matches stay written, and the caller answers "not ran"): a
+/// geometry the scatter does not handle yet (sliding windows, compressed blocks, fp8).
+pub(super) fn blend_scatter(
+    state: &RequestState,
+    id: u64,
+    blocks: &[Vec<u64>],
+    matches: &[(&lmcache_protocol::types::blend::CbMatch, &[u8])],
+    rope: &crate::blend::RopeState,
+) -> Result<(), String> {
+    use lmcache_blend::{KvElement, Rotator};
+    let inst =
+        state.registry.get(Family::LmcacheDriven, id).ok_or("the worker is not registered")?;
+    let p = plan(&inst, 1).ok_or("not an lmcache-driven registration")?;
+    if rope.kv_quant != crate::blend::KvQuant::None {
+        return Err("fp8 KV is not re-rotated yet".into());
+    }
+    let chunk = state.chunk_size() as u64;
+    let mut rotator = Rotator::default();
+    for &(m, object) in matches {
+        for (g, r) in p.parts(0) {
+            let part = object.get(r).ok_or("the object is shorter than its layout")?;
+            let k = &p.kernel_groups[g];
+            let t = &p.transfers[g];
+            let geo = t.geometry;
+            if k.kept_blocks != k.blocks_per_chunk || k.tokens_per_block != geo.block_size {
+                return Err(format!("kernel group {g}: windowed or compressed blocks"));
+            }
+            let rot = rope.for_group(k.engine_group, geo.hidden, geo.kv)?;
+            let elem = geo.dtype.itemsize() as usize;
+            let row_bytes = geo.hidden as usize * elem;
+            let slab = chunk as usize * row_bytes;
+            let table = blocks.get(k.view).ok_or("no block list for a KV group")?;
+            let deltas = match rot {
+                Some((cache, _)) => (0..chunk)
+                    .map(|i| cache.delta((m.old_st + i) as usize, (m.cur_st + i) as usize))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| e.to_string())?,
+                None => Vec::new(),
+            };
+            let mut out = vec![0u8; row_bytes];
+            for plane in 0..geo.kv {
+                for l in 0..t.layers.len() {
+                    let at = (plane as usize * t.layers.len() + l) * slab;
+                    let src =
+                        part.get(at..at + slab).ok_or("the object is shorter than its slabs")?;
+                    for i in 0..chunk as usize {
+                        let pos = m.cur_st + i as u64;
+                        let block = *table
+                            .get((pos / k.tokens_per_block) as usize)
+                            .ok_or("a match past the block table")?;
+                        let row = &src[i * row_bytes..(i + 1) * row_bytes];
+                        let row = match (plane, rot, deltas.get(i)) {
+                            (0, Some((_, krow)), Some(d)) => {
+                                rotate_bytes(
+                                    &mut rotator,
+                                    d,
+                                    row,
+                                    &mut out,
+                                    geo.dtype,
+                                    krow,
+                                    rope.style,
+                                )?;
+                                &out[..]
+                            }
+                            _ => row,
+                        };
+                        t.write_token_row(l, plane, block, pos % k.tokens_per_block, row)
+                            .map_err(|e| e.to_string())?;
+                    }
+                }
+            }
+        }
+    }
+    /// One K row of `dtype` bytes rotated into `out`.
+    fn rotate_bytes(
+        rotator: &mut Rotator,
+        d: &lmcache_blend::Delta,
+        row: &[u8],
+        out: &mut [u8],
+        dtype: lmcache_core::Dtype,
+        krow: lmcache_blend::KRow,
+        style: lmcache_blend::RopeStyle,
+    ) -> Result<(), String> {
+        use lmcache_core::Dtype;
+        fn go<T: KvElement>(
+            rotator: &mut Rotator,
+            d: &lmcache_blend::Delta,
+            src: Vec<T>,
+            krow: lmcache_blend::KRow,
+            style: lmcache_blend::RopeStyle,
+        ) -> Result<Vec<T>, String> {
+            let mut dst = src.clone();
+            rotator.copy(d, &src, &mut dst, krow, style).map_err(|e| e.to_string())?;
+            Ok(dst)
+        }
+        match dtype {
+            Dtype::Float32 => {
+                let src = row
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                for (o, v) in out.chunks_exact_mut(4).zip(go(rotator, d, src, krow, style)?) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            Dtype::Float16 => {
+                let src =
+                    row.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]])).collect();
+                for (o, v) in out.chunks_exact_mut(2).zip(go(rotator, d, src, krow, style)?) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            Dtype::BFloat16 => {
+                let src =
+                    row.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]])).collect();
+                for (o, v) in out.chunks_exact_mut(2).zip(go(rotator, d, src, krow, style)?) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+            other => return Err(format!("{other:?} K is not re-rotated")),
+        }
+        Ok(())
+    }
+    Ok(())
+}
+
 fn store(
     state: &RequestState,
     key: &CacheKey,
