@@ -462,6 +462,24 @@ fn the_scatter_writes_v_as_stored_and_k_rotated_to_the_new_positions_and_nothing
     seg.write(0, &vec![0u8; bytes.len()]).unwrap();
     assert!(retrieve(&mut c, &table));
     assert!(all_zero(), "an applied match was written again");
+    // Positions that are not one chunk (ends before starts, past u32) are refused, not
+    // computed with: a typed failure, no panic.
+    for (old_st, old_ed) in [(100, 0), (u64::MAX - 4, u64::MAX)] {
+        let mut bad = r.non_prefix_segments[0].clone();
+        (bad.old_st, bad.old_ed) = (old_st, old_ed);
+        let cmd =
+            Command::CbRetrievePreComputed(lmcache_protocol::request::CbRetrievePreComputed {
+                key: CacheKey::whole(ModelName::new("m").unwrap(), "q", p2.clone(), CHUNK)
+                    .for_worker(0),
+                match_results: vec![bad],
+                block_ids: vec![table.clone()],
+                instance_id: 1,
+                event_ipc_handle: Vec::new(),
+            });
+        let v = send(&mut c, cmd).expect("a reply");
+        assert_eq!(v.as_array().unwrap()[1], Value::Boolean(false));
+    }
+    assert_eq!(s.state().metrics.handler_panics.get(), 0);
     c.end_session("q").unwrap();
     assert_eq!(s.state().l1().usage().locked_objects, 0, "no lock left behind");
 }

@@ -183,6 +183,22 @@ fn retrieve(
         return Err(bad("instance_id", "not an lmcache-driven registration"));
     };
     let chunk = state.chunk_size() as u64;
+    // Positions come from the client: each match must be one chunk, at both ends, before any
+    // arithmetic on them.
+    let one_chunk = |m: &CbMatch| {
+        m.cur_ed.checked_sub(m.cur_st) == Some(chunk)
+            && m.old_ed.checked_sub(m.old_st) == Some(chunk)
+            && m.old_ed <= u64::from(u32::MAX)
+    };
+    if let Some(m) = req.match_results.iter().find(|m| !one_chunk(m)) {
+        return Err(bad(
+            "match_results",
+            format!(
+                "[{}, {}) -> [{}, {}) is not one chunk of {chunk} at both ends",
+                m.old_st, m.old_ed, m.cur_st, m.cur_ed
+            ),
+        ));
+    }
     let tpb = |g: usize| kernel_groups.get(g).map_or(1, |k| k.tokens_per_block.max(1));
     // Each match with what identifies it as applied: its hash, start and destination blocks.
     let dest = |m: &CbMatch| -> Vec<u64> {
@@ -227,9 +243,6 @@ fn retrieve(
     if todo.iter().any(|(m, _)| m.cur_ed > bound) {
         let beyond = todo.iter().all(|(m, _)| m.cur_st >= bound);
         return Ok(transfer_result(beyond));
-    }
-    if todo.iter().any(|(m, _)| m.cur_ed - m.cur_st != chunk || m.old_ed - m.old_st != chunk) {
-        return Err(bad("match_results", "a match is not one chunk long"));
     }
     // This worker's object of each match, read-locked for the copy (the lookup's locks keep
     // them resident meanwhile; these go when the copy ends).
