@@ -1,6 +1,6 @@
-//! Multipart frames from a client: the frame parser, then every typed decoder over every
-//! parameter. Nothing may panic; whatever decodes must encode back to something that decodes
-//! to the same value.
+//! Multipart frames from a client: the frame parser, the request's typed command, then every
+//! typed decoder over every parameter. Nothing may panic; whatever decodes must encode back
+//! to something that decodes to the same value.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -31,5 +31,10 @@ fuzz_target!(|frames: Vec<Vec<u8>>| {
         let _ = PrepareStoreResponse::decode("p", p);
         let _ = PrepareRetrieveResponse::decode("p", p);
         let _ = types::block_ids("b", p);
+        if let Ok(m) = types::blend::CbMatch::decode("m", p) {
+            assert_eq!(types::blend::CbMatch::decode("m", &m.encode()).ok(), Some(m));
+        }
     }
+    // Every typed request (CacheBlend's among them) decodes or is refused, never panics.
+    let _ = lmcache_protocol::request::Command::decode(req.op, &req.params);
 });
