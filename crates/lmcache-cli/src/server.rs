@@ -476,6 +476,9 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         p2p_lookup_timeout: positive_secs("p2p-lookup-timeout", args.p2p_lookup_timeout)?,
         p2p_load_timeout: positive_secs("p2p-load-timeout", args.p2p_load_timeout)?,
         p2p_same_host: args.p2p_same_host,
+        // `--engine-type blend` stays refused by name until the blend engine is tested
+        // against LMCache's own blend server.
+        blend: None,
         http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),
         chunk_size: args.chunk_size,
         max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),
