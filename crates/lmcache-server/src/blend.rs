@@ -431,15 +431,44 @@ pub fn read_cos_sin(seg: &ForeignSegment, meta: &TensorMeta) -> Result<CosSinCac
     for r in 0..rows {
         let at = (meta.storage_offset + r * rs) * elem;
         seg.read(at, &mut row).map_err(|e| e.to_string())?;
-        for c in 0..cols_us {
-            let o = c * elem as usize;
-            let v = match meta.dtype {
-                Dtype::Float32 => f32::from_le_bytes([row[o], row[o + 1], row[o + 2], row[o + 3]]),
-                Dtype::Float16 => half::f16::from_le_bytes([row[o], row[o + 1]]).to_f32(),
-                _ => half::bf16::from_le_bytes([row[o], row[o + 1]]).to_f32(),
-            };
-            table.push(v);
-        }
+        widen(meta.dtype, &row, &mut table)?;
     }
     CosSinCache::new(cols_us, table).map_err(|e| e.to_string())
+}
+
+/// Appends little-endian `f32`, `f16` or `bf16` elements to `out`, widened to `f32`.
+pub(crate) fn widen(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), String> {
+    match dtype {
+        Dtype::Float32 => {
+            out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+        }
+        Dtype::Float16 => out
+            .extend(bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())),
+        Dtype::BFloat16 => out.extend(
+            bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
+        other => return Err(format!("{other:?} elements: expected float32, float16 or bfloat16")),
+    }
+    Ok(())
+}
+
+/// Writes `values` into `out` as little-endian elements of `dtype` (rounded to nearest), the
+/// inverse of [`widen`] for the same dtypes.
+pub(crate) fn narrow(dtype: Dtype, values: &[f32], out: &mut [u8]) -> Result<(), String> {
+    match dtype {
+        Dtype::Float32 => out
+            .chunks_exact_mut(4)
+            .zip(values)
+            .for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
+        Dtype::Float16 => out
+            .chunks_exact_mut(2)
+            .zip(values)
+            .for_each(|(o, v)| o.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
+        Dtype::BFloat16 => out
+            .chunks_exact_mut(2)
+            .zip(values)
+            .for_each(|(o, v)| o.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
+        other => return Err(format!("{other:?} elements: expected float32, float16 or bfloat16")),
+    }
+    Ok(())
 }

@@ -19,6 +19,8 @@ use lmcache_protocol::types::IpcDescriptor;
 use lmcache_protocol::types::blend::{CbMatch, CbUnifiedLookupResult};
 use rmpv::Value;
 
+use super::bad;
+
 use crate::blend::BlendEngine;
 use crate::registry::{Family, Registration};
 use crate::state::RequestState;
@@ -42,10 +44,6 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
         }
         other => Err(ProtocolError::UnsupportedOp(other.encode().0.name())),
     }
-}
-
-fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
-    ProtocolError::OutOfRange { field: field.to_owned(), reason: reason.into() }
 }
 
 fn register_rope(

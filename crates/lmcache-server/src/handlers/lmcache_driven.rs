@@ -21,6 +21,7 @@ use lmcache_protocol::types::{self, CacheKey, IpcDescriptor};
 use lmcache_storage::{StorageEvent, StoreSlot};
 use rmpv::Value;
 
+use super::bad;
 use crate::registry::{Family, Instance, KernelGroup, LayerTensor, Registration};
 use crate::state::RequestState;
 use crate::transfer::{CpuTransfer, KvTransfer};
@@ -58,10 +59,6 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
         }
         other => Err(ProtocolError::UnsupportedOp(other.encode().0.name())),
     }
-}
-
-fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
-    ProtocolError::OutOfRange { field: field.to_owned(), reason: reason.into() }
 }
 
 /// A client segment name the server may map: inside `--allowed-shm-prefix` when one is set.
@@ -345,7 +342,6 @@ pub(super) fn blend_scatter(
     matches: &[(&lmcache_protocol::types::blend::CbMatch, &[u8])],
     rope: &crate::blend::RopeState,
 ) -> Result<(), String> {
-    use lmcache_blend::{KvElement, Rotator};
     let inst =
         state.registry.get(Family::LmcacheDriven, id).ok_or("the worker is not registered")?;
     let p = plan(&inst, 1).ok_or("not an lmcache-driven registration")?;
@@ -353,7 +349,8 @@ pub(super) fn blend_scatter(
         return Err("fp8 KV is not re-rotated yet".into());
     }
     let chunk = state.chunk_size() as u64;
-    let mut rotator = Rotator::default();
+    // One K row at a time, in f32 (a buffer reused across rows).
+    let mut wide: Vec<f32> = Vec::new();
     for &(m, object) in matches {
         for (g, r) in p.parts(0) {
             let part = object.get(r).ok_or("the object is shorter than its layout")?;
@@ -389,15 +386,10 @@ pub(super) fn blend_scatter(
                         let row = &src[i * row_bytes..(i + 1) * row_bytes];
                         let row = match (plane, rot, deltas.get(i)) {
                             (0, Some((_, krow)), Some(d)) => {
-                                rotate_bytes(
-                                    &mut rotator,
-                                    d,
-                                    row,
-                                    &mut out,
-                                    geo.dtype,
-                                    krow,
-                                    rope.style,
-                                )?;
+                                wide.clear();
+                                crate::blend::widen(geo.dtype, row, &mut wide)?;
+                                d.apply(&mut wide, krow, rope.style).map_err(|e| e.to_string())?;
+                                crate::blend::narrow(geo.dtype, &wide, &mut out)?;
                                 &out[..]
                             }
                             _ => row,
@@ -408,56 +400,6 @@ pub(super) fn blend_scatter(
                 }
             }
         }
-    }
-    /// One K row of `dtype` bytes rotated into `out`.
-    fn rotate_bytes(
-        rotator: &mut Rotator,
-        d: &lmcache_blend::Delta,
-        row: &[u8],
-        out: &mut [u8],
-        dtype: lmcache_core::Dtype,
-        krow: lmcache_blend::KRow,
-        style: lmcache_blend::RopeStyle,
-    ) -> Result<(), String> {
-        use lmcache_core::Dtype;
-        fn go<T: KvElement>(
-            rotator: &mut Rotator,
-            d: &lmcache_blend::Delta,
-            src: Vec<T>,
-            krow: lmcache_blend::KRow,
-            style: lmcache_blend::RopeStyle,
-        ) -> Result<Vec<T>, String> {
-            let mut dst = src.clone();
-            rotator.copy(d, &src, &mut dst, krow, style).map_err(|e| e.to_string())?;
-            Ok(dst)
-        }
-        match dtype {
-            Dtype::Float32 => {
-                let src = row
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
-                for (o, v) in out.chunks_exact_mut(4).zip(go(rotator, d, src, krow, style)?) {
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            Dtype::Float16 => {
-                let src =
-                    row.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]])).collect();
-                for (o, v) in out.chunks_exact_mut(2).zip(go(rotator, d, src, krow, style)?) {
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            Dtype::BFloat16 => {
-                let src =
-                    row.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]])).collect();
-                for (o, v) in out.chunks_exact_mut(2).zip(go(rotator, d, src, krow, style)?) {
-                    o.copy_from_slice(&v.to_le_bytes());
-                }
-            }
-            other => return Err(format!("{other:?} K is not re-rotated")),
-        }
-        Ok(())
     }
     Ok(())
 }

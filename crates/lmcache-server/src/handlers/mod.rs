@@ -189,6 +189,11 @@ pub fn handle_parse_failure(state: &ServerState, failure: ParseFailure) -> Optio
     Some(failure_reply(state, header, op))
 }
 
+/// A field whose value a handler refuses, and why.
+pub(super) fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
+    ProtocolError::OutOfRange { field: field.to_owned(), reason: reason.into() }
+}
+
 /// The typed failure of `op`: a value of its response type that tells the client the
 /// request did nothing (LMCache's clients drop a reply of the wrong type, then time out).
 fn failure_reply(state: &ServerState, header: Header, op: Option<Op>) -> Reply {
