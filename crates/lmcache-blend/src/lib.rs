@@ -7,6 +7,9 @@
 //! - `matcher`: [`Matcher`], a server's own matcher over its stores, with LMCache's rules
 //!   (which chunks are fingerprinted, first positions, newest or deduplicated contents, stale
 //!   strikes) and namespaces LMCache's matcher lacks.
+//! - `reorder`: the reorder planner ([`plan`], [`PromptStore`]): a prompt served in an order
+//!   that starts with an exact copy of a stored prompt's beginning, as LMCache's planner
+//!   orders it.
 //! - `rope`: re-rotating a reused chunk's K from its stored positions to its new ones
 //!   ([`CosSinCache`], [`Delta`]; NeoX and GPT-J pairs, partial and offset windows, YaRN
 //!   scales removed), in `f32` over `f32`, `f16` or `bf16` KV.
@@ -14,12 +17,14 @@
 
 mod index;
 mod matcher;
+mod reorder;
 mod rope;
 
 pub use index::{
     BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats, MAX_CONTENTS_PER_FINGERPRINT,
 };
 pub use matcher::{Found, Matcher, Namespace, STALE_STRIKES, StoredRun};
+pub use reorder::{GLUE, LMIN, PROMPT_STORE_TOKENS, PromptStore, plan};
 pub use rope::{
     CosSinCache, Delta, KRow, KvElement, MSCALE_TOLERANCE, RopeError, RopeStyle, Rotator,
 };

@@ -45,9 +45,28 @@ pub struct ServerArgs {
     /// Threads for transfers (default: --max-workers).
     #[arg(long)]
     pub max_gpu_workers: Option<usize>,
-    /// Accepted for compatibility: both transfer families are always served.
+    /// Accepted for compatibility: both transfer families are always served (but
+    /// `--engine-type blend` needs lmcache_driven or auto, as LMCache's).
     #[arg(long, default_value = "lmcache_driven", value_parser = ["lmcache_driven", "engine_driven", "auto"])]
     pub supported_transfer_mode: String,
+    /// Cache engine: `default` is prefix caching; `blend` adds CacheBlend, which finds stored
+    /// chunks anywhere in a prompt and scatters their KV into the engine's blocks at the new
+    /// positions, K re-rotated (the cb_* operations; lmcache-driven cpu_shm KV).
+    #[arg(long, default_value = "default", value_parser = ["default", "blend"])]
+    pub engine_type: String,
+    /// --engine-type blend only: chunks of the prompt past a gap in its prefix hit (a chunk
+    /// L1 and L2 lack) are still served, at their own positions, when L1 holds them, instead
+    /// of the hit ending at the gap.
+    #[arg(long)]
+    pub enable_segmented_prefix: bool,
+    /// --engine-type blend only: a chunk whose tokens are fingerprinted already (the same
+    /// text stored behind another prefix) is not fingerprinted again; the first store wins.
+    #[arg(long)]
+    pub enable_dedup_content: bool,
+    /// --engine-type blend only: answer cb_reorder_plan, which orders a prompt so it starts
+    /// with an exact copy of a stored prompt's beginning.
+    #[arg(long)]
+    pub enable_blend_reorder: bool,
     /// Drop registrations of ping-proven workers silent this long (0 disables; else >= 30).
     #[arg(long, default_value_t = 120)]
     pub worker_reap_timeout_seconds: u64,
@@ -302,6 +321,24 @@ fn p2p_engine(args: &ServerArgs) -> anyhow::Result<lmcache_server::config::P2pEn
     Ok(P2pEngine::Nixl { library })
 }
 
+/// `--engine-type` and the blend flags.
+fn blend(args: &ServerArgs) -> anyhow::Result<Option<lmcache_server::blend::BlendOptions>> {
+    if args.engine_type != "blend" {
+        return Ok(None);
+    }
+    if args.supported_transfer_mode == "engine_driven" {
+        bail!(
+            "--engine-type blend scatters into lmcache-driven (cpu_shm) KV registrations: use \
+             --supported-transfer-mode lmcache_driven or auto"
+        );
+    }
+    Ok(Some(lmcache_server::blend::BlendOptions {
+        segmented_prefix: args.enable_segmented_prefix,
+        dedup_content: args.enable_dedup_content,
+        reorder: args.enable_blend_reorder,
+    }))
+}
+
 fn coordinator_reporting(
     args: &ServerArgs,
 ) -> anyhow::Result<Option<lmcache_server::fleet_report::CoordinatorReporting>> {
@@ -380,13 +417,9 @@ pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
     "--l1-devdax-path",
     "--gds-l1-path",
     "--transport",
-    "--engine-type",
     "--isolated-ipc",
     "--runtime-plugin-locations",
     "--server-module",
-    "--enable-segmented-prefix",
-    "--enable-dedup-content",
-    "--enable-blend-reorder",
     "--enable",
     "--coordinator-kafka-bootstrap-servers",
     "--coordinator-kafka-topic",
@@ -476,9 +509,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         p2p_lookup_timeout: positive_secs("p2p-lookup-timeout", args.p2p_lookup_timeout)?,
         p2p_load_timeout: positive_secs("p2p-load-timeout", args.p2p_load_timeout)?,
         p2p_same_host: args.p2p_same_host,
-        // `--engine-type blend` stays refused by name until the blend engine is tested
-        // against LMCache's own blend server.
-        blend: None,
+        blend: blend(args)?,
         http_auth_token: args.http_auth_token.clone().filter(|t| !t.is_empty()),
         chunk_size: args.chunk_size,
         max_cpu_workers: args.max_cpu_workers.unwrap_or(args.max_workers).max(1),
@@ -587,6 +618,25 @@ mod tests {
         }
         let argv = std::iter::once("server").chain(flags.iter().copied());
         <Cmd as clap::Parser>::try_parse_from(argv).unwrap().server
+    }
+
+    #[test]
+    fn the_blend_engine_takes_its_flags_and_refuses_engine_driven() {
+        assert!(config(&parse(&[])).unwrap().blend.is_none());
+        assert!(config(&parse(&["--enable-blend-reorder"])).unwrap().blend.is_none());
+        let b = config(&parse(&["--engine-type", "blend", "--enable-dedup-content"]))
+            .unwrap()
+            .blend
+            .unwrap();
+        assert!(b.dedup_content && !b.reorder && !b.segmented_prefix);
+        let flags =
+            ["--engine-type", "blend", "--enable-blend-reorder", "--enable-segmented-prefix"];
+        let b = config(&parse(&flags)).unwrap().blend.unwrap();
+        assert!(b.reorder && b.segmented_prefix);
+        let bad = ["--engine-type", "blend", "--supported-transfer-mode", "engine_driven"];
+        let e = config(&parse(&bad)).unwrap_err().to_string();
+        assert!(e.contains("--supported-transfer-mode"), "{e}");
+        assert!(refuse_unsupported(&["--engine-type".into()]).is_ok());
     }
 
     #[test]

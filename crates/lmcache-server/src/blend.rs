@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use lmcache_blend::{CosSinCache, Matcher, Namespace, RopeStyle, StoredRun};
+use lmcache_blend::{CosSinCache, Matcher, Namespace, PromptStore, RopeStyle, StoredRun};
 use lmcache_core::Dtype;
 use lmcache_memory::ForeignSegment;
 use lmcache_protocol::request::CbRegisterRope;
@@ -144,6 +144,8 @@ pub struct BlendEngine {
     applied: Mutex<Applied>,
     ropes: Mutex<HashMap<u64, Arc<RopeState>>>,
     matcher: Mutex<Matcher>,
+    /// The stored prompts a reorder plan copies (with `--enable-blend-reorder` only).
+    prompts: Option<Mutex<PromptStore>>,
     chunk_size: usize,
 }
 
@@ -155,6 +157,7 @@ impl BlendEngine {
             applied: Mutex::default(),
             ropes: Mutex::new(HashMap::new()),
             matcher: Mutex::new(Matcher::new(chunk_size, options.dedup_content)),
+            prompts: options.reorder.then(Mutex::default),
             chunk_size,
         }
     }
@@ -305,6 +308,50 @@ impl BlendEngine {
         added
     }
 
+    /// Whether stores are recorded for reorder plans (`--enable-blend-reorder`).
+    pub fn records_prompts(&self) -> bool {
+        self.prompts.is_some()
+    }
+
+    /// Records a store that committed KV for the reorder planner (worker 0 or every worker
+    /// only, as fingerprints): `chain` is the request's chunk hashes from chunk 0.
+    pub fn record_prompt(&self, key: &CacheKey, chain: &[[u8; 32]]) {
+        if let Some(p) = &self.prompts
+            && matches!(key.worker_id, None | Some(0))
+        {
+            p.lock().record(&namespace(key), &key.request_id, &key.token_ids, chain);
+        }
+    }
+
+    /// `cb_reorder_plan`: the prompt's tokens in the order that starts with the longest copy
+    /// of a stored prompt's beginning, or empty to keep the prompt (always, without
+    /// `--enable-blend-reorder`, or when the key's namespace is none or ambiguous). `chain`
+    /// is the prompt's chunk hashes from chunk 0.
+    pub fn reorder(
+        &self,
+        key: &CacheKey,
+        keep_prefix: u64,
+        budget: std::time::Duration,
+        chain: &[[u8; 32]],
+    ) -> Vec<u32> {
+        let Some(prompts) = &self.prompts else { return Vec::new() };
+        let deadline = std::time::Instant::now() + budget;
+        let prompts = prompts.lock();
+        let Some(ns) =
+            prompts.resolve(key.model_name.as_str(), key.world_size, key.cache_salt.as_str())
+        else {
+            return Vec::new();
+        };
+        let p = &key.token_ids;
+        let hits: Vec<[u8; 32]> = self.matcher.lock().find(&ns, p).iter().map(|f| f.hash).collect();
+        let (candidates, base) = prompts.candidates(&ns, &hits, chain, 4);
+        let keep = usize::try_from(keep_prefix).unwrap_or(usize::MAX);
+        match lmcache_blend::plan(p, &candidates, self.chunk_size, base, deadline, keep) {
+            Some(perm) => perm.iter().map(|&i| p[i]).collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// What `/status` shows: the options, the workers with rope state, the index's size.
     pub fn status(&self) -> serde_json::Value {
         let mut ropes: Vec<u64> = self.ropes.lock().keys().copied().collect();
@@ -317,6 +364,7 @@ impl BlendEngine {
             "segmented_prefix": self.options.segmented_prefix,
             "dedup_content": self.options.dedup_content,
             "reorder": self.options.reorder,
+            "reorder_prompts": self.prompts.as_ref().map_or(0, |p| p.lock().len().0),
         })
     }
 

@@ -20,9 +20,13 @@ const BS: u64 = 4;
 const NB: u64 = 16;
 
 fn server(tag: &str, blend: bool) -> Server {
+    server_with(tag, blend.then(BlendOptions::default))
+}
+
+fn server_with(tag: &str, blend: Option<BlendOptions>) -> Server {
     Server::start(ServerConfig {
         chunk_size: CHUNK,
-        blend: blend.then(BlendOptions::default),
+        blend,
         ..ServerConfig::local(ArenaConfig {
             size: 32 << 20,
             backing: ArenaBacking::SharedMemory {
@@ -482,4 +486,87 @@ fn the_scatter_writes_v_as_stored_and_k_rotated_to_the_new_positions_and_nothing
     assert_eq!(s.state().metrics.handler_panics.get(), 0);
     c.end_session("q").unwrap();
     assert_eq!(s.state().l1().usage().locked_objects, 0, "no lock left behind");
+}
+
+#[test]
+fn a_segmented_prefix_serves_chunks_past_a_gap_at_their_own_positions() {
+    let opts = BlendOptions { segmented_prefix: true, ..BlendOptions::default() };
+    let s = server_with("seg", Some(opts));
+    let mut c = client(&s);
+    let _kv = kv_worker(&mut c, "segkv");
+    // P = [A | B | C | D] stored; B then leaves L1: the prefix hit is A alone.
+    let p: Vec<u32> = [seq(1, CHUNK), seq(2, CHUNK), seq(3, CHUNK), seq(4, CHUNK)].concat();
+    store_tokens(&mut c, "p", &p);
+    let hashes = lmcache_core::TokenHasher::new(CHUNK).unwrap().hash_tokens(&p);
+    let l1 = s.state().l1();
+    let gap: Vec<_> = l1
+        .resident_keys()
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k.chunk_hash == hashes[1])
+        .collect();
+    assert_eq!(gap.len(), 1);
+    assert!(l1.delete(&gap, true).iter().all(Result::is_ok));
+    let r = unified(&mut c, "q", &p);
+    assert_eq!(r.prefix_coverage_tokens, CHUNK as u64);
+    let tail: Vec<_> = r
+        .segmented_prefix_segments
+        .iter()
+        .map(|m| (m.old_st, m.old_ed, m.cur_st, m.cur_ed, m.hash.clone()))
+        .collect();
+    let at = |i: usize| {
+        let st = (i * CHUNK) as u64;
+        (st, st + CHUNK as u64, st, st + CHUNK as u64, hashes[i].0.to_vec())
+    };
+    assert_eq!(tail, vec![at(2), at(3)], "C and D at their own positions");
+    // C and D are fingerprinted at their own positions too: not answered twice.
+    assert!(r.non_prefix_segments.is_empty(), "{:?}", r.non_prefix_segments);
+    // The lookup's prefix lock (A) plus C's and D's for the retrieve.
+    assert_eq!(l1.usage().locked_objects, 3);
+    c.end_session("q").unwrap();
+    assert_eq!(l1.usage().locked_objects, 0);
+
+    // Without the flag the hit ends at the gap, and C and D come back as ordinary matches.
+    let plain = server("segoff", true);
+    let mut c2 = client(&plain);
+    let _kv2 = kv_worker(&mut c2, "segoffkv");
+    store_tokens(&mut c2, "p", &p);
+    let l1 = plain.state().l1();
+    let gap: Vec<_> = l1
+        .resident_keys()
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k.chunk_hash == hashes[1])
+        .collect();
+    l1.delete(&gap, true);
+    let r = unified(&mut c2, "q", &p);
+    assert!(r.segmented_prefix_segments.is_empty());
+    let starts: Vec<_> = r.non_prefix_segments.iter().map(|m| (m.old_st, m.cur_st)).collect();
+    assert_eq!(starts, vec![(32, 32), (48, 48)]);
+}
+
+#[test]
+fn the_reorder_plan_serves_a_stored_prompts_documents_in_its_order() {
+    let opts = BlendOptions { reorder: true, ..BlendOptions::default() };
+    let s = server_with("ro", Some(opts));
+    let mut c = client(&s);
+    let _kv = kv_worker(&mut c, "rokv");
+    let (a, b, q1, q2) = (seq(1, 24), seq(2, 24), seq(8, 16), seq(9, 20));
+    let stored: Vec<u32> = [&a[..], &b, &q1].concat();
+    store_tokens(&mut c, "p", &stored);
+    let plan = |c: &mut Client, salt: &str, tokens: Vec<u32>, keep: u64| {
+        let mut key = CacheKey::whole(ModelName::new("m").unwrap(), "q", tokens, CHUNK);
+        key.cache_salt = lmcache_core::CacheSalt::new(salt).unwrap();
+        let req =
+            lmcache_protocol::request::CbReorderPlan { key, keep_prefix: keep, budget_ms: 1000 };
+        let v = send(c, Command::CbReorderPlan(req)).expect("a reply");
+        v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>()
+    };
+    let prompt: Vec<u32> = [&b[..], &a, &q2].concat();
+    assert_eq!(plan(&mut c, "", prompt.clone(), 0), [&a[..], &b, &q2].concat());
+    // Already in the stored order, another tenant, a prefix kept that the store lacks: keep.
+    assert!(plan(&mut c, "", [&a[..], &b, &q2].concat(), 0).is_empty());
+    assert!(plan(&mut c, "other", prompt.clone(), 0).is_empty());
+    assert!(plan(&mut c, "", prompt, 4).is_empty());
+    assert_eq!(s.state().blend().unwrap().status()["reorder_prompts"], 1);
 }

@@ -1,6 +1,5 @@
 //! CacheBlend's operations (`--engine-type blend`): the handshake, the rope state a scatter
-//! re-rotates K with, the unified lookup and the scatter. The reorder plan is not served yet
-//! (see [`crate::blend`]).
+//! re-rotates K with, the unified lookup, the scatter and the reorder plan.
 //!
 //! The unified lookup, as LMCache's: the first call starts the prefix lookup (the ordinary
 //! lookup's, L1 then an L2 prefetch) and matches the prompt against this server's
@@ -34,8 +33,17 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
         Command::CbRegisterRope(req) => register_rope(state, engine, &req).map(|()| None),
         Command::CbUnifiedLookup(req) => unified_lookup(state, engine, &req.key),
         Command::CbRetrievePreComputed(req) => retrieve(state, engine, &req).map(Some),
-        // Without --enable-blend-reorder LMCache answers `[]` ("keep the prompt"), quietly.
-        Command::CbReorderPlan(_) if !engine.options().reorder => Ok(Some(Value::Array(vec![]))),
+        // `[]` keeps the prompt: always without --enable-blend-reorder, as LMCache answers.
+        Command::CbReorderPlan(req) => {
+            let chain: Vec<[u8; 32]> = if engine.records_prompts() {
+                state.hasher.hash_tokens(&req.key.token_ids).iter().map(|h| h.0).collect()
+            } else {
+                Vec::new()
+            };
+            let budget = std::time::Duration::from_millis(req.budget_ms);
+            let order = engine.reorder(&req.key, req.keep_prefix, budget, &chain);
+            Ok(Some(Value::Array(order.into_iter().map(Value::from).collect())))
+        }
         Command::CbUnregisterRope(id) => {
             if !engine.unregister_rope(id) {
                 tracing::warn!(instance_id = id, "cb_unregister_rope: no rope state registered");
@@ -112,18 +120,51 @@ fn unified_lookup(
     let chunk = state.chunk_size() as u64;
     let prefix_tokens = prefix_chunks * chunk;
     let readers = key.num_kv_readers.clamp(1, state.l1().config().max_read_locks);
-    let groups = state.registry.objects(&key.model_name, key.world_size).len().max(1);
-    let strike = state.config.l2_adapters.is_empty();
-    let mut found: Vec<(CbMatch, Vec<lmcache_l1::ReadLease>)> = Vec::new();
-    for m in matches.into_iter().filter(|m| m.cur_st >= prefix_tokens) {
+    let objects = state.registry.objects(&key.model_name, key.world_size);
+    let groups = objects.len().max(1);
+    // Every object (group, shard) of a chunk read-locked, or none.
+    let lock = |hash: [u8; 32]| -> Result<Option<Vec<lmcache_l1::ReadLease>>, ProtocolError> {
         let mut keys = Vec::with_capacity(groups * key.world_size as usize);
         for og in 0..groups as u32 {
             for w in 0..key.world_size {
-                keys.extend(state.object_keys(key, w, &[ChunkHash(m.hash)], og)?);
+                keys.extend(state.object_keys(key, w, &[ChunkHash(hash)], og)?);
             }
         }
         let leases: Vec<_> = state.l1().read_lock(&keys, readers).into_iter().flatten().collect();
-        if leases.len() == keys.len() {
+        Ok((leases.len() == keys.len()).then_some(leases))
+    };
+    // The segmented prefix: the prompt's own chunks past a gap in the prefix hit that L1
+    // still holds, served at their positions. Off for recurrent or windowed groups (a gap
+    // there cannot be skipped).
+    let mut tail: Vec<(CbMatch, Vec<lmcache_l1::ReadLease>)> = Vec::new();
+    let full_attention = objects.iter().all(|o| o.window_chunks.is_none() && !o.recurrent);
+    if engine.options().segmented_prefix && full_attention {
+        let chunks = key.token_ids.len() / state.chunk_size();
+        let own = state.sessions.with(id, |s| s.chunk_hashes(&key.token_ids, chunks));
+        for (i, h) in own.iter().enumerate().skip(prefix_chunks as usize) {
+            if let Some(leases) = lock(h.0)? {
+                let st = i as u64 * chunk;
+                let m = CbMatch {
+                    old_st: st,
+                    old_ed: st + chunk,
+                    cur_st: st,
+                    cur_ed: st + chunk,
+                    hash: h.0.to_vec(),
+                };
+                tail.push((m, leases));
+            }
+        }
+    }
+    let strike = state.config.l2_adapters.is_empty();
+    let mut found: Vec<(CbMatch, Vec<lmcache_l1::ReadLease>)> = Vec::new();
+    // A match at its own position that the segmented tail serves already is not scattered
+    // twice (one at its position the tail lacks is a true reuse and stays).
+    let in_tail = |m: &lmcache_blend::Found| tail.iter().any(|(t, _)| t.cur_st == m.cur_st);
+    for m in matches.into_iter().filter(|m| m.cur_st >= prefix_tokens) {
+        if m.old_st == m.cur_st && in_tail(&m) {
+            continue;
+        }
+        if let Some(leases) = lock(m.hash)? {
             engine.matcher().lock().found(&ns, &m.hash);
             let cb = CbMatch {
                 old_st: m.old_st,
@@ -149,8 +190,9 @@ fn unified_lookup(
     let result = CbUnifiedLookupResult {
         prefix_coverage_tokens: prefix_tokens,
         non_prefix_segments: kept.iter().map(|(m, _)| m.clone()).collect(),
-        segmented_prefix_segments: Vec::new(),
+        segmented_prefix_segments: tail.iter().map(|(m, _)| m.clone()).collect(),
     };
+    kept.extend(tail);
     state.sessions.with(id, |s| s.blend.matched = kept);
     Ok(Some(result.encode()))
 }

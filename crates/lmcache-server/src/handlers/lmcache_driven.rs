@@ -360,7 +360,10 @@ pub(super) fn blend_scatter(
             if k.kept_blocks != k.blocks_per_chunk || k.tokens_per_block != geo.block_size {
                 return Err(format!("kernel group {g}: windowed or compressed blocks"));
             }
-            let rot = rope.for_group(k.engine_group, geo.hidden, geo.kv)?;
+            // A chunk served at its own position (a segmented prefix) is copied as stored.
+            let rot = rope
+                .for_group(k.engine_group, geo.hidden, geo.kv)?
+                .filter(|_| m.old_st != m.cur_st);
             let elem = geo.dtype.itemsize() as usize;
             let row_bytes = geo.hidden as usize * elem;
             let slab = chunk as usize * row_bytes;
@@ -479,6 +482,12 @@ fn store(
     if let Some(blend) = &state.blend {
         let raw: Vec<[u8; 32]> = hashes.iter().map(|h| h.0).collect();
         blend.on_store(key, &raw, &committed);
+        if blend.records_prompts() && !committed.is_empty() {
+            let chunks = key.end / state.chunk_size();
+            let chain =
+                state.sessions.with(&key.request_id, |s| s.chunk_hashes(&key.token_ids, chunks));
+            blend.record_prompt(key, &chain.iter().map(|h| h.0).collect::<Vec<_>>());
+        }
     }
     tracing::debug!(
         chunks = committed.len(),
