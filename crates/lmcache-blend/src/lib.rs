@@ -1,6 +1,8 @@
 //! CacheBlend for lmcache-rs: reusing the KV of chunks that are not a prefix of the prompt.
 //!
 //! # Modules
+//! - `elements`: [`KFormat`], the element formats a re-rotated K row is read from and
+//!   written back to (`f32`, `f16`, `bf16`, vLLM's fp8 flavours).
 //! - `index`: [`BlendIndex`], the chunk-fingerprint index: every stored chunk found anywhere
 //!   in a query, each match verified token by token, per blend namespace. The coordinator's
 //!   directory keeps one for the fleet.
@@ -12,14 +14,16 @@
 //!   orders it.
 //! - `rope`: re-rotating a reused chunk's K from its stored positions to its new ones
 //!   ([`CosSinCache`], [`Delta`]; NeoX and GPT-J pairs, partial and offset windows, YaRN
-//!   scales removed), in `f32` over `f32`, `f16` or `bf16` KV.
+//!   scales removed), in `f32` over any [`KFormat`].
 #![forbid(unsafe_code)]
 
+mod elements;
 mod index;
 mod matcher;
 mod reorder;
 mod rope;
 
+pub use elements::KFormat;
 pub use index::{
     BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats, MAX_CONTENTS_PER_FINGERPRINT,
 };

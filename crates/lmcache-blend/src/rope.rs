@@ -220,6 +220,14 @@ impl Delta {
         Ok(())
     }
 
+    /// Rotates one token's K row of `f32` in place (no conversion: the scatter widens whole
+    /// runs of rows at once). The geometry is checked before anything is written.
+    pub fn rotate(&self, k: &mut [f32], row: KRow, style: RopeStyle) -> Result<(), RopeError> {
+        let need = self.check(k.len(), row)?;
+        self.rotate_row(&mut k[..need], row, style);
+        Ok(())
+    }
+
     /// Writes one token's K row from `src` into `dst` rotated: every element of its heads
     /// copied, each head's window rotated on the way (one pass over the bytes, as a scatter
     /// does). Both rows are checked before anything is written. [`Rotator`] does the same

@@ -221,6 +221,14 @@ pub struct ServerArgs {
     /// Seconds between cache-event flushes to the coordinator.
     #[arg(long, env = "LMCACHE_COORDINATOR_EVENT_FLUSH_INTERVAL", default_value_t = 1.0)]
     pub coordinator_event_flush_interval: f64,
+    /// --engine-type blend with a coordinator: seconds a fleet CacheBlend lookup to the
+    /// coordinator (/directory/blend-lookup) may take, as its HTTP timeout and the lookup's
+    /// deadline; past it the lookup goes on with this server's own matches.
+    #[arg(long, default_value_t = 1.0)]
+    pub coordinator_blend_timeout: f64,
+    /// --engine-type blend with a coordinator: fleet CacheBlend lookups in flight at most.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub coordinator_blend_match_concurrency: u32,
     /// How cache events travel: http (POST /events) or jetstream (NATS JetStream, with
     /// --coordinator-nats-url). LMCache's kafka is not available.
     #[arg(long, default_value = "http", value_parser = ["http", "jetstream", "kafka"])]
@@ -336,6 +344,11 @@ fn blend(args: &ServerArgs) -> anyhow::Result<Option<lmcache_server::blend::Blen
         segmented_prefix: args.enable_segmented_prefix,
         dedup_content: args.enable_dedup_content,
         reorder: args.enable_blend_reorder,
+        coordinator_timeout: positive_secs(
+            "coordinator-blend-timeout",
+            args.coordinator_blend_timeout,
+        )?,
+        coordinator_match_concurrency: args.coordinator_blend_match_concurrency as usize,
     }))
 }
 
@@ -610,14 +623,18 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
-    fn parse(flags: &[&str]) -> ServerArgs {
+    fn try_parse(flags: &[&str]) -> Result<ServerArgs, clap::Error> {
         #[derive(clap::Parser)]
         struct Cmd {
             #[command(flatten)]
             server: ServerArgs,
         }
         let argv = std::iter::once("server").chain(flags.iter().copied());
-        <Cmd as clap::Parser>::try_parse_from(argv).unwrap().server
+        <Cmd as clap::Parser>::try_parse_from(argv).map(|c| c.server)
+    }
+
+    fn parse(flags: &[&str]) -> ServerArgs {
+        try_parse(flags).unwrap()
     }
 
     #[test]
@@ -633,6 +650,17 @@ mod tests {
             ["--engine-type", "blend", "--enable-blend-reorder", "--enable-segmented-prefix"];
         let b = config(&parse(&flags)).unwrap().blend.unwrap();
         assert!(b.reorder && b.segmented_prefix);
+        let b = config(&parse(&flags)).unwrap().blend.unwrap();
+        assert_eq!(b.coordinator_timeout, Duration::from_secs(1));
+        assert_eq!(b.coordinator_match_concurrency, 8);
+        let fleet = ["--engine-type", "blend", "--coordinator-blend-timeout", "0.25"];
+        let b = config(&parse(&fleet)).unwrap().blend.unwrap();
+        assert_eq!(b.coordinator_timeout, Duration::from_millis(250));
+        for bad in ["0", "-1", "nan", "inf"] {
+            let argv = ["--engine-type", "blend", "--coordinator-blend-timeout", bad];
+            assert!(try_parse(&argv).map_or(true, |a| config(&a).is_err()), "{bad}");
+        }
+        assert!(try_parse(&["--coordinator-blend-match-concurrency", "0"]).is_err());
         let bad = ["--engine-type", "blend", "--supported-transfer-mode", "engine_driven"];
         let e = config(&parse(&bad)).unwrap_err().to_string();
         assert!(e.contains("--supported-transfer-mode"), "{e}");

@@ -1,23 +1,19 @@
 //! CacheBlend's server state (`--engine-type blend`, LMCache's blend module): each worker's
-//! rope state for re-rotating K, and the matcher over this server's own stores.
+//! rope state for re-rotating K, the matcher over this server's own stores, the coordinator
+//! leg that finds the fleet's, the reorder planner's stored prompts, and what each request's
+//! unified lookup holds between its polls ([`BlendSession`]).
 //!
-//! Served so far: the handshake, the rope registration (validated as LMCache validates it;
-//! the cos/sin caches read out of the worker's shared memory and stripped of any baked-in
-//! YaRN scale) and its removal, the fingerprints of every lmcache-driven store, the unified
-//! lookup (prefix leg, fingerprint matches locked in L1) and the scatter (V as stored, K
-//! re-rotated, token by token into the engine's blocks, with LMCache's early outcomes). Not
-//! yet: the reorder plan, fp8 KV, windowed or compressed groups in the scatter, the L2
-//! prefetch of matches L1 lost, segmented prefixes, the coordinator's blend leg, and the
-//! differential test against LMCache's blend server; so the engine is not reachable from the
-//! command line.
+//! The operations themselves are in `handlers::blend`; the scatter in
+//! `handlers::lmcache_driven`.
 //!
 //! A registration refused gets the void reply its type has (logged as a refused request and
 //! counted); LMCache's server raises and sends none, so its client times out instead.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use lmcache_blend::{CosSinCache, Matcher, Namespace, PromptStore, RopeStyle, StoredRun};
+use lmcache_blend::{CosSinCache, Found, Matcher, Namespace, PromptStore, RopeStyle, StoredRun};
 use lmcache_core::Dtype;
 use lmcache_memory::ForeignSegment;
 use lmcache_protocol::request::CbRegisterRope;
@@ -25,18 +21,38 @@ use lmcache_protocol::types::{CacheKey, TensorMeta};
 use parking_lot::Mutex;
 use rmpv::Value;
 
+use crate::blend_fleet::{FleetMatcher, FleetQuery};
+use crate::blend_telemetry::{BlendEvent, BlendTelemetry, BlendTrace, InstantSpan};
+
 /// LMCache's blend protocol version.
 pub const PROTOCOL_VERSION: i64 = 1;
 
 /// How the blend engine runs (LMCache's flags).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlendOptions {
     /// `--enable-segmented-prefix`.
     pub segmented_prefix: bool,
     /// `--enable-dedup-content`.
     pub dedup_content: bool,
-    /// `--enable-blend-reorder`.
+    /// `--enable-blend-reorder` (ignored with a coordinator leg, as LMCache ignores it: a
+    /// plan sees only this server's prompts).
     pub reorder: bool,
+    /// `--coordinator-blend-timeout`: the coordinator leg's HTTP timeout and deadline.
+    pub coordinator_timeout: Duration,
+    /// `--coordinator-blend-match-concurrency`: coordinator queries in flight at most.
+    pub coordinator_match_concurrency: usize,
+}
+
+impl Default for BlendOptions {
+    fn default() -> Self {
+        Self {
+            segmented_prefix: false,
+            dedup_content: false,
+            reorder: false,
+            coordinator_timeout: Duration::from_secs(1),
+            coordinator_match_concurrency: 8,
+        }
+    }
 }
 
 /// The fp8 flavour of a worker's KV (`kv_quant`).
@@ -71,16 +87,33 @@ pub struct RopeState {
     pub kv_quant: KvQuant,
 }
 
+/// How one kernel group's K is re-rotated.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupRotation<'a> {
+    /// The group's cos/sin cache.
+    pub cache: &'a CosSinCache,
+    /// Where the rotated elements sit in a token's row.
+    pub row: lmcache_blend::KRow,
+    /// How the row's elements are stored.
+    pub format: lmcache_blend::KFormat,
+}
+
 impl RopeState {
-    /// Engine group `eg`'s rotation: its cache and, in a token's K row of `hidden` elements,
-    /// where the rotated windows are. `None`: the group's K is copied as stored (NoPE, a `-1`
-    /// group, a group whose window is `[]`). Refused: geometry that does not fit.
+    /// Engine group `eg`'s rotation for a kernel group of `planes` planes whose token rows
+    /// hold `hidden` elements of `dtype`. `None`: the group's K is written as stored (NoPE, a
+    /// `-1` group, a `[]` window, or a non-float group under a declared window map, as
+    /// LMCache skips an fp8 index cache beside an MLA latent). Refused (the retrieve answers
+    /// "not ran", as LMCache's planner declines): geometry that does not fit, a window map
+    /// that does not cover the group, uint8 K without a `kv_quant` flavour, a single-plane
+    /// group with no declared window (an MLA latent would have its content rotated).
     pub fn for_group(
         &self,
         eg: i64,
         hidden: u64,
         planes: u64,
-    ) -> Result<Option<(&CosSinCache, lmcache_blend::KRow)>, String> {
+        dtype: Dtype,
+    ) -> Result<Option<GroupRotation<'_>>, String> {
+        use lmcache_blend::KFormat;
         let at = usize::try_from(eg).ok();
         let cache = match (&self.caches[..], &self.group_to_cache[..]) {
             ([], _) => return Ok(None),
@@ -93,31 +126,95 @@ impl RopeState {
                 None => return Err(format!("engine group {eg} has no rope cache mapping")),
             },
         };
-        let head = match at.and_then(|g| self.group_head_size.get(g)) {
-            Some(&h) => h,
-            None => u64::from(self.head_size),
-        };
-        let offset = if self.group_rot.is_empty() {
-            0
-        } else {
+        let declared = !self.group_rot.is_empty();
+        let float = matches!(
+            dtype,
+            Dtype::Float32
+                | Dtype::Float16
+                | Dtype::BFloat16
+                | Dtype::Float8E4M3Fn
+                | Dtype::Float8E5M2
+        );
+        if declared && !float {
+            return Ok(None);
+        }
+        let window = if declared {
             match at.and_then(|g| self.group_rot.get(g)) {
-                Some(Some((off, _))) => *off,
+                Some(Some(w)) => Some(*w),
                 Some(None) => return Ok(None),
                 None => return Err(format!("engine group {eg} has no rope window")),
             }
+        } else {
+            None
         };
-        // A declared window past 0 on a single plane is an MLA latent: one row, rope last.
-        let (heads, stride) =
-            if planes == 1 && offset > 0 { (1, hidden) } else { (hidden / head.max(1), head) };
-        if heads == 0 || heads * stride != hidden {
-            return Err(format!("a row of {hidden} is not heads of {head}"));
+        let format = match (dtype, self.kv_quant) {
+            (Dtype::Float32, _) => KFormat::F32,
+            (Dtype::Float16, _) => KFormat::F16,
+            (Dtype::BFloat16, _) => KFormat::Bf16,
+            (Dtype::Float8E4M3Fn, _) | (Dtype::UInt8, KvQuant::E4m3) => KFormat::Fp8E4m3,
+            (Dtype::Float8E5M2, _) | (Dtype::UInt8, KvQuant::E5m2) => KFormat::Fp8E5m2,
+            (Dtype::UInt8, KvQuant::None) => {
+                return Err("uint8 K without a kv_quant flavour cannot be re-rotated".into());
+            }
+            (other, _) => return Err(format!("{other:?} K cannot be re-rotated")),
+        };
+        let row = match window {
+            // An MLA latent: one row, [content | rope], the rope part rotated.
+            Some((off, width)) if off > 0 => {
+                if planes != 1 {
+                    return Err(format!(
+                        "engine group {eg}: a rope window at {off} needs a single-plane MLA \
+                         latent, the group has {planes} planes"
+                    ));
+                }
+                if off + width != hidden {
+                    return Err(format!(
+                        "engine group {eg}: rope window [{off}, +{width}) does not end the row \
+                         of {hidden}"
+                    ));
+                }
+                if cache.rot_dim() as u64 != width {
+                    return Err(format!(
+                        "engine group {eg}: rope width {width} but the cos/sin cache rotates {}",
+                        cache.rot_dim()
+                    ));
+                }
+                lmcache_blend::KRow {
+                    heads: 1,
+                    head_stride: hidden as usize,
+                    rot_offset: off as usize,
+                }
+            }
+            _ => {
+                if planes == 1 && !declared {
+                    return Err(format!(
+                        "engine group {eg}: single-plane K with no declared rope window (an MLA \
+                         latent needs group_rot)"
+                    ));
+                }
+                let head = match at.and_then(|g| self.group_head_size.get(g)) {
+                    Some(&h) => h,
+                    None => u64::from(self.head_size),
+                };
+                let heads = hidden / head.max(1);
+                if heads == 0 || heads * head != hidden {
+                    return Err(format!("a row of {hidden} is not heads of {head}"));
+                }
+                lmcache_blend::KRow {
+                    heads: heads as usize,
+                    head_stride: head as usize,
+                    rot_offset: 0,
+                }
+            }
+        };
+        if row.rot_offset + cache.rot_dim() > row.head_stride {
+            return Err(format!(
+                "engine group {eg}: a rotary window of {} does not fit a head of {}",
+                cache.rot_dim(),
+                row.head_stride
+            ));
         }
-        let row = lmcache_blend::KRow {
-            heads: heads as usize,
-            head_stride: stride as usize,
-            rot_offset: offset as usize,
-        };
-        Ok(Some((cache, row)))
+        Ok(Some(GroupRotation { cache, row, format }))
     }
 }
 
@@ -146,20 +243,45 @@ pub struct BlendEngine {
     matcher: Mutex<Matcher>,
     /// The stored prompts a reorder plan copies (with `--enable-blend-reorder` only).
     prompts: Option<Mutex<PromptStore>>,
+    /// The coordinator leg (a coordinator with event reporting).
+    fleet: Option<FleetMatcher>,
+    telemetry: BlendTelemetry,
     chunk_size: usize,
 }
 
 impl BlendEngine {
-    /// An engine for chunks of `chunk_size` tokens.
-    pub fn new(options: BlendOptions, chunk_size: usize) -> Self {
+    /// An engine for chunks of `chunk_size` tokens, telling `telemetry` what it does, with
+    /// the coordinator's matches from `fleet` when there is one.
+    pub fn new(
+        options: BlendOptions,
+        chunk_size: usize,
+        telemetry: BlendTelemetry,
+        fleet: Option<FleetMatcher>,
+    ) -> Self {
+        let reorder = options.reorder && fleet.is_none();
+        if options.reorder && !reorder {
+            tracing::warn!("--enable-blend-reorder is ignored with a coordinator blend leg");
+        }
         Self {
             options,
             applied: Mutex::default(),
             ropes: Mutex::new(HashMap::new()),
             matcher: Mutex::new(Matcher::new(chunk_size, options.dedup_content)),
-            prompts: options.reorder.then(Mutex::default),
+            prompts: reorder.then(Mutex::default),
+            fleet,
+            telemetry,
             chunk_size,
         }
+    }
+
+    /// Counts and publishes a blend event.
+    pub fn emit(&self, event: BlendEvent) {
+        self.telemetry.emit(event);
+    }
+
+    /// The coordinator leg, when the engine has one.
+    pub fn fleet(&self) -> Option<&FleetMatcher> {
+        self.fleet.as_ref()
     }
 
     /// The handshake's answer: our version, and whether the client's is it.
@@ -305,6 +427,14 @@ impl BlendEngine {
                 },
             );
         }
+        drop(matcher);
+        if added > 0 {
+            InstantSpan::FingerprintsRegistered.record(None, added as u64);
+            self.emit(BlendEvent::FingerprintsRegistered {
+                request_id: key.request_id.clone(),
+                chunks: added as u64,
+            });
+        }
         added
     }
 
@@ -346,10 +476,13 @@ impl BlendEngine {
         let hits: Vec<[u8; 32]> = self.matcher.lock().find(&ns, p).iter().map(|f| f.hash).collect();
         let (candidates, base) = prompts.candidates(&ns, &hits, chain, 4);
         let keep = usize::try_from(keep_prefix).unwrap_or(usize::MAX);
-        match lmcache_blend::plan(p, &candidates, self.chunk_size, base, deadline, keep) {
-            Some(perm) => perm.iter().map(|&i| p[i]).collect(),
-            None => Vec::new(),
-        }
+        let order: Vec<u32> =
+            match lmcache_blend::plan(p, &candidates, self.chunk_size, base, deadline, keep) {
+                Some(perm) => perm.iter().map(|&i| p[i]).collect(),
+                None => Vec::new(),
+            };
+        self.emit(BlendEvent::Reordered { reordered: !order.is_empty() });
+        order
     }
 
     /// What `/status` shows: the options, the workers with rope state, the index's size.
@@ -363,7 +496,8 @@ impl BlendEngine {
             "fingerprint_contents": stats.num_contents,
             "segmented_prefix": self.options.segmented_prefix,
             "dedup_content": self.options.dedup_content,
-            "reorder": self.options.reorder,
+            "reorder": self.prompts.is_some(),
+            "coordinator_leg": self.fleet.is_some(),
             "reorder_prompts": self.prompts.as_ref().map_or(0, |p| p.lock().len().0),
         })
     }
@@ -394,6 +528,11 @@ impl BlendEngine {
         a.done.entry(request).or_default().extend(keys);
     }
 
+    /// Tokens per chunk.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk_size
+    }
+
     /// How the engine runs.
     pub fn options(&self) -> BlendOptions {
         self.options
@@ -406,14 +545,85 @@ impl BlendEngine {
 }
 
 /// A request's CacheBlend state, kept in its session (so it goes with the session, at
-/// `end_session` or the session TTL, and its locks with it).
+/// `end_session` or the session TTL, and its locks and spans with it).
 #[derive(Debug, Default)]
 pub struct BlendSession {
-    /// A unified lookup whose prefix leg is still loading: the matches found when it began.
-    pub pending: Option<Vec<lmcache_blend::Found>>,
-    /// The matches the last unified lookup answered, with the read locks on their objects
-    /// (every object group and shard of the chunk), for the retrieve.
-    pub matched: Vec<(lmcache_protocol::types::blend::CbMatch, Vec<lmcache_l1::ReadLease>)>,
+    /// A unified lookup between its first poll and its answer.
+    pub job: Option<LookupJob>,
+    /// The matches the last unified lookup answered (the non-prefix ones, then the
+    /// segmented tail).
+    pub matched: Vec<lmcache_protocol::types::blend::CbMatch>,
+    /// The read locks on their objects (every blend object group and shard of each chunk,
+    /// `num_kv_readers` times), held for the retrieve.
+    pub leases: Vec<lmcache_l1::ReadLease>,
+    /// The request's open spans.
+    pub trace: Option<BlendTrace>,
+}
+
+/// A unified lookup in progress: its legs, each polled until it lands.
+#[derive(Debug)]
+pub struct LookupJob {
+    /// This server's fingerprint matches, found at the first poll.
+    pub local: Vec<Found>,
+    /// The coordinator leg, until it answers or its deadline passes.
+    pub fleet: Option<FleetLeg>,
+    /// The prefix leg's leading chunks, once it landed.
+    pub prefix_chunks: Option<u64>,
+    /// The sparse leg, once started: the candidates past the prefix (ascending `cur_st`)
+    /// and, per distinct chunk, where its objects stand.
+    pub sparse: Option<SparseLeg>,
+    /// No worker of the model registered: nothing to match or scatter into.
+    pub no_context: bool,
+}
+
+/// The coordinator leg of a lookup.
+#[derive(Debug)]
+pub struct FleetLeg {
+    /// The query in flight.
+    pub query: FleetQuery,
+    /// When the lookup stops waiting for it.
+    pub deadline: Instant,
+    /// Its matches, once answered (empty after a failure or the deadline).
+    pub matches: Option<Vec<Found>>,
+}
+
+/// The sparse leg of a lookup: the matches past the prefix, their chunks' objects locked in
+/// L1 or loading from L2 and the fleet's peers.
+#[derive(Debug, Default)]
+pub struct SparseLeg {
+    /// Candidate matches, ascending `cur_st`.
+    pub candidates: Vec<Found>,
+    /// Per distinct chunk hash, its objects.
+    pub chunks: HashMap<[u8; 32], ChunkState>,
+    /// Keys that had to be loaded.
+    pub l2_keys: u64,
+    /// Of those, the keys that landed.
+    pub found_keys: u64,
+    /// When the loads began.
+    pub started: Option<Instant>,
+}
+
+/// Where one matched chunk's objects stand.
+#[derive(Debug)]
+pub enum ChunkState {
+    /// Every object read-locked.
+    Held(Vec<lmcache_l1::ReadLease>),
+    /// Some locked, the rest loading.
+    Loading {
+        /// The locks taken so far.
+        held: Vec<lmcache_l1::ReadLease>,
+        /// The load of the rest.
+        handle: lmcache_storage::PrefetchHandle,
+    },
+    /// Not every object could be found.
+    Missing,
+}
+
+impl SparseLeg {
+    /// Whether any chunk is still loading.
+    pub fn loading(&self) -> bool {
+        self.chunks.values().any(|c| matches!(c, ChunkState::Loading { .. }))
+    }
 }
 
 /// A request's blend namespace.
@@ -474,49 +684,17 @@ pub fn read_cos_sin(seg: &ForeignSegment, meta: &TensorMeta) -> Result<CosSinCac
     if last > seg.len() {
         return Err(format!("the cache ends at byte {last}, past its segment's {}", seg.len()));
     }
-    let mut table = Vec::with_capacity(rows_us * cols_us);
+    let format = match meta.dtype {
+        Dtype::Float32 => lmcache_blend::KFormat::F32,
+        Dtype::Float16 => lmcache_blend::KFormat::F16,
+        _ => lmcache_blend::KFormat::Bf16,
+    };
+    let mut table = vec![0f32; rows_us * cols_us];
     let mut row = vec![0u8; cols_us * elem as usize];
-    for r in 0..rows {
+    for (r, out) in (0..rows).zip(table.chunks_exact_mut(cols_us)) {
         let at = (meta.storage_offset + r * rs) * elem;
         seg.read(at, &mut row).map_err(|e| e.to_string())?;
-        widen(meta.dtype, &row, &mut table)?;
+        format.widen(&row, out);
     }
     CosSinCache::new(cols_us, table).map_err(|e| e.to_string())
-}
-
-/// Appends little-endian `f32`, `f16` or `bf16` elements to `out`, widened to `f32`.
-pub(crate) fn widen(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> Result<(), String> {
-    match dtype {
-        Dtype::Float32 => {
-            out.extend(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
-        }
-        Dtype::Float16 => out
-            .extend(bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())),
-        Dtype::BFloat16 => out.extend(
-            bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-        ),
-        other => return Err(format!("{other:?} elements: expected float32, float16 or bfloat16")),
-    }
-    Ok(())
-}
-
-/// Writes `values` into `out` as little-endian elements of `dtype` (rounded to nearest), the
-/// inverse of [`widen`] for the same dtypes.
-pub(crate) fn narrow(dtype: Dtype, values: &[f32], out: &mut [u8]) -> Result<(), String> {
-    match dtype {
-        Dtype::Float32 => out
-            .chunks_exact_mut(4)
-            .zip(values)
-            .for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
-        Dtype::Float16 => out
-            .chunks_exact_mut(2)
-            .zip(values)
-            .for_each(|(o, v)| o.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
-        Dtype::BFloat16 => out
-            .chunks_exact_mut(2)
-            .zip(values)
-            .for_each(|(o, v)| o.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
-        other => return Err(format!("{other:?} elements: expected float32, float16 or bfloat16")),
-    }
-    Ok(())
 }

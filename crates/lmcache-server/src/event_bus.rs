@@ -71,6 +71,8 @@ pub enum Event {
         /// Why.
         reason: String,
     },
+    /// CacheBlend (`--engine-type blend`): LMCache's `CB_*` events.
+    Blend(crate::blend_telemetry::BlendEvent),
     /// A request was refused as malformed.
     Refused {
         /// Operation.

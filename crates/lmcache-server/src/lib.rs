@@ -24,6 +24,9 @@
 //! - [`peer_locks`]: P2P lookup answers and the L1 locks held for the fleet's peers.
 //! - [`kv_groups`]: a registration's KV groups as kernel groups and object groups.
 //! - [`blend`]: CacheBlend's state (`--engine-type blend`): rope state, the matcher.
+//! - [`blend_fleet`]: CacheBlend's coordinator leg (`/directory/blend-lookup`).
+//! - [`blend_telemetry`]: CacheBlend's typed events, `lmcache_blend_*` metrics and `cb.*`
+//!   spans, through one door.
 //! - [`metrics`]: LMCache's Prometheus names and ours.
 //! - [`fleet_report`]: registration, heartbeats and cache events to a coordinator.
 //! - [`lookup_log`]: LMCache's lookup-hash JSONL logs, from a writer thread.
@@ -31,6 +34,8 @@
 #![forbid(unsafe_code)]
 
 pub mod blend;
+pub mod blend_fleet;
+pub mod blend_telemetry;
 pub mod config;
 pub mod event_bus;
 pub mod fleet_report;

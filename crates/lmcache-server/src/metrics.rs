@@ -44,6 +44,279 @@ pub struct StateLabel {
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
+/// Label of CacheBlend retrieves that scattered nothing.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// LMCache's reason: `already_applied`, `matches_beyond_alloc`, ...
+    pub reason: String,
+}
+
+/// CacheBlend's metrics (`--engine-type blend`), under LMCache's `lmcache_blend_*` names and
+/// meanings (its blend metrics subscriber), so its dashboards read ours; phase durations are
+/// histograms in milliseconds, as LMCache's.
+#[derive(Debug)]
+pub struct BlendMetrics {
+    /// `cb_unified_lookup` requests (counted once per request, not per poll).
+    pub lookup_requests: Counter,
+    /// Whole-chunk tokens submitted for lookup.
+    pub lookup_requested_tokens: Counter,
+    /// Tokens served: the prefix plus the unique tokens of the found matches and the
+    /// segmented tail.
+    pub lookup_hit_tokens: Counter,
+    /// Of those, the prefix's.
+    pub lookup_prefix_hit_tokens: Counter,
+    /// Of those, the non-prefix (shifted) matches'.
+    pub lookup_non_prefix_hit_tokens: Counter,
+    /// Of those, the segmented-prefix tail's.
+    pub lookup_segmented_prefix_hit_tokens: Counter,
+    /// Matches kept past the prefix.
+    pub lookup_fingerprint_hits: Counter,
+    /// Matches whose objects were found in storage.
+    pub lookup_storage_hits: Counter,
+    /// Matches past the prefix whose objects were not found.
+    pub lookup_stale_chunks: Counter,
+    /// Lookups for a model no worker registered (nothing to scatter into).
+    pub lookup_no_gpu_context_errors: Counter,
+    /// `cb_retrieve_pre_computed` requests that reached the scatter.
+    pub retrieve_requests: Counter,
+    /// Their matches.
+    pub retrieve_chunks: Counter,
+    /// Of those requests, the ones that answered `false`.
+    pub retrieve_failures: Counter,
+    /// Chunks fingerprinted by stores.
+    pub fingerprints_registered: Counter,
+    /// Fingerprints removed after two stale lookups.
+    pub chunks_evicted: Counter,
+    /// Chunks the local matcher returned.
+    pub fingerprint_matches: Counter,
+    /// Segments the coordinator's fleet directory returned.
+    pub coordinator_matches: Counter,
+    /// Coordinator match legs abandoned at their deadline.
+    pub coordinator_match_timeouts: Counter,
+    /// Non-prefix keys the sparse prefetch had to read from L2.
+    pub sparse_prefetch_l2_keys: Counter,
+    /// Of those, the keys that landed in L1.
+    pub sparse_prefetch_found_keys: Counter,
+    /// Tokens written into the engine's blocks.
+    pub scatter_tokens: Counter,
+    /// Chunks written at their stored positions (no re-rotation).
+    pub scatter_prefix_chunks: Counter,
+    /// Chunks re-rotated to new positions.
+    pub scatter_shifted_chunks: Counter,
+    /// Matches dropped for lying past the block table.
+    pub scatter_dropped_chunks: Counter,
+    /// Retrieves that scattered nothing, by reason.
+    pub retrieve_noops: Family<ReasonLabel, Counter>,
+    /// `cb_reorder_plan` answers that reordered the prompt (lmcache-rs's own).
+    pub reorder_plans: Counter,
+    /// Phase durations, ms: the whole lookup (polls included), the local match, the
+    /// prefix leg, the coordinator leg, the sparse prefetch, the retrieve, the scatter.
+    pub lookup_duration: Histogram,
+    /// See [`Self::lookup_duration`].
+    pub fingerprint_match_duration: Histogram,
+    /// See [`Self::lookup_duration`].
+    pub prefix_lookup_duration: Histogram,
+    /// See [`Self::lookup_duration`].
+    pub coordinator_match_duration: Histogram,
+    /// See [`Self::lookup_duration`].
+    pub sparse_prefetch_duration: Histogram,
+    /// See [`Self::lookup_duration`].
+    pub retrieve_duration: Histogram,
+    /// See [`Self::lookup_duration`].
+    pub scatter_duration: Histogram,
+}
+
+fn millisecond_buckets() -> Histogram {
+    Histogram::new([0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 50.0, 100.0, 500.0, 1000.0, 5000.0])
+}
+
+impl Default for BlendMetrics {
+    fn default() -> Self {
+        Self {
+            lookup_requests: Counter::default(),
+            lookup_requested_tokens: Counter::default(),
+            lookup_hit_tokens: Counter::default(),
+            lookup_prefix_hit_tokens: Counter::default(),
+            lookup_non_prefix_hit_tokens: Counter::default(),
+            lookup_segmented_prefix_hit_tokens: Counter::default(),
+            lookup_fingerprint_hits: Counter::default(),
+            lookup_storage_hits: Counter::default(),
+            lookup_stale_chunks: Counter::default(),
+            lookup_no_gpu_context_errors: Counter::default(),
+            retrieve_requests: Counter::default(),
+            retrieve_chunks: Counter::default(),
+            retrieve_failures: Counter::default(),
+            fingerprints_registered: Counter::default(),
+            chunks_evicted: Counter::default(),
+            fingerprint_matches: Counter::default(),
+            coordinator_matches: Counter::default(),
+            coordinator_match_timeouts: Counter::default(),
+            sparse_prefetch_l2_keys: Counter::default(),
+            sparse_prefetch_found_keys: Counter::default(),
+            scatter_tokens: Counter::default(),
+            scatter_prefix_chunks: Counter::default(),
+            scatter_shifted_chunks: Counter::default(),
+            scatter_dropped_chunks: Counter::default(),
+            retrieve_noops: Family::default(),
+            reorder_plans: Counter::default(),
+            lookup_duration: millisecond_buckets(),
+            fingerprint_match_duration: millisecond_buckets(),
+            prefix_lookup_duration: millisecond_buckets(),
+            coordinator_match_duration: millisecond_buckets(),
+            sparse_prefetch_duration: millisecond_buckets(),
+            retrieve_duration: millisecond_buckets(),
+            scatter_duration: millisecond_buckets(),
+        }
+    }
+}
+
+impl BlendMetrics {
+    fn register(&self, r: &mut Registry) {
+        let counters: [(&str, &str, &Counter); 25] = [
+            ("lookup_requests", "Total CB lookup requests", &self.lookup_requests),
+            (
+                "lookup_requested_tokens",
+                "Chunk-aligned tokens submitted for CB lookup",
+                &self.lookup_requested_tokens,
+            ),
+            ("lookup_hit_tokens", "Tokens served by blend during lookup", &self.lookup_hit_tokens),
+            (
+                "lookup_prefix_hit_tokens",
+                "Tokens served by blend from the prefix (L1+L2)",
+                &self.lookup_prefix_hit_tokens,
+            ),
+            (
+                "lookup_non_prefix_hit_tokens",
+                "Tokens served by blend from non-prefix (shifted) chunks",
+                &self.lookup_non_prefix_hit_tokens,
+            ),
+            (
+                "lookup_segmented_prefix_hit_tokens",
+                "Tokens served by blend from the segmented-prefix tail",
+                &self.lookup_segmented_prefix_hit_tokens,
+            ),
+            (
+                "lookup_fingerprint_hits",
+                "Chunks matched by the fingerprint table past the prefix",
+                &self.lookup_fingerprint_hits,
+            ),
+            (
+                "lookup_storage_hits",
+                "Chunks confirmed present in storage after prefetch",
+                &self.lookup_storage_hits,
+            ),
+            (
+                "lookup_stale_chunks",
+                "Fingerprint hits whose chunks storage no longer holds",
+                &self.lookup_stale_chunks,
+            ),
+            (
+                "lookup_no_gpu_context_errors",
+                "Lookups for a model no worker registered",
+                &self.lookup_no_gpu_context_errors,
+            ),
+            ("retrieve_requests", "Total CB retrieve requests", &self.retrieve_requests),
+            ("retrieve_chunks", "Chunks requested for CB retrieval", &self.retrieve_chunks),
+            (
+                "retrieve_failures",
+                "CB retrieve operations that returned success=False",
+                &self.retrieve_failures,
+            ),
+            (
+                "fingerprints_registered",
+                "Chunks indexed into the fingerprint table",
+                &self.fingerprints_registered,
+            ),
+            (
+                "chunks_evicted",
+                "Stale chunks evicted from the fingerprint table",
+                &self.chunks_evicted,
+            ),
+            (
+                "fingerprint_matches",
+                "Chunks returned by the local fingerprint matcher",
+                &self.fingerprint_matches,
+            ),
+            (
+                "coordinator_matches",
+                "Segments returned by the coordinator fleet directory",
+                &self.coordinator_matches,
+            ),
+            (
+                "coordinator_match_timeouts",
+                "Coordinator match legs abandoned at their deadline",
+                &self.coordinator_match_timeouts,
+            ),
+            (
+                "sparse_prefetch_l2_keys",
+                "Non-prefix keys the sparse prefetch had to read from L2",
+                &self.sparse_prefetch_l2_keys,
+            ),
+            (
+                "sparse_prefetch_found_keys",
+                "Sparse-prefetch keys that became L1-resident",
+                &self.sparse_prefetch_found_keys,
+            ),
+            (
+                "scatter_tokens",
+                "Tokens written from L1 into the request's paged KV",
+                &self.scatter_tokens,
+            ),
+            (
+                "scatter_prefix_chunks",
+                "Scattered chunks kept at their stored position (no re-RoPE)",
+                &self.scatter_prefix_chunks,
+            ),
+            (
+                "scatter_shifted_chunks",
+                "Scattered chunks re-RoPE'd to a new position",
+                &self.scatter_shifted_chunks,
+            ),
+            (
+                "scatter_dropped_chunks",
+                "Matched chunks dropped for exceeding the allocated slots",
+                &self.scatter_dropped_chunks,
+            ),
+            (
+                "reorder_plans",
+                "cb_reorder_plan answers that reordered the prompt (lmcache-rs)",
+                &self.reorder_plans,
+            ),
+        ];
+        let blend = r.sub_registry_with_prefix("lmcache_blend");
+        for (name, help, c) in counters {
+            blend.register(name, help, c.clone());
+        }
+        blend.register(
+            "retrieve_noops",
+            "CB retrieves that scattered nothing, by reason",
+            self.retrieve_noops.clone(),
+        );
+        let ms = prometheus_client::registry::Unit::Other("milliseconds".into());
+        for (phase, h) in [
+            ("lookup", &self.lookup_duration),
+            ("fingerprint_match", &self.fingerprint_match_duration),
+            ("prefix_lookup", &self.prefix_lookup_duration),
+            ("coordinator_match", &self.coordinator_match_duration),
+            ("sparse_prefetch", &self.sparse_prefetch_duration),
+            ("retrieve", &self.retrieve_duration),
+            ("scatter", &self.scatter_duration),
+        ] {
+            blend.register_with_unit(
+                format!("{phase}_duration"),
+                format!("Wall-clock duration of the CB {phase} phase of one request"),
+                ms.clone(),
+                h.clone(),
+            );
+        }
+    }
+
+    /// Records a phase's duration in milliseconds.
+    pub fn observe_ms(h: &Histogram, d: std::time::Duration) {
+        h.observe(d.as_secs_f64() * 1e3);
+    }
+}
+
 /// L2 metrics, read from the tier's counters at scrape time.
 #[derive(Debug, Default)]
 pub struct L2Metrics {
@@ -206,6 +479,8 @@ pub struct Metrics {
     pub l1_unwritten_evictions: Counter,
     /// Resident objects the write-behind has not written to L2 yet.
     pub l1_unwritten_objects: Gauge,
+    /// CacheBlend (`--engine-type blend`).
+    pub blend: BlendMetrics,
 }
 
 fn throughput_buckets() -> Histogram {
@@ -271,6 +546,7 @@ impl Default for Metrics {
             l1_expired_write_leases: Counter::default(),
             l1_unwritten_evictions: Counter::default(),
             l1_unwritten_objects: Gauge::default(),
+            blend: BlendMetrics::default(),
         };
         let mut r = Registry::default();
         {
@@ -587,6 +863,7 @@ impl Default for Metrics {
                 l2.prefetch_expired.clone(),
             );
         }
+        m.blend.register(&mut r);
         r.register(
             "process_resident_memory_bytes",
             "Resident memory size in bytes",

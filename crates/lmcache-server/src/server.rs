@@ -227,9 +227,7 @@ impl Server {
                 registry: Registry::default(),
                 pending: Pending::default(),
                 peers: Arc::default(),
-                blend: config
-                    .blend
-                    .map(|o| Arc::new(crate::blend::BlendEngine::new(o, config.chunk_size))),
+                blend: blend_engine(&config, &metrics, &bus)?,
                 config,
             },
             bus,
@@ -557,6 +555,41 @@ pub fn storage_config_json(config: &ServerConfig) -> serde_json::Value {
 /// The side channels, as storage subscribers, in the order they hear each event: metrics
 /// first, then the bus, KV events, the coordinator reporter, the storage trace and the
 /// lookup-hash log (each only when configured).
+/// The CacheBlend engine (`--engine-type blend`), with its coordinator leg when the server
+/// reports cache events to a coordinator (the fleet directory is built from them).
+fn blend_engine(
+    config: &ServerConfig,
+    metrics: &Arc<Metrics>,
+    bus: &crate::event_bus::EventBus,
+) -> Result<Option<Arc<crate::blend::BlendEngine>>, ServerError> {
+    let Some(options) = config.blend else { return Ok(None) };
+    let telemetry =
+        crate::blend_telemetry::BlendTelemetry::new(Arc::clone(metrics), Some(bus.publisher()));
+    let fleet = match &config.coordinator {
+        Some(c) if !c.url.is_empty() && c.event_reporting => {
+            let f = crate::blend_fleet::FleetMatcher::start(crate::blend_fleet::FleetMatchConfig {
+                url: c.url.clone(),
+                auth_token: c.auth_token.clone(),
+                timeout: options.coordinator_timeout,
+                concurrency: options.coordinator_match_concurrency,
+            })
+            .map_err(io("starting the CacheBlend coordinator client"))?;
+            tracing::info!(url = %c.url, "CacheBlend coordinator leg enabled");
+            Some(f)
+        }
+        Some(c) if !c.url.is_empty() => {
+            tracing::warn!(
+                "a coordinator URL is set but cache-event reporting is off, so the coordinator \
+                 has no chunks to match: CacheBlend matches locally only (pass \
+                 --coordinator-event-reporting)"
+            );
+            None
+        }
+        _ => None,
+    };
+    Ok(Some(Arc::new(crate::blend::BlendEngine::new(options, config.chunk_size, telemetry, fleet))))
+}
+
 fn subscribers(
     config: &ServerConfig,
     metrics: &Arc<Metrics>,

@@ -186,25 +186,35 @@ impl<'a> CpuTransfer<'a> {
 }
 
 impl CpuTransfer<'_> {
-    /// Writes one token's row (`hidden` elements) of plane `p` of layer `l` into slot
-    /// `in_block` of block `block` (CacheBlend's scatter lands token by token). The block is
-    /// checked against the tensor and the slot against the block before the write, and the
-    /// segment write is bounds-checked again.
-    pub fn write_token_row(
+    /// Writes consecutive tokens' rows (`hidden` elements each) of plane `p` of layer `l` into
+    /// slots `in_block..` of block `block` (CacheBlend's scatter lands a match's tokens
+    /// wherever its new positions fall, one block's run at a time). The block is checked
+    /// against the tensor and the slots against the block before the write, and the segment
+    /// write is bounds-checked again.
+    pub fn write_token_rows(
         &self,
         l: usize,
         p: u64,
         block: u64,
         in_block: u64,
-        row: &[u8],
+        rows: &[u8],
     ) -> Result<(), TransferError> {
         let g = &self.geometry;
         let row_bytes = g.hidden.saturating_mul(g.dtype.itemsize());
-        if in_block >= g.block_size || row.len() as u64 != row_bytes || l >= self.layers.len() {
-            return Err(TransferError::ObjectSize { expected: row_bytes, got: row.len() as u64 });
+        let len = rows.len() as u64;
+        let n = len.checked_div(row_bytes).unwrap_or(0);
+        if n == 0
+            || len % row_bytes != 0
+            || in_block.checked_add(n).is_none_or(|end| end > g.block_size)
+            || l >= self.layers.len()
+        {
+            return Err(TransferError::ObjectSize {
+                expected: row_bytes * (g.block_size.saturating_sub(in_block)),
+                got: len,
+            });
         }
         let at = self.block_offset(l, p, block)? + in_block * row_bytes;
-        self.layers[l].segment.write(at, row)?;
+        self.layers[l].segment.write(at, rows)?;
         Ok(())
     }
 }

@@ -18,7 +18,7 @@ use serde_json::Value;
 
 use crate::lookup::{GroupLookupRequest, Lookup, LookupLeases, LookupRequest, ShardKeys};
 use crate::observe::{RequestContext, StorageEvent, StorageSubscriber, Subscribers};
-use crate::prefetch::{PrefetchOutcome, PrefetchRequest};
+use crate::prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest};
 use crate::scope::RequestScope;
 use crate::tier::{AdapterInfo, L2Tier, TierObserver};
 
@@ -241,20 +241,30 @@ impl StorageManager {
             return Lookup::Ready { leases, hits: hit };
         }
         // Per shard, the keys of the chunks L1 lacks.
-        let rest = || -> Vec<Vec<ObjectKey>> {
-            shards.iter().map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec()).collect()
-        };
-        let workers = || shards.iter().map(|(w, _)| *w).collect();
+        let rest: Vec<Vec<ObjectKey>> =
+            shards.iter().map(|(_, k)| k.get(hit..).unwrap_or_default().to_vec()).collect();
+        let workers = shards.iter().map(|(w, _)| *w).collect();
+        match self.fetch_missing(rest, readers, object) {
+            Some(handle) => Lookup::pending(leases, hit, handle, workers),
+            None => Lookup::Ready { leases, hits: hit },
+        }
+    }
+
+    /// Starts loading `rest` (per shard, keys of the same chunks, in order) into L1 from L2,
+    /// then from the fleet's peers for what L2 could not serve; the handle's outcome holds
+    /// the servable prefix, read-locked `readers` times. `None` when there is neither.
+    fn fetch_missing(
+        &self,
+        rest: Vec<Vec<ObjectKey>>,
+        readers: u32,
+        object: Option<&lmcache_core::ObjectShape>,
+    ) -> Option<PrefetchHandle> {
         let peers = self.peers.get().filter(|p| p.has_peers()).cloned();
         match (self.l2.as_ref().filter(|l2| !l2.is_empty()), peers) {
-            (Some(l2), None) => {
-                let handle = l2.start_prefetch(PrefetchRequest { shards: rest(), readers });
-                Lookup::pending(leases, hit, handle, workers())
-            }
+            (Some(l2), None) => Some(l2.start_prefetch(PrefetchRequest { shards: rest, readers })),
             (Some(l2), Some(peers)) => {
                 // L2 first; what it could not serve, the peers are asked for.
                 let (handle, complete) = crate::prefetch::PrefetchHandle::external();
-                let rest = rest();
                 let req = PrefetchRequest { shards: rest.clone(), readers };
                 let object = object.cloned();
                 l2.prefetch(req, move |from_l2| {
@@ -267,16 +277,41 @@ impl StorageManager {
                     let done = move |from_peers| complete(from_l2.then(from_peers));
                     peers.start(req, crate::peers::PeerDone::new(done));
                 });
-                Lookup::pending(leases, hit, handle, workers())
+                Some(handle)
             }
             (None, Some(peers)) => {
                 let req =
-                    crate::peers::PeerFetch { shards: rest(), readers, object: object.cloned() };
-                let handle = crate::peers::start(peers.as_ref(), req);
-                Lookup::pending(leases, hit, handle, workers())
+                    crate::peers::PeerFetch { shards: rest, readers, object: object.cloned() };
+                Some(crate::peers::start(peers.as_ref(), req))
             }
-            (None, None) => Lookup::Ready { leases, hits: hit },
+            (None, None) => None,
         }
+    }
+
+    /// One chunk's objects (`keys`: one per object group and shard) read-locked `readers`
+    /// times each, wherever they are: all of them in L1 at once (`Ok`), or a load of the
+    /// ones L1 lacks from L2 and then the fleet's peers, whose outcome (`hits == 1`: every
+    /// object resident and locked) holds the locks on those, with `Err`'s leases on the
+    /// ones L1 had. `Err` with no handle: some object is nowhere to be asked for. A sparse
+    /// lookup (CacheBlend's chunks found anywhere in a prompt) runs one per chunk.
+    pub fn lock_chunk(
+        &self,
+        keys: &[ObjectKey],
+        readers: u32,
+    ) -> Result<Vec<ReadLease>, (Vec<ReadLease>, Option<PrefetchHandle>)> {
+        let mut held = Vec::with_capacity(keys.len());
+        let mut missing = Vec::new();
+        for (k, r) in keys.iter().zip(self.l1.read_lock(keys, readers)) {
+            match r {
+                Ok(lease) => held.push(lease),
+                Err(_) => missing.push(vec![k.clone()]),
+            }
+        }
+        if missing.is_empty() {
+            return Ok(held);
+        }
+        let handle = self.fetch_missing(missing, readers, None);
+        Err((held, handle))
     }
 
     /// A lookup of a model stored as several object groups (a hybrid model under

@@ -1,16 +1,23 @@
 //! CacheBlend's operations (`--engine-type blend`): the handshake, the rope state a scatter
 //! re-rotates K with, the unified lookup, the scatter and the reorder plan.
 //!
-//! The unified lookup, as LMCache's: the first call starts the prefix lookup (the ordinary
-//! lookup's, L1 then an L2 prefetch) and matches the prompt against this server's
-//! fingerprints; every call answers nothing (a void reply: the client asks again) until the
-//! prefix leg has landed. Then the matches past the prefix are read-locked in L1, every
-//! object group and shard of each chunk, `num_kv_readers` times: a chunk with every object
-//! locked is found; one that is not is a miss, struck (two strikes remove its fingerprint)
-//! when no L2 could hold it. The found matches that do not overlap an earlier one are
-//! answered with the prefix coverage, and their locks stay in the session for the retrieve.
+//! The unified lookup, as LMCache's: submit once, poll on every call. The first call starts
+//! the prefix leg (the ordinary lookup: L1, then L2 and the fleet's peers), matches the
+//! prompt against this server's fingerprints and asks the coordinator for the fleet's (with
+//! a coordinator leg); every call answers nothing (a void reply: the client asks again)
+//! until the prefix leg has landed and the coordinator answered or its deadline passed.
+//! Then the sparse leg: each distinct chunk matched past the prefix has its objects (every
+//! blend object group and shard) read-locked `num_kv_readers` times where L1 holds them and
+//! loaded from L2 and the peers where it does not; the calls go on answering nothing until
+//! those loads land. A chunk found whole is kept unless an earlier kept match overlaps it; a
+//! chunk found nowhere is struck (two strikes remove its fingerprint). The answer is the
+//! prefix coverage, the kept matches and the segmented tail; the locks stay in the session
+//! for the retrieve.
 
-use lmcache_core::ChunkHash;
+use std::time::Instant;
+
+use lmcache_blend::Found;
+use lmcache_core::{ChunkHash, ObjectKey};
 use lmcache_protocol::ProtocolError;
 use lmcache_protocol::request::{CbRegisterRope, CbRetrievePreComputed, Command};
 use lmcache_protocol::types::CacheKey;
@@ -20,7 +27,10 @@ use rmpv::Value;
 
 use super::bad;
 
-use crate::blend::BlendEngine;
+use crate::blend::{BlendEngine, ChunkState, FleetLeg, LookupJob, SparseLeg};
+use crate::blend_telemetry::{
+    BlendEvent, BlendTrace, InstantSpan, LookupOutcome, NoopReason, Phase,
+};
 use crate::registry::{Family, Registration};
 use crate::state::RequestState;
 
@@ -90,6 +100,55 @@ fn register_rope(
     engine.register_rope(req, max_engine_group, caches).map_err(|r| bad("cb_register_rope", r))
 }
 
+/// The object groups a blend match reads: every group but recurrent state (a relocated chunk
+/// carries no recurrence), as LMCache's blend read set.
+pub(crate) fn blend_groups(state: &RequestState, key: &CacheKey) -> Vec<u32> {
+    let objects = state.registry.objects(&key.model_name, key.world_size);
+    if objects.is_empty() {
+        return vec![0];
+    }
+    (0..objects.len() as u32).filter(|&og| !objects[og as usize].recurrent).collect()
+}
+
+/// Every object key of chunk `hash` the blend leg reads: each blend group, each shard.
+fn chunk_keys(
+    state: &RequestState,
+    key: &CacheKey,
+    groups: &[u32],
+    hash: [u8; 32],
+) -> Result<Vec<ObjectKey>, ProtocolError> {
+    let mut keys = Vec::with_capacity(groups.len() * key.world_size as usize);
+    for &og in groups {
+        for w in 0..key.world_size {
+            keys.extend(state.object_keys(key, w, &[ChunkHash(hash)], og)?);
+        }
+    }
+    Ok(keys)
+}
+
+/// Tokens the matches cover, each token once.
+fn coverage(matches: &[CbMatch]) -> u64 {
+    let mut spans: Vec<(u64, u64)> = matches.iter().map(|m| (m.cur_st, m.cur_ed)).collect();
+    spans.sort_unstable();
+    let (mut total, mut end) = (0, 0);
+    for (a, b) in spans {
+        let a = a.max(end);
+        if b > a {
+            total += b - a;
+            end = b;
+        }
+    }
+    total
+}
+
+/// What a poll of the lookup does next.
+enum Step {
+    /// A leg is still loading: answer nothing (the client asks again).
+    Wait,
+    /// Every leg landed.
+    Ready,
+}
+
 fn unified_lookup(
     state: &RequestState,
     engine: &BlendEngine,
@@ -97,121 +156,386 @@ fn unified_lookup(
 ) -> Result<Option<Value>, ProtocolError> {
     let id = key.request_id.as_str();
     let ns = crate::blend::namespace(key);
-    let started = state.sessions.with(id, |s| s.blend.pending.is_some());
-    if !started {
-        // First call: the prefix leg starts; the fingerprints are matched now.
-        super::lookup::lookup(state, key)?;
-        // No registered worker of the model: nothing to scatter into, nothing to match.
-        let matches = if state.registry.has_model(&key.model_name, key.world_size) {
-            engine.matcher().lock().find(&ns, &key.token_ids)
-        } else {
-            Vec::new()
+    if !state.sessions.with(id, |s| s.blend.job.is_some()) {
+        begin(state, engine, key, &ns)?;
+    }
+    // The prefix leg: the ordinary lookup's hits, answered once, when its prefetch landed.
+    let prefix_pending = state
+        .sessions
+        .with(id, |s| s.blend.job.as_ref().is_some_and(|j| j.prefix_chunks.is_none()));
+    if prefix_pending {
+        let Some(chunks) = super::lookup::take_hits(state, id).as_u64() else {
+            return Ok(None);
         };
         state.sessions.with(id, |s| {
-            s.blend.pending = Some(matches);
-            s.blend.matched.clear();
+            if let Some(j) = &mut s.blend.job {
+                j.prefix_chunks = Some(chunks);
+            }
+            if let Some(p) = s.blend.trace.as_mut().and_then(|t| t.prefix.take()) {
+                engine.emit(BlendEvent::PrefixLookedUp {
+                    request_id: id.to_owned(),
+                    chunks,
+                    took: p.elapsed(),
+                });
+            }
         });
     }
-    let hits = super::lookup::take_hits(state, id);
-    let Some(prefix_chunks) = hits.as_u64() else {
-        return Ok(None); // the prefix is still loading: the client asks again
+    if let Step::Wait = poll_fleet(state, engine, id) {
+        return Ok(None);
+    }
+    if state.sessions.with(id, |s| s.blend.job.as_ref().is_some_and(|j| j.sparse.is_none())) {
+        start_sparse(state, key)?;
+    }
+    if let Step::Wait = poll_sparse(state, engine, id) {
+        return Ok(None);
+    }
+    finish(state, engine, key, &ns).map(Some)
+}
+
+/// The first poll: the trace opens, the prefix leg starts (the ordinary lookup, L1 then L2
+/// and the peers), this server's fingerprints are matched and the coordinator is asked.
+fn begin(
+    state: &RequestState,
+    engine: &BlendEngine,
+    key: &CacheKey,
+    ns: &lmcache_blend::Namespace,
+) -> Result<(), ProtocolError> {
+    let id = key.request_id.as_str();
+    engine.emit(BlendEvent::LookupStarted { request_id: id.to_owned() });
+    let mut trace = BlendTrace::begin(id, key.token_ids.len());
+    trace.prefix =
+        Some(Phase::begin(tracing::info_span!(parent: trace.lookup_span(), "cb.prefix_lookup")));
+    let lookup_span = trace.lookup_span().clone();
+    state.sessions.with(id, |s| {
+        s.blend.trace = Some(trace);
+        s.blend.matched.clear();
+        s.blend.leases.clear();
+    });
+    lookup_span.in_scope(|| super::lookup::lookup(state, key))?;
+    // No registered worker of the model: nothing to scatter into, nothing to match.
+    let no_context = !state.registry.has_model(&key.model_name, key.world_size);
+    let local = if no_context {
+        Vec::new()
+    } else {
+        let span = tracing::info_span!(parent: &lookup_span, "cb.fingerprint_match");
+        let t = Instant::now();
+        let found = span.in_scope(|| engine.matcher().lock().find(ns, &key.token_ids));
+        engine.emit(BlendEvent::FingerprintMatched {
+            request_id: id.to_owned(),
+            matches: found.len() as u64,
+            took: t.elapsed(),
+        });
+        found
     };
-    let matches = state.sessions.with(id, |s| s.blend.pending.take()).unwrap_or_default();
+    let fleet = match engine.fleet() {
+        Some(f) if !no_context && key.token_ids.len() >= state.chunk_size() => {
+            let span = tracing::info_span!(parent: &lookup_span, "cb.coordinator_match");
+            state.sessions.with(id, |s| {
+                if let Some(t) = &mut s.blend.trace {
+                    t.coordinator = Some(Phase::begin(span));
+                }
+            });
+            Some(FleetLeg {
+                query: f.submit(&key.token_ids, ns),
+                deadline: Instant::now() + f.budget(),
+                matches: None,
+            })
+        }
+        _ => None,
+    };
+    state.sessions.with(id, |s| {
+        s.blend.job =
+            Some(LookupJob { local, fleet, prefix_chunks: None, sparse: None, no_context });
+    });
+    Ok(())
+}
+
+/// The coordinator leg: its answer, or none once its deadline passed.
+fn poll_fleet(state: &RequestState, engine: &BlendEngine, id: &str) -> Step {
+    state.sessions.with(id, |s| {
+        let Some(leg) = s.blend.job.as_mut().and_then(|j| j.fleet.as_mut()) else {
+            return Step::Ready;
+        };
+        if leg.matches.is_some() {
+            return Step::Ready;
+        }
+        let (matches, timed_out) = match leg.query.poll() {
+            Some(Ok(m)) => {
+                let m = m
+                    .into_iter()
+                    .map(|f| Found { hash: f.chunk_hash, old_st: f.old_st, cur_st: f.cur_st })
+                    .collect::<Vec<_>>();
+                (m, false)
+            }
+            Some(Err(_)) => (Vec::new(), false),
+            None if Instant::now() < leg.deadline => return Step::Wait,
+            None => {
+                tracing::warn!(
+                    request_id = id,
+                    "CB coordinator match past its deadline; local only"
+                );
+                (Vec::new(), true)
+            }
+        };
+        let took = s.blend.trace.as_mut().and_then(|t| t.coordinator.take()).map(|p| p.elapsed());
+        engine.emit(BlendEvent::CoordinatorMatched {
+            request_id: id.to_owned(),
+            matches: matches.len() as u64,
+            timed_out,
+            took: took.unwrap_or_default(),
+        });
+        leg.matches = Some(matches);
+        Step::Ready
+    })
+}
+
+/// The sparse leg starts: the matches past the prefix (this server's and the fleet's, each
+/// (chunk, position) once), each distinct chunk's objects read-locked where L1 holds them
+/// and loaded from L2 and the peers where it does not.
+fn start_sparse(state: &RequestState, key: &CacheKey) -> Result<(), ProtocolError> {
+    let id = key.request_id.as_str();
     let chunk = state.chunk_size() as u64;
-    let prefix_tokens = prefix_chunks * chunk;
+    let Some((mut candidates, prefix)) = state.sessions.with(id, |s| {
+        let j = s.blend.job.as_mut()?;
+        let mut all = std::mem::take(&mut j.local);
+        all.extend(j.fleet.as_mut().and_then(|f| f.matches.take()).unwrap_or_default());
+        Some((all, j.prefix_chunks.unwrap_or(0) * chunk))
+    }) else {
+        return Ok(());
+    };
+    // Past the prefix, and inside the prompt (the coordinator's positions are checked too).
+    let len = key.token_ids.len() as u64;
+    candidates.retain(|m| m.cur_st >= prefix && m.cur_st + chunk <= len);
+    candidates.sort_by_key(|m| (m.cur_st, m.hash));
+    candidates.dedup_by_key(|m| (m.cur_st, m.hash));
     let readers = key.num_kv_readers.clamp(1, state.l1().config().max_read_locks);
-    let objects = state.registry.objects(&key.model_name, key.world_size);
-    let groups = objects.len().max(1);
-    // Every object (group, shard) of a chunk read-locked, or none.
-    let lock = |hash: [u8; 32]| -> Result<Option<Vec<lmcache_l1::ReadLease>>, ProtocolError> {
-        let mut keys = Vec::with_capacity(groups * key.world_size as usize);
-        for og in 0..groups as u32 {
-            for w in 0..key.world_size {
-                keys.extend(state.object_keys(key, w, &[ChunkHash(hash)], og)?);
+    let groups = blend_groups(state, key);
+    let mut leg = SparseLeg::default();
+    for m in &candidates {
+        if leg.chunks.contains_key(&m.hash) {
+            continue;
+        }
+        let keys = chunk_keys(state, key, &groups, m.hash)?;
+        let chunk_state = match state.storage.lock_chunk(&keys, readers) {
+            Ok(leases) => ChunkState::Held(leases),
+            Err((held, Some(handle))) => {
+                leg.l2_keys += (keys.len() - held.len()) as u64;
+                ChunkState::Loading { held, handle }
+            }
+            Err((_, None)) => ChunkState::Missing,
+        };
+        leg.chunks.insert(m.hash, chunk_state);
+    }
+    leg.candidates = candidates;
+    let loading = leg.loading();
+    if loading {
+        leg.started = Some(Instant::now());
+    }
+    state.sessions.with(id, |s| {
+        if loading && let Some(t) = &mut s.blend.trace {
+            let span = tracing::info_span!(parent: t.lookup_span(), "cb.sparse_prefetch", l2_keys = leg.l2_keys);
+            t.sparse = Some(Phase::begin(span));
+        }
+        match &mut s.blend.job {
+            Some(j) => j.sparse = Some(leg),
+            None => drop(leg),
+        }
+    });
+    Ok(())
+}
+
+/// The sparse leg's loads: each chunk found whole (its locks joined) or missing.
+fn poll_sparse(state: &RequestState, engine: &BlendEngine, id: &str) -> Step {
+    state.sessions.with(id, |s| {
+        let Some(leg) = s.blend.job.as_mut().and_then(|j| j.sparse.as_mut()) else {
+            return Step::Ready;
+        };
+        if !leg.loading() {
+            return Step::Ready;
+        }
+        let mut waiting = false;
+        for c in leg.chunks.values_mut() {
+            let ChunkState::Loading { held, handle } = c else { continue };
+            let Some(out) = handle.poll() else {
+                waiting = true;
+                continue;
+            };
+            if out.hits >= 1 {
+                let mut all = std::mem::take(held);
+                for row in out.leases {
+                    leg.found_keys += row.len() as u64;
+                    all.extend(row);
+                }
+                *c = ChunkState::Held(all);
+            } else {
+                *c = ChunkState::Missing;
             }
         }
-        let leases: Vec<_> = state.l1().read_lock(&keys, readers).into_iter().flatten().collect();
-        Ok((leases.len() == keys.len()).then_some(leases))
+        if waiting {
+            return Step::Wait;
+        }
+        let took = s.blend.trace.as_mut().and_then(|t| t.sparse.take()).map(|p| p.elapsed());
+        engine.emit(BlendEvent::SparsePrefetched {
+            request_id: id.to_owned(),
+            l2_keys: leg.l2_keys,
+            found_keys: leg.found_keys,
+            took: took.or(leg.started.map(|t| t.elapsed())).unwrap_or_default(),
+        });
+        Step::Ready
+    })
+}
+
+/// Every leg landed: found matches kept (the earlier of two overlapping wins), missing ones
+/// struck, the segmented tail added, the locks kept in the session for the retrieve, and the
+/// answer built.
+fn finish(
+    state: &RequestState,
+    engine: &BlendEngine,
+    key: &CacheKey,
+    ns: &lmcache_blend::Namespace,
+) -> Result<Value, ProtocolError> {
+    let id = key.request_id.as_str();
+    let chunk = state.chunk_size() as u64;
+    let Some(job) = state.sessions.with(id, |s| s.blend.job.take()) else {
+        return Ok(CbUnifiedLookupResult::default().encode());
     };
+    let prefix_chunks = job.prefix_chunks.unwrap_or(0);
+    let prefix_tokens = prefix_chunks * chunk;
+    let mut leg = job.sparse.unwrap_or_default();
+    let readers = key.num_kv_readers.clamp(1, state.l1().config().max_read_locks);
     // The segmented prefix: the prompt's own chunks past a gap in the prefix hit that L1
     // still holds, served at their positions. Off for recurrent or windowed groups (a gap
     // there cannot be skipped).
-    let mut tail: Vec<(CbMatch, Vec<lmcache_l1::ReadLease>)> = Vec::new();
+    let mut tail: Vec<CbMatch> = Vec::new();
+    let mut leases: Vec<lmcache_l1::ReadLease> = Vec::new();
+    let objects = state.registry.objects(&key.model_name, key.world_size);
     let full_attention = objects.iter().all(|o| o.window_chunks.is_none() && !o.recurrent);
-    if engine.options().segmented_prefix && full_attention {
+    if engine.options().segmented_prefix && full_attention && !job.no_context {
+        let groups = blend_groups(state, key);
         let chunks = key.token_ids.len() / state.chunk_size();
         let own = state.sessions.with(id, |s| s.chunk_hashes(&key.token_ids, chunks));
         for (i, h) in own.iter().enumerate().skip(prefix_chunks as usize) {
-            if let Some(leases) = lock(h.0)? {
+            let keys = chunk_keys(state, key, &groups, h.0)?;
+            let locked: Vec<_> =
+                state.l1().read_lock(&keys, readers).into_iter().flatten().collect();
+            if locked.len() == keys.len() {
                 let st = i as u64 * chunk;
-                let m = CbMatch {
+                tail.push(CbMatch {
                     old_st: st,
                     old_ed: st + chunk,
                     cur_st: st,
                     cur_ed: st + chunk,
                     hash: h.0.to_vec(),
-                };
-                tail.push((m, leases));
+                });
+                leases.extend(locked);
             }
         }
     }
-    let strike = state.config.l2_adapters.is_empty();
-    let mut found: Vec<(CbMatch, Vec<lmcache_l1::ReadLease>)> = Vec::new();
     // A match at its own position that the segmented tail serves already is not scattered
     // twice (one at its position the tail lacks is a true reuse and stays).
-    let in_tail = |m: &lmcache_blend::Found| tail.iter().any(|(t, _)| t.cur_st == m.cur_st);
-    for m in matches.into_iter().filter(|m| m.cur_st >= prefix_tokens) {
-        if m.old_st == m.cur_st && in_tail(&m) {
-            continue;
-        }
-        if let Some(leases) = lock(m.hash)? {
-            engine.matcher().lock().found(&ns, &m.hash);
-            let cb = CbMatch {
-                old_st: m.old_st,
-                old_ed: m.old_st + chunk,
-                cur_st: m.cur_st,
-                cur_ed: m.cur_st + chunk,
-                hash: m.hash.to_vec(),
-            };
-            found.push((cb, leases));
-        } else if strike && engine.matcher().lock().stale(&ns, &m.hash) {
-            tracing::debug!(request_id = id, "CB fingerprint removed after two stale lookups");
-        }
-    }
-    // Two matches that write the same request range cannot both scatter: the earlier wins.
-    let mut kept = Vec::with_capacity(found.len());
+    let in_tail = |m: &Found| m.old_st == m.cur_st && tail.iter().any(|t| t.cur_st == m.cur_st);
+    let candidates: Vec<Found> =
+        std::mem::take(&mut leg.candidates).into_iter().filter(|m| !in_tail(m)).collect();
+    let mut kept: Vec<CbMatch> = Vec::new();
     let mut covered = 0u64;
-    for (m, leases) in found {
-        if m.cur_st >= covered {
-            covered = m.cur_ed;
-            kept.push((m, leases));
+    let mut used: Vec<[u8; 32]> = Vec::new();
+    let mut struck = 0u64;
+    for m in &candidates {
+        match leg.chunks.get(&m.hash) {
+            Some(ChunkState::Held(_)) => {
+                engine.matcher().lock().found(ns, &m.hash);
+                // Two matches that write the same request range cannot both scatter: the
+                // earlier wins.
+                if m.cur_st >= covered {
+                    covered = m.cur_st + chunk;
+                    used.push(m.hash);
+                    kept.push(CbMatch {
+                        old_st: m.old_st,
+                        old_ed: m.old_st + chunk,
+                        cur_st: m.cur_st,
+                        cur_ed: m.cur_st + chunk,
+                        hash: m.hash.to_vec(),
+                    });
+                }
+            }
+            _ => {
+                if engine.matcher().lock().stale(ns, &m.hash) {
+                    struck += 1;
+                }
+            }
         }
     }
+    // The locks of the chunks kept stay for the retrieve; the others go now.
+    for (hash, c) in leg.chunks {
+        if let ChunkState::Held(l) = c
+            && used.contains(&hash)
+        {
+            leases.extend(l);
+        }
+    }
+    let outcome = LookupOutcome {
+        requested_tokens: (key.token_ids.len() as u64 / chunk) * chunk,
+        prefix_tokens,
+        non_prefix_tokens: coverage(&kept),
+        segmented_tokens: coverage(&tail),
+        found: kept.len() as u64,
+        stale: candidates.len().saturating_sub(kept.len()) as u64,
+        no_context: job.no_context,
+    };
     let result = CbUnifiedLookupResult {
         prefix_coverage_tokens: prefix_tokens,
-        non_prefix_segments: kept.iter().map(|(m, _)| m.clone()).collect(),
-        segmented_prefix_segments: tail.iter().map(|(m, _)| m.clone()).collect(),
+        non_prefix_segments: kept.clone(),
+        segmented_prefix_segments: tail.clone(),
     };
-    kept.extend(tail);
-    state.sessions.with(id, |s| s.blend.matched = kept);
-    Ok(Some(result.encode()))
+    let nothing = kept.is_empty() && tail.is_empty();
+    state.sessions.with(id, |s| {
+        let took = match &mut s.blend.trace {
+            Some(t) => {
+                t.record(&outcome);
+                if struck > 0 {
+                    InstantSpan::ChunksEvicted.record(Some(t.lookup_span()), struck);
+                }
+                t.lookup.take().map(|p| p.elapsed())
+            }
+            None => None,
+        };
+        engine.emit(BlendEvent::LookupEnded {
+            request_id: id.to_owned(),
+            outcome: outcome.clone(),
+            took: took.unwrap_or_default(),
+        });
+        if struck > 0 {
+            engine.emit(BlendEvent::ChunksEvicted { request_id: id.to_owned(), chunks: struck });
+        }
+        kept.extend(tail);
+        s.blend.matched = kept;
+        s.blend.leases = leases;
+        if nothing {
+            // No retrieve follows: the request's trace ends here, as LMCache's does.
+            s.blend.trace = None;
+        }
+    });
+    Ok(result.encode())
 }
 
 /// `cb_retrieve_pre_computed`: the early outcomes as LMCache answers them, then the scatter.
-/// - every match scattered already for this request and worker: `(b"", true)`, nothing
-///   written again;
+/// - every match scattered already for this request and worker (or none sent): `(b"", true)`,
+///   nothing written again;
 /// - every match past the block table: `(b"", true)`, nothing written (a later call with the
 ///   whole table scatters them; the locks stay);
 /// - some inside and some past it: `(b"", false)` (the engine recomputes);
-/// - otherwise each match's object is read from L1 and scattered: `(b"", true)`, or
-///   `(b"", false)` when an object is gone or its geometry is not handled.
+/// - otherwise each match's objects (every blend object group, this worker's shard) are read
+///   from L1 and scattered: `(b"", true)`, or `(b"", false)` when an object is gone or its
+///   geometry is not served (nothing written).
 fn retrieve(
     state: &RequestState,
     engine: &BlendEngine,
     req: &CbRetrievePreComputed,
 ) -> Result<Value, ProtocolError> {
     use lmcache_protocol::types::transfer_result;
+    let t0 = Instant::now();
     let id = req.instance_id;
+    let rid = req.key.request_id.as_str();
     let inst = state.registry.get(Family::LmcacheDriven, id).ok_or_else(|| {
         bad("instance_id", format!("instance {id} has no paged KV cache registered"))
     })?;
@@ -229,6 +553,7 @@ fn retrieve(
         m.cur_ed.checked_sub(m.cur_st) == Some(chunk)
             && m.old_ed.checked_sub(m.old_st) == Some(chunk)
             && m.old_ed <= u64::from(u32::MAX)
+            && m.cur_ed <= u64::from(u32::MAX)
     };
     if let Some(m) = req.match_results.iter().find(|m| !one_chunk(m)) {
         return Err(bad(
@@ -239,78 +564,125 @@ fn retrieve(
             ),
         ));
     }
+    let n = req.match_results.len() as u64;
+    // The retrieve's span under the request's root (`cb.request`), when its lookup opened one.
+    let root =
+        state.sessions.with_existing(rid, |s| s.blend.trace.as_ref().map(|t| t.request.clone()));
+    let parent = root.flatten().and_then(|r| r.id()).or_else(|| tracing::Span::current().id());
+    let span = tracing::info_span!(parent: parent, "cb.retrieve", num_chunks = n, success = tracing::field::Empty);
+    let _entered = span.enter();
+    let end_request = |keep: bool| {
+        if !keep {
+            state.sessions.with_existing(rid, |s| s.blend.trace = None);
+        }
+    };
+    let noop = |reason: NoopReason| {
+        InstantSpan::RetrieveNoop.record(Some(&span), n);
+        engine.emit(BlendEvent::RetrieveNoop { request_id: rid.to_owned(), reason, matches: n });
+        // The request ends here unless a later call with the whole table follows.
+        end_request(reason == NoopReason::MatchesBeyondAlloc);
+        Ok(transfer_result(reason.scatter_ran()))
+    };
+    // The blend read set: every object group but recurrent state.
+    let groups: Vec<usize> = (0..object_groups.len())
+        .filter(|&og| inst.objects.get(og).is_none_or(|o| !o.recurrent))
+        .collect();
+    let staged: Vec<usize> =
+        groups.iter().flat_map(|&og| object_groups[og].kernel_groups.iter().copied()).collect();
     let tpb = |g: usize| kernel_groups.get(g).map_or(1, |k| k.tokens_per_block.max(1));
     // Each match with what identifies it as applied: its hash, start and destination blocks.
     let dest = |m: &CbMatch| -> Vec<u64> {
-        object_groups.first().map_or_else(Vec::new, |og| {
-            og.kernel_groups
-                .iter()
-                .flat_map(|&g| {
-                    let list = kernel_groups.get(g).and_then(|k| req.block_ids.get(k.view));
-                    let (a, b) = (m.cur_st / tpb(g), m.cur_ed.div_ceil(tpb(g)));
-                    list.map(|l| {
-                        l.iter()
-                            .skip(a as usize)
-                            .take((b - a) as usize)
-                            .copied()
-                            .collect::<Vec<_>>()
-                    })
-                    .unwrap_or_default()
+        staged
+            .iter()
+            .flat_map(|&g| {
+                let list = kernel_groups.get(g).and_then(|k| req.block_ids.get(k.view));
+                let (a, b) = (m.cur_st / tpb(g), m.cur_ed.div_ceil(tpb(g)));
+                list.map(|l| {
+                    l.iter().skip(a as usize).take((b - a) as usize).copied().collect::<Vec<_>>()
                 })
-                .collect()
-        })
+                .unwrap_or_default()
+            })
+            .collect()
     };
     let tagged: Vec<(&CbMatch, crate::blend::AppliedKey)> =
         req.match_results.iter().map(|m| (m, (m.hash.clone(), m.cur_st, dest(m)))).collect();
     let request = (req.key.request_id.clone(), req.key.worker_id);
     let todo = engine.not_applied(&request, &tagged);
-    if todo.is_empty() {
-        return Ok(transfer_result(true));
+    if req.match_results.is_empty() {
+        return noop(NoopReason::NoObjectKeys);
     }
-    let bound = object_groups
-        .first()
-        .map(|og| {
-            og.kernel_groups
-                .iter()
-                .map(|&g| {
-                    let k = &kernel_groups[g];
-                    req.block_ids.get(k.view).map_or(0, |l| l.len() as u64) * k.tokens_per_block
-                })
-                .min()
-                .unwrap_or(0)
+    if todo.is_empty() {
+        return noop(NoopReason::AlreadyApplied);
+    }
+    let bound = staged
+        .iter()
+        .map(|&g| {
+            let k = &kernel_groups[g];
+            req.block_ids.get(k.view).map_or(0, |l| l.len() as u64) * k.tokens_per_block
         })
+        .min()
         .unwrap_or(0);
     if todo.iter().any(|(m, _)| m.cur_ed > bound) {
-        let beyond = todo.iter().all(|(m, _)| m.cur_st >= bound);
-        return Ok(transfer_result(beyond));
+        if todo.iter().all(|(m, _)| m.cur_st >= bound) {
+            return noop(NoopReason::MatchesBeyondAlloc);
+        }
+        return noop(NoopReason::MatchesStraddleAlloc);
     }
-    // This worker's object of each match, read-locked for the copy (the lookup's locks keep
+    // This worker's objects of each match, read-locked for the copy (the lookup's locks keep
     // them resident meanwhile; these go when the copy ends).
     let worker = req.key.worker_id.unwrap_or(0);
     let mut leases = Vec::with_capacity(todo.len());
+    let mut gone = false;
     for (m, _) in &todo {
         let Ok(hash) = <[u8; 32]>::try_from(m.hash.as_slice()) else {
             return Err(bad("match_results", "a hash of other than 32 bytes"));
         };
-        let keys = state.object_keys(&req.key, worker, &[ChunkHash(hash)], 0)?;
-        match state.l1().read_lock(&keys, 1).pop() {
-            Some(Ok(lease)) => leases.push(lease),
-            _ => {
-                tracing::warn!(request_id = %req.key.request_id, "CB retrieve: a matched chunk left L1");
-                return Ok(transfer_result(false));
+        let mut objects = Vec::with_capacity(groups.len());
+        for &og in &groups {
+            let keys = state.object_keys(&req.key, worker, &[ChunkHash(hash)], og as u32)?;
+            match state.l1().read_lock(&keys, 1).pop() {
+                Some(Ok(lease)) => objects.push((og, lease)),
+                _ => gone = true,
             }
         }
+        leases.push(objects);
     }
-    let work: Vec<(&CbMatch, &[u8])> =
-        todo.iter().zip(&leases).map(|((m, _), l)| (*m, l.bytes())).collect();
-    match super::lmcache_driven::blend_scatter(state, id, &req.block_ids, &work, &rope) {
-        Ok(()) => {
+    let scattered = if gone {
+        tracing::warn!(request_id = rid, "CB retrieve: a matched chunk left L1");
+        Err("a matched chunk left L1".to_owned())
+    } else {
+        let work: Vec<super::lmcache_driven::ScatterItem<'_>> = todo
+            .iter()
+            .zip(&leases)
+            .map(|((m, _), objs)| (*m, objs.iter().map(|(og, l)| (*og, l.bytes())).collect()))
+            .collect();
+        let scatter_span = tracing::info_span!("cb.scatter", matches = work.len());
+        let t = Instant::now();
+        let r = scatter_span.in_scope(|| {
+            super::lmcache_driven::blend_scatter(state, id, &req.block_ids, &work, &rope)
+        });
+        r.map(|w| (w, t.elapsed()))
+    };
+    let (work, scatter, success) = match scattered {
+        Ok((w, t)) => {
             engine.mark_applied(request, todo.iter().map(|(_, k)| k.clone()));
-            Ok(transfer_result(true))
+            (w, t, true)
         }
         Err(why) => {
-            tracing::warn!(request_id = %req.key.request_id, error = %why, "CB scatter refused");
-            Ok(transfer_result(false))
+            tracing::warn!(request_id = rid, error = %why, "CB scatter refused");
+            (Default::default(), Default::default(), false)
         }
-    }
+    };
+    span.record("success", success);
+    engine.emit(BlendEvent::Retrieved {
+        request_id: rid.to_owned(),
+        chunks: n,
+        work,
+        dropped: 0,
+        success,
+        scatter,
+        took: t0.elapsed(),
+    });
+    end_request(false);
+    Ok(transfer_result(success))
 }

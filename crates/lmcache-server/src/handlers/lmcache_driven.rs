@@ -329,82 +329,144 @@ impl Plan<'_> {
     }
 }
 
-/// CacheBlend's scatter: each match's chunk object (object group 0, this worker's shard)
-/// written token by token into `blocks` at its new positions `[cur_st, cur_st + chunk)`, V as
-/// stored, K re-rotated from `old_st + t` to `cur_st + t` by the worker's rope state. Every
-/// slot outside the matched ranges is left alone. Refused (nothing written for the match
-/// being checked; earlier matches stay written, and the caller answers "not ran"): a
-/// geometry the scatter does not handle yet (sliding windows, compressed blocks, fp8).
+/// One match to scatter: the match, and its objects (object group, bytes) of this worker.
+pub(super) type ScatterItem<'a> =
+    (&'a lmcache_protocol::types::blend::CbMatch, Vec<(usize, &'a [u8])>);
+
+/// CacheBlend's scatter: each match's chunk objects (every blend object group, this worker's
+/// shard) written into `blocks` at its new positions `[cur_st, cur_st + chunk)`, one
+/// destination block's run of tokens at a time: V as stored, K re-rotated from `old_st + t`
+/// to `cur_st + t` by the worker's rope state (widened to `f32` a run at a time, rotated,
+/// narrowed back: `f32`, `f16`, `bf16`, fp8). A sliding-window group writes the tokens it
+/// kept, the chunk's last. Every slot outside the matched ranges is left alone. The whole
+/// geometry of every group and match is checked before the first write; refused (nothing
+/// written, and the caller answers "not ran"): compressed blocks, a rotation the rope state
+/// cannot serve, objects shorter than their layout, a match past the block table.
 pub(super) fn blend_scatter(
     state: &RequestState,
     id: u64,
     blocks: &[Vec<u64>],
-    matches: &[(&lmcache_protocol::types::blend::CbMatch, &[u8])],
+    matches: &[ScatterItem<'_>],
     rope: &crate::blend::RopeState,
-) -> Result<(), String> {
+) -> Result<crate::blend_telemetry::ScatterWork, String> {
+    use crate::blend_telemetry::ScatterWork;
     let inst =
         state.registry.get(Family::LmcacheDriven, id).ok_or("the worker is not registered")?;
     let p = plan(&inst, 1).ok_or("not an lmcache-driven registration")?;
-    if rope.kv_quant != crate::blend::KvQuant::None {
-        return Err("fp8 KV is not re-rotated yet".into());
-    }
     let chunk = state.chunk_size() as u64;
-    // One K row at a time, in f32 (a buffer reused across rows).
-    let mut wide: Vec<f32> = Vec::new();
-    for &(m, object) in matches {
-        for (g, r) in p.parts(0) {
-            let part = object.get(r).ok_or("the object is shorter than its layout")?;
-            let k = &p.kernel_groups[g];
-            let t = &p.transfers[g];
-            let geo = t.geometry;
-            if k.kept_blocks != k.blocks_per_chunk || k.tokens_per_block != geo.block_size {
-                return Err(format!("kernel group {g}: windowed or compressed blocks"));
+    // Every (match, kernel group) checked and planned first.
+    struct Part<'a> {
+        m: &'a lmcache_protocol::types::blend::CbMatch,
+        g: usize,
+        src: &'a [u8],
+        slots: u64,
+        rot: Option<crate::blend::GroupRotation<'a>>,
+    }
+    let mut parts = Vec::new();
+    for (m, objects) in matches {
+        for &(og, object) in objects {
+            if og >= p.object_groups.len() {
+                return Err(format!("object group {og} is not registered"));
             }
-            // A chunk served at its own position (a segmented prefix) is copied as stored.
-            let rot = rope
-                .for_group(k.engine_group, geo.hidden, geo.kv)?
-                .filter(|_| m.old_st != m.cur_st);
-            let elem = geo.dtype.itemsize() as usize;
-            let row_bytes = geo.hidden as usize * elem;
-            let slab = chunk as usize * row_bytes;
-            let table = blocks.get(k.view).ok_or("no block list for a KV group")?;
-            let deltas = match rot {
-                Some((cache, _)) => (0..chunk)
-                    .map(|i| cache.delta((m.old_st + i) as usize, (m.cur_st + i) as usize))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(|e| e.to_string())?,
-                None => Vec::new(),
-            };
-            let mut out = vec![0u8; row_bytes];
-            for plane in 0..geo.kv {
-                for l in 0..t.layers.len() {
-                    let at = (plane as usize * t.layers.len() + l) * slab;
-                    let src =
-                        part.get(at..at + slab).ok_or("the object is shorter than its slabs")?;
-                    for i in 0..chunk as usize {
-                        let pos = m.cur_st + i as u64;
-                        let block = *table
-                            .get((pos / k.tokens_per_block) as usize)
-                            .ok_or("a match past the block table")?;
-                        let row = &src[i * row_bytes..(i + 1) * row_bytes];
-                        let row = match (plane, rot, deltas.get(i)) {
-                            (0, Some((_, krow)), Some(d)) => {
-                                wide.clear();
-                                crate::blend::widen(geo.dtype, row, &mut wide)?;
-                                d.apply(&mut wide, krow, rope.style).map_err(|e| e.to_string())?;
-                                crate::blend::narrow(geo.dtype, &wide, &mut out)?;
-                                &out[..]
-                            }
-                            _ => row,
-                        };
-                        t.write_token_row(l, plane, block, pos % k.tokens_per_block, row)
-                            .map_err(|e| e.to_string())?;
+            for (g, r) in p.parts(og) {
+                let src = object.get(r).ok_or("the object is shorter than its layout")?;
+                let k = &p.kernel_groups[g];
+                let geo = p.transfers[g].geometry;
+                if k.tokens_per_block != geo.block_size || k.tokens_per_block == 0 {
+                    return Err(format!("kernel group {g}: compressed blocks"));
+                }
+                let slots = k.kept_blocks as u64 * geo.block_size;
+                if slots > chunk {
+                    return Err(format!("kernel group {g}: {slots} slots in a chunk of {chunk}"));
+                }
+                let table = blocks.get(k.view).ok_or("no block list for a KV group")?;
+                if (m.cur_ed).div_ceil(k.tokens_per_block) > table.len() as u64 {
+                    return Err("a match past the block table".into());
+                }
+                // A chunk served at its own position (a segmented prefix) is copied as stored.
+                let rot = if m.old_st == m.cur_st {
+                    None
+                } else {
+                    rope.for_group(k.engine_group, geo.hidden, geo.kv, geo.dtype)?
+                };
+                if let Some(r) = &rot {
+                    let last = (m.old_ed.max(m.cur_ed) - 1) as usize;
+                    if last >= r.cache.positions() {
+                        return Err(format!(
+                            "position {last} is past the cos/sin cache's {} rows",
+                            r.cache.positions()
+                        ));
                     }
+                }
+                parts.push(Part { m, g, src, slots, rot });
+            }
+        }
+    }
+    let mut work = ScatterWork::default();
+    for (m, _) in matches {
+        if m.old_st == m.cur_st {
+            work.prefix_chunks += 1;
+        } else {
+            work.shifted_chunks += 1;
+        }
+        work.tokens += chunk;
+    }
+    // One destination block's run of rows at a time, K through one f32 buffer.
+    let mut wide: Vec<f32> = Vec::new();
+    let mut out: Vec<u8> = Vec::new();
+    for part in &parts {
+        let (m, k, t) = (part.m, &p.kernel_groups[part.g], &p.transfers[part.g]);
+        let geo = t.geometry;
+        let row_bytes = (geo.hidden * geo.dtype.itemsize()) as usize;
+        let hidden = geo.hidden as usize;
+        let slab = part.slots as usize * row_bytes;
+        let table = blocks.get(k.view).ok_or("no block list for a KV group")?;
+        // The first chunk token a stored row holds (a window keeps the chunk's last).
+        let first = chunk - part.slots;
+        let deltas = match &part.rot {
+            Some(r) => (first..chunk)
+                .map(|i| r.cache.delta((m.old_st + i) as usize, (m.cur_st + i) as usize))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.to_string())?,
+            None => Vec::new(),
+        };
+        for plane in 0..geo.kv {
+            for l in 0..t.layers.len() {
+                let at = (plane as usize * t.layers.len() + l) * slab;
+                let src =
+                    part.src.get(at..at + slab).ok_or("the object is shorter than its slabs")?;
+                let mut i = 0u64;
+                while i < part.slots {
+                    let pos = m.cur_st + first + i;
+                    let block = *table
+                        .get((pos / k.tokens_per_block) as usize)
+                        .ok_or("a match past the block table")?;
+                    let in_block = pos % k.tokens_per_block;
+                    let n = (k.tokens_per_block - in_block).min(part.slots - i);
+                    let rows = &src[i as usize * row_bytes..(i + n) as usize * row_bytes];
+                    let rows = match (&part.rot, plane) {
+                        (Some(r), 0) => {
+                            wide.resize(n as usize * hidden, 0.0);
+                            r.format.widen(rows, &mut wide);
+                            for (j, row) in wide.chunks_exact_mut(hidden).enumerate() {
+                                deltas[(i as usize) + j]
+                                    .rotate(row, r.row, rope.style)
+                                    .map_err(|e| e.to_string())?;
+                            }
+                            out.resize(rows.len(), 0);
+                            r.format.narrow(&wide, &mut out);
+                            &out[..]
+                        }
+                        _ => rows,
+                    };
+                    t.write_token_rows(l, plane, block, in_block, rows)
+                        .map_err(|e| e.to_string())?;
+                    i += n;
                 }
             }
         }
     }
-    Ok(())
+    Ok(work)
 }
 
 fn store(
