@@ -589,13 +589,30 @@ fn retrieve(
         .collect();
     let staged: Vec<usize> =
         groups.iter().flat_map(|&og| object_groups[og].kernel_groups.iter().copied()).collect();
+    // One block table per engine group the scatter writes (LMCache raises without one).
+    if let Some(k) = staged
+        .iter()
+        .filter_map(|&g| kernel_groups.get(g))
+        .find(|k| super::lmcache_driven::engine_table(&req.block_ids, k).is_none())
+    {
+        return Err(bad(
+            "block_ids",
+            format!(
+                "{} block table(s), but a KV group of engine group {} needs its own",
+                req.block_ids.len(),
+                k.engine_group
+            ),
+        ));
+    }
     let tpb = |g: usize| kernel_groups.get(g).map_or(1, |k| k.tokens_per_block.max(1));
     // Each match with what identifies it as applied: its hash, start and destination blocks.
     let dest = |m: &CbMatch| -> Vec<u64> {
         staged
             .iter()
             .flat_map(|&g| {
-                let list = kernel_groups.get(g).and_then(|k| req.block_ids.get(k.view));
+                let list = kernel_groups
+                    .get(g)
+                    .and_then(|k| super::lmcache_driven::engine_table(&req.block_ids, k));
                 let (a, b) = (m.cur_st / tpb(g), m.cur_ed.div_ceil(tpb(g)));
                 list.map(|l| {
                     l.iter().skip(a as usize).take((b - a) as usize).copied().collect::<Vec<_>>()
@@ -618,7 +635,8 @@ fn retrieve(
         .iter()
         .map(|&g| {
             let k = &kernel_groups[g];
-            req.block_ids.get(k.view).map_or(0, |l| l.len() as u64) * k.tokens_per_block
+            super::lmcache_driven::engine_table(&req.block_ids, k).map_or(0, |l| l.len() as u64)
+                * k.tokens_per_block
         })
         .min()
         .unwrap_or(0);

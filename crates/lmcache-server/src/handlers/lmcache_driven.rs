@@ -329,6 +329,13 @@ impl Plan<'_> {
     }
 }
 
+/// Kernel group `k`'s block table in a CacheBlend retrieve: one table per engine group,
+/// indexed by its id (LMCache's `gpu_block_ids[engine_group_idx]`; kernel groups of one engine
+/// group share it).
+pub(super) fn engine_table<'b>(blocks: &'b [Vec<u64>], k: &KernelGroup) -> Option<&'b Vec<u64>> {
+    usize::try_from(k.engine_group).ok().and_then(|g| blocks.get(g))
+}
+
 /// One match to scatter: the match, and its objects (object group, bytes) of this worker.
 pub(super) type ScatterItem<'a> =
     (&'a lmcache_protocol::types::blend::CbMatch, Vec<(usize, &'a [u8])>);
@@ -379,7 +386,7 @@ pub(super) fn blend_scatter(
                 if slots > chunk {
                     return Err(format!("kernel group {g}: {slots} slots in a chunk of {chunk}"));
                 }
-                let table = blocks.get(k.view).ok_or("no block list for a KV group")?;
+                let table = engine_table(blocks, k).ok_or("no block table for an engine group")?;
                 if (m.cur_ed).div_ceil(k.tokens_per_block) > table.len() as u64 {
                     return Err("a match past the block table".into());
                 }
@@ -420,7 +427,7 @@ pub(super) fn blend_scatter(
         let row_bytes = (geo.hidden * geo.dtype.itemsize()) as usize;
         let hidden = geo.hidden as usize;
         let slab = part.slots as usize * row_bytes;
-        let table = blocks.get(k.view).ok_or("no block list for a KV group")?;
+        let table = engine_table(blocks, k).ok_or("no block table for an engine group")?;
         // The first chunk token a stored row holds (a window keeps the chunk's last).
         let first = chunk - part.slots;
         let deltas = match &part.rot {
