@@ -24,10 +24,13 @@ const CHUNK: usize = 16;
 const BS: u64 = 4;
 const NB: u64 = 32;
 
-/// Every span opened: its name, its parent's name, and whether it has closed.
+/// A span heard: its name, its parent's name, and whether it has closed.
+type Heard = (String, Option<String>, bool);
+
+/// Every span opened, by id.
 #[derive(Default)]
 struct Spans {
-    open: Mutex<HashMap<u64, (String, Option<String>, bool)>>,
+    open: Mutex<HashMap<u64, Heard>>,
 }
 
 struct Recorder(Arc<Spans>);
