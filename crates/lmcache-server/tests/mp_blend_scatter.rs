@@ -7,6 +7,8 @@
 //!
 //! Every check of K is against RoPE applied from scratch to the raw K at the new position,
 //! nothing shared with the server's rotation.
+// The checks walk one element index across several tensors and references.
+#![allow(clippy::needless_range_loop)]
 
 use std::time::Duration;
 
@@ -359,7 +361,7 @@ fn fp8_k_is_dequantized_rotated_and_requantized_and_refused_without_its_flavour(
     // vLLM's fp8 KV: uint8 tensors, e4m3 bytes.
     let kv =
         tensor(&format!("lmrs_bsc_f8_{pid}"), Dtype::UInt8, vec![2, NB, BS, NH as u64, HS as u64]);
-    c.register_kv_cache(1, &[kv.desc.clone()], "m", 1, &[info(0, -1)]).unwrap();
+    c.register_kv_cache(1, std::slice::from_ref(&kv.desc), "m", 1, &[info(0, -1)]).unwrap();
     let cache = cos_sin(&format!("lmrs_bsc_f8cs_{pid}"));
     let at = |plane: u64, b: u64, sl: u64, h: usize, d: usize| {
         (((plane * NB + b) * BS + sl) * NH as u64 + h as u64) * HS as u64 + d as u64
@@ -421,7 +423,7 @@ fn a_scatter_the_rope_state_cannot_serve_is_refused_before_any_write() {
     let mut c = Client::connect(s.endpoint(), Duration::from_secs(30)).unwrap();
     let pid = std::process::id();
     let mla = tensor(&format!("lmrs_bsc_rm_{pid}"), Dtype::Float32, vec![NB, BS, LATENT as u64]);
-    c.register_kv_cache(1, &[mla.desc.clone()], "m", 1, &[info(0, -1)]).unwrap();
+    c.register_kv_cache(1, std::slice::from_ref(&mla.desc), "m", 1, &[info(0, -1)]).unwrap();
     let cache = cos_sin(&format!("lmrs_bsc_rcs_{pid}"));
     for pos in 0..2 * CHUNK {
         for e in 0..LATENT {
