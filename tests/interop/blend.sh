@@ -4,7 +4,9 @@
 # the same calls from LMCache's own client classes (tests/interop/blend_engine.py): equal
 # handshakes, unified lookups (hash bytes included), early retrieve outcomes and reorder
 # plans; our scatter checked against LMCache's own CPU re-rotation. Then our metrics and
-# /status must show the blend state.
+# /status must show the blend state. Then a fleet of two lmcache-rs servers sharing an fs L2,
+# reporting to a coordinator (ours, then LMCache's): what A stores, B reuses anywhere in a
+# prompt through the coordinator's /directory/blend-lookup (tests/interop/blend_fleet.py).
 # Usage: tests/interop/blend.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -56,4 +58,41 @@ assert b["registered_cb_rope_instances"] == [] and b["fingerprinted_chunks"] >= 
 assert b["reorder"] is True and b["reorder_prompts"] == 3, b
 print("blend metrics and status: ok")
 PY
+
+# The fleet: A stores, B finds A's document through the coordinator (ours, then LMCache's) and
+# loads it from the L2 they share.
+for ckind in lmcache-rs lmcache; do
+  cport=$(free_port)
+  if [ "$ckind" = lmcache-rs ]; then
+    "$BIN" coordinator --host 127.0.0.1 --port "$cport" --enable-blend-lookup \
+        --exit-after-seconds 300 > "$WORK/coord-$ckind.log" 2>&1 &
+  else
+    timeout 300 "$VENV/bin/lmcache" coordinator --host 127.0.0.1 --port "$cport" \
+        --enable-blend-lookup > "$WORK/coord-$ckind.log" 2>&1 &
+  fi
+  pids+=($!)
+  wait_http "http://127.0.0.1:$cport/healthz" "$WORK/coord-$ckind.log"
+  l2="$WORK/l2-$ckind"; mkdir -p "$l2"
+  urls=()
+  for name in a b; do
+    port=$(free_port); http=$(free_port)
+    "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
+        --engine-type blend --shm-name "lmcache_rs_bf_$$_${ckind}_$name" --max-workers 2 \
+        --l2-adapter "{\"type\": \"fs\", \"base_path\": \"$l2\"}" \
+        --instance-id "blend-$name" --coordinator-url "http://127.0.0.1:$cport" \
+        --coordinator-event-reporting --coordinator-event-flush-interval 0.1 \
+        --coordinator-heartbeat-interval 1 --coordinator-advertise-ip 127.0.0.1 \
+        --exit-after-seconds 300 > "$WORK/fleet-$ckind-$name.log" 2>&1 &
+    pids+=($!)
+    wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/fleet-$ckind-$name.log"
+    urls+=("tcp://127.0.0.1:$port"); last_http="http://127.0.0.1:$http"
+  done
+  (cd tests/interop && timeout 240 "$VENV/bin/python" blend_fleet.py "${urls[0]}" "${urls[1]}" \
+      "$last_http") || {
+    echo "FAILED: blend fleet ($ckind coordinator)"
+    for l in "coord-$ckind" "fleet-$ckind-a" "fleet-$ckind-b"; do echo "--- $l"; tail -25 "$WORK/$l.log"; done
+    exit 1
+  }
+  echo "blend fleet through the $ckind coordinator: ok"
+done
 echo "interop blend: ok"

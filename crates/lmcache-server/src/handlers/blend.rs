@@ -298,7 +298,9 @@ fn start_sparse(state: &RequestState, key: &CacheKey) -> Result<(), ProtocolErro
     let Some((mut candidates, prefix)) = state.sessions.with(id, |s| {
         let j = s.blend.job.as_mut()?;
         let mut all = std::mem::take(&mut j.local);
-        all.extend(j.fleet.as_mut().and_then(|f| f.matches.take()).unwrap_or_default());
+        // The fleet leg is done with once its matches join the candidates (a later poll
+        // must not wait for it again).
+        all.extend(j.fleet.take().and_then(|f| f.matches).unwrap_or_default());
         Some((all, j.prefix_chunks.unwrap_or(0) * chunk))
     }) else {
         return Ok(());
