@@ -58,6 +58,12 @@ assert b["registered_cb_rope_instances"] == [] and b["fingerprinted_chunks"] >= 
 assert b["reorder"] is True and b["reorder_prompts"] == 3, b
 print("blend metrics and status: ok")
 PY
+# The operator's view: `describe kvcache` shows the blend state.
+desc=$("$BIN" describe kvcache --url "http://127.0.0.1:$ours_http") || fail "describe kvcache"
+for want in "Blend fingerprints" "3 chunks" "Blend rope workers" "reorder on (3 prompts)"; do
+  grep -qF "$want" <<< "$desc" || { echo "$desc"; fail "describe kvcache lacks '$want'"; }
+done
+echo "describe kvcache shows the blend state: ok"
 
 # The fleet: A stores, B finds A's document through the coordinator (ours, then LMCache's) and
 # loads it from the L2 they share.

@@ -317,6 +317,35 @@ pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
             }
         }
     }
+    if let Some(b) = st["blend"].as_object() {
+        let on = |k: &str| if b.get(k) == Some(&json!(true)) { "on" } else { "off" };
+        rows.push((
+            "Blend fingerprints".into(),
+            format!(
+                "{} chunks, {} distinct contents",
+                s(&b["fingerprinted_chunks"]),
+                s(&b["fingerprint_contents"])
+            ),
+        ));
+        let ropes: Vec<String> = b["registered_cb_rope_instances"]
+            .as_array()
+            .map_or_else(Vec::new, |l| l.iter().map(s).collect());
+        rows.push((
+            "Blend rope workers".into(),
+            if ropes.is_empty() { "none".into() } else { ropes.join(", ") },
+        ));
+        rows.push((
+            "Blend options".into(),
+            format!(
+                "segmented prefix {}, dedup content {}, reorder {} ({} prompts), coordinator leg {}",
+                on("segmented_prefix"),
+                on("dedup_content"),
+                on("reorder"),
+                s(&b["reorder_prompts"]),
+                on("coordinator_leg")
+            ),
+        ));
+    }
     if let Some(list) = st["refused_instances"].as_array() {
         for i in list {
             rows.push((
