@@ -1,14 +1,17 @@
-//! The K re-rotation of one reused chunk against a plain copy of the same bytes: LMCache's
-//! default chunk object (fp16, `[2, 32 layers, 256 tokens, 8 heads x 128]`: 32 MiB, K first),
-//! copied out with V as stored and K re-rotated from positions 256.. to 300.. (NeoX, a full
-//! 128-element window), against `copy_from_slice` of the 32 MiB. Medians of 20 rounds.
+//! The K re-rotation of one reused chunk against a plain copy of the same bytes, on one
+//! thread: LMCache's default chunk object (fp16, `[2, 32 layers, 256 tokens, 8 heads x 128]`:
+//! 32 MiB, K first), copied out with V as stored and K re-rotated from positions 256.. to
+//! 300.. (NeoX, a full 128-element window) in runs of 16 rows, as a scatter writes blocks of
+//! 16, with `rotate_rows` (the vector path where the CPU has one), against `copy_from_slice`
+//! of the 32 MiB. Medians of 20 rounds. The server's whole scatter is
+//! `cargo bench -p lmcache-server --bench blend_scatter`.
 //! Run: `cargo bench -p lmcache-blend --bench rope`.
 #![expect(clippy::expect_used, reason = "a benchmark binary: any failure should abort it")]
 
 use std::time::Instant;
 
 use half::f16;
-use lmcache_blend::{CosSinCache, KRow, RopeStyle, Rotator};
+use lmcache_blend::{CosSinCache, KFormat, KRow, RopeStyle, rotate_rows};
 
 const LAYERS: usize = 32;
 const TOKENS: usize = 256;
@@ -44,17 +47,22 @@ fn main() {
         let t = Instant::now();
         let deltas: Vec<_> =
             (0..TOKENS).map(|t| cache.delta(256 + t, 300 + t).expect("delta")).collect();
-        let mut rotator = Rotator::default();
-        // V as stored; K rotated on its way into the destination (one pass).
+        let mut scratch = Vec::new();
+        // V as stored; K rotated on its way into the destination, 16 rows at a time.
         dst[plane..].copy_from_slice(&src[plane..]);
-        for (layer_src, layer_dst) in src[..plane]
-            .chunks_exact(TOKENS * HIDDEN)
-            .zip(dst[..plane].chunks_exact_mut(TOKENS * HIDDEN))
+        let src_k: &[u8] = bytemuck::cast_slice(&src[..plane]);
+        let dst_k: &mut [u8] = bytemuck::cast_slice_mut(&mut dst[..plane]);
+        let run = 16 * HIDDEN * 2;
+        for (layer_src, layer_dst) in
+            src_k.chunks_exact(TOKENS * HIDDEN * 2).zip(dst_k.chunks_exact_mut(TOKENS * HIDDEN * 2))
         {
-            for ((s, d), delta) in
-                layer_src.chunks_exact(HIDDEN).zip(layer_dst.chunks_exact_mut(HIDDEN)).zip(&deltas)
+            for ((s, d), ds) in layer_src
+                .chunks_exact(run)
+                .zip(layer_dst.chunks_exact_mut(run))
+                .zip(deltas.chunks(16))
             {
-                rotator.copy(delta, s, d, row, RopeStyle::Neox).expect("rotate");
+                rotate_rows(KFormat::F16, s, d, HIDDEN, ds, row, RopeStyle::Neox, &mut scratch)
+                    .expect("rotate");
             }
         }
         blend.push(t.elapsed().as_secs_f64());

@@ -14,14 +14,21 @@
 //!   orders it.
 //! - `rope`: re-rotating a reused chunk's K from its stored positions to its new ones
 //!   ([`CosSinCache`], [`Delta`]; NeoX and GPT-J pairs, partial and offset windows, YaRN
-//!   scales removed), in `f32` over any [`KFormat`].
-#![forbid(unsafe_code)]
+//!   scales removed), in `f32` over any [`KFormat`]; [`rotate_rows`] for a scatter's runs.
+//! - `simd`: half-precision runs rotated with the CPU's half-float and AVX2 instructions,
+//!   chosen at run time (the crate's one `unsafe`: the call into that kernel).
+#![deny(unsafe_code)]
 
 mod elements;
 mod index;
 mod matcher;
 mod reorder;
 mod rope;
+#[expect(
+    unsafe_code,
+    reason = "the one unsafe call: into the vector kernel, once the CPU was seen to have its features"
+)]
+mod simd;
 
 pub use elements::KFormat;
 pub use index::{
@@ -29,6 +36,4 @@ pub use index::{
 };
 pub use matcher::{Found, Matcher, Namespace, STALE_STRIKES, StoredRun};
 pub use reorder::{GLUE, LMIN, PROMPT_STORE_TOKENS, PromptStore, plan};
-pub use rope::{
-    CosSinCache, Delta, KRow, KvElement, MSCALE_TOLERANCE, RopeError, RopeStyle, Rotator,
-};
+pub use rope::{CosSinCache, Delta, KRow, MSCALE_TOLERANCE, RopeError, RopeStyle, rotate_rows};

@@ -131,62 +131,6 @@ pub struct Delta {
     sin: Vec<f32>,
 }
 
-/// An element type of the KV cache, converted to `f32` to rotate.
-pub trait KvElement: Copy {
-    /// To `f32`.
-    fn to_f32(self) -> f32;
-    /// From `f32`, rounded to nearest.
-    fn from_f32(v: f32) -> Self;
-    /// `src` to `f32`, element by element into `dst` (same length).
-    fn load(src: &[Self], dst: &mut [f32]) {
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
-    }
-    /// `src` rounded into `dst` (same length).
-    fn store(src: &[f32], dst: &mut [Self]) {
-        dst.iter_mut().zip(src).for_each(|(d, s)| *d = Self::from_f32(*s));
-    }
-}
-
-impl KvElement for f32 {
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-}
-
-impl KvElement for half::f16 {
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        half::f16::from_f32(v)
-    }
-    // The slice conversions use the CPU's half-float instructions where it has them.
-    fn load(src: &[Self], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
-    }
-    fn store(src: &[f32], dst: &mut [Self]) {
-        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
-    }
-}
-
-impl KvElement for half::bf16 {
-    fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
-    }
-    fn from_f32(v: f32) -> Self {
-        half::bf16::from_f32(v)
-    }
-    fn load(src: &[Self], dst: &mut [f32]) {
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
-    }
-    fn store(src: &[f32], dst: &mut [Self]) {
-        half::slice::HalfFloatSliceExt::convert_from_f32_slice(dst, src);
-    }
-}
-
 /// Where the rotary elements sit in one token's K row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KRow {
@@ -199,47 +143,28 @@ pub struct KRow {
 }
 
 impl Delta {
+    /// `C` per pair.
+    pub(crate) fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// `S` per pair.
+    pub(crate) fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+
     /// Elements rotated per head.
     pub fn rot_dim(&self) -> usize {
         self.cos.len() * 2
     }
 
-    /// Rotates the window of every head of one token's K row in place. The whole geometry is
-    /// checked before anything is written.
-    pub fn apply<T: KvElement>(
-        &self,
-        k: &mut [T],
-        row: KRow,
-        style: RopeStyle,
-    ) -> Result<(), RopeError> {
-        let need = self.check(k.len(), row)?;
-        let mut buf: Row = smallvec::smallvec![0f32; need];
-        T::load(&k[..need], &mut buf);
-        self.rotate_row(&mut buf, row, style);
-        T::store(&buf, &mut k[..need]);
-        Ok(())
-    }
-
-    /// Rotates one token's K row of `f32` in place (no conversion: the scatter widens whole
-    /// runs of rows at once). The geometry is checked before anything is written.
-    pub fn rotate(&self, k: &mut [f32], row: KRow, style: RopeStyle) -> Result<(), RopeError> {
+    /// Rotates the window of every head of one token's `f32` K row in place ([`rotate_rows`]
+    /// does runs of rows of any format). The whole geometry is checked before anything is
+    /// written.
+    pub fn apply(&self, k: &mut [f32], row: KRow, style: RopeStyle) -> Result<(), RopeError> {
         let need = self.check(k.len(), row)?;
         self.rotate_row(&mut k[..need], row, style);
         Ok(())
-    }
-
-    /// Writes one token's K row from `src` into `dst` rotated: every element of its heads
-    /// copied, each head's window rotated on the way (one pass over the bytes, as a scatter
-    /// does). Both rows are checked before anything is written. [`Rotator`] does the same
-    /// without a buffer per call.
-    pub fn apply_copy<T: KvElement>(
-        &self,
-        src: &[T],
-        dst: &mut [T],
-        row: KRow,
-        style: RopeStyle,
-    ) -> Result<(), RopeError> {
-        Rotator::default().copy(self, src, dst, row, style)
     }
 
     /// The elements `heads` heads need, after checking the window fits a head and the heads
@@ -291,35 +216,70 @@ impl Delta {
     }
 }
 
-/// One token's row in `f32` (on the stack up to 1024 elements: 8 heads of 128).
-type Row = smallvec::SmallVec<[f32; 1024]>;
-
-/// Rotating copies of many rows through one reused `f32` buffer.
-#[derive(Debug, Default)]
-pub struct Rotator {
-    buf: Vec<f32>,
+/// Rotating copies of consecutive K rows, as a scatter writes a run of tokens: `src` and
+/// `dst` hold `deltas.len()` rows of `hidden` elements stored as `format`; row `t` is copied
+/// with every head's window rotated by `deltas[t]` (every other element as it was). Half
+/// precision rows go through the CPU's vector instructions where it has them (the same
+/// bits as the portable path); the rest widen a run into `scratch`, rotate and narrow it.
+/// Everything is checked before anything is written.
+#[expect(clippy::too_many_arguments, reason = "a run's buffers, geometry and rotation")]
+pub fn rotate_rows(
+    format: crate::KFormat,
+    src: &[u8],
+    dst: &mut [u8],
+    hidden: usize,
+    deltas: &[Delta],
+    row: KRow,
+    style: RopeStyle,
+    scratch: &mut Vec<f32>,
+) -> Result<(), RopeError> {
+    let bytes = deltas.len() * hidden * format.itemsize();
+    if src.len() != bytes || dst.len() != bytes {
+        return Err(RopeError::Geometry(format!(
+            "{} rows of {hidden} need {bytes} bytes, got {} and {}",
+            deltas.len(),
+            src.len(),
+            dst.len()
+        )));
+    }
+    let rot = deltas.first().map_or(0, Delta::rot_dim);
+    for d in deltas {
+        if d.rot_dim() != rot {
+            return Err(RopeError::Geometry("rows rotated over different windows".into()));
+        }
+        d.check(hidden, row)?;
+    }
+    if format == crate::KFormat::F16
+        && let (Ok(s), Ok(d)) = (
+            bytemuck::try_cast_slice::<u8, half::f16>(src),
+            bytemuck::try_cast_slice_mut::<u8, half::f16>(dst),
+        )
+        && crate::simd::rotate_f16_rows(s, d, hidden, deltas, row, style)
+    {
+        return Ok(());
+    }
+    portable_rows(format, src, dst, hidden, deltas, row, style, scratch);
+    Ok(())
 }
 
-impl Rotator {
-    /// [`Delta::apply_copy`]: `src`'s row into `dst`, rotated by `delta`.
-    pub fn copy<T: KvElement>(
-        &mut self,
-        delta: &Delta,
-        src: &[T],
-        dst: &mut [T],
-        row: KRow,
-        style: RopeStyle,
-    ) -> Result<(), RopeError> {
-        let need = delta.check(src.len().min(dst.len()), row)?;
-        if self.buf.len() < need {
-            self.buf.resize(need, 0.0);
-        }
-        let buf = &mut self.buf[..need];
-        T::load(&src[..need], buf);
-        delta.rotate_row(buf, row, style);
-        T::store(buf, &mut dst[..need]);
-        Ok(())
+/// [`rotate_rows`] through `f32` in `scratch`, on any CPU (geometry checked by the caller).
+#[expect(clippy::too_many_arguments, reason = "rotate_rows's arguments, passed on")]
+fn portable_rows(
+    format: crate::KFormat,
+    src: &[u8],
+    dst: &mut [u8],
+    hidden: usize,
+    deltas: &[Delta],
+    row: KRow,
+    style: RopeStyle,
+    scratch: &mut Vec<f32>,
+) {
+    scratch.resize(deltas.len() * hidden, 0.0);
+    format.widen(src, scratch);
+    for (k, d) in scratch.chunks_exact_mut(hidden).zip(deltas) {
+        d.rotate_row(&mut k[..row.heads * row.head_stride], row, style);
     }
+    format.narrow(scratch, dst);
 }
 
 #[cfg(test)]
@@ -394,22 +354,148 @@ mod tests {
     }
 
     #[test]
-    fn a_rotating_copy_equals_a_copy_rotated_in_place() {
+    fn a_run_of_f32_rows_is_each_row_rotated_in_place_and_the_rest_copied() {
         let c = cache(32, 700, 1.0);
         let row = KRow { heads: 3, head_stride: 48, rot_offset: 8 };
-        let src: Vec<half::f16> = raw(3 * 48 + 4).iter().map(|&v| half::f16::from_f32(v)).collect();
+        let hidden = 3 * 48 + 4;
+        let deltas: Vec<Delta> = (0..5).map(|t| c.delta(7 + t, 650 - t).unwrap()).collect();
+        let src = raw(5 * hidden);
         for style in [RopeStyle::Neox, RopeStyle::GptJ] {
-            let d = c.delta(7, 650).unwrap();
-            let mut in_place = src.clone();
-            d.apply(&mut in_place, row, style).unwrap();
-            let mut copied = vec![half::f16::ZERO; src.len()];
-            d.apply_copy(&src, &mut copied, row, style).unwrap();
-            assert_eq!(copied[..3 * 48], in_place[..3 * 48], "{style:?}");
-            assert!(copied[3 * 48..].iter().all(|v| *v == half::f16::ZERO), "past the heads");
-            let mut short = vec![half::f16::ZERO; 3 * 48 - 1];
-            assert!(d.apply_copy(&src, &mut short, row, style).is_err());
-            assert!(short.iter().all(|v| *v == half::f16::ZERO), "nothing written");
+            let mut want = src.clone();
+            for (k, d) in want.chunks_exact_mut(hidden).zip(&deltas) {
+                d.apply(k, row, style).unwrap();
+            }
+            let mut got = vec![0f32; src.len()];
+            let src_b: &[u8] = bytemuck::cast_slice(&src);
+            let got_b: &mut [u8] = bytemuck::cast_slice_mut(&mut got);
+            rotate_rows(
+                crate::KFormat::F32,
+                src_b,
+                got_b,
+                hidden,
+                &deltas,
+                row,
+                style,
+                &mut Vec::new(),
+            )
+            .unwrap();
+            assert_eq!(got, want, "{style:?}");
+            // Past the heads, each row as it was.
+            for t in 0..5 {
+                assert_eq!(
+                    got[t * hidden + 144..(t + 1) * hidden],
+                    src[t * hidden + 144..(t + 1) * hidden]
+                );
+            }
         }
+    }
+
+    #[test]
+    fn the_vector_path_gives_the_portable_paths_bits() {
+        #[cfg(target_arch = "x86_64")]
+        assert!(
+            !std::is_x86_feature_detected!("avx2") || !std::is_x86_feature_detected!("f16c") || {
+                let mut d = vec![half::f16::ZERO; 8];
+                let c = cache(8, 4, 1.0);
+                let ds = [c.delta(1, 2).unwrap()];
+                let row = KRow { heads: 1, head_stride: 8, rot_offset: 0 };
+                crate::simd::rotate_f16_rows(
+                    &[half::f16::ONE; 8],
+                    &mut d,
+                    8,
+                    &ds,
+                    row,
+                    RopeStyle::Neox,
+                )
+            },
+            "this CPU has AVX2 and F16C but the vector path was not taken"
+        );
+        // Full heads, partial windows, an offset window, windows whose halves are not a
+        // multiple of 8 (the scalar tails), one head or many.
+        let shapes = [
+            (128, KRow { heads: 8, head_stride: 128, rot_offset: 0 }),
+            (64, KRow { heads: 4, head_stride: 128, rot_offset: 0 }),
+            (64, KRow { heads: 1, head_stride: 576, rot_offset: 512 }),
+            (20, KRow { heads: 3, head_stride: 24, rot_offset: 2 }),
+            (12, KRow { heads: 2, head_stride: 16, rot_offset: 4 }),
+        ];
+        for (rot, row) in shapes {
+            let c = cache(rot, 700, 1.0);
+            let hidden = row.heads * row.head_stride + 3;
+            let rows = 17;
+            let deltas: Vec<Delta> =
+                (0..rows).map(|t| c.delta(10 + t, 300 + 7 * t).unwrap()).collect();
+            let src: Vec<half::f16> =
+                raw(rows * hidden).iter().map(|&v| half::f16::from_f32(v * 3.0)).collect();
+            let src_b: &[u8] = bytemuck::cast_slice(&src);
+            for style in [RopeStyle::Neox, RopeStyle::GptJ] {
+                let mut fast = vec![half::f16::ZERO; src.len()];
+                let mut slow = vec![0u8; src_b.len()];
+                let mut scratch = Vec::new();
+                rotate_rows(
+                    crate::KFormat::F16,
+                    src_b,
+                    bytemuck::cast_slice_mut(&mut fast),
+                    hidden,
+                    &deltas,
+                    row,
+                    style,
+                    &mut scratch,
+                )
+                .unwrap();
+                portable_rows(
+                    crate::KFormat::F16,
+                    src_b,
+                    &mut slow,
+                    hidden,
+                    &deltas,
+                    row,
+                    style,
+                    &mut scratch,
+                );
+                assert_eq!(
+                    bytemuck::cast_slice::<half::f16, u8>(&fast),
+                    &slow[..],
+                    "{style:?} rot {rot} {row:?}"
+                );
+                // And it did rotate: not a copy.
+                assert_ne!(fast, src, "{style:?} rot {rot}");
+            }
+        }
+        // Bad lengths and windows are refused before anything is written.
+        let c = cache(16, 64, 1.0);
+        let d = [c.delta(0, 1).unwrap()];
+        let mut out = vec![0u8; 32];
+        let mut scratch = Vec::new();
+        let row = KRow { heads: 1, head_stride: 16, rot_offset: 0 };
+        assert!(
+            rotate_rows(
+                crate::KFormat::F16,
+                &[1u8; 30],
+                &mut out,
+                16,
+                &d,
+                row,
+                RopeStyle::Neox,
+                &mut scratch
+            )
+            .is_err()
+        );
+        let wide = KRow { heads: 1, head_stride: 16, rot_offset: 4 };
+        assert!(
+            rotate_rows(
+                crate::KFormat::F16,
+                &[1u8; 32],
+                &mut out,
+                16,
+                &d,
+                wide,
+                RopeStyle::Neox,
+                &mut scratch
+            )
+            .is_err()
+        );
+        assert!(out.iter().all(|&b| b == 0));
     }
 
     #[test]
@@ -419,14 +505,23 @@ mod tests {
         let raw = raw(8 * 128);
         let at_old = rope(&raw, &c, 10, row, RopeStyle::Neox);
         let want = rope(&raw, &c, 555, row, RopeStyle::Neox);
-        let d = c.delta(10, 555).unwrap();
-        let mut h: Vec<half::f16> = at_old.iter().map(|&v| half::f16::from_f32(v)).collect();
-        d.apply(&mut h, row, RopeStyle::Neox).unwrap();
-        let mut b: Vec<half::bf16> = at_old.iter().map(|&v| half::bf16::from_f32(v)).collect();
-        d.apply(&mut b, row, RopeStyle::Neox).unwrap();
-        for i in 0..want.len() {
-            assert!((h[i].to_f32() - want[i]).abs() < 4e-3, "f16 element {i}");
-            assert!((b[i].to_f32() - want[i]).abs() < 3e-2, "bf16 element {i}");
+        let d = [c.delta(10, 555).unwrap()];
+        for (f, tol) in [(crate::KFormat::F16, 4e-3), (crate::KFormat::Bf16, 3e-2)] {
+            let mut src = vec![0u8; 1024 * 2];
+            f.narrow(&at_old, &mut src);
+            let mut dst = vec![0u8; src.len()];
+            rotate_rows(f, &src, &mut dst, 1024, &d, row, RopeStyle::Neox, &mut Vec::new())
+                .unwrap();
+            let mut got = vec![0f32; 1024];
+            f.widen(&dst, &mut got);
+            for i in 0..want.len() {
+                assert!(
+                    (got[i] - want[i]).abs() < tol,
+                    "{f:?} element {i}: {} vs {}",
+                    got[i],
+                    want[i]
+                );
+            }
         }
     }
 

@@ -463,3 +463,161 @@ fn a_scatter_the_rope_state_cannot_serve_is_refused_before_any_write() {
     assert_eq!(s.state().metrics.handler_panics.get(), 0);
     assert_eq!(s.state().l1().usage().locked_objects, 0);
 }
+
+/// LMCache's default model shape: a 256-token chunk of 32 layers of 8 fp16 heads of 128 is a
+/// 32 MiB object, whose scatter spreads its slabs over threads.
+#[test]
+fn a_32_mib_chunk_of_lmcaches_default_shape_scatters_whole() {
+    const CH: usize = 256;
+    const L: usize = 32;
+    const H: usize = 8;
+    const D: usize = 128;
+    const B: u64 = 16;
+    const NBLK: u64 = 72;
+    let pid = std::process::id();
+    let s = Server::start(ServerConfig {
+        chunk_size: CH,
+        blend: Some(BlendOptions::default()),
+        ..ServerConfig::local(ArenaConfig {
+            size: 160 << 20,
+            backing: ArenaBacking::SharedMemory { name: format!("lmrs_bsc_big_{pid}") },
+            mlock: false,
+        })
+    })
+    .unwrap();
+    let mut c = Client::connect(s.endpoint(), Duration::from_secs(60)).unwrap();
+    let row = H * D;
+    let slot_elems = |plane: u64, b: u64, sl: u64| ((plane * NBLK + b) * B + sl) * row as u64;
+    // NeoX RoPE over a 128 head at `pos` (theta 10000), from scratch.
+    let inv: Vec<f64> = (0..D / 2).map(|i| 10_000f64.powf(-2.0 * i as f64 / D as f64)).collect();
+    let rope128 = |raw: &[f32], pos: usize| -> Vec<f32> {
+        let mut out = raw.to_vec();
+        for i in 0..D / 2 {
+            let ang = (pos as f64 * inv[i]) as f32;
+            let (c, s) = (f64::from(ang.cos()), f64::from(ang.sin()));
+            let (x, y) = (f64::from(raw[i]), f64::from(raw[D / 2 + i]));
+            out[i] = (x * c - y * s) as f32;
+            out[D / 2 + i] = (x * s + y * c) as f32;
+        }
+        out
+    };
+    let raw = |l: usize, pos: usize, h: usize| -> Vec<f32> {
+        (0..D).map(|d| ((l * 7 + pos * 13 + h * 5 + d * 3) % 41) as f32 / 20.0 - 1.0).collect()
+    };
+    let v = |l: usize, pos: usize, e: usize| ((l * 3 + pos * 11 + e * 7) % 53) as f32 / 8.0 - 3.0;
+    let shape = vec![2, NBLK, B, H as u64, D as u64];
+    let mut layers = Vec::new();
+    for l in 0..L {
+        let t = tensor(&format!("lmrs_bsc_big{l}_{pid}"), Dtype::Float16, shape.clone());
+        let mut bytes = vec![0u8; t.bytes as usize];
+        let mut put = |elem: u64, x: f32| {
+            let at = elem as usize * 2;
+            bytes[at..at + 2].copy_from_slice(&half::f16::from_f32(x).to_le_bytes());
+        };
+        for pos in 0..2 * CH {
+            let (b, sl) = (pos as u64 / B, pos as u64 % B);
+            for h in 0..H {
+                for (d, k) in rope128(&raw(l, pos, h), pos).iter().enumerate() {
+                    put(slot_elems(0, b, sl) + (h * D + d) as u64, *k);
+                    put(slot_elems(1, b, sl) + (h * D + d) as u64, v(l, pos, h * D + d));
+                }
+            }
+        }
+        t.seg.write(0, &bytes).unwrap();
+        layers.push(t);
+    }
+    let descs: Vec<IpcDescriptor> = layers.iter().map(|t| t.desc.clone()).collect();
+    let info = EngineGroupInfo::full(0, (0..L as u64).collect(), B);
+    c.register_kv_cache(1, &descs, "m", 1, &[info]).unwrap();
+    // vLLM's cos/sin cache for 1024 positions of a 128 head.
+    let cs = tensor(&format!("lmrs_bsc_bigcs_{pid}"), Dtype::Float32, vec![1024, D as u64]);
+    let mut bytes = Vec::with_capacity(1024 * D * 4);
+    for p in 0..1024 {
+        for j in 0..D {
+            let ang = (p as f64 * inv[j % (D / 2)]) as f32;
+            bytes.extend_from_slice(&(if j < D / 2 { ang.cos() } else { ang.sin() }).to_le_bytes());
+        }
+    }
+    cs.seg.write(0, &bytes).unwrap();
+    let mut reg = rope_registration(vec![cs.desc.clone()]);
+    reg.head_size = D as u32;
+    send(&mut c, Command::CbRegisterRope(reg));
+
+    let tokens: Vec<u32> = (0..2 * CH as u32).collect();
+    let key =
+        |id: &str, t: &[u32]| CacheKey::whole(ModelName::new("m").unwrap(), id, t.to_vec(), CH);
+    let blocks = Value::Array(vec![Value::Array((0..32u64).map(Value::from).collect())]);
+    let params = [
+        key("p", &tokens).for_worker(0).encode(),
+        Value::from(1u64),
+        blocks,
+        Value::Binary(vec![]),
+    ];
+    assert_eq!(
+        c.call(Op::Store, &params).unwrap().unwrap().as_array().unwrap()[1],
+        Value::Boolean(true)
+    );
+    c.end_session("p").unwrap();
+    for t in &layers {
+        t.zero();
+    }
+    // The second chunk reused at 300 (not block-aligned) of a new prompt.
+    let p2: Vec<u32> =
+        [(5000..5300).collect::<Vec<u32>>(), tokens[CH..].to_vec(), vec![7; 20]].concat();
+    let cmd = Command::CbUnifiedLookup(CbUnifiedLookup { key: key("q", &p2), tp_size: 1 });
+    let r = (0..200)
+        .find_map(|_| {
+            let v = send(&mut c, cmd.clone());
+            if v.is_none() {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            v
+        })
+        .map(|v| CbUnifiedLookupResult::decode("r", &v).unwrap())
+        .expect("answered");
+    assert_eq!((r.non_prefix_segments[0].old_st, r.non_prefix_segments[0].cur_st), (256, 300));
+    let table: Vec<u64> = (32..NBLK).collect();
+    let cmd = Command::CbRetrievePreComputed(CbRetrievePreComputed {
+        key: key("q", &p2).for_worker(0),
+        match_results: r.non_prefix_segments.clone(),
+        block_ids: vec![table.clone()],
+        instance_id: 1,
+        event_ipc_handle: Vec::new(),
+    });
+    assert_eq!(send(&mut c, cmd).unwrap().as_array().unwrap()[1], Value::Boolean(true));
+    for (l, t) in layers.iter().enumerate() {
+        for tok in 0..CH {
+            let (old, new) = (CH + tok, 300 + tok);
+            let (b, sl) = (table[new / B as usize], new as u64 % B);
+            // V: every element of every token, exactly.
+            let mut got = vec![0u8; row * 2];
+            t.seg.read(slot_elems(1, b, sl) * 2, &mut got).unwrap();
+            let want: Vec<u8> =
+                (0..row).flat_map(|e| half::f16::from_f32(v(l, old, e)).to_le_bytes()).collect();
+            assert_eq!(got, want, "layer {l} V at {new}");
+            // K: every 7th token, every head, against RoPE at the new position from raw K.
+            if tok % 7 == 0 {
+                t.seg.read(slot_elems(0, b, sl) * 2, &mut got).unwrap();
+                for h in 0..H {
+                    let want = rope128(&raw(l, old, h), new);
+                    for d in 0..D {
+                        let at = (h * D + d) * 2;
+                        let k = half::f16::from_le_bytes([got[at], got[at + 1]]).to_f32();
+                        assert!(
+                            (k - want[d]).abs() < 6e-3,
+                            "layer {l} K at {new} head {h}: {k} vs {}",
+                            want[d]
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Only the match's 256 slots were written: the block before 300 and after 556 are zero.
+    let (first_b, first_sl) = (table[300 / B as usize], 300 % B);
+    let mut before = vec![0u8; row * 2];
+    layers[0].seg.read(slot_elems(0, first_b, first_sl - 1) * 2, &mut before).unwrap();
+    assert!(before.iter().all(|&x| x == 0), "the slot before the match was written");
+    c.end_session("q").unwrap();
+    assert_eq!(s.state().l1().usage().locked_objects, 0);
+}

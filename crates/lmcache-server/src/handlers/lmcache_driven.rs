@@ -418,62 +418,125 @@ pub(super) fn blend_scatter(
         }
         work.tokens += chunk;
     }
-    // One destination block's run of rows at a time, K through one f32 buffer.
-    let mut wide: Vec<f32> = Vec::new();
-    let mut out: Vec<u8> = Vec::new();
     for part in &parts {
-        let (m, k, t) = (part.m, &p.kernel_groups[part.g], &p.transfers[part.g]);
-        let geo = t.geometry;
-        let row_bytes = (geo.hidden * geo.dtype.itemsize()) as usize;
-        let hidden = geo.hidden as usize;
-        let slab = part.slots as usize * row_bytes;
-        let table = engine_table(blocks, k).ok_or("no block table for an engine group")?;
-        // The first chunk token a stored row holds (a window keeps the chunk's last).
-        let first = chunk - part.slots;
-        let deltas = match &part.rot {
-            Some(r) => (first..chunk)
-                .map(|i| r.cache.delta((m.old_st + i) as usize, (m.cur_st + i) as usize))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| e.to_string())?,
-            None => Vec::new(),
-        };
-        for plane in 0..geo.kv {
-            for l in 0..t.layers.len() {
-                let at = (plane as usize * t.layers.len() + l) * slab;
-                let src =
-                    part.src.get(at..at + slab).ok_or("the object is shorter than its slabs")?;
-                let mut i = 0u64;
-                while i < part.slots {
-                    let pos = m.cur_st + first + i;
-                    let block = *table
-                        .get((pos / k.tokens_per_block) as usize)
-                        .ok_or("a match past the block table")?;
-                    let in_block = pos % k.tokens_per_block;
-                    let n = (k.tokens_per_block - in_block).min(part.slots - i);
-                    let rows = &src[i as usize * row_bytes..(i + n) as usize * row_bytes];
-                    let rows = match (&part.rot, plane) {
-                        (Some(r), 0) => {
-                            wide.resize(n as usize * hidden, 0.0);
-                            r.format.widen(rows, &mut wide);
-                            for (j, row) in wide.chunks_exact_mut(hidden).enumerate() {
-                                deltas[(i as usize) + j]
-                                    .rotate(row, r.row, rope.style)
-                                    .map_err(|e| e.to_string())?;
-                            }
-                            out.resize(rows.len(), 0);
-                            r.format.narrow(&wide, &mut out);
-                            &out[..]
-                        }
-                        _ => rows,
-                    };
-                    t.write_token_rows(l, plane, block, in_block, rows)
-                        .map_err(|e| e.to_string())?;
-                    i += n;
-                }
-            }
-        }
+        scatter_part(
+            state,
+            &p,
+            part.m,
+            part.g,
+            part.src,
+            part.slots,
+            part.rot.as_ref(),
+            blocks,
+            rope,
+        )?;
     }
     Ok(work)
+}
+
+/// Rotated scatters at least this large spread their slabs over the CPU's cores: the
+/// rotation is compute (a plain copy is not, and keeps `--copy-threads`).
+const PARALLEL_ROTATION_BYTES: usize = 8 << 20;
+
+/// One match's part of one kernel group: each (plane, layer) slab written one destination
+/// block's run of rows at a time, K rotated into a reused buffer (of words, so its bytes are
+/// aligned for any element type) on the way. Large rotated parts spread their slabs over
+/// threads (disjoint destination rows, so no two threads write the same bytes).
+#[expect(clippy::too_many_arguments, reason = "one part's match, bytes, rotation and tables")]
+fn scatter_part(
+    state: &RequestState,
+    p: &Plan<'_>,
+    m: &lmcache_protocol::types::blend::CbMatch,
+    g: usize,
+    src: &[u8],
+    slots: u64,
+    rot: Option<&crate::blend::GroupRotation<'_>>,
+    blocks: &[Vec<u64>],
+    rope: &crate::blend::RopeState,
+) -> Result<(), String> {
+    let chunk = state.chunk_size() as u64;
+    let (k, t) = (&p.kernel_groups[g], &p.transfers[g]);
+    let geo = t.geometry;
+    let row_bytes = (geo.hidden * geo.dtype.itemsize()) as usize;
+    let hidden = geo.hidden as usize;
+    let slab = slots as usize * row_bytes;
+    let table = engine_table(blocks, k).ok_or("no block table for an engine group")?;
+    // The first chunk token a stored row holds (a window keeps the chunk's last).
+    let first = chunk - slots;
+    let deltas = match rot {
+        Some(r) => (first..chunk)
+            .map(|i| r.cache.delta((m.old_st + i) as usize, (m.cur_st + i) as usize))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())?,
+        None => Vec::new(),
+    };
+    let one_slab = |plane: u64, l: usize, out: &mut Vec<u32>, wide: &mut Vec<f32>| {
+        let at = (plane as usize * t.layers.len() + l) * slab;
+        let src = src.get(at..at + slab).ok_or("the object is shorter than its slabs")?;
+        let mut i = 0u64;
+        while i < slots {
+            let pos = m.cur_st + first + i;
+            let block = *table
+                .get((pos / k.tokens_per_block) as usize)
+                .ok_or("a match past the block table")?;
+            let in_block = pos % k.tokens_per_block;
+            let n = (k.tokens_per_block - in_block).min(slots - i);
+            let rows = &src[i as usize * row_bytes..(i + n) as usize * row_bytes];
+            let rows = match (rot, plane) {
+                (Some(r), 0) => {
+                    out.resize(rows.len().div_ceil(4), 0);
+                    let dst = &mut bytemuck::cast_slice_mut::<u32, u8>(out)[..rows.len()];
+                    lmcache_blend::rotate_rows(
+                        r.format,
+                        rows,
+                        dst,
+                        hidden,
+                        &deltas[i as usize..(i + n) as usize],
+                        r.row,
+                        rope.style,
+                        wide,
+                    )
+                    .map_err(|e| e.to_string())?;
+                    &*dst
+                }
+                _ => rows,
+            };
+            t.write_token_rows(l, plane, block, in_block, rows).map_err(|e| e.to_string())?;
+            i += n;
+        }
+        Ok::<(), String>(())
+    };
+    let slabs: Vec<(u64, usize)> =
+        (0..geo.kv).flat_map(|plane| (0..t.layers.len()).map(move |l| (plane, l))).collect();
+    let threads = if rot.is_some() && slab * slabs.len() >= PARALLEL_ROTATION_BYTES {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+    } else {
+        1
+    };
+    if threads <= 1 {
+        let (mut out, mut wide) = (Vec::new(), Vec::new());
+        return slabs
+            .into_iter()
+            .try_for_each(|(plane, l)| one_slab(plane, l, &mut out, &mut wide));
+    }
+    // Round-robin, so each thread gets its share of the rotated (K) slabs.
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|th| {
+                let mine: Vec<(u64, usize)> =
+                    slabs.iter().copied().skip(th).step_by(threads).collect();
+                let one_slab = &one_slab;
+                scope.spawn(move || {
+                    let (mut out, mut wide) = (Vec::new(), Vec::new());
+                    mine.into_iter()
+                        .try_for_each(|(plane, l)| one_slab(plane, l, &mut out, &mut wide))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().unwrap_or_else(|_| Err("a scatter thread panicked".into())))
+    })
 }
 
 fn store(
