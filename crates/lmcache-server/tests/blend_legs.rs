@@ -16,7 +16,7 @@ use rmpv::Value;
 
 const CHUNK: usize = 16;
 const BS: u64 = 4;
-const NB: u64 = 32;
+const NB: u64 = 64;
 
 fn server(tag: &str, l2: Option<&std::path::Path>) -> Server {
     Server::start(ServerConfig {
@@ -195,4 +195,47 @@ fn a_match_l1_lost_is_loaded_back_from_l2_scattered_and_never_struck() {
     assert!(engine.status()["fingerprinted_chunks"].as_u64().unwrap() < fingerprints);
     assert_eq!(metric(&s, "lmcache_blend_lookup_stale_chunks_total"), 2.0);
     assert_eq!(metric(&s, "lmcache_blend_chunks_evicted_total"), 1.0);
+}
+
+#[test]
+fn several_clients_reuse_the_same_chunk_at_once_and_leave_no_lock() {
+    let s = server("conc", None);
+    let mut c = Client::connect(s.endpoint(), Duration::from_secs(30)).unwrap();
+    let _segs = worker(&mut c, "conc");
+    let d = seq(4, CHUNK);
+    store(&mut c, "p1", &[seq(1, CHUNK), d.clone()].concat());
+    let p2: Vec<u32> = [seq(2, CHUNK), seq(9, 4), d, seq(8, 12)].concat();
+    let endpoint = s.endpoint().to_owned();
+    // Four clients, each its own requests, the same chunk, disjoint destination blocks; and a
+    // fifth storing the same prompt again meanwhile (a no-op store of resident chunks).
+    let handles: Vec<_> = (0..4u64)
+        .map(|w| {
+            let (endpoint, p2) = (endpoint.clone(), p2.clone());
+            std::thread::spawn(move || {
+                let mut c = Client::connect(&endpoint, Duration::from_secs(30)).unwrap();
+                let mut got = Vec::new();
+                for i in 0..10 {
+                    let id = format!("c{w}-{i}");
+                    let (r, _) = unified(&mut c, &id, &p2);
+                    let table: Vec<u64> = (0..9).map(|b| 10 + w * 9 + b).collect();
+                    let ok =
+                        !r.non_prefix_segments.is_empty() && retrieve(&mut c, &id, &p2, &r, table);
+                    got.push((r.non_prefix_segments.len(), ok));
+                    c.end_session(&id).unwrap();
+                }
+                got
+            })
+        })
+        .collect();
+    for i in 0..5 {
+        store(&mut c, &format!("again{i}"), &[seq(1, CHUNK), seq(4, CHUNK)].concat());
+    }
+    for h in handles {
+        let got = h.join().unwrap();
+        assert!(got.iter().all(|&g| g == (1, true)), "a lookup or scatter failed: {got:?}");
+    }
+    assert_eq!(s.state().l1().usage().locked_objects, 0, "a lock was left behind");
+    assert_eq!(s.state().metrics.handler_panics.get(), 0);
+    assert_eq!(metric(&s, "lmcache_blend_retrieve_requests_total"), 40.0);
+    assert_eq!(metric(&s, "lmcache_blend_retrieve_failures_total"), 0.0);
 }
