@@ -235,22 +235,35 @@ fn p2p_server_with(
         },
         mlock: false,
     };
-    Server::start(ServerConfig {
-        http_port: Some(0),
-        chunk_size: 16,
-        align,
-        p2p_engine: engine,
-        p2p_channel: Some(advertise.parse().unwrap()),
-        p2p_lookup_timeout: Duration::from_secs(3),
-        p2p_load_timeout: Duration::from_secs(3),
-        coordinator: Some(CoordinatorReporting {
-            p2p_advertised_url: Some(advertise.into()),
-            ..reporting(c.addr().port(), id)
-        }),
-        l2_adapters,
-        ..ServerConfig::local(arena)
-    })
-    .unwrap()
+    // `advertise` comes from `free_addr`: a port another test binding at the same moment can
+    // take first. Then the server binds a fresh one (a few tries), as a restart would.
+    let mut advertise = advertise.to_owned();
+    for attempt in 0.. {
+        let started = Server::start(ServerConfig {
+            http_port: Some(0),
+            chunk_size: 16,
+            align,
+            p2p_engine: engine.clone(),
+            p2p_channel: Some(advertise.parse().unwrap()),
+            p2p_lookup_timeout: Duration::from_secs(3),
+            p2p_load_timeout: Duration::from_secs(3),
+            coordinator: Some(CoordinatorReporting {
+                p2p_advertised_url: Some(advertise.clone()),
+                ..reporting(c.addr().port(), id)
+            }),
+            l2_adapters: l2_adapters.clone(),
+            ..ServerConfig::local(arena.clone())
+        });
+        match started {
+            Err(lmcache_server::server::ServerError::Io { source, .. })
+                if source.kind() == std::io::ErrorKind::AddrInUse && attempt < 5 =>
+            {
+                advertise = free_addr();
+            }
+            other => return other.unwrap(),
+        }
+    }
+    unreachable!()
 }
 
 #[test]
