@@ -1,4 +1,4 @@
-//! Shared helpers of the HTTP tests.
+//! Shared helpers of the server's tests: the HTTP ones here, CacheBlend's in `blend`.
 #![allow(dead_code, missing_docs, clippy::allow_attributes)]
 
 use std::io::{Read, Write};
@@ -6,6 +6,8 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use lmcache_server::Server;
+
+pub mod blend;
 
 /// An engine-driven registration of a small model (`[2, 2 layers, chunk slots, 32]`, blocks
 /// of 16 tokens, one shard).
