@@ -30,6 +30,11 @@ struct Shared {
     high_water: AtomicU64,
     /// Least lead the prefaulter keeps once asked (see [`ArenaAllocator::expect_use`]).
     min_ahead: AtomicU64,
+    /// `[0, populated)` has been committed (by the prefaulter, which walks up from 0 to past
+    /// the high-water mark, allocations below it having committed their own): a write there
+    /// does not fault, so an allocation inside it needs no prefault call (which costs a
+    /// page-table walk per 4 KiB even when every page is present). Only grows.
+    populated: AtomicU64,
     /// Shared-memory arenas: `[0, backed)` has file-system space reserved (`fallocate`), so
     /// an allocation below it can be written without risking SIGBUS. Only grows.
     backed: AtomicU64,
@@ -117,6 +122,7 @@ impl ArenaAllocator {
                 arena,
                 high_water: AtomicU64::new(0),
                 min_ahead: AtomicU64::new(0),
+                populated: AtomicU64::new(0),
                 backed: AtomicU64::new(0),
                 backing: Mutex::new(()),
             }),
@@ -234,6 +240,7 @@ impl Prefaulter {
                     }
                     alloc.arena().prefault(done, step);
                     done += step;
+                    alloc.shared.populated.fetch_max(done, Ordering::Release);
                     if !matches!(rx.try_recv(), Err(std::sync::mpsc::TryRecvError::Empty)) {
                         return;
                     }
@@ -306,9 +313,19 @@ impl Allocation {
         unsafe { std::slice::from_raw_parts_mut(ptr, len) }
     }
 
-    /// Commits the allocation's pages ahead of a bulk write (see [`Arena::prefault`]).
+    /// Commits the allocation's pages ahead of a bulk write (see [`Arena::prefault`]): only
+    /// when some of them may never have been committed (recycled L1 memory below the
+    /// prefaulter's mark is resident already).
     pub fn prefault(&self) {
-        self.shared.arena.prefault(self.offset(), self.physical_len());
+        let end = self.offset() + self.physical_len();
+        if end > self.shared.populated.load(Ordering::Acquire) {
+            self.shared.arena.prefault(self.offset(), self.physical_len());
+        }
+    }
+
+    /// Whether [`Self::prefault`] would commit pages (tests).
+    pub fn needs_prefault(&self) -> bool {
+        self.offset() + self.physical_len() > self.shared.populated.load(Ordering::Acquire)
     }
 
     /// Copies `src` to `offset` within the allocation, after checking the range.
@@ -427,6 +444,13 @@ mod tests {
         drop(p);
         let r = a.arena().resident_bytes().unwrap();
         assert!((40 << 20..=(16 + 64) << 20).contains(&r), "announced lead not honoured: {r}");
+        // Memory the prefaulter committed needs no prefault call of its own; memory past
+        // its mark does.
+        let below = a.allocate(8 << 20).unwrap();
+        assert!(below.offset() + (8 << 20) <= r);
+        assert!(!below.needs_prefault(), "an allocation in committed memory would walk its pages");
+        let far = a.allocate(200 << 20).unwrap();
+        assert!(far.needs_prefault(), "an allocation past the committed memory skips its prefault");
     }
 
     #[test]
