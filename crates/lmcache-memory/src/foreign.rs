@@ -2,7 +2,7 @@
 //! lmcache-driven mode), mapped read-write and accessed only by bounds-checked copies.
 //!
 //! The other process writes these pages whenever it likes, so no Rust reference to them is
-//! ever formed: bytes move with raw copies (`ptr::copy_nonoverlapping`) after the range has
+//! ever formed: bytes move with raw copies (`crate::stream_copy`) after the range has
 //! been checked against the mapping with overflow-checked arithmetic. Offsets come from the
 //! wire and are treated as untrusted.
 
@@ -110,9 +110,10 @@ impl ForeignSegment {
         let off = self.check(offset, dst.len())?;
         // SAFETY: `check` proved `off + dst.len() <= map.len()`, so the source range lies in
         // the live mapping owned by `self`; `dst` is a distinct Rust slice, so the ranges do
-        // not overlap. Raw copy: no reference to the shared pages is formed.
+        // not overlap (`stream_copy::copy`'s contract). Raw copy: no reference to the shared
+        // pages is formed.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.map.as_ptr().add(off), dst.as_mut_ptr(), dst.len())
+            crate::stream_copy::copy(dst.as_mut_ptr(), self.map.as_ptr().add(off), dst.len())
         };
         // A SIGBUS during the copy (the owner shrank the segment) left zeros in `dst`.
         if self.guard.faulted() {
@@ -127,7 +128,7 @@ impl ForeignSegment {
         // SAFETY: as in `read`, with the roles swapped: the destination range is inside the
         // mapping and cannot overlap the Rust slice `src`.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.map.as_mut_ptr().add(off), src.len())
+            crate::stream_copy::copy(self.map.as_mut_ptr().add(off), src.as_ptr(), src.len())
         };
         if self.guard.faulted() {
             return Err(AllocError::SegmentTruncated);

@@ -19,6 +19,8 @@
 //! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
 //!   arena, gives `&[u8]`/`&mut [u8]` to it, and returns it to the allocator on drop.
 //! - [`error`]: [`MemoryError`], naming the operation and the OS error.
+//! - [`stream_copy`]: bulk copies with non-temporal stores (no cache pollution, no
+//!   read-for-ownership), used by [`ForeignSegment`]'s copies.
 
 pub mod allocation;
 pub mod allocator;
@@ -27,6 +29,7 @@ pub mod error;
 pub mod fault_guard;
 pub mod foreign;
 pub mod shm;
+pub mod stream_copy;
 
 pub use allocation::{Allocation, ArenaAllocator, MemoryUsage, Prefaulter};
 pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
