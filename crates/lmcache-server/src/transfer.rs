@@ -349,7 +349,8 @@ pub fn kernel_transfers(
 
 /// LMCache's `POST /cache/checksums`: for each group of `chunk_blocks` blocks, one MD5 over
 /// every layer's gathered blocks (registration order, plane-major within a layer, each layer
-/// in its own kernel group's geometry), bfloat16 upcast to float32.
+/// in its own kernel group's geometry), bfloat16 upcast to float32. MD5 is a serial hash of
+/// about 600 MB/s, so the chunks (independent digests) are hashed on every core at once.
 pub fn checksums(
     groups: &[CpuTransfer<'_>],
     layers: &[(usize, usize)],
@@ -357,12 +358,11 @@ pub fn checksums(
     chunk_blocks: usize,
     layerwise: bool,
 ) -> Result<Vec<Vec<String>>, TransferError> {
-    let mut buf = Vec::new();
-    let mut upcast = Vec::new();
     let chunks: Vec<&[u64]> = blocks.chunks(chunk_blocks.max(1)).collect();
     let n_out = if layerwise { layers.len() } else { 1 };
-    let mut out = vec![Vec::with_capacity(chunks.len()); n_out];
-    for chunk in &chunks {
+    // One chunk's digests: one, or one per layer.
+    let digest = |chunk: &[u64]| -> Result<Vec<String>, TransferError> {
+        let (mut buf, mut upcast) = (Vec::new(), Vec::new());
         let mut md5s = vec![Md5::new(); n_out];
         for (li, &(g, l)) in layers.iter().enumerate() {
             let Some(t) = groups.get(g) else { continue };
@@ -370,7 +370,7 @@ pub fn checksums(
             buf.resize(geo.block_bytes() as usize, 0);
             let h = &mut md5s[if layerwise { li } else { 0 }];
             for p in 0..geo.kv {
-                for &b in chunk.iter() {
+                for &b in chunk {
                     let off = t.block_offset(l, p, b)?;
                     t.layers[l].segment.read(off, &mut buf)?;
                     if geo.dtype == Dtype::BFloat16 {
@@ -385,8 +385,46 @@ pub fn checksums(
                 }
             }
         }
-        for (i, h) in md5s.into_iter().enumerate() {
-            out[i].push(format!("{:x}", h.finalize()));
+        Ok(md5s.into_iter().map(|h| format!("{:x}", h.finalize())).collect())
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(chunks.len());
+    let per_chunk: Vec<Vec<String>> = if threads <= 1 {
+        chunks.iter().map(|c| digest(c)).collect::<Result<_, _>>()?
+    } else {
+        // Chunk i on thread i % threads; answers put back in chunk order.
+        let mut slots: Vec<Option<Result<Vec<String>, TransferError>>> =
+            (0..chunks.len()).map(|_| None).collect();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|th| {
+                    let (chunks, digest) = (&chunks, &digest);
+                    scope.spawn(move || {
+                        (th..chunks.len())
+                            .step_by(threads)
+                            .map(|i| (i, digest(chunks[i])))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            for h in handles {
+                match h.join() {
+                    Ok(done) => done.into_iter().for_each(|(i, r)| slots[i] = Some(r)),
+                    Err(_) => slots.iter_mut().for_each(|s| {
+                        s.get_or_insert(Err(TransferError::Panicked));
+                    }),
+                }
+            }
+        });
+        slots
+            .into_iter()
+            .map(|s| s.unwrap_or(Err(TransferError::Panicked)))
+            .collect::<Result<_, _>>()?
+    };
+    // Per output (the whole chunk, or each layer), one digest per chunk.
+    let mut out = vec![Vec::with_capacity(chunks.len()); n_out];
+    for digests in per_chunk {
+        for (o, d) in out.iter_mut().zip(digests) {
+            o.push(d);
         }
     }
     Ok(out)
