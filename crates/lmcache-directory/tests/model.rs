@@ -12,9 +12,19 @@ use lmcache_directory::{
 };
 use proptest::prelude::*;
 
-const INSTANCES: u8 = 3;
-const CHUNKS: u8 = 6;
-const RANKS: u8 = 2;
+/// The trace's dimensions: instances, chunks per request, ranks per chunk.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    instances: u8,
+    chunks: u8,
+    ranks: u8,
+}
+
+/// Small: every key collides often (replacements, deletes, fences of shared keys).
+const SMALL: Shape = Shape { instances: 3, chunks: 6, ranks: 2 };
+/// Wide: requests of 24 chunks (the directory probes a run in blocks of 16 keys) over 72
+/// instances (a placement bitset's second word starts at instance 64).
+const WIDE: Shape = Shape { instances: 72, chunks: 24, ranks: 2 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum SiteKind {
@@ -31,34 +41,48 @@ enum Op {
     Fence { inst: u8 },
 }
 
-fn keys() -> impl Strategy<Value = Vec<(u8, u8)>> {
-    prop::collection::vec((0..CHUNKS, 0..RANKS), 1..8)
+fn keys(sh: Shape) -> impl Strategy<Value = Vec<(u8, u8)>> {
+    prop::collection::vec((0..sh.chunks, 0..sh.ranks), 1..8)
+}
+
+/// A request's run of chunks from `from`, every rank: what routing reads as a prefix.
+fn run(sh: Shape) -> impl Strategy<Value = Vec<(u8, u8)>> {
+    (0..sh.chunks, 1..=sh.chunks).prop_map(move |(from, len)| {
+        (from..sh.chunks.min(from + len)).flat_map(|c| (0..sh.ranks).map(move |r| (c, r))).collect()
+    })
 }
 
 fn site() -> impl Strategy<Value = SiteKind> {
     prop_oneof![Just(SiteKind::L1), Just(SiteKind::L2Private), Just(SiteKind::L2Shared)]
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn op(sh: Shape) -> impl Strategy<Value = Op> {
+    let n = sh.instances;
     prop_oneof![
-        5 => (0..INSTANCES, site(), keys(), 1..1000u16).prop_map(|(inst, site, keys, size)| Op::Store { inst, site, keys, size }),
-        2 => (0..INSTANCES, site(), keys()).prop_map(|(inst, site, keys)| Op::Delete { inst, site, keys }),
-        1 => (0..INSTANCES, keys()).prop_map(|(inst, keys)| Op::Access { inst, keys }),
-        1 => (0..INSTANCES).prop_map(|inst| Op::Fence { inst }),
+        5 => (0..n, site(), keys(sh), 1..1000u16).prop_map(|(inst, site, keys, size)| Op::Store { inst, site, keys, size }),
+        4 => (0..n, site(), run(sh), 1..1000u16).prop_map(|(inst, site, keys, size)| Op::Store { inst, site, keys, size }),
+        2 => (0..n, site(), keys(sh)).prop_map(|(inst, site, keys)| Op::Delete { inst, site, keys }),
+        1 => (0..n, site(), run(sh)).prop_map(|(inst, site, keys)| Op::Delete { inst, site, keys }),
+        1 => (0..n, keys(sh)).prop_map(|(inst, keys)| Op::Access { inst, keys }),
+        1 => (0..n).prop_map(|inst| Op::Fence { inst }),
     ]
 }
 
 /// Placement identity in the model: (site kind, owner or none when shared).
 type Ident = (SiteKind, Option<u8>);
 
-#[derive(Default)]
 struct Model {
+    sh: Shape,
     /// (chunk, rank) → identity → (reporter, size)
     keys: BTreeMap<(u8, u8), BTreeMap<Ident, (u8, u64)>>,
     mounts: BTreeSet<u8>,
 }
 
 impl Model {
+    fn new(sh: Shape) -> Self {
+        Self { sh, keys: BTreeMap::new(), mounts: BTreeSet::new() }
+    }
+
     fn ident(inst: u8, site: SiteKind) -> Ident {
         (site, (site != SiteKind::L2Shared).then_some(inst))
     }
@@ -101,16 +125,17 @@ impl Model {
 
     fn runs(&self, from: u8) -> Vec<(u8, u32, u32)> {
         let mut out = Vec::new();
-        for inst in 0..INSTANCES {
+        let sh = self.sh;
+        for inst in 0..sh.instances {
             let l1_ok = |c: u8| {
-                (0..RANKS).all(|r| {
+                (0..sh.ranks).all(|r| {
                     self.keys
                         .get(&(c, r))
                         .is_some_and(|p| p.contains_key(&(SiteKind::L1, Some(inst))))
                 })
             };
             let any_ok = |c: u8| {
-                (0..RANKS).all(|r| {
+                (0..sh.ranks).all(|r| {
                     self.keys.get(&(c, r)).is_some_and(|p| {
                         p.keys().any(|(kind, owner)| {
                             *owner == Some(inst)
@@ -119,8 +144,8 @@ impl Model {
                     })
                 })
             };
-            let l1 = (from..CHUNKS).take_while(|&c| l1_ok(c)).count() as u32;
-            let any = (from..CHUNKS).take_while(|&c| any_ok(c)).count() as u32;
+            let l1 = (from..sh.chunks).take_while(|&c| l1_ok(c)).count() as u32;
+            let any = (from..sh.chunks).take_while(|&c| any_ok(c)).count() as u32;
             if any > 0 {
                 out.push((inst, l1, any));
             }
@@ -137,9 +162,9 @@ struct Subject {
 }
 
 impl Subject {
-    fn new() -> Self {
+    fn new(sh: Shape) -> Self {
         let mut d = Directory::new(DirectoryConfig::default());
-        let ns = (0..RANKS)
+        let ns = (0..sh.ranks)
             .map(|r| {
                 let r = u32::from(r);
                 let ns = Namespace {
@@ -151,7 +176,7 @@ impl Subject {
                 d.namespace(&ns).unwrap()
             })
             .collect();
-        let inst = (0..INSTANCES).map(|i| d.instance(&format!("i{i}")).unwrap()).collect();
+        let inst = (0..sh.instances).map(|i| d.instance(&format!("i{i}")).unwrap()).collect();
         Self { d, ns, inst }
     }
 
@@ -208,10 +233,11 @@ impl Subject {
 }
 
 fn check(m: &Model, s: &Subject) {
+    let sh = m.sh;
     let mut want_keys = 0;
     let (mut l1, mut l2) = ((0u64, 0u64), (0u64, 0u64));
-    for c in 0..CHUNKS {
-        for r in 0..RANKS {
+    for c in 0..sh.chunks {
+        for r in 0..sh.ranks {
             let got: BTreeSet<(String, Tier, String, u64, bool)> = s
                 .d
                 .placements(&s.key((c, r)))
@@ -251,13 +277,13 @@ fn check(m: &Model, s: &Subject) {
     assert_eq!(st.keys, want_keys);
     assert_eq!((st.l1.count, st.l1.bytes), l1);
     assert_eq!((st.l2.count, st.l2.bytes), l2);
-    for from in 0..CHUNKS {
-        let q: Vec<DirKey> = (from..CHUNKS)
-            .flat_map(|c| (0..RANKS).map(move |r| (c, r)))
+    for from in 0..sh.chunks {
+        let q: Vec<DirKey> = (from..sh.chunks)
+            .flat_map(|c| (0..sh.ranks).map(move |r| (c, r)))
             .map(|k| s.key(k))
             .collect();
         let got: Vec<(u8, u32, u32)> =
-            s.d.prefix_runs(RunQuery { keys: &q, per_chunk: RANKS as usize })
+            s.d.prefix_runs(RunQuery { keys: &q, per_chunk: sh.ranks as usize })
                 .into_iter()
                 .map(|PrefixRun { instance, l1, any }| (instance.index() as u8, l1, any))
                 .collect();
@@ -265,36 +291,62 @@ fn check(m: &Model, s: &Subject) {
     }
 }
 
+/// Applies `ops` to the model and the directory, checking them equal every `every` steps and
+/// at the end, then that the checkpoint image restores the same directory.
+fn trace(sh: Shape, ops: &[Op], every: usize) -> Result<(), TestCaseError> {
+    let mut m = Model::new(sh);
+    let mut s = Subject::new(sh);
+    for (i, op) in ops.iter().enumerate() {
+        m.apply(op);
+        s.apply(op, i);
+        if i % every == 0 || i + 1 == ops.len() {
+            check(&m, &s);
+        }
+    }
+    let mut image = Vec::new();
+    s.d.encode(&mut image);
+    let restored = Subject {
+        d: Directory::decode(&image, DirectoryConfig::default()).unwrap(),
+        ns: s.ns.clone(),
+        inst: s.inst.clone(),
+    };
+    check(&m, &restored);
+    let mut again = Vec::new();
+    restored.d.encode(&mut again);
+    prop_assert_eq!(again.len(), image.len());
+    prop_assert_eq!(restored.d.digest(), s.d.digest(), "equal directories have equal digests");
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
-    fn directory_equals_the_reference_model(ops in prop::collection::vec(op(), 1..60)) {
-        let mut m = Model::default();
-        let mut s = Subject::new();
-        for (i, op) in ops.iter().enumerate() {
-            m.apply(op);
-            s.apply(op, i);
-            check(&m, &s);
-        }
-        // The checkpoint image restores the same directory.
-        let mut image = Vec::new();
-        s.d.encode(&mut image);
-        let restored = Subject { d: Directory::decode(&image, DirectoryConfig::default()).unwrap(), ns: s.ns.clone(), inst: s.inst.clone() };
-        check(&m, &restored);
-        let mut again = Vec::new();
-        restored.d.encode(&mut again);
-        prop_assert_eq!(again.len(), image.len());
-        prop_assert_eq!(restored.d.digest(), s.d.digest(), "equal directories have equal digests");
+    fn directory_equals_the_reference_model(ops in prop::collection::vec(op(SMALL), 1..60)) {
+        trace(SMALL, &ops, 1)?;
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Long runs (past a 16-key probe block) on instances past 64 (a bitset's second word).
+    #[test]
+    fn a_wide_fleet_of_long_requests_equals_the_reference_model(ops in prop::collection::vec(op(WIDE), 1..120)) {
+        trace(WIDE, &ops, 4)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
     fn damaged_images_are_refused_or_decoded_never_a_panic(
-        ops in prop::collection::vec(op(), 1..30),
+        ops in prop::collection::vec(op(SMALL), 1..30),
         cuts in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4),
         truncate in any::<prop::sample::Index>(),
     ) {
-        let mut s = Subject::new();
+        let mut s = Subject::new(SMALL);
         for (i, op) in ops.iter().enumerate() {
             s.apply(op, i);
         }
@@ -312,7 +364,7 @@ proptest! {
 
 #[test]
 fn a_truncated_or_foreign_image_names_the_problem() {
-    let mut s = Subject::new();
+    let mut s = Subject::new(SMALL);
     s.apply(&Op::Store { inst: 0, site: SiteKind::L1, keys: vec![(1, 0)], size: 5 }, 0);
     let mut image = Vec::new();
     s.d.encode(&mut image);
