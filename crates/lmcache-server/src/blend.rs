@@ -528,11 +528,6 @@ impl BlendEngine {
         a.done.entry(request).or_default().extend(keys);
     }
 
-    /// Tokens per chunk.
-    pub fn chunk_size(&self) -> usize {
-        self.chunk_size
-    }
-
     /// How the engine runs.
     pub fn options(&self) -> BlendOptions {
         self.options
@@ -599,8 +594,6 @@ pub struct SparseLeg {
     pub l2_keys: u64,
     /// Of those, the keys that landed.
     pub found_keys: u64,
-    /// When the loads began.
-    pub started: Option<Instant>,
 }
 
 /// Where one matched chunk's objects stand.

@@ -330,9 +330,6 @@ fn start_sparse(state: &RequestState, key: &CacheKey) -> Result<(), ProtocolErro
     }
     leg.candidates = candidates;
     let loading = leg.loading();
-    if loading {
-        leg.started = Some(Instant::now());
-    }
     state.sessions.with(id, |s| {
         if loading && let Some(t) = &mut s.blend.trace {
             let span = tracing::info_span!(parent: t.lookup_span(), "cb.sparse_prefetch", l2_keys = leg.l2_keys);
@@ -381,7 +378,7 @@ fn poll_sparse(state: &RequestState, engine: &BlendEngine, id: &str) -> Step {
             request_id: id.to_owned(),
             l2_keys: leg.l2_keys,
             found_keys: leg.found_keys,
-            took: took.or(leg.started.map(|t| t.elapsed())).unwrap_or_default(),
+            took: took.unwrap_or_default(),
         });
         Step::Ready
     })

@@ -362,13 +362,6 @@ pub(super) fn blend_scatter(
     let p = plan(&inst, 1).ok_or("not an lmcache-driven registration")?;
     let chunk = state.chunk_size() as u64;
     // Every (match, kernel group) checked and planned first.
-    struct Part<'a> {
-        m: &'a lmcache_protocol::types::blend::CbMatch,
-        g: usize,
-        src: &'a [u8],
-        slots: u64,
-        rot: Option<crate::blend::GroupRotation<'a>>,
-    }
     let mut parts = Vec::new();
     for (m, objects) in matches {
         for &(og, object) in objects {
@@ -419,19 +412,23 @@ pub(super) fn blend_scatter(
         work.tokens += chunk;
     }
     for part in &parts {
-        scatter_part(
-            state,
-            &p,
-            part.m,
-            part.g,
-            part.src,
-            part.slots,
-            part.rot.as_ref(),
-            blocks,
-            rope,
-        )?;
+        scatter_part(state, &p, part, blocks, rope)?;
     }
     Ok(work)
+}
+
+/// One match's part of one kernel group, checked by [`blend_scatter`] before any write.
+struct Part<'a> {
+    /// The match.
+    m: &'a lmcache_protocol::types::blend::CbMatch,
+    /// The kernel group.
+    g: usize,
+    /// Its bytes in the match's object.
+    src: &'a [u8],
+    /// Tokens it stores per chunk (a window keeps the chunk's last).
+    slots: u64,
+    /// How its K is re-rotated (`None`: written as stored).
+    rot: Option<crate::blend::GroupRotation<'a>>,
 }
 
 /// Rotated scatters at least this large spread their slabs over the CPU's cores: the
@@ -442,18 +439,15 @@ const PARALLEL_ROTATION_BYTES: usize = 8 << 20;
 /// block's run of rows at a time, K rotated into a reused buffer (of words, so its bytes are
 /// aligned for any element type) on the way. Large rotated parts spread their slabs over
 /// threads (disjoint destination rows, so no two threads write the same bytes).
-#[expect(clippy::too_many_arguments, reason = "one part's match, bytes, rotation and tables")]
 fn scatter_part(
     state: &RequestState,
     p: &Plan<'_>,
-    m: &lmcache_protocol::types::blend::CbMatch,
-    g: usize,
-    src: &[u8],
-    slots: u64,
-    rot: Option<&crate::blend::GroupRotation<'_>>,
+    part: &Part<'_>,
     blocks: &[Vec<u64>],
     rope: &crate::blend::RopeState,
 ) -> Result<(), String> {
+    let Part { m, g, src, slots, .. } = *part;
+    let rot = part.rot.as_ref();
     let chunk = state.chunk_size() as u64;
     let (k, t) = (&p.kernel_groups[g], &p.transfers[g]);
     let geo = t.geometry;
