@@ -50,6 +50,10 @@ pub struct RedisConfig {
     pub key_prefix: String,
     /// Connections in the pool (standalone).
     pub num_workers: usize,
+    /// Commands each raw connection keeps ahead of the replies it has read (standalone
+    /// without TLS). `None`: as many as make 512 KiB of values, 1 to 64 (see the module
+    /// `resp_direct`).
+    pub pipeline_depth: Option<usize>,
     /// Expiry of stored objects.
     pub ttl_seconds: Option<u64>,
     /// Limit on one batch of small values; large batches get more (see the module docs).
@@ -187,6 +191,7 @@ impl RedisAdapter {
                     connect_timeout: ct,
                 },
                 config.num_workers,
+                config.pipeline_depth,
             )
         });
         let a =
@@ -480,6 +485,7 @@ impl L2Adapter for RedisAdapter {
             "database_id": c.database,
             "key_prefix": c.key_prefix,
             "num_workers": c.num_workers,
+            "pipeline_depth": c.pipeline_depth,
             "ttl_seconds": c.ttl_seconds,
             "auth": c.password.is_some(),
         })
