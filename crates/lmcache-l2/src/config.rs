@@ -401,9 +401,7 @@ fn build_inner(
                     database: f.u64_or("database_id", 0)? as i64,
                     key_prefix: f.str_opt("key_prefix")?.unwrap_or_default(),
                     num_workers: f.u64_or("num_workers", 4)?.clamp(1, 64) as usize,
-                    pipeline_depth: f
-                        .u64_opt("pipeline_depth")?
-                        .map(|d| d.clamp(1, 1024) as usize),
+                    pipeline_depth: f.u64_opt("pipeline_depth")?.map(|d| d.clamp(1, 1024) as usize),
                     ttl_seconds: f.u64_opt("ttl_seconds")?.filter(|&t| t > 0),
                     request_timeout: secs("request_timeout", 5.0)?,
                     connection_timeout: secs("connection_timeout", 5.0)?,

@@ -1,0 +1,88 @@
+//! The server side of `POST /events`, in process: the same trace as
+//! `scripts/bench-coordinator` (16 servers x 200 sequences of 64 chunks, 16 batches of 64
+//! entries per request body, LMCache's JSON), decoded as the HTTP route decodes it and
+//! ingested into a fresh coordinator. Reports ns per chunk event for the decode and for the
+//! ingest (gate + directory + usage), median of the repetitions. No HTTP or client here: this
+//! is what `scripts/bench-coordinator`'s end-to-end figure is made of on the server's side.
+//!
+//! `cargo bench -p lmcache-coordinator --bench ingest -- [repetitions]`
+
+use std::time::{Duration, Instant};
+
+use lmcache_coordinator::{Coordinator, CoordinatorConfig};
+use lmcache_protocol::coordinator::CacheEventsRequest;
+
+fn h(parts: &[u64]) -> String {
+    let mut x = blake3::Hasher::new();
+    for p in parts {
+        x.update(&p.to_le_bytes());
+    }
+    x.finalize().to_hex().to_string()
+}
+
+fn bodies() -> (Vec<String>, usize) {
+    let mut batches = Vec::new();
+    for w in 0..16u64 {
+        for s in 0..200u64 {
+            let pool = (w * 7919 + s * 104_729) % 1000;
+            let entries: Vec<serde_json::Value> = (0..64u64)
+                .map(|i| {
+                    let k = if i < 16 { h(&[1, pool, i]) } else { h(&[2, w, s, i]) };
+                    serde_json::json!({"key": {"chunk_hash_hex": k, "model_name": "m",
+                        "kv_rank": 16777472, "object_group_id": 0, "cache_salt": ""},
+                        "size_bytes": 33554432})
+                })
+                .collect();
+            batches.push(serde_json::json!({"instance_id": format!("server-{w}"),
+                "incarnation": 1, "seq": s + 1, "event_type": "store", "tier": "l1",
+                "backend": "dram", "shared": false, "ts": 1.0, "entries": entries}));
+        }
+    }
+    let n = batches.len() * 64;
+    let out = batches
+        .chunks(16)
+        .map(|c| serde_json::to_string(&serde_json::json!({"batches": c})).unwrap())
+        .collect();
+    (out, n)
+}
+
+fn main() {
+    let reps: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(7);
+    let (bodies, events) = bodies();
+    let bytes: usize = bodies.iter().map(String::len).sum();
+    let (mut decode, mut ingest) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let c = Coordinator::start(CoordinatorConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            health_check_interval: Duration::ZERO,
+            eviction_check_interval: Duration::ZERO,
+            ..CoordinatorConfig::default()
+        })
+        .unwrap();
+        let (mut d, mut i) = (Duration::ZERO, Duration::ZERO);
+        for b in &bodies {
+            let t = Instant::now();
+            let req: CacheEventsRequest = serde_json::from_str(b).unwrap();
+            d += t.elapsed();
+            let t = Instant::now();
+            c.fleet().ingest(&req.batches).unwrap();
+            i += t.elapsed();
+            drop(req);
+        }
+        decode.push(d.as_nanos() as f64 / events as f64);
+        ingest.push(i.as_nanos() as f64 / events as f64);
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (d, i) = (med(&mut decode), med(&mut ingest));
+    println!(
+        "{events} chunk events in {} bodies ({:.0} bytes per event): decode {d:.0} ns, ingest {i:.0} ns, total {:.0} ns per event ({:.2} M events/s on one core)",
+        bodies.len(),
+        bytes as f64 / events as f64,
+        d + i,
+        1e3 / (d + i)
+    );
+}
