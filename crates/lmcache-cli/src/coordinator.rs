@@ -112,6 +112,18 @@ pub struct CoordinatorArgs {
     /// Kafka consumer group.
     #[arg(long, default_value = "lmcache-coordinator")]
     pub kafka_group_id: String,
+    /// Re-publish the fleet's cache events in vLLM's KV-event format (msgpack `KVEventBatch`)
+    /// on a ZMQ PUB socket bound here, topic `kv@<instance_id>@<model>`, so that routers
+    /// consuming vLLM's events (llm-d, Dynamo) see every server's L1 and L2. Off by default.
+    #[arg(long, value_name = "ENDPOINT")]
+    pub vllm_kv_events_endpoint: Option<String>,
+    /// A ZMQ ROUTER endpoint, bound, answering replay requests as vLLM's publisher does
+    /// (needs --vllm-kv-events-endpoint).
+    #[arg(long, value_name = "ENDPOINT")]
+    pub vllm_kv_events_replay_endpoint: Option<String>,
+    /// Batches kept for replay (vLLM's buffer_steps).
+    #[arg(long, default_value_t = 10_000)]
+    pub vllm_kv_events_buffer_steps: usize,
     /// Exit after this many seconds (tests); 0 runs until a signal.
     #[arg(long, default_value_t = 0, hide = true)]
     pub exit_after_seconds: u64,
@@ -158,6 +170,17 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
     }
 
     seconds("timeout-keep-alive", a.timeout_keep_alive)?;
+    let vllm_kv_events = match (&a.vllm_kv_events_endpoint, &a.vllm_kv_events_replay_endpoint) {
+        (Some(endpoint), replay) => Some(lmcache_coordinator::vllm_events::VllmEventsConfig {
+            endpoint: endpoint.clone(),
+            replay_endpoint: replay.clone(),
+            buffer_steps: a.vllm_kv_events_buffer_steps.max(1),
+        }),
+        (None, Some(_)) => {
+            bail!("--vllm-kv-events-replay-endpoint needs --vllm-kv-events-endpoint")
+        }
+        (None, None) => None,
+    };
     Ok(CoordinatorConfig {
         host: a.host.clone(),
         port: a.port,
@@ -179,6 +202,7 @@ fn config(a: &CoordinatorArgs) -> anyhow::Result<CoordinatorConfig> {
         trigger_watermark: a.trigger_watermark,
         metrics_enabled: !a.disable_metrics,
         event_transport,
+        vllm_kv_events,
     })
 }
 

@@ -55,6 +55,9 @@ pub struct CoordinatorConfig {
     pub metrics_enabled: bool,
     /// Where cache events arrive (HTTP by default).
     pub event_transport: crate::transport::EventTransport,
+    /// Re-publish admitted cache events in vLLM's KV-event format ([`crate::vllm_events`]);
+    /// `None`: off.
+    pub vllm_kv_events: Option<crate::vllm_events::VllmEventsConfig>,
 }
 
 impl Default for CoordinatorConfig {
@@ -80,6 +83,7 @@ impl Default for CoordinatorConfig {
             trigger_watermark: 1.0,
             metrics_enabled: true,
             event_transport: crate::transport::EventTransport::Http,
+            vllm_kv_events: None,
         }
     }
 }

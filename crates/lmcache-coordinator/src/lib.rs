@@ -14,12 +14,14 @@
 //! - [`checkpoint`]: the checkpoint file (restored at start, written every interval and at
 //!   stop; never written over a file that is not one).
 //! - [`transport`]: where cache events come from (HTTP, or NATS JetStream).
+//! - [`vllm_events`]: admitted events re-published in vLLM's KV-event format on ZMQ
+//!   (`--vllm-kv-events-endpoint`), for routers that consume vLLM's events.
 //! - `repair`: the repair thread (a stream gap resynced from the server's snapshot).
 //! - `server_client`: the calls made to servers (snapshot pages, relays, eviction orders).
 //! - `periodic`: tasks run every period on a thread woken by its stop channel.
 //! - [`config`]: [`CoordinatorConfig`]; [`metrics`]: the coordinator's Prometheus names.
 //! - [`Coordinator`]: the running service (its own thread and tokio runtime, the health sweep,
-//!   the repair, checkpoint and eviction threads).
+//!   the repair, checkpoint, eviction and vLLM KV-event threads).
 #![forbid(unsafe_code)]
 
 pub mod checkpoint;
@@ -32,6 +34,7 @@ mod periodic;
 mod repair;
 mod server_client;
 pub mod transport;
+pub mod vllm_events;
 
 use periodic::Periodic;
 
@@ -70,6 +73,7 @@ pub struct Coordinator {
     repair: Option<JoinHandle<()>>,
     checkpointer: Option<Periodic>,
     evictor: Option<Periodic>,
+    vllm_events: Option<JoinHandle<()>>,
 }
 
 /// Loads the checkpoint at `path` into a fresh fleet; a missing or damaged one leaves it cold
@@ -125,6 +129,19 @@ impl Coordinator {
             })?;
             restore(&fleet, path);
         }
+        // Bound before anything serves, so that a bad endpoint fails the start.
+        let vllm_bound = match fleet.config().vllm_kv_events.clone() {
+            Some(c) => {
+                let (publisher, run) = vllm_events::bind(&c).map_err(|e| {
+                    CoordinatorError::Config(FleetError::BadRequest(format!("vLLM KV events: {e}")))
+                })?;
+                fleet.set_vllm_publisher(publisher);
+                tracing::info!(endpoint = %c.endpoint, replay = ?c.replay_endpoint,
+                    "re-publishing cache events as vLLM KV events");
+                Some(run)
+            }
+            None => None,
+        };
         let c = fleet.config();
         let addr = format!("{}:{}", c.host, c.port);
         let io = |what: String| move |source| CoordinatorError::Io { what, source };
@@ -181,6 +198,15 @@ impl Coordinator {
                 });
             })
             .map_err(io("starting the HTTP thread".into()))?;
+        let vllm_events = match vllm_bound {
+            Some(run) => Some(
+                std::thread::Builder::new()
+                    .name("coordinator-vllm-events".into())
+                    .spawn(run)
+                    .map_err(io("starting the vLLM KV-event thread".into()))?,
+            ),
+            None => None,
+        };
         let (repair_tx, repair_rx) = std::sync::mpsc::channel();
         fleet.set_repairer(repair_tx);
         let repair_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -225,6 +251,7 @@ impl Coordinator {
             repair_stop,
             repair: Some(repair),
             checkpointer,
+            vllm_events,
         })
     }
 
@@ -253,6 +280,11 @@ impl Coordinator {
         self.repair_stop.store(true, std::sync::atomic::Ordering::Release);
         self.fleet.close_repairer();
         if let Some(t) = self.repair.take() {
+            let _ = t.join();
+        }
+        // The publisher's thread ends once its sender is gone.
+        self.fleet.close_vllm_publisher();
+        if let Some(t) = self.vllm_events.take() {
             let _ = t.join();
         }
         // Periodic tasks stop (and are waited for) as their handles go.

@@ -82,6 +82,10 @@ pub struct Metrics {
     pub evictions_requested: Counter,
     /// Failures of the event transport (JetStream connection or consumer).
     pub transport_errors: Counter,
+    /// Batches (one per model) and fences handed to the vLLM KV-event publisher.
+    pub vllm_batches_queued: Counter,
+    /// Batches not re-published: the publisher's queue was full.
+    pub vllm_batches_dropped: Counter,
 }
 
 impl Default for Metrics {
@@ -118,6 +122,8 @@ impl Metrics {
             checkpoint_failures: Counter::default(),
             evictions_requested: Counter::default(),
             transport_errors: Counter::default(),
+            vllm_batches_queued: Counter::default(),
+            vllm_batches_dropped: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -230,6 +236,16 @@ impl Metrics {
             "lmcache_rs_coordinator_transport_errors",
             "Event transport failures (JetStream connection or consumer), each followed by a retry",
             m.transport_errors.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_vllm_kv_event_batches_queued",
+            "Admitted cache-event batches (one per model) and fences handed to the vLLM KV-event publisher (--vllm-kv-events-endpoint)",
+            m.vllm_batches_queued.clone(),
+        );
+        registry.register(
+            "lmcache_rs_coordinator_vllm_kv_event_batches_dropped",
+            "vLLM KVEventBatch messages dropped because the publisher's queue was full",
+            m.vllm_batches_dropped.clone(),
         );
         Self { registry, ..m }
     }

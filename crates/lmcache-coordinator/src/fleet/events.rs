@@ -149,6 +149,7 @@ impl Fleet {
             Some(site) => v.dir.apply(reporter, b.incarnation, kind, site, b.ts, &entries)?,
             None => v.dir.access(b.ts, entries.iter().map(|e| e.key)),
         }
+        self.publish_vllm(b, tier, kind);
         self.metrics.entries.inc_by(entries.len() as u64);
         Ok(())
     }

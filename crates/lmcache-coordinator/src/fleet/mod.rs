@@ -6,7 +6,8 @@
 //! - `directory`: lookups, listings, stats, blend matches, routing;
 //! - `usage`: memory usage per instance and shared pool;
 //! - `control`: quotas, pins, the fleet eviction plan, the stream position, the digest;
-//! - `persist`: the checkpoint image and the restore.
+//! - `persist`: the checkpoint image and the restore;
+//! - `vllm`: admitted batches and fences handed to the vLLM KV-event publisher.
 //!
 //! Lock order: `views` (gate + directory + capacities, one mutex, so a batch is admitted and
 //! applied atomically and in order per emitter) is never held while taking `registry`, and
@@ -38,6 +39,7 @@ mod persist;
 mod registry;
 mod repair;
 mod usage;
+mod vllm;
 
 pub use control::EvictionOrder;
 pub use persist::RestoreStats;
@@ -206,6 +208,8 @@ pub struct Fleet {
     registry: registry::Instances,
     /// Instances whose stream needs a resync, for the repair thread.
     repair_tx: Mutex<Option<std::sync::mpsc::Sender<String>>>,
+    /// The vLLM KV-event publisher's queue, when re-publishing is on.
+    vllm: Mutex<Option<crate::vllm_events::Publisher>>,
     /// Quotas and pins (lock order: views before control; never the other way).
     control: Mutex<crate::control::Control>,
     /// The last JetStream stream sequence applied (0: none; HTTP transport: always 0).
@@ -277,6 +281,7 @@ impl Fleet {
             }),
             registry: registry::Instances::default(),
             repair_tx: Mutex::new(None),
+            vllm: Mutex::new(None),
             control: Mutex::new(crate::control::Control::default()),
             stream_position: std::sync::atomic::AtomicU64::new(0),
             metrics: Arc::new(Metrics::new()),

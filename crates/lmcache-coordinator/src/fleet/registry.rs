@@ -155,6 +155,7 @@ impl Fleet {
     pub(super) fn fence(&self, v: &mut Views, id: &str) -> u64 {
         let n = v.dir.find_instance(id).map_or(0, |inst| v.dir.fence_l1(inst));
         self.metrics.fenced_placements.inc_by(n);
+        self.publish_vllm_cleared(id);
         n
     }
 }

@@ -111,6 +111,7 @@ impl Fleet {
         self.metrics.repaired(if failed { "fenced" } else { "repaired" }, took);
         if failed {
             self.metrics.fenced_placements.inc_by(removed);
+            self.publish_vllm_cleared(id);
         }
         if r.again {
             self.want_repair(v, id, incarnation);
