@@ -666,6 +666,54 @@ fn events_wait_for_a_coordinator_that_is_down_and_arrive_without_a_gap() {
     s.shutdown();
 }
 
+#[test]
+fn a_cold_coordinator_resyncs_a_servers_l2_placements_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let c = coordinator(port);
+    let arena = ArenaConfig { size: 16 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    let s = Server::start(ServerConfig {
+        http_port: Some(0),
+        coordinator: Some(reporting(port, "rs-l2")),
+        l2_adapters: vec![json!({"type": "fs", "base_path": dir.path().join("l2")})],
+        ..ServerConfig::local(arena)
+    })
+    .unwrap();
+    // Through the storage manager: L1, then the write-behind into the fs L2.
+    let commit = |keys: &[u8]| {
+        let reqs: Vec<WriteRequest> =
+            keys.iter().map(|&b| WriteRequest::new(key(b), 4096)).collect();
+        let res: Vec<_> =
+            s.state().storage.reserve_write(&reqs).into_iter().map(Result::unwrap).collect();
+        for r in s.state().storage.commit(res) {
+            r.unwrap();
+        }
+    };
+    let l2_at = |c: &Coordinator| -> Vec<String> {
+        let v = get(c, "/directory/keys?tier=l2&instance_id=rs-l2&limit=100");
+        let mut k: Vec<String> = v["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| k["key"]["chunk_hash_hex"].as_str().unwrap()[..2].to_string())
+            .collect();
+        k.sort();
+        k
+    };
+    commit(&[1, 2, 3]);
+    until("all three in L2 at the coordinator", || l2_at(&c) == ["01", "02", "03"]);
+    // A cold coordinator: the server's next batch is a gap; the repair lists its L1 and now
+    // its L2 too, so the L2 placements made before the restart come back with the new one.
+    c.stop();
+    let c = coordinator(port);
+    commit(&[4]);
+    until("the whole L2 is back", || l2_at(&c) == ["01", "02", "03", "04"]);
+    until("and the whole L1", || (1..=4).all(|b| placed_on(&c, b).contains(&"rs-l2".to_string())));
+    let st = get(&c, "/directory/stats");
+    assert_eq!(st["streams"][0]["gap_detected"], false, "{st}");
+    s.shutdown();
+}
+
 /// An HTTP proxy in front of a coordinator that loses every 100th event batch (1%) and,
 /// when told, the deregistration (as a crashed server never sends it).
 struct LossyProxy {

@@ -1,7 +1,10 @@
 //! The repair thread: when an emitter's stream has a gap (a lost batch, or a new incarnation
 //! whose first batches are missing), it fetches the server's resident L1 keys from
 //! `GET /fleet/snapshot` (an lmcache-rs server route, paginated from one frozen list) and
-//! resyncs them ([`Fleet::resync_page`], [`Fleet::resync_finish`]). A server without the route
+//! resyncs them ([`Fleet::resync_page`], [`Fleet::resync_finish`]), then its L2 keys from
+//! `GET /fleet/snapshot?tier=l2` ([`Fleet::resync_l2_page`]): listed keys are upserted at
+//! their backend, and with a whole listing the instance's private L2 placements it did not
+//! name go (a shared pool's are only upserted: another mounter may have written them). A server without the route
 //! (LMCache's) or one that cannot be reached has its L1 placements fenced instead: the
 //! directory may then under-credit it until new events arrive, never over-credit it.
 
@@ -24,12 +27,24 @@ struct SnapshotEntry {
     key: EncodedObjectKey,
     #[serde(default)]
     size_bytes: u64,
+    /// The L2 backend (L2 snapshots).
+    #[serde(default)]
+    backend: Option<String>,
+    /// Whether that backend is a shared pool (L2 snapshots).
+    #[serde(default)]
+    shared: bool,
 }
 
 #[derive(Debug, Deserialize)]
 struct SnapshotPage {
     #[serde(default)]
     incarnation: Option<u64>,
+    /// `l1`, or `l2` from a server that lists its L2 (an older one ignores `tier=l2`).
+    #[serde(default)]
+    tier: Option<String>,
+    /// False when the server could not list everything (the sweep is then skipped).
+    #[serde(default = "yes")]
+    complete: bool,
     #[serde(default = "dram")]
     backend: String,
     #[serde(default)]
@@ -40,6 +55,10 @@ struct SnapshotPage {
 
 fn dram() -> String {
     "dram".into()
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// How often repairs of instances not registered yet are retried.
@@ -163,7 +182,73 @@ fn resync(
                 tracing::warn!(instance = %id, "the snapshot took longer than {DEADLINE:?}: fencing its L1 placements");
                 return fleet.resync_finish(id, target.incarnation, true);
             }
-            None => return fleet.resync_finish(id, target.incarnation, false),
+            None => {
+                let l2 = resync_l2(fleet, agent, id, stop, target, started);
+                return fleet.resync_finish_with(id, target.incarnation, false, l2);
+            }
+        }
+    }
+}
+
+/// The L2 half of a resync, after the L1 half succeeded: the server's L2 keys from
+/// `GET /fleet/snapshot?tier=l2`, upserted as placements. True when the listing was whole
+/// and applied, so that the instance's private L2 placements it did not name can go. A server
+/// that does not list its L2, or fails to, leaves the L2 placements as they are (logged).
+fn resync_l2(
+    fleet: &Fleet,
+    agent: &crate::server_client::ServerClient,
+    id: &str,
+    stop: &AtomicBool,
+    target: &crate::fleet::RepairTarget,
+    started: Instant,
+) -> bool {
+    let mut token: Option<String> = None;
+    let mut complete = true;
+    loop {
+        if stop.load(Ordering::Acquire) {
+            return false;
+        }
+        let mut url = format!("/fleet/snapshot?tier=l2&page_size={PAGE}");
+        if let Some(t) = &token {
+            url.push_str("&page_token=");
+            url.push_str(t);
+        }
+        let page = match fetch(agent, &target.endpoint, &url) {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::warn!(instance = %id, url = %url, "cannot resync L2 from a snapshot ({why}): its L2 placements stay as reported");
+                return false;
+            }
+        };
+        if page.tier.as_deref() != Some("l2") {
+            tracing::debug!(instance = %id, "the server does not list its L2: its L2 placements stay as reported");
+            return false;
+        }
+        if page.incarnation != Some(target.incarnation) {
+            tracing::warn!(instance = %id, "the L2 snapshot is of another incarnation: its L2 placements stay as reported");
+            return false;
+        }
+        complete &= page.complete;
+        let entries: Vec<(EncodedObjectKey, u64, String, bool)> = page
+            .entries
+            .into_iter()
+            .filter_map(|e| Some((e.key, e.size_bytes, e.backend?, e.shared)))
+            .collect();
+        match fleet.resync_l2_page(id, target.incarnation, &entries) {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(e) => {
+                tracing::warn!(instance = %id, error = %e, "an L2 snapshot page was refused: its L2 placements stay as reported");
+                return false;
+            }
+        }
+        match page.next_page_token {
+            Some(t) if started.elapsed() < DEADLINE => token = Some(t),
+            Some(_) => {
+                tracing::warn!(instance = %id, "the L2 snapshot took longer than {DEADLINE:?}: not swept");
+                return false;
+            }
+            None => return complete,
         }
     }
 }

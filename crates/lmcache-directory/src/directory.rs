@@ -437,9 +437,20 @@ impl Directory {
     /// Drops the L1 placements `instance` owns of keys `keep` refuses (a resync from a
     /// snapshot keeps what the snapshot and newer events name); returns how many went.
     pub fn sweep_l1(&mut self, instance: InstanceId, keep: impl Fn(&DirKey) -> bool) -> u64 {
+        self.sweep_owned(instance, Tier::L1, |k, _| keep(k))
+    }
+
+    /// Drops the placements at `tier` sites `instance` owns (its private backends, never a
+    /// shared pool) that `keep` refuses, per key and site; returns how many went.
+    pub fn sweep_owned(
+        &mut self,
+        instance: InstanceId,
+        tier: Tier,
+        keep: impl Fn(&DirKey, SiteId) -> bool,
+    ) -> u64 {
         let doomed: Vec<bool> = (0..self.sites.len() as u32)
             .map(|i| {
-                self.sites.get(i).is_ok_and(|s| s.tier == Tier::L1 && s.owner == Some(instance))
+                self.sites.get(i).is_ok_and(|s| s.tier == tier && s.owner == Some(instance))
                     && self.site_stats[i as usize].count > 0
             })
             .collect();
@@ -450,11 +461,8 @@ impl Directory {
         let mut emptied = 0u64;
         let mut released: Vec<DirKey> = Vec::new();
         self.table.retain(|key, record| {
-            if keep(key) {
-                return true;
-            }
             record.placements.retain(|p| {
-                let drop = doomed[p.site.0 as usize];
+                let drop = doomed[p.site.0 as usize] && !keep(key, p.site);
                 if drop {
                     removed.push((p.site, key.ns, p.size));
                 }
@@ -471,9 +479,9 @@ impl Directory {
             }
         });
         for (site, ns, size) in &removed {
-            self.account(*site, Tier::L1, -1, -(*size as i64));
+            self.account(*site, tier, -1, -(*size as i64));
             if let Some(nb) = self.ns_bytes.get_mut(ns.0 as usize) {
-                nb[0] = nb[0].saturating_sub(*size);
+                nb[tier as usize] = nb[tier as usize].saturating_sub(*size);
             }
         }
         self.stats.keys -= emptied;

@@ -333,6 +333,11 @@ impl Reporter {
         *self.l2.lock() = l2;
     }
 
+    /// The L2 adapters' (type, shared) by id, as events name them.
+    pub fn l2_topology(&self) -> HashMap<u64, (String, bool)> {
+        self.l2.lock().clone()
+    }
+
     /// This process's incarnation (start time, milliseconds).
     pub fn incarnation(&self) -> u64 {
         self.incarnation

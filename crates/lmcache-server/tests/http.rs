@@ -352,7 +352,12 @@ fn fleet_snapshot_pages_come_from_one_frozen_list() {
     let want: Vec<String> = (1..=5u8).map(|b| format!("{b:02x}").repeat(32)).collect();
     assert_eq!(seen, want, "every key of the frozen list once, none added later");
     assert_eq!(page("")["total"], 6, "a new snapshot sees the new key");
-    for (q, code) in [("?page_token=zz", 400), ("?page_token=99:0", 410), ("?page_size=0", 400)] {
+    for (q, code) in [
+        ("?page_token=zz", 400),
+        ("?page_token=99:0", 410),
+        ("?page_size=0", 400),
+        ("?tier=l3", 400),
+    ] {
         assert_eq!(http(&s, "GET", &format!("/fleet/snapshot{q}"), None).0, code, "{q}");
     }
 }

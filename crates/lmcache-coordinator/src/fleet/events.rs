@@ -140,9 +140,15 @@ impl Fleet {
                 token_offset: e.token_offset,
             });
         }
-        if tier == Tier::L1 && kind != EventKind::Access {
+        if kind != EventKind::Access {
             if let Some(r) = v.repairs.get_mut(&b.instance_id) {
-                r.touched.extend(entries.iter().map(|e| e.key));
+                match (tier, site) {
+                    (Tier::L1, _) => r.touched.extend(entries.iter().map(|e| e.key)),
+                    (Tier::L2, Some(site)) => {
+                        r.touched_l2.extend(entries.iter().map(|e| (e.key, site)))
+                    }
+                    (Tier::L2, None) => {}
+                }
             }
         }
         match site {

@@ -89,6 +89,10 @@ struct Repair {
     touched: std::collections::HashSet<DirKey>,
     /// Keys the snapshot listed.
     listed: std::collections::HashSet<DirKey>,
+    /// L2 placements (key, site) events named since the repair began.
+    touched_l2: std::collections::HashSet<(DirKey, lmcache_directory::SiteId)>,
+    /// L2 placements the L2 snapshot listed.
+    listed_l2: std::collections::HashSet<(DirKey, lmcache_directory::SiteId)>,
     started: Instant,
     /// Another gap came during this repair: run again after it.
     again: bool,
