@@ -1129,6 +1129,9 @@ fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
         tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(
             async {
                 let js = async_nats::jetstream::new(async_nats::connect(&nats).await.unwrap());
+                // The replicas' registry stream too (crate::replication).
+                let _ =
+                    js.delete_stream(lmcache_coordinator::replication::bucket_name(stream)).await;
                 js.delete_stream(stream).await.map(|_| ()).map_err(|e| e.to_string())
             },
         )
@@ -1229,4 +1232,81 @@ fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
     b.stop();
     delete_stream().expect("this run's stream was created, and is deleted");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn jetstream_replicas_share_registrations_heartbeats_and_quotas() {
+    let Some(nats) = external("LMCACHE_RS_TEST_NATS") else { return };
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let stream_name = format!("LMCACHE_RS_TEST_REG_{}_{}", std::process::id(), nanos.as_nanos());
+    let stream = stream_name.as_str();
+    let replica = || {
+        Coordinator::start(CoordinatorConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            // Silent for 1 s: dropped (and the drop replicated) unless heartbeats travel.
+            instance_timeout: Duration::from_secs(1),
+            health_check_interval: Duration::from_millis(100),
+            event_transport: lmcache_coordinator::transport::EventTransport::JetStream {
+                url: nats.clone(),
+                stream: stream.into(),
+            },
+            ..CoordinatorConfig::default()
+        })
+        .unwrap()
+    };
+    let a = replica();
+    let b = replica();
+    let server_at = |c: &Coordinator, id: &str| {
+        let arena = ArenaConfig { size: 4 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+        Server::start(ServerConfig {
+            http_port: Some(0),
+            coordinator: Some(CoordinatorReporting {
+                url: format!("http://{}", c.addr()),
+                instance_id: id.into(),
+                advertise_ip: "127.0.0.1".into(),
+                heartbeat_interval: Duration::from_millis(200),
+                event_reporting: true,
+                flush_interval: Duration::from_millis(10),
+                transport: ReportTransport::JetStream { url: nats.clone(), stream: stream.into() },
+                auth_token: None,
+                p2p_advertised_url: None,
+            }),
+            ..ServerConfig::local(arena)
+        })
+        .unwrap()
+    };
+    let instances = |c: &Coordinator| {
+        let mut v: Vec<Value> = get(c, "/instances")["instances"].as_array().unwrap().clone();
+        v.sort_by_key(|i| i["instance_id"].as_str().unwrap_or("").to_string());
+        v
+    };
+    // Both servers register with replica a only; b learns them from a.
+    let s1 = server_at(&a, "reg-1");
+    let s2 = server_at(&a, "reg-2");
+    until("b lists what a lists", || {
+        let (x, y) = (instances(&a), instances(&b));
+        x.len() == 2 && x == y
+    });
+    // Quotas set at a are b's too.
+    assert_eq!(put(&a, "/quota/t", json!({"limit_gb": 2.0})).0, 200);
+    until("the quota reached b", || get(&b, "/quota/t")["quota_exists"] == true);
+    assert_eq!(get(&b, "/quota/t")["limit_gb"], get(&a, "/quota/t")["limit_gb"]);
+    // A deregistration at a is one at b.
+    s2.shutdown();
+    until("reg-2 gone from b", || instances(&b).len() == 1);
+    // reg-1 heartbeats to a only: b holds it past b's 1 s timeout only if they reach b.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(instances(&b).len(), 1, "b kept reg-1 alive through a's heartbeats");
+    // a goes; b answers /instances as a did.
+    let before = instances(&a);
+    a.stop();
+    assert_eq!(instances(&b), before, "the replica that takes over answers /instances alike");
+    s1.shutdown();
+    b.stop();
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        let js = async_nats::jetstream::new(async_nats::connect(&nats).await.unwrap());
+        js.delete_stream(lmcache_coordinator::replication::bucket_name(stream)).await.unwrap();
+        let _ = js.delete_stream(stream).await;
+    });
 }

@@ -14,6 +14,8 @@
 //! - [`checkpoint`]: the checkpoint file (restored at start, written every interval and at
 //!   stop; never written over a file that is not one).
 //! - [`transport`]: where cache events come from (HTTP, or NATS JetStream).
+//! - [`replication`]: with JetStream, the registry, heartbeats and the metadata document
+//!   (quotas, pins) shared between replicas through a NATS key-value bucket.
 //! - [`vllm_events`]: admitted events re-published in vLLM's KV-event format on ZMQ
 //!   (`--vllm-kv-events-endpoint`), for routers that consume vLLM's events.
 //! - `repair`: the repair thread (a stream gap resynced from the server's snapshot).
@@ -32,6 +34,7 @@ pub mod http;
 pub mod metrics;
 mod periodic;
 mod repair;
+pub mod replication;
 mod server_client;
 pub mod transport;
 pub mod vllm_events;
@@ -149,6 +152,15 @@ impl Coordinator {
         listener.set_nonblocking(true).map_err(io("listener".into()))?;
         let local = listener.local_addr().map_err(io("listener".into()))?;
         let (stop, mut rx) = tokio::sync::watch::channel(false);
+        // With JetStream, registry changes go to the other replicas (set before serving).
+        let replication_rx = match &fleet.config().event_transport {
+            transport::EventTransport::JetStream { .. } => {
+                let (tx, changes) = tokio::sync::mpsc::unbounded_channel();
+                fleet.set_replicator(tx);
+                Some(changes)
+            }
+            transport::EventTransport::Http => None,
+        };
         let f = Arc::clone(&fleet);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -187,6 +199,9 @@ impl Coordinator {
                     if let transport::EventTransport::JetStream { url, stream } = &f.config().event_transport {
                         let source = Box::new(transport::JetStreamSource { url: url.clone(), stream: stream.clone() });
                         tokio::spawn(transport::CacheEventSource::run(source, Arc::clone(&f), rx.clone()));
+                        if let Some(changes) = replication_rx {
+                            tokio::spawn(replication::run(url.clone(), stream.clone(), Arc::clone(&f), changes, rx.clone()));
+                        }
                     }
                     let app = http::router(f);
                     let shutdown = async move {

@@ -27,11 +27,14 @@ impl Fleet {
             let out = f(&mut c);
             (out, persist.then(|| c.metadata(wall_clock())))
         };
-        if let (Some(doc), Some(path)) = (doc, &self.config.metadata_path) {
-            let bytes = serde_json::to_vec_pretty(&doc).unwrap_or_default();
+        if let (Some(doc), Some(path)) = (&doc, &self.config.metadata_path) {
+            let bytes = serde_json::to_vec_pretty(doc).unwrap_or_default();
             crate::checkpoint::write_atomic(path, &bytes).map_err(|e| {
                 FleetError::BadRequest(format!("could not save the metadata document: {e}"))
             })?;
+        }
+        if let Some(doc) = doc {
+            self.replicate(crate::replication::Change::Metadata { doc });
         }
         Ok(out)
     }

@@ -7,7 +7,9 @@
 //! - `usage`: memory usage per instance and shared pool;
 //! - `control`: quotas, pins, the fleet eviction plan, the stream position, the digest;
 //! - `persist`: the checkpoint image and the restore;
-//! - `vllm`: admitted batches and fences handed to the vLLM KV-event publisher.
+//! - `vllm`: admitted batches and fences handed to the vLLM KV-event publisher;
+//! - `replicated`: registry and metadata changes sent to and applied from the other
+//!   replicas.
 //!
 //! Lock order: `views` (gate + directory + capacities, one mutex, so a batch is admitted and
 //! applied atomically and in order per emitter) is never held while taking `registry`, and
@@ -38,6 +40,7 @@ mod events;
 mod persist;
 mod registry;
 mod repair;
+mod replicated;
 mod usage;
 mod vllm;
 
@@ -214,6 +217,10 @@ pub struct Fleet {
     repair_tx: Mutex<Option<std::sync::mpsc::Sender<String>>>,
     /// The vLLM KV-event publisher's queue, when re-publishing is on.
     vllm: Mutex<Option<crate::vllm_events::Publisher>>,
+    /// Registry changes for the other replicas ([`crate::replication`]), when replicated.
+    replicate: Mutex<Option<tokio::sync::mpsc::UnboundedSender<crate::replication::Change>>>,
+    /// This replica's id in replicated records (random per process).
+    replica_id: u64,
     /// Quotas and pins (lock order: views before control; never the other way).
     control: Mutex<crate::control::Control>,
     /// The last JetStream stream sequence applied (0: none; HTTP transport: always 0).
@@ -286,6 +293,16 @@ impl Fleet {
             registry: registry::Instances::default(),
             repair_tx: Mutex::new(None),
             vllm: Mutex::new(None),
+            replicate: Mutex::new(None),
+            replica_id: {
+                use std::hash::{BuildHasher, Hasher};
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u128(
+                    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()),
+                );
+                h.write_u32(std::process::id());
+                h.finish()
+            },
             control: Mutex::new(crate::control::Control::default()),
             stream_position: std::sync::atomic::AtomicU64::new(0),
             metrics: Arc::new(Metrics::new()),

@@ -16,13 +16,31 @@ impl Instances {
         self.0.lock().insert(id, Registration { info, last_heartbeat: now, trusted }).is_some()
     }
 
+    /// Takes another replica's registration of `info`, heard from at `at`: a newer
+    /// registration replaces this one untrusted, the same one only moves its heartbeat
+    /// forward, an older one is ignored. True when it was not registered here.
+    pub(super) fn adopt(&self, info: InstanceInfo, at: Instant) -> bool {
+        let mut reg = self.0.lock();
+        match reg.get_mut(&info.instance_id) {
+            Some(r) if r.info.registration_time > info.registration_time => false,
+            Some(r) if r.info.registration_time == info.registration_time && r.info == info => {
+                r.last_heartbeat = r.last_heartbeat.max(at);
+                false
+            }
+            _ => {
+                let id = info.instance_id.clone();
+                reg.insert(id, Registration { info, last_heartbeat: at, trusted: false }).is_none()
+            }
+        }
+    }
+
     /// A heartbeat of `id`; false when it is not registered.
     fn beat(&self, id: &str, now: Instant) -> bool {
         self.0.lock().get_mut(id).map(|r| r.last_heartbeat = now).is_some()
     }
 
     /// Forgets `id`; true when it was registered.
-    fn remove(&self, id: &str) -> bool {
+    pub(super) fn remove(&self, id: &str) -> bool {
         self.0.lock().remove(id).is_some()
     }
 
@@ -109,12 +127,17 @@ impl Fleet {
         let re_registered = self.registry.insert(info, Instant::now(), trusted);
         tracing::info!(instance = %instance_id, re_registered, trusted, "instance registered");
         self.metrics.registrations.inc();
+        self.replicate_instance(&instance_id);
         Ok(RegisterResponse { instance_id, re_registered })
     }
 
     /// `PUT /instances/{id}/heartbeat`: false when the instance is unknown.
     pub(crate) fn heartbeat(&self, id: &str) -> bool {
-        self.registry.beat(id, Instant::now())
+        let known = self.registry.beat(id, Instant::now());
+        if known {
+            self.replicate_instance(id);
+        }
+        known
     }
 
     /// `DELETE /instances/{id}`: forgets it, fences its L1 placements and its stream, and its
@@ -124,6 +147,7 @@ impl Fleet {
         tracing::info!(instance = %id, known, "instance deregistered");
         self.drop_instance(id);
         self.views.lock().declarations.remove(id);
+        self.replicate(crate::replication::Change::Gone { id: id.to_string() });
     }
 
     /// Registered instances, in registration order.
@@ -140,11 +164,12 @@ impl Fleet {
             tracing::warn!(instance = %id, timeout_s = timeout.as_secs_f64(), "instance missed its heartbeats; dropped");
             self.metrics.expired_instances.inc();
             self.drop_instance(id);
+            self.replicate(crate::replication::Change::Gone { id: id.clone() });
         }
         dead
     }
 
-    fn drop_instance(&self, id: &str) {
+    pub(super) fn drop_instance(&self, id: &str) {
         let mut v = self.views.lock();
         self.fence(&mut v, id);
         v.cursors.remove(id);
