@@ -4,13 +4,17 @@
 //! ingested into a fresh coordinator. Reports ns per chunk event for the decode and for the
 //! ingest (gate + directory + usage), median of the repetitions. No HTTP or client here: this
 //! is what `scripts/bench-coordinator`'s end-to-end figure is made of on the server's side.
+//! Then, on the loaded directory, `/directory/lookup`'s work for 2,000 requests of one stored
+//! sequence's 64 keys (decode, lookup, encode the answer), median µs per request.
 //!
 //! `cargo bench -p lmcache-coordinator --bench ingest -- [repetitions]`
 
 use std::time::{Duration, Instant};
 
 use lmcache_coordinator::{Coordinator, CoordinatorConfig};
-use lmcache_protocol::coordinator::CacheEventsRequest;
+use lmcache_protocol::coordinator::{
+    CacheEventsRequest, DirectoryLookupRequest, DirectoryLookupResponse,
+};
 
 fn h(parts: &[u64]) -> String {
     let mut x = blake3::Hasher::new();
@@ -20,18 +24,25 @@ fn h(parts: &[u64]) -> String {
     x.finalize().to_hex().to_string()
 }
 
-fn bodies() -> (Vec<String>, usize) {
+fn bodies() -> (Vec<String>, usize, Vec<String>) {
     let mut batches = Vec::new();
+    let mut lookups = Vec::new();
     for w in 0..16u64 {
         for s in 0..200u64 {
             let pool = (w * 7919 + s * 104_729) % 1000;
-            let entries: Vec<serde_json::Value> = (0..64u64)
+            let keys: Vec<serde_json::Value> = (0..64u64)
                 .map(|i| {
                     let k = if i < 16 { h(&[1, pool, i]) } else { h(&[2, w, s, i]) };
-                    serde_json::json!({"key": {"chunk_hash_hex": k, "model_name": "m",
-                        "kv_rank": 16777472, "object_group_id": 0, "cache_salt": ""},
-                        "size_bytes": 33554432})
+                    serde_json::json!({"chunk_hash_hex": k, "model_name": "m",
+                        "kv_rank": 16777472, "object_group_id": 0, "cache_salt": ""})
                 })
+                .collect();
+            if (w * 200 + s) % 97 == 0 {
+                lookups.push(serde_json::to_string(&serde_json::json!({"keys": keys})).unwrap());
+            }
+            let entries: Vec<serde_json::Value> = keys
+                .into_iter()
+                .map(|k| serde_json::json!({"key": k, "size_bytes": 33554432}))
                 .collect();
             batches.push(serde_json::json!({"instance_id": format!("server-{w}"),
                 "incarnation": 1, "seq": s + 1, "event_type": "store", "tier": "l1",
@@ -43,15 +54,16 @@ fn bodies() -> (Vec<String>, usize) {
         .chunks(16)
         .map(|c| serde_json::to_string(&serde_json::json!({"batches": c})).unwrap())
         .collect();
-    (out, n)
+    (out, n, lookups)
 }
 
 fn main() {
     let reps: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(7);
-    let (bodies, events) = bodies();
+    let (bodies, events, lookups) = bodies();
     let bytes: usize = bodies.iter().map(String::len).sum();
     let (mut decode, mut ingest) = (Vec::new(), Vec::new());
-    for _ in 0..reps {
+    let mut lookup_us = Vec::new();
+    for rep in 0..reps {
         let c = Coordinator::start(CoordinatorConfig {
             host: "127.0.0.1".into(),
             port: 0,
@@ -72,6 +84,18 @@ fn main() {
         }
         decode.push(d.as_nanos() as f64 / events as f64);
         ingest.push(i.as_nanos() as f64 / events as f64);
+        if rep == 0 {
+            for n in 0..2000 {
+                let body = &lookups[n % lookups.len()];
+                let t = Instant::now();
+                let req: DirectoryLookupRequest = serde_json::from_str(body).unwrap();
+                let results = c.fleet().lookup(&req.keys).unwrap();
+                let out =
+                    serde_json::to_vec(&DirectoryLookupResponse { chunks: 64, results }).unwrap();
+                std::hint::black_box(out);
+                lookup_us.push(t.elapsed().as_nanos() as f64 / 1e3);
+            }
+        }
     }
     let med = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -84,5 +108,9 @@ fn main() {
         bytes as f64 / events as f64,
         d + i,
         1e3 / (d + i)
+    );
+    let l = med(&mut lookup_us);
+    println!(
+        "/directory/lookup of 64 keys, server side (decode, lookup, encode): {l:.1} us median"
     );
 }
