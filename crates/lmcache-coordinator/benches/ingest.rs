@@ -89,7 +89,7 @@ fn main() {
                 let body = &lookups[n % lookups.len()];
                 let t = Instant::now();
                 let req: DirectoryLookupRequest = serde_json::from_str(body).unwrap();
-                let results = c.fleet().lookup(&req.keys).unwrap();
+                let results = c.fleet().lookup(req.keys).unwrap();
                 let out =
                     serde_json::to_vec(&DirectoryLookupResponse { chunks: 64, results }).unwrap();
                 std::hint::black_box(out);

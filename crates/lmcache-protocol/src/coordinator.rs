@@ -341,14 +341,14 @@ pub struct CacheEventsResponse {
 /// A placement in directory answers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placement {
-    /// Latest reporter.
-    pub instance_id: String,
+    /// Latest reporter (shared with the directory's interned name: no copy per answer).
+    pub instance_id: std::sync::Arc<str>,
     /// Its incarnation then.
     pub incarnation: u64,
     /// Tier.
     pub tier: WireTier,
-    /// Backend.
-    pub backend: String,
+    /// Backend (shared, as `instance_id`).
+    pub backend: std::sync::Arc<str>,
     /// Bytes.
     pub size_bytes: u64,
     /// Whether in a shared pool.

@@ -57,10 +57,10 @@ impl Fleet {
         out
     }
 
-    /// The placements, tokens and access counts of `keys`.
+    /// The placements, tokens and access counts of `keys` (each key is echoed back as given).
     pub fn lookup(
         &self,
-        keys: &[EncodedObjectKey],
+        keys: Vec<EncodedObjectKey>,
     ) -> Result<Vec<DirectoryKeyPlacements>, FleetError> {
         let mut parsed = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
@@ -68,13 +68,31 @@ impl Fleet {
             parsed.push(k.chunk_hash().map_err(FleetError::Invalid)?);
         }
         let v = self.views.lock();
+        // A request's keys mostly share one namespace: resolve it once per run of equal ones.
+        let mut last: Option<(usize, Option<lmcache_directory::NsId>)> = None;
+        let same_ns = |a: &EncodedObjectKey, b: &EncodedObjectKey| {
+            a.model_name == b.model_name
+                && a.kv_rank == b.kv_rank
+                && a.object_group_id == b.object_group_id
+                && a.cache_salt == b.cache_salt
+        };
+        let mut nss = Vec::with_capacity(keys.len());
+        for (i, k) in keys.iter().enumerate() {
+            let ns = match last {
+                Some((j, ns)) if same_ns(&keys[j], k) => ns,
+                _ => v.dir.find_namespace(&namespace(k)),
+            };
+            last = Some((i, ns));
+            nss.push(ns);
+        }
         Ok(keys
-            .iter()
+            .into_iter()
             .zip(parsed)
-            .map(|(k, hash)| {
-                let dk = v.dir.find_namespace(&namespace(k)).map(|ns| DirKey { hash, ns });
+            .zip(nss)
+            .map(|((k, hash), ns)| {
+                let dk = ns.map(|ns| DirKey { hash, ns });
                 DirectoryKeyPlacements {
-                    key: k.clone(),
+                    key: k,
                     placements: dk
                         .map(|dk| v.dir.placements(&dk))
                         .unwrap_or_default()
@@ -219,5 +237,66 @@ impl Fleet {
     /// The instances the directory knows by name (for `route` callers that want every one).
     pub(crate) fn registered_ids(&self) -> Vec<String> {
         self.registry.ids()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lmcache_protocol::coordinator::{CacheEventEntry, CacheEventType};
+
+    fn key(b: u8, model: &str, salt: &str) -> EncodedObjectKey {
+        EncodedObjectKey {
+            chunk_hash_hex: format!("{b:02x}").repeat(32),
+            model_name: model.into(),
+            kv_rank: 0x0100_0100,
+            object_group_id: 0,
+            cache_salt: salt.into(),
+        }
+    }
+
+    #[test]
+    fn a_lookup_answers_each_key_in_its_own_namespace() {
+        let f = Fleet::new(CoordinatorConfig::default()).unwrap();
+        let stored = [key(1, "m1", ""), key(2, "m2", ""), key(3, "m2", "t"), key(4, "m1", "")];
+        f.ingest(&[CacheEventBatch {
+            instance_id: "s".into(),
+            incarnation: 1,
+            seq: 1,
+            event_type: CacheEventType::Store,
+            tier: WireTier::L1,
+            backend: "dram".into(),
+            entries: stored
+                .iter()
+                .map(|k| CacheEventEntry {
+                    key: k.clone(),
+                    size_bytes: 1,
+                    token_ids: Vec::new(),
+                    token_offset: -1,
+                })
+                .collect(),
+            shared: false,
+            ts: 1.0,
+            capacity_bytes: 0,
+            capacity_revision: 0,
+        }])
+        .unwrap();
+        // Runs of one namespace, and the same hashes asked in another namespace (a miss).
+        let asked = vec![
+            key(1, "m1", ""),
+            key(4, "m1", ""),
+            key(2, "m2", ""),
+            key(1, "m2", ""),
+            key(3, "m2", "t"),
+            key(2, "m2", "t"),
+            key(4, "m1", ""),
+            key(4, "m3", ""),
+        ];
+        let hits: Vec<bool> =
+            f.lookup(asked.clone()).unwrap().iter().map(|r| !r.placements.is_empty()).collect();
+        assert_eq!(hits, [true, true, true, false, true, false, true, false]);
+        let echoed: Vec<EncodedObjectKey> =
+            f.lookup(asked.clone()).unwrap().into_iter().map(|r| r.key).collect();
+        assert_eq!(echoed, asked, "each key is echoed as asked");
     }
 }

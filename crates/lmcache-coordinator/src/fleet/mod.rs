@@ -250,10 +250,10 @@ fn wire_tier(t: Tier) -> WireTier {
 
 fn placement(p: PlacementView) -> Placement {
     Placement {
-        instance_id: p.instance.to_string(),
+        instance_id: p.instance,
         incarnation: p.incarnation,
         tier: wire_tier(p.tier),
-        backend: p.backend.to_string(),
+        backend: p.backend,
         size_bytes: p.size,
         shared: p.shared,
     }

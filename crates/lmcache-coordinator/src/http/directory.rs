@@ -49,7 +49,7 @@ async fn lookup(State(s): State<Shared>, Body(req): Body<DirectoryLookupRequest>
     } else {
         (req.keys.len(), req.keys)
     };
-    match s.lookup(&keys) {
+    match s.lookup(keys) {
         Ok(results) => {
             Json(DirectoryLookupResponse { chunks: chunks as u64, results }).into_response()
         }
