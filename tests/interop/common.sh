@@ -40,3 +40,26 @@ wait_http() { # url log
   done
   echo "not up: $1"; tail -30 "$2"; return 1
 }
+
+# Starts a cache server of KIND (lmcache-rs or lmcache, LMCache 0.5.6's) named NAME that
+# reports to the coordinator on CPORT, stopping itself after SECONDS, its shared memory
+# named after TAG; waits until its HTTP answers. Sets $srv_port (ZMQ) and $srv_http.
+start_reporting_server() { # kind name cport tag seconds
+  local kind=$1 name=$2 cport=$3 tag=$4 secs=$5
+  srv_port=$(free_port); srv_http=$(free_port)
+  local report=(--instance-id "$name" --coordinator-url "http://127.0.0.1:$cport"
+                --coordinator-event-reporting --coordinator-event-flush-interval 0.2
+                --coordinator-heartbeat-interval 1 --coordinator-advertise-ip 127.0.0.1)
+  if [ "$kind" = lmcache-rs ]; then
+    "$BIN" server --host 127.0.0.1 --port "$srv_port" --http-port "$srv_http" --l1-size-gb 1 \
+        --shm-name "lmcache_rs_${tag}_$$_$name" --max-workers 2 --exit-after-seconds "$secs" \
+        "${report[@]}" > "$WORK/$name.log" 2>&1 &
+  else
+    timeout "$secs" "$VENV/bin/lmcache" server --prometheus-port "$(free_port)" --host 127.0.0.1 \
+        --port "$srv_port" --http-host 127.0.0.1 --http-port "$srv_http" --l1-size-gb 1 \
+        --eviction-policy LRU --supported-transfer-mode auto --shm-name "lmc_${tag}_$$_$name" \
+        "${report[@]}" > "$WORK/$name.log" 2>&1 &
+  fi
+  pids+=($!)
+  wait_http "http://127.0.0.1:$srv_http/healthcheck" "$WORK/$name.log"
+}

@@ -27,24 +27,8 @@ start_coordinator() { # kind -> $cport
   wait_http "http://127.0.0.1:$cport/healthz" "$WORK/coordinator-$cport.log"
 }
 start_server() { # kind name -> appends "name=tcp://..=http://.." to $fleet
-  local kind=$1 name=$2 port http
-  port=$(free_port); http=$(free_port)
-  local report=(--instance-id "$name" --coordinator-url "http://127.0.0.1:$cport"
-                --coordinator-event-reporting --coordinator-event-flush-interval 0.2
-                --coordinator-heartbeat-interval 1 --coordinator-advertise-ip 127.0.0.1)
-  if [ "$kind" = lmcache-rs ]; then
-    "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
-        --shm-name "lmcache_rs_coord_$$_$name" --max-workers 2 --exit-after-seconds 600 \
-        "${report[@]}" > "$WORK/$name.log" 2>&1 &
-  else
-    timeout 600 "$VENV/bin/lmcache" server --prometheus-port "$(free_port)" --host 127.0.0.1 --port "$port" \
-        --http-host 127.0.0.1 --http-port "$http" --l1-size-gb 1 --eviction-policy LRU \
-        --supported-transfer-mode auto --shm-name "lmc_coord_$$_$name" \
-        "${report[@]}" > "$WORK/$name.log" 2>&1 &
-  fi
-  pids+=($!)
-  wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/$name.log"
-  fleet+=("$name=tcp://127.0.0.1:$port=http://127.0.0.1:$http")
+  start_reporting_server "$1" "$2" "$cport" coord 600
+  fleet+=("$2=tcp://127.0.0.1:$srv_port=http://127.0.0.1:$srv_http")
 }
 run_case() { # title coordinator-kind server-kinds...
   local title=$1 ckind=$2; shift 2

@@ -27,24 +27,10 @@ PYTHONPATH="$PKGS" timeout 300 "$VENV/bin/python" tests/interop/vllm_events_flee
 subscriber=$!
 for _ in $(seq 100); do [ -f "$WORK/ready" ] && break; sleep 0.1; done
 for kind in lmcache lmcache-rs; do
-  name="$kind-$$"; port=$(free_port); http=$(free_port)
-  report=(--instance-id "$name" --coordinator-url "http://127.0.0.1:$cport"
-          --coordinator-event-reporting --coordinator-event-flush-interval 0.2
-          --coordinator-heartbeat-interval 1 --coordinator-advertise-ip 127.0.0.1)
-  if [ "$kind" = lmcache-rs ]; then
-    "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
-        --shm-name "lmcache_rs_vllmev_$$" --max-workers 2 --exit-after-seconds 300 \
-        "${report[@]}" > "$WORK/$name.log" 2>&1 &
-  else
-    timeout 300 "$VENV/bin/lmcache" server --prometheus-port "$(free_port)" --host 127.0.0.1 \
-        --port "$port" --http-host 127.0.0.1 --http-port "$http" --l1-size-gb 1 \
-        --eviction-policy LRU --supported-transfer-mode auto --shm-name "lmc_vllmev_$$" \
-        "${report[@]}" > "$WORK/$name.log" 2>&1 &
-  fi
-  pids+=($!)
-  wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/$name.log"
-  timeout 300 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
-      --url "http://127.0.0.1:$http" --mode cpu --transfer-mode lmcache_driven --num-tokens 1024 \
+  name="$kind-$$"
+  start_reporting_server "$kind" "$name" "$cport" vllmev 300
+  timeout 300 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$srv_port" \
+      --url "http://127.0.0.1:$srv_http" --mode cpu --transfer-mode lmcache_driven --num-tokens 1024 \
       --start 0 --end 3 > "$WORK/$name.bench.log" 2>&1 \
     || { echo "FAILED: bench ($name)"; tail -20 "$WORK/$name.bench.log"; exit 1; }
 done

@@ -1117,6 +1117,28 @@ fn external(var: &str) -> Option<String> {
     }
 }
 
+/// A server registered with `c` as `id` (heartbeats every 200 ms), publishing its cache
+/// events to JetStream stream `stream` at `nats`.
+fn jetstream_server(c: &Coordinator, id: &str, nats: &str, stream: &str) -> Server {
+    let arena = ArenaConfig { size: 4 << 20, backing: ArenaBacking::Anonymous, mlock: false };
+    Server::start(ServerConfig {
+        http_port: Some(0),
+        coordinator: Some(CoordinatorReporting {
+            url: format!("http://{}", c.addr()),
+            instance_id: id.into(),
+            advertise_ip: "127.0.0.1".into(),
+            heartbeat_interval: Duration::from_millis(200),
+            event_reporting: true,
+            flush_interval: Duration::from_millis(10),
+            transport: ReportTransport::JetStream { url: nats.into(), stream: stream.into() },
+            auth_token: None,
+            p2p_advertised_url: None,
+        }),
+        ..ServerConfig::local(arena)
+    })
+    .unwrap()
+}
+
 #[test]
 fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
     let Some(nats) = external("LMCACHE_RS_TEST_NATS") else { return };
@@ -1155,23 +1177,7 @@ fn jetstream_replicas_converge_and_a_restarted_replica_resumes_without_loss() {
     };
     let a = replica("a");
     let b = replica("b");
-    let arena = ArenaConfig { size: 4 << 20, backing: ArenaBacking::Anonymous, mlock: false };
-    let s = Server::start(ServerConfig {
-        http_port: Some(0),
-        coordinator: Some(CoordinatorReporting {
-            url: format!("http://{}", a.addr()),
-            instance_id: "js-1".into(),
-            advertise_ip: "127.0.0.1".into(),
-            heartbeat_interval: Duration::from_millis(200),
-            event_reporting: true,
-            flush_interval: Duration::from_millis(10),
-            transport: ReportTransport::JetStream { url: nats.clone(), stream: stream.into() },
-            auth_token: None,
-            p2p_advertised_url: None,
-        }),
-        ..ServerConfig::local(arena)
-    })
-    .unwrap();
+    let s = jetstream_server(&a, "js-1", &nats, stream);
     let digest = |c: &Coordinator| get(c, "/directory/digest");
     let converged = |c: &Coordinator, s: &Server| coordinator_l1(c, "js-1") == server_l1(s);
     churn(&s, 150, 4);
@@ -1257,33 +1263,14 @@ fn jetstream_replicas_share_registrations_heartbeats_and_quotas() {
     };
     let a = replica();
     let b = replica();
-    let server_at = |c: &Coordinator, id: &str| {
-        let arena = ArenaConfig { size: 4 << 20, backing: ArenaBacking::Anonymous, mlock: false };
-        Server::start(ServerConfig {
-            http_port: Some(0),
-            coordinator: Some(CoordinatorReporting {
-                url: format!("http://{}", c.addr()),
-                instance_id: id.into(),
-                advertise_ip: "127.0.0.1".into(),
-                heartbeat_interval: Duration::from_millis(200),
-                event_reporting: true,
-                flush_interval: Duration::from_millis(10),
-                transport: ReportTransport::JetStream { url: nats.clone(), stream: stream.into() },
-                auth_token: None,
-                p2p_advertised_url: None,
-            }),
-            ..ServerConfig::local(arena)
-        })
-        .unwrap()
-    };
     let instances = |c: &Coordinator| {
         let mut v: Vec<Value> = get(c, "/instances")["instances"].as_array().unwrap().clone();
         v.sort_by_key(|i| i["instance_id"].as_str().unwrap_or("").to_string());
         v
     };
     // Both servers register with replica a only; b learns them from a.
-    let s1 = server_at(&a, "reg-1");
-    let s2 = server_at(&a, "reg-2");
+    let s1 = jetstream_server(&a, "reg-1", &nats, stream);
+    let s2 = jetstream_server(&a, "reg-2", &nats, stream);
     until("b lists what a lists", || {
         let (x, y) = (instances(&a), instances(&b));
         x.len() == 2 && x == y

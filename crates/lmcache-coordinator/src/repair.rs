@@ -149,11 +149,7 @@ fn resync(
         if stop.load(Ordering::Acquire) {
             return RepairOutcome::Superseded;
         }
-        let mut url = format!("/fleet/snapshot?page_size={PAGE}");
-        if let Some(t) = &token {
-            url.push_str("&page_token=");
-            url.push_str(t);
-        }
+        let url = page_url(None, token.as_deref());
         let page = match fetch(agent, &target.endpoint, &url) {
             Ok(p) => p,
             Err(why) => {
@@ -208,11 +204,7 @@ fn resync_l2(
         if stop.load(Ordering::Acquire) {
             return false;
         }
-        let mut url = format!("/fleet/snapshot?tier=l2&page_size={PAGE}");
-        if let Some(t) = &token {
-            url.push_str("&page_token=");
-            url.push_str(t);
-        }
+        let url = page_url(Some("l2"), token.as_deref());
         let page = match fetch(agent, &target.endpoint, &url) {
             Ok(p) => p,
             Err(why) => {
@@ -250,6 +242,19 @@ fn resync_l2(
             }
             None => return complete,
         }
+    }
+}
+
+/// One page of the server's snapshot (its L1, or with `tier` that tier): the first without
+/// `token`, then from it.
+fn page_url(tier: Option<&str>, token: Option<&str>) -> String {
+    let url = match tier {
+        Some(t) => format!("/fleet/snapshot?tier={t}&page_size={PAGE}"),
+        None => format!("/fleet/snapshot?page_size={PAGE}"),
+    };
+    match token {
+        Some(t) => format!("{url}&page_token={t}"),
+        None => url,
     }
 }
 

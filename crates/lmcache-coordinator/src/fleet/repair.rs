@@ -3,6 +3,13 @@
 
 use super::*;
 
+/// A snapshot entry's key, checked as LMCache checks keys, its namespace interned.
+fn listed_key(v: &mut Views, k: &EncodedObjectKey) -> Result<DirKey, FleetError> {
+    k.validate().map_err(FleetError::Invalid)?;
+    let ns = v.dir.namespace(&namespace(k))?;
+    Ok(DirKey { hash: k.chunk_hash().map_err(FleetError::Invalid)?, ns })
+}
+
 impl Fleet {
     // ---- repair ---------------------------------------------------------------------------
 
@@ -69,9 +76,7 @@ impl Fleet {
         let site = v.dir.site(inst, Tier::L1, backend, false)?;
         let mut keys = Vec::with_capacity(entries.len());
         for (k, size) in entries {
-            k.validate().map_err(FleetError::Invalid)?;
-            let ns = v.dir.namespace(&namespace(k))?;
-            keys.push((DirKey { hash: k.chunk_hash().map_err(FleetError::Invalid)?, ns }, *size));
+            keys.push((listed_key(v, k)?, *size));
         }
         let Some(r) = v.repairs.get_mut(id) else { return Ok(false) };
         let mut fresh = Vec::with_capacity(keys.len());
@@ -102,10 +107,8 @@ impl Fleet {
         let inst = v.dir.instance(id)?;
         let mut by_site: Vec<(lmcache_directory::SiteId, Vec<(DirKey, u64)>)> = Vec::new();
         for (k, size, backend, shared) in entries {
-            k.validate().map_err(FleetError::Invalid)?;
-            let ns = v.dir.namespace(&namespace(k))?;
+            let dk = listed_key(v, k)?;
             let site = v.dir.site(inst, Tier::L2, backend, *shared)?;
-            let dk = DirKey { hash: k.chunk_hash().map_err(FleetError::Invalid)?, ns };
             match by_site.iter_mut().find(|(s, _)| *s == site) {
                 Some((_, keys)) => keys.push((dk, *size)),
                 None => by_site.push((site, vec![(dk, *size)])),

@@ -514,11 +514,15 @@ mod tests {
     #[tokio::test]
     async fn loads_keep_a_window_of_values_requested_not_the_whole_batch() {
         let plain = |addr| Login { password: None, database: 0, ..login(addr) };
+        // A `GET` reply: the 2-byte header "HH", then `n` bytes of `fill`.
+        let bulk = |n: usize, fill: u8| {
+            let mut r = format!("${}\r\nHH", n + 2).into_bytes();
+            r.extend(std::iter::repeat_n(fill, n));
+            r.extend_from_slice(b"\r\n");
+            r
+        };
         // 300 kB values: one ahead (over half of WINDOW_BYTES each).
-        let mut reply = b"$300002\r\nHH".to_vec();
-        reply.extend(std::iter::repeat_n(7u8, 300_000));
-        reply.extend_from_slice(b"\r\n");
-        let (addr, task) = patient_server(4, b"GET\r\n", reply).await;
+        let (addr, task) = patient_server(4, b"GET\r\n", bulk(300_000, 7)).await;
         let conns = DirectConns::new(plain(addr), 1, None);
         let names: Vec<String> = (0..4).map(|i| format!("k{i}")).collect();
         let items = (0..4).map(|_| item(2, 300_000)).collect();
@@ -530,10 +534,7 @@ mod tests {
         }
         // 100 kB values: five ahead; a fixed depth of 3 overrides that.
         for (depth, want) in [(None, 5), (Some(3), 3)] {
-            let mut reply = b"$100002\r\nHH".to_vec();
-            reply.extend(std::iter::repeat_n(1u8, 100_000));
-            reply.extend_from_slice(b"\r\n");
-            let (addr, task) = patient_server(8, b"GET\r\n", reply).await;
+            let (addr, task) = patient_server(8, b"GET\r\n", bulk(100_000, 1)).await;
             let conns = DirectConns::new(plain(addr), 1, depth);
             let names: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
             let items = (0..8).map(|_| item(2, 100_000)).collect();
