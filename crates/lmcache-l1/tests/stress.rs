@@ -6,7 +6,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use common::*;
 use lmcache_core::ObjectKey;
@@ -57,9 +57,14 @@ fn writer(c: L1Cache, seed: u64, stores: Arc<AtomicU64>) {
     }
 }
 
-fn reader(c: L1Cache, seed: u64, reads: Arc<AtomicU64>) {
+/// Reads for at least `OPS_PER_THREAD` rounds and until every writer is done, so the reads
+/// overlap the whole write window however the threads are scheduled (on a loaded machine the
+/// readers could otherwise finish before the writers stored anything).
+fn reader(c: L1Cache, seed: u64, reads: Arc<AtomicU64>, writers_done: Arc<AtomicBool>) {
     let mut rng = SmallRng::seed_from_u64(seed);
-    for _ in 0..OPS_PER_THREAD {
+    let mut round = 0usize;
+    while round < OPS_PER_THREAD || !writers_done.load(Ordering::Acquire) {
+        round += 1;
         let k = rng.gen_range(0..KEYS);
         let keys: Vec<ObjectKey> = (k..k + 3).map(|k| key(k % KEYS)).collect();
         let leases = c.read_lock_prefix(&keys, rng.gen_range(1..3)).unwrap();
@@ -105,15 +110,21 @@ fn stress(policy: EvictionPolicyKind) {
     let c = cache_with(160 * PAGE, policy);
     let reads = Arc::new(AtomicU64::new(0));
     let stores = Arc::new(AtomicU64::new(0));
+    let writers_done = Arc::new(AtomicBool::new(false));
+    let mut writers = Vec::new();
     let mut threads = Vec::new();
     for t in 0..2u64 {
         let (c2, s) = (c.clone(), stores.clone());
-        threads.push(std::thread::spawn(move || writer(c2, t, s)));
-        let (c2, r) = (c.clone(), reads.clone());
-        threads.push(std::thread::spawn(move || reader(c2, 100 + t, r)));
+        writers.push(std::thread::spawn(move || writer(c2, t, s)));
+        let (c2, r, d) = (c.clone(), reads.clone(), writers_done.clone());
+        threads.push(std::thread::spawn(move || reader(c2, 100 + t, r, d)));
     }
     let c2 = c.clone();
     threads.push(std::thread::spawn(move || janitor(c2, 7)));
+    for t in writers {
+        t.join().expect("a writer thread panicked");
+    }
+    writers_done.store(true, Ordering::Release);
     for t in threads {
         t.join().expect("a stress thread panicked");
     }
