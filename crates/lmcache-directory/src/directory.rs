@@ -3,10 +3,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use smallvec::SmallVec;
-
 use crate::DirectoryError;
 use crate::ids::{DirKey, InstanceId, Interner, Namespace, NsId, Site, SiteId, Tier};
+use crate::slots::Slots;
 use crate::tokens::{Bindings, TokenBinding};
 use lmcache_blend::{BlendConfig, BlendIndex, BlendMatch, BlendNs, BlendStats};
 
@@ -55,9 +54,9 @@ pub(crate) type PlacementRef = Placement;
 /// 16 bytes: the site, who reported it at which incarnation (an interned [`Epoch`]), bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Placement {
-    site: SiteId,
-    epoch: u32,
-    size: u64,
+    pub(crate) site: SiteId,
+    pub(crate) epoch: u32,
+    pub(crate) size: u64,
 }
 
 impl Placement {
@@ -68,16 +67,6 @@ impl Placement {
 
 /// An (instance, incarnation) pair, interned: placements name their reporter through it.
 pub(crate) type Epoch = (InstanceId, u64);
-
-/// 32 bytes: one placement inline (most keys have one), the access count, the last access in
-/// whole seconds, and whether the key holds a reference on its chunk's token binding.
-#[derive(Debug, Clone, Default)]
-struct Record {
-    placements: SmallVec<[Placement; 1]>,
-    access_count: u32,
-    last_access: u32,
-    bound: bool,
-}
 
 fn seconds(ts: f64) -> u32 {
     // Wall-clock seconds fit u32 until 2106; NaN and negatives become 0.
@@ -153,9 +142,9 @@ pub(crate) struct Parts<'a> {
 /// The directory. Not thread-safe by itself: the coordinator holds it under one lock.
 #[derive(Debug)]
 pub struct Directory {
-    /// Seeded per directory (kept in the checkpoint image, so a restore inserts in the
-    /// source table's bucket order: sequential memory instead of one miss per key).
-    table: HashMap<DirKey, Record, foldhash::fast::FixedState>,
+    /// The keys, in store order (see `slots`); its table is seeded per directory, the seed
+    /// kept in the checkpoint image.
+    keys: Slots,
     seed: u64,
     namespaces: Interner<Namespace>,
     instances: Interner<Arc<str>>,
@@ -188,7 +177,7 @@ impl Directory {
 
     pub(crate) fn with_seed(config: DirectoryConfig, seed: u64) -> Self {
         Self {
-            table: HashMap::with_hasher(foldhash::fast::FixedState::with_seed(seed)),
+            keys: Slots::new(seed),
             seed,
             namespaces: Interner::new("namespace"),
             instances: Interner::new("instance"),
@@ -239,7 +228,7 @@ impl Directory {
 
     /// Whether `key` has a placement.
     pub fn has_key(&self, key: &DirKey) -> bool {
-        self.table.contains_key(key)
+        self.keys.find(key).is_some()
     }
 
     /// The namespace of `id`.
@@ -334,11 +323,15 @@ impl Directory {
         for e in entries {
             self.namespaces.get(e.key.ns.0)?;
         }
+        if kind == EventKind::Store && !self.keys.has_room(entries.len()) {
+            return Err(DirectoryError::Exhausted("keys"));
+        }
         match kind {
             EventKind::Store => {
                 let epoch = self.epochs.intern(&(reporter, incarnation))?;
                 let ts = seconds(ts);
                 let (mut count, mut bytes) = (0i64, 0i64);
+                self.keys.warm(entries.iter().map(|e| &e.key));
                 for e in entries {
                     let (c, b) = self.store(epoch, site, ts, e);
                     count += c;
@@ -374,33 +367,26 @@ impl Directory {
     /// Upserts one placement; returns the (placements, bytes) it added.
     fn store(&mut self, epoch: u32, site: SiteId, ts: u32, e: &Entry<'_>) -> (i64, i64) {
         let new = Placement { site, epoch, size: e.size };
-        let record = match self.table.entry(e.key) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                self.stats.keys += 1;
-                v.insert(Record::default())
-            }
-        };
+        let (i, is_new, replaced) = self.keys.store(&e.key, new, &self.site_owners);
+        if is_new {
+            self.stats.keys += 1;
+        }
+        let record = self.keys.slot_mut(i);
         record.last_access = record.last_access.max(ts);
-        let delta = match record.placements.iter_mut().find(|p| p.site == site) {
-            Some(p) => {
-                let old = p.size;
-                *p = new;
-                (0, e.size as i64 - old as i64)
-            }
-            None => {
-                record.placements.push(new);
-                (1, e.size as i64)
-            }
+        let delta = match replaced {
+            Some(old) => (0, e.size as i64 - old as i64),
+            None => (1, e.size as i64),
         };
         // Token bindings exist only for chunks some store carried tokens for; every key of
         // the chunk stored since holds a reference.
-        if !record.bound && (!e.tokens.is_empty() || self.bindings.holds(&e.key.hash)) {
-            record.bound = self.bindings.add_ref(&e.key.hash, e.tokens, e.token_offset);
-            if record.bound {
+        let bound = record.bound;
+        if !bound && (!e.tokens.is_empty() || self.bindings.holds(&e.key.hash)) {
+            let now = self.bindings.add_ref(&e.key.hash, e.tokens, e.token_offset);
+            self.keys.slot_mut(i).bound = now;
+            if now {
                 self.blend_claim(&e.key);
             }
-        } else if record.bound && !e.tokens.is_empty() {
+        } else if bound && !e.tokens.is_empty() {
             self.bindings.set(&e.key.hash, e.tokens, e.token_offset);
             if let (Some(blend), Some(b)) = (self.blend.as_mut(), self.bindings.get(&e.key.hash)) {
                 blend.sync(&e.key.hash, &b.tokens, b.offset, false);
@@ -410,12 +396,10 @@ impl Directory {
     }
 
     fn delete(&mut self, site: SiteId, tier: Tier, key: &DirKey) {
-        let Some(record) = self.table.get_mut(key) else { return };
-        let Some(at) = record.placements.iter().position(|p| p.site == site) else { return };
-        let gone = record.placements.remove(at);
-        if record.placements.is_empty() {
-            let bound = record.bound;
-            self.table.remove(key);
+        let Some(i) = self.keys.find(key) else { return };
+        let Some(removed) = self.keys.remove(i, site, &self.site_owners) else { return };
+        let gone = removed.placement;
+        if let Some(bound) = removed.key_gone {
             self.stats.keys -= 1;
             if bound {
                 self.bindings.release(&key.hash);
@@ -460,24 +444,25 @@ impl Directory {
         let mut removed: Vec<(SiteId, NsId, u64)> = Vec::new();
         let mut emptied = 0u64;
         let mut released: Vec<DirKey> = Vec::new();
-        self.table.retain(|key, record| {
-            record.placements.retain(|p| {
-                let drop = doomed[p.site.0 as usize] && !keep(key, p.site);
-                if drop {
-                    removed.push((p.site, key.ns, p.size));
-                }
-                !drop
-            });
-            if record.placements.is_empty() {
-                emptied += 1;
-                if record.bound {
-                    released.push(*key);
-                }
-                false
-            } else {
-                true
+        let live: Vec<u32> = self.keys.iter().collect();
+        for i in live {
+            let key = self.keys.key(i);
+            if !self.keys.placements(i).iter().any(|p| doomed[p.site.0 as usize]) {
+                continue;
             }
-        });
+            let (gone, key_gone) = self.keys.retain(
+                i,
+                |p| !doomed[p.site.0 as usize] || keep(&key, p.site),
+                &self.site_owners,
+            );
+            removed.extend(gone.iter().map(|p| (p.site, key.ns, p.size)));
+            if let Some(bound) = key_gone {
+                emptied += 1;
+                if bound {
+                    released.push(key);
+                }
+            }
+        }
         for (site, ns, size) in &removed {
             self.account(*site, tier, -1, -(*size as i64));
             if let Some(nb) = self.ns_bytes.get_mut(ns.0 as usize) {
@@ -494,8 +479,8 @@ impl Directory {
 
     /// The placements of `key`, sorted by instance, tier and backend (empty when unknown).
     pub fn placements(&self, key: &DirKey) -> Vec<PlacementView> {
-        let Some(r) = self.table.get(key) else { return Vec::new() };
-        self.views(r.placements.iter())
+        let Some(i) = self.keys.find(key) else { return Vec::new() };
+        self.views(self.keys.placements(i).iter())
     }
 
     fn views<'a>(&self, ps: impl Iterator<Item = &'a Placement>) -> Vec<PlacementView> {
@@ -521,7 +506,7 @@ impl Directory {
 
     /// How often `key` was accessed (0 when unknown).
     pub fn access_count(&self, key: &DirKey) -> u64 {
-        self.table.get(key).map_or(0, |r| u64::from(r.access_count))
+        self.keys.find(key).map_or(0, |i| u64::from(self.keys.slot(i).access_count))
     }
 
     /// The tokens known for chunk `hash`.
@@ -558,12 +543,13 @@ impl Directory {
         };
         let mut total = 0u64;
         let mut page = Vec::new();
-        for (key, r) in &self.table {
-            if !r.placements.iter().any(keep) {
+        for i in self.keys.iter() {
+            let placements = self.keys.placements(i);
+            if !placements.iter().any(keep) {
                 continue;
             }
             if total >= offset as u64 && page.len() < limit {
-                page.push((*key, self.views(r.placements.iter().filter(|p| keep(p)))));
+                page.push((self.keys.key(i), self.views(placements.iter().filter(|p| keep(p)))));
             }
             total += 1;
         }
@@ -610,9 +596,19 @@ impl Directory {
         v
     }
 
-    /// The placements of `key`, for the routing scan.
-    pub(crate) fn placements_of(&self, key: &DirKey) -> Option<&[PlacementRef]> {
-        self.table.get(key).map(|r| r.placements.as_slice())
+    /// The slot of `key`, trying the one after `prev` first, for the routing scan.
+    pub(crate) fn slot_after(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
+        self.keys.find_after(prev, key)
+    }
+
+    /// The placements in slot `i`, for the routing scan.
+    pub(crate) fn placements_at(&self, i: u32) -> &[PlacementRef] {
+        self.keys.placements(i)
+    }
+
+    /// Slot `i`'s spill list with its owner bitsets, when it has several placements.
+    pub(crate) fn spill_at(&self, i: u32) -> Option<&crate::slots::Spill> {
+        self.keys.spill(i)
     }
 
     /// A private site's owner and tier (None for a shared pool), from a dense side table.
@@ -629,17 +625,19 @@ impl Directory {
         let l2: Vec<bool> = (0..self.sites.len() as u32)
             .map(|i| self.sites.get(i).is_ok_and(|s| s.tier == Tier::L2))
             .collect();
-        self.table
+        self.keys
             .iter()
-            .filter(|(k, _)| ns_ok.get(k.ns.0 as usize).copied().unwrap_or(false))
-            .filter_map(|(k, r)| {
-                let sites: Vec<SiteId> = r
-                    .placements
+            .filter(|&i| ns_ok.get(self.keys.slot(i).ns().0 as usize).copied().unwrap_or(false))
+            .filter_map(|i| {
+                let sites: Vec<SiteId> = self
+                    .keys
+                    .placements(i)
                     .iter()
                     .filter(|p| l2.get(p.site.0 as usize).copied().unwrap_or(false))
                     .map(|p| p.site)
                     .collect();
-                (!sites.is_empty()).then_some((*k, r.last_access, sites))
+                (!sites.is_empty())
+                    .then(|| (self.keys.key(i), self.keys.slot(i).last_access, sites))
             })
             .collect()
     }
@@ -657,9 +655,10 @@ impl Directory {
                 None => "(shared)".to_string(),
             })
             .collect();
-        for (k, r) in &self.table {
+        for i in self.keys.iter() {
+            let k = self.keys.key(i);
             let Ok(ns) = self.namespaces.get(k.ns.0) else { continue };
-            for p in &r.placements {
+            for p in self.keys.placements(i) {
                 let Ok(site) = self.sites.get(p.site.0) else { continue };
                 let owner = owner_names.get(p.site.0 as usize).map_or("", String::as_str);
                 let mut h = blake3::Hasher::new();
@@ -686,8 +685,11 @@ impl Directory {
     /// Records a use of each of `keys` (recency and count; unknown keys are ignored).
     pub fn access(&mut self, ts: f64, keys: impl IntoIterator<Item = DirKey>) {
         let ts = seconds(ts);
+        let mut prev = None;
         for k in keys {
-            if let Some(r) = self.table.get_mut(&k) {
+            prev = self.keys.find_after(prev, &k);
+            if let Some(i) = prev {
+                let r = self.keys.slot_mut(i);
                 r.access_count = r.access_count.saturating_add(1);
                 r.last_access = r.last_access.max(ts);
             }
@@ -717,18 +719,20 @@ impl Directory {
         mut f: impl FnMut(&DirKey, &[(SiteId, u32, u64)], u32, u32),
     ) {
         let mut buf: Vec<(SiteId, u32, u64)> = Vec::new();
-        for (k, r) in &self.table {
+        for i in self.keys.iter() {
+            let r = self.keys.slot(i);
             buf.clear();
-            buf.extend(r.placements.iter().map(|p| (p.site, p.epoch, p.size)));
-            f(k, &buf, r.access_count, r.last_access);
+            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size)));
+            f(&self.keys.key(i), &buf, r.access_count, r.last_access);
         }
     }
 
     /// Every token binding with the namespaces of the keys holding it.
     pub(crate) fn bindings_list(&self) -> Vec<SavedBinding> {
         let mut holders: FastMap<[u8; 32], Vec<NsId>> = FastMap::default();
-        for (k, r) in &self.table {
-            if r.bound {
+        for i in self.keys.iter() {
+            if self.keys.slot(i).bound {
+                let k = self.keys.key(i);
                 holders.entry(k.hash).or_default().push(k.ns);
             }
         }
@@ -776,14 +780,20 @@ impl Directory {
     }
 
     pub(crate) fn reserve(&mut self, n: usize) {
-        self.table.reserve(n);
+        self.keys.reserve(n);
     }
 
     pub(crate) fn seed(&self) -> u64 {
         self.seed
     }
 
-    /// Inserts a decoded key; false if it is already there or names a site twice.
+    /// Indexes the keys [`Directory::restore_record`] appended; false if a key came twice.
+    pub(crate) fn index_restored(&mut self) -> bool {
+        self.keys.index_restored()
+    }
+
+    /// Appends a decoded key (indexed by [`Directory::index_restored`]); false if it names a
+    /// site twice or an unknown one.
     pub(crate) fn restore_record(
         &mut self,
         key: DirKey,
@@ -791,15 +801,15 @@ impl Directory {
         access_count: u32,
         last_access: u32,
     ) -> bool {
-        if self.table.contains_key(&key) {
-            return false;
-        }
-        let mut record = Record { access_count, last_access, ..Record::default() };
+        let mut list: smallvec::SmallVec<[Placement; 4]> = smallvec::SmallVec::new();
         for &(site, epoch, size) in placements {
-            if record.placements.iter().any(|p| p.site == site) {
+            if list.iter().any(|p| p.site == site) || self.sites.get(site.0).is_err() {
                 return false;
             }
-            record.placements.push(Placement { site, epoch, size });
+            list.push(Placement { site, epoch, size });
+        }
+        if !self.keys.push_restored(&key, &list, access_count, last_access, &self.site_owners) {
+            return false;
         }
         for &(site, _, size) in placements {
             let tier = match self.sites.get(site.0) {
@@ -811,7 +821,6 @@ impl Directory {
                 nb[tier as usize] = nb[tier as usize].saturating_add(size);
             }
         }
-        self.table.insert(key, record);
         self.stats.keys += 1;
         true
     }
@@ -826,8 +835,8 @@ impl Directory {
         holders: &[NsId],
     ) -> bool {
         for ns in holders {
-            match self.table.get_mut(&DirKey { hash: *hash, ns: *ns }) {
-                Some(r) if !r.bound => r.bound = true,
+            match self.keys.find(&DirKey { hash: *hash, ns: *ns }) {
+                Some(i) if !self.keys.slot(i).bound => self.keys.slot_mut(i).bound = true,
                 _ => return false,
             }
         }
@@ -891,9 +900,9 @@ impl Directory {
         self.blend.is_some()
     }
 
-    /// Approximate bytes the table itself uses (keys, records, slack; not spilled vectors).
+    /// Approximate bytes the key arena, its table and the placement lists use.
     pub fn table_bytes(&self) -> usize {
-        self.table.capacity() * (std::mem::size_of::<(DirKey, Record)>() + 1)
+        self.keys.bytes()
     }
 }
 

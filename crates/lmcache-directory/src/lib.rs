@@ -30,6 +30,7 @@ mod directory;
 mod ids;
 mod persist;
 mod runs;
+mod slots;
 mod tokens;
 
 pub use directory::{

@@ -250,6 +250,7 @@ impl Directory {
         let n_epochs = d.epoch_count() as u32;
         let n = r.count(45)?;
         d.reserve(n);
+        let mut placements = Vec::new();
         for _ in 0..n {
             let at = r.at;
             let hash = r.hash()?;
@@ -263,7 +264,7 @@ impl Directory {
             if k == 0 {
                 return Err(DecodeError::Invalid { what: "key without placements", at });
             }
-            let mut placements = Vec::with_capacity(k);
+            placements.clear();
             for _ in 0..k {
                 let at = r.at;
                 let (site, epoch, size) = (r.u32()?, r.u32()?, r.u64()?);
@@ -280,6 +281,9 @@ impl Directory {
             ) {
                 return Err(DecodeError::Invalid { what: "duplicate key or placement", at });
             }
+        }
+        if !d.index_restored() {
+            return Err(DecodeError::Invalid { what: "duplicate key", at: r.at });
         }
         let n = r.count(48)?;
         for _ in 0..n {
@@ -305,5 +309,40 @@ impl Directory {
             return Err(DecodeError::Trailing(bytes.len() - r.at));
         }
         Ok(d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DirectoryConfig, Entry, EventKind};
+
+    #[test]
+    fn an_image_naming_a_key_twice_is_refused() {
+        let mut d = Directory::new(DirectoryConfig::default());
+        let ns = d
+            .namespace(&Namespace {
+                model: "m".into(),
+                kv_rank: 0x0100_0100,
+                object_group: 0,
+                cache_salt: "".into(),
+            })
+            .unwrap();
+        let a = d.instance("a").unwrap();
+        let l1 = d.site(a, Tier::L1, "dram", false).unwrap();
+        let e = |b: u8| Entry {
+            key: DirKey { hash: [b; 32], ns },
+            size: 1,
+            tokens: &[],
+            token_offset: -1,
+        };
+        d.apply(a, 1, EventKind::Store, l1, 0.0, &[e(0xa1), e(0xb2)]).unwrap();
+        let mut image = Vec::new();
+        d.encode(&mut image);
+        assert!(Directory::decode(&image, DirectoryConfig::default()).is_ok());
+        let at = image.windows(32).position(|w| w == [0xb2; 32]).unwrap();
+        image[at..at + 32].copy_from_slice(&[0xa1; 32]);
+        let err = Directory::decode(&image, DirectoryConfig::default()).unwrap_err();
+        assert!(matches!(err, DecodeError::Invalid { what: "duplicate key", .. }), "{err:?}");
     }
 }

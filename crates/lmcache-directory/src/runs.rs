@@ -72,29 +72,32 @@ impl Directory {
         let mut done = 0u32;
         let (mut c_l1, mut c_any, mut k_l1, mut k_any) =
             (zero.clone(), zero.clone(), zero.clone(), zero.clone());
-        // Keys are probed a block at a time before any is looked at: the probes are independent,
-        // so their cache misses overlap instead of following one another.
-        const BLOCK: usize = 16;
+        // A request's keys were stored in one batch, so they sit in consecutive slots: each
+        // key is tried in the slot after the previous one's before the table is probed.
         let usable = q.keys.len() - q.keys.len() % per;
-        let mut records: smallvec::SmallVec<[Option<&[crate::directory::PlacementRef]>; BLOCK]> =
-            smallvec::SmallVec::new();
-        let mut block_start = usize::MAX;
-        for (ci, chunk) in q.keys[..usable].chunks(per).enumerate() {
-            let first = ci * per;
-            if block_start == usize::MAX || first >= block_start + records.len() {
-                block_start = first;
-                records.clear();
-                // Whole chunks only: a block never splits a chunk's rank keys.
-                let end = (first + per * (BLOCK / per).max(1)).min(usable);
-                records.extend(q.keys[first..end].iter().map(|k| self.placements_of(k)));
-            }
-            for (j, _key) in chunk.iter().enumerate() {
+        let mut prev: Option<u32> = None;
+        for chunk in q.keys[..usable].chunks(per) {
+            for (j, key) in chunk.iter().enumerate() {
                 k_l1.iter_mut().for_each(|w| *w = 0);
                 k_any.iter_mut().for_each(|w| *w = 0);
-                let found =
-                    records.get(first + j - block_start).copied().flatten().unwrap_or_default();
+                let slot = self.slot_after(prev, key);
+                prev = slot.or(prev);
+                let spill = slot.and_then(|i| self.spill_at(i));
+                if let Some(sp) = spill {
+                    // Private owners come precomputed; only shared pools are read below.
+                    k_l1.iter_mut().zip(&sp.l1).for_each(|(k, b)| *k |= b);
+                    k_any.iter_mut().zip(&sp.any).for_each(|(k, b)| *k |= b);
+                }
+                let found = match (slot, spill) {
+                    (_, Some(sp)) if sp.shared == 0 => &[],
+                    (Some(i), _) => self.placements_at(i),
+                    (None, _) => &[],
+                };
                 for p in found {
                     let site_id = p.site();
+                    if spill.is_some() && self.site_owner(site_id).is_some() {
+                        continue;
+                    }
                     match self.site_owner(site_id) {
                         Some((owner, tier)) => {
                             if tier == Tier::L1 {

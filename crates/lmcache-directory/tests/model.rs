@@ -22,7 +22,7 @@ struct Shape {
 
 /// Small: every key collides often (replacements, deletes, fences of shared keys).
 const SMALL: Shape = Shape { instances: 3, chunks: 6, ranks: 2 };
-/// Wide: requests of 24 chunks (the directory probes a run in blocks of 16 keys) over 72
+/// Wide: requests of 24 chunks (runs that cross store batches) over 72
 /// instances (a placement bitset's second word starts at instance 64).
 const WIDE: Shape = Shape { instances: 72, chunks: 24, ranks: 2 };
 
@@ -330,7 +330,8 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
-    /// Long runs (past a 16-key probe block) on instances past 64 (a bitset's second word).
+    /// Long requests (24 chunks: runs that cross stored batches, so the routing scan's
+    /// next-slot guess both hits and misses) on instances past 64 (a bitset's second word).
     #[test]
     fn a_wide_fleet_of_long_requests_equals_the_reference_model(ops in prop::collection::vec(op(WIDE), 1..120)) {
         trace(WIDE, &ops, 4)?;

@@ -1,0 +1,628 @@
+//! The key arena: every key the directory holds, in the order store batches first named them.
+//!
+//! A request's chunks arrive in one store batch, so they land in consecutive slots, and a lookup
+//! of the same chunks walks the arena sequentially: it checks the slot after the previous hit
+//! before it probes the table, one predictable read per chunk instead of one random probe
+//! ([`Slots::find_after`]). The table holds 4-byte slot numbers only, keyed by the chunk hash;
+//! the 32-byte hashes sit in an array parallel to the 32-byte slot records, so each costs its
+//! bytes once.
+//!
+//! A slot holds its key's first placement inline; a key placed at several sites (a prefix every
+//! server holds, a chunk in L1 and L2) keeps them all in a spill list the slot points to. A key
+//! with no placement has no slot: the last removal frees it for the next new key.
+
+use std::hash::BuildHasher as _;
+
+use hashbrown::HashTable;
+
+use crate::directory::Placement;
+use crate::ids::{DirKey, InstanceId, NsId, SiteId, Tier};
+
+/// Per site: its owner and tier when private, `None` for a shared pool (the directory's table).
+pub(crate) type SiteOwners = [Option<(InstanceId, Tier)>];
+
+/// Instance bitsets, one bit per instance id.
+pub(crate) type Bits = smallvec::SmallVec<[u64; 2]>;
+
+fn set_bit(bits: &mut Bits, i: InstanceId) {
+    let w = (i.index() / 64) as usize;
+    if bits.len() <= w {
+        bits.resize(w + 1, 0);
+    }
+    bits[w] |= 1 << (i.index() % 64);
+}
+
+/// The placements of a key held at several sites, with what the routing scan needs from them
+/// precomputed: the owners of its private L1 sites and of all its private sites as bitsets,
+/// and how many of its sites are shared pools (whose mounts the scan still reads).
+#[derive(Debug, Default)]
+pub(crate) struct Spill {
+    list: Vec<Placement>,
+    /// Owners of the private L1 sites in `list`.
+    pub(crate) l1: Bits,
+    /// Owners of the private sites in `list`, any tier.
+    pub(crate) any: Bits,
+    /// Placements in `list` at shared pools.
+    pub(crate) shared: u32,
+}
+
+impl Spill {
+    fn add(&mut self, p: Placement, owners: &SiteOwners) {
+        match owners.get(p.site.0 as usize).copied().flatten() {
+            Some((owner, tier)) => {
+                if tier == Tier::L1 {
+                    set_bit(&mut self.l1, owner);
+                }
+                set_bit(&mut self.any, owner);
+            }
+            None => self.shared += 1,
+        }
+        self.list.push(p);
+    }
+
+    fn rebuild(&mut self, owners: &SiteOwners) {
+        let list = std::mem::take(&mut self.list);
+        self.l1.clear();
+        self.any.clear();
+        self.shared = 0;
+        self.list.reserve(list.len());
+        for p in list {
+            self.add(p, owners);
+        }
+    }
+}
+
+/// Slots at most: slot numbers are `u32`, and `u32::MAX` is never one.
+const MAX_SLOTS: usize = u32::MAX as usize;
+/// `ns` of a free slot.
+const FREE: u32 = u32::MAX;
+/// `head.site` of a slot whose placements live in the spill list `head.epoch`.
+const SPILLED: SiteId = SiteId(u32::MAX);
+
+/// 32 bytes: a key's namespace, use, binding flag and first placement (or its spill list).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Slot {
+    ns: u32,
+    /// Last store or access, whole seconds.
+    pub(crate) last_access: u32,
+    /// Accesses reported.
+    pub(crate) access_count: u32,
+    /// Whether the key holds a reference on its chunk's token binding.
+    pub(crate) bound: bool,
+    head: Placement,
+}
+
+impl Slot {
+    /// The slot's namespace.
+    pub(crate) fn ns(&self) -> NsId {
+        NsId(self.ns)
+    }
+
+    fn is_free(&self) -> bool {
+        self.ns == FREE
+    }
+}
+
+/// What removing a placement did.
+pub(crate) struct Removed {
+    /// The placement removed.
+    pub(crate) placement: Placement,
+    /// `Some(bound)` when it was the key's last: the key is gone; `bound` says whether it held
+    /// a token binding.
+    pub(crate) key_gone: Option<bool>,
+}
+
+/// The arena and its table. See the module docs.
+#[derive(Debug)]
+pub(crate) struct Slots {
+    table: HashTable<u32>,
+    hasher: foldhash::fast::FixedState,
+    hashes: Vec<[u8; 32]>,
+    slots: Vec<Slot>,
+    spill: Vec<Spill>,
+    spill_free: Vec<u32>,
+    free: Vec<u32>,
+    live: usize,
+}
+
+fn key_hash(hasher: &foldhash::fast::FixedState, hash: &[u8; 32], ns: u32) -> u64 {
+    hasher.hash_one(DirKey { hash: *hash, ns: NsId(ns) })
+}
+
+impl Slots {
+    pub(crate) fn new(seed: u64) -> Self {
+        Self {
+            table: HashTable::new(),
+            hasher: foldhash::fast::FixedState::with_seed(seed),
+            hashes: Vec::new(),
+            slots: Vec::new(),
+            spill: Vec::new(),
+            spill_free: Vec::new(),
+            free: Vec::new(),
+            live: 0,
+        }
+    }
+
+    /// Keys held.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.live
+    }
+
+    fn matches(&self, i: u32, key: &DirKey) -> bool {
+        let i = i as usize;
+        self.slots[i].ns == key.ns.0 && self.hashes[i] == key.hash
+    }
+
+    /// The slot of `key`.
+    pub(crate) fn find(&self, key: &DirKey) -> Option<u32> {
+        let h = key_hash(&self.hasher, &key.hash, key.ns.0);
+        self.table.find(h, |&i| self.matches(i, key)).copied()
+    }
+
+    /// The slot of `key`, trying the one after `prev` first (a request's next chunk).
+    pub(crate) fn find_after(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
+        if let Some(p) = prev {
+            let next = p.wrapping_add(1);
+            if (next as usize) < self.slots.len() && self.matches(next, key) {
+                return Some(next);
+            }
+        }
+        self.find(key)
+    }
+
+    /// Brings the table lines of `keys` into cache: the probes are independent, so their
+    /// misses overlap, and the store that follows finds each line warm (a batch's new keys
+    /// otherwise pay one miss after another).
+    pub(crate) fn warm<'a>(&self, keys: impl Iterator<Item = &'a DirKey>) {
+        for key in keys {
+            std::hint::black_box(self.find(key));
+        }
+    }
+
+    /// Whether `n` more keys can be given slots (slot numbers are 32-bit; `u32::MAX` is never
+    /// handed out).
+    pub(crate) fn has_room(&self, n: usize) -> bool {
+        self.slots.len().saturating_add(n.saturating_sub(self.free.len())) < MAX_SLOTS
+    }
+
+    /// Slot `i`'s record.
+    pub(crate) fn slot(&self, i: u32) -> &Slot {
+        &self.slots[i as usize]
+    }
+
+    pub(crate) fn slot_mut(&mut self, i: u32) -> &mut Slot {
+        &mut self.slots[i as usize]
+    }
+
+    /// Slot `i`'s key.
+    pub(crate) fn key(&self, i: u32) -> DirKey {
+        DirKey { hash: self.hashes[i as usize], ns: NsId(self.slots[i as usize].ns) }
+    }
+
+    /// Slot `i`'s placements (at least one).
+    pub(crate) fn placements(&self, i: u32) -> &[Placement] {
+        let s = &self.slots[i as usize];
+        if s.head.site == SPILLED {
+            &self.spill[s.head.epoch as usize].list
+        } else {
+            std::slice::from_ref(&s.head)
+        }
+    }
+
+    /// Slot `i`'s spill list, when it has several placements.
+    pub(crate) fn spill(&self, i: u32) -> Option<&Spill> {
+        let s = &self.slots[i as usize];
+        (s.head.site == SPILLED).then(|| &self.spill[s.head.epoch as usize])
+    }
+
+    /// Places `key` at `p.site` (replacing the placement there). Returns the slot, whether the
+    /// key is new, and the size of the placement replaced.
+    pub(crate) fn store(
+        &mut self,
+        key: &DirKey,
+        p: Placement,
+        owners: &SiteOwners,
+    ) -> (u32, bool, Option<u64>) {
+        if let Some(i) = self.find(key) {
+            return (i, false, self.put(i, p, owners));
+        }
+        (self.insert_new(key, p), true, None)
+    }
+
+    /// A new key with its first placement, in a free slot or at the arena's end.
+    fn insert_new(&mut self, key: &DirKey, p: Placement) -> u32 {
+        if self.table.len() == self.table.capacity() {
+            // Grow by doubling, rebuilt from the arena.
+            self.rebuild_table((self.table.capacity() * 2).max(64), false);
+        }
+        let slot = Slot { ns: key.ns.0, last_access: 0, access_count: 0, bound: false, head: p };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = slot;
+                self.hashes[i as usize] = key.hash;
+                i
+            }
+            None => {
+                // `has_room` was asked before the batch: the index fits.
+                let i = self.slots.len() as u32;
+                self.slots.push(slot);
+                self.hashes.push(key.hash);
+                i
+            }
+        };
+        let h = key_hash(&self.hasher, &key.hash, key.ns.0);
+        let (hashes, slots, hasher) = (&self.hashes, &self.slots, &self.hasher);
+        self.table
+            .insert_unique(h, i, |&j| key_hash(hasher, &hashes[j as usize], slots[j as usize].ns));
+        self.live += 1;
+        i
+    }
+
+    /// Upserts `p` into slot `i`; the size it replaced.
+    fn put(&mut self, i: u32, p: Placement, owners: &SiteOwners) -> Option<u64> {
+        let s = &mut self.slots[i as usize];
+        if s.head.site == SPILLED {
+            let spill = &mut self.spill[s.head.epoch as usize];
+            match spill.list.iter_mut().find(|q| q.site == p.site) {
+                // Same site, same owner: the bitsets stand.
+                Some(q) => Some(std::mem::replace(q, p).size),
+                None => {
+                    spill.add(p, owners);
+                    None
+                }
+            }
+        } else if s.head.site == p.site {
+            Some(std::mem::replace(&mut s.head, p).size)
+        } else {
+            let mut spill = Spill::default();
+            spill.add(s.head, owners);
+            spill.add(p, owners);
+            let id = match self.spill_free.pop() {
+                Some(id) => {
+                    self.spill[id as usize] = spill;
+                    id
+                }
+                None => {
+                    self.spill.push(spill);
+                    (self.spill.len() - 1) as u32
+                }
+            };
+            s.head = Placement { site: SPILLED, epoch: id, size: 0 };
+            None
+        }
+    }
+
+    /// Removes slot `i`'s placement at `site`; frees the slot when it was the last.
+    pub(crate) fn remove(&mut self, i: u32, site: SiteId, owners: &SiteOwners) -> Option<Removed> {
+        let s = &mut self.slots[i as usize];
+        let placement = if s.head.site == SPILLED {
+            let id = s.head.epoch;
+            let spill = &mut self.spill[id as usize];
+            let at = spill.list.iter().position(|q| q.site == site)?;
+            let gone = spill.list.swap_remove(at);
+            if spill.list.len() == 1 {
+                s.head = spill.list[0];
+                self.spill[id as usize] = Spill::default();
+                self.spill_free.push(id);
+            } else {
+                spill.rebuild(owners);
+            }
+            gone
+        } else if s.head.site == site {
+            s.head
+        } else {
+            return None;
+        };
+        if s.head.site == site {
+            // The inline placement was the last one.
+            let bound = s.bound;
+            self.free_slot(i);
+            return Some(Removed { placement, key_gone: Some(bound) });
+        }
+        Some(Removed { placement, key_gone: None })
+    }
+
+    fn free_slot(&mut self, i: u32) {
+        let key = self.key(i);
+        let h = key_hash(&self.hasher, &key.hash, key.ns.0);
+        if let Ok(e) = self.table.find_entry(h, |&j| j == i) {
+            e.remove();
+        }
+        self.slots[i as usize].ns = FREE;
+        self.slots[i as usize].bound = false;
+        self.free.push(i);
+        self.live -= 1;
+    }
+
+    /// Slot `i`'s placements that `keep` refuses go; returns them, and `Some(bound)` when the
+    /// key went with them.
+    pub(crate) fn retain(
+        &mut self,
+        i: u32,
+        mut keep: impl FnMut(&Placement) -> bool,
+        owners: &SiteOwners,
+    ) -> (Vec<Placement>, Option<bool>) {
+        let doomed: Vec<SiteId> =
+            self.placements(i).iter().filter(|p| !keep(p)).map(|p| p.site).collect();
+        let mut gone = Vec::with_capacity(doomed.len());
+        let mut key_gone = None;
+        for site in doomed {
+            if let Some(r) = self.remove(i, site, owners) {
+                gone.push(r.placement);
+                key_gone = key_gone.or(r.key_gone);
+            }
+        }
+        (gone, key_gone)
+    }
+
+    /// Every live slot number, in arena order (stable while nothing changes).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        self.slots.iter().enumerate().filter(|(_, s)| !s.is_free()).map(|(i, _)| i as u32)
+    }
+
+    /// Room for `n` more keys in the arena (the table is built after a restore).
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.slots.reserve(n);
+        self.hashes.reserve(n);
+    }
+
+    /// Appends a decoded key with its placements (distinct sites, at least one) to the arena,
+    /// leaving the table to [`Slots::index_restored`]; false when there is no placement.
+    pub(crate) fn push_restored(
+        &mut self,
+        key: &DirKey,
+        placements: &[Placement],
+        access_count: u32,
+        last_access: u32,
+        owners: &SiteOwners,
+    ) -> bool {
+        let Some((first, rest)) = placements.split_first() else { return false };
+        if !self.has_room(1) {
+            return false;
+        }
+        let i = self.slots.len() as u32;
+        self.slots.push(Slot {
+            ns: key.ns.0,
+            last_access,
+            access_count,
+            bound: false,
+            head: *first,
+        });
+        self.hashes.push(key.hash);
+        for p in rest {
+            self.put(i, *p, owners);
+        }
+        self.live += 1;
+        true
+    }
+
+    /// Builds the table over every slot [`Slots::push_restored`] appended; false if two slots
+    /// hold the same key.
+    pub(crate) fn index_restored(&mut self) -> bool {
+        self.rebuild_table(self.live, true)
+    }
+
+    /// Rebuilds the table with room for `capacity` keys, inserting the live slots in the order
+    /// of the buckets they land in, so the table fills front to back from a sequential read of
+    /// the arena (hashbrown's own growth rehashes in table order: a random read of the arena
+    /// per key). With `check`, false if two slots hold the same key.
+    fn rebuild_table(&mut self, capacity: usize, check: bool) -> bool {
+        let hs: Vec<u64> = self
+            .hashes
+            .iter()
+            .zip(&self.slots)
+            .map(|(h, s)| if s.is_free() { 0 } else { key_hash(&self.hasher, h, s.ns) })
+            .collect();
+        // The table's bucket count for `capacity` (at most 7/8 full, a power of two); an
+        // estimate off by a power of two only costs order, never correctness.
+        let buckets = (capacity.max(8) * 8 / 7).next_power_of_two();
+        let bits = buckets.trailing_zeros();
+        let bin_bits = bits.min(16);
+        let bin_of = |h: u64| (h as usize & (buckets - 1)) >> (bits - bin_bits);
+        let mut starts = vec![0u32; (1 << bin_bits) + 1];
+        for (h, s) in hs.iter().zip(&self.slots) {
+            if !s.is_free() {
+                starts[bin_of(*h) + 1] += 1;
+            }
+        }
+        for b in 1..starts.len() {
+            starts[b] += starts[b - 1];
+        }
+        // (hash, slot) pairs by bucket: the inserts below read them in order.
+        let mut order = vec![(0u64, 0u32); self.live];
+        for (i, (h, s)) in hs.iter().zip(&self.slots).enumerate() {
+            if !s.is_free() {
+                let b = bin_of(*h);
+                order[starts[b] as usize] = (*h, i as u32);
+                starts[b] += 1;
+            }
+        }
+        drop(starts);
+        let mut table = HashTable::with_capacity(capacity.max(order.len()));
+        let (hashes, slots) = (&self.hashes, &self.slots);
+        for (h, i) in order {
+            if !check {
+                table.insert_unique(h, i, |&j| hs[j as usize]);
+                continue;
+            }
+            let (hash, ns) = (&hashes[i as usize], slots[i as usize].ns);
+            let entry = table.entry(
+                h,
+                |&j| slots[j as usize].ns == ns && hashes[j as usize] == *hash,
+                |&j| hs[j as usize],
+            );
+            match entry {
+                hashbrown::hash_table::Entry::Occupied(_) => return false,
+                hashbrown::hash_table::Entry::Vacant(v) => {
+                    v.insert(i);
+                }
+            }
+        }
+        self.table = table;
+        true
+    }
+
+    /// Bytes held: arena, hashes, table, spill lists.
+    pub(crate) fn bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Slot>()
+            + self.hashes.capacity() * 32
+            + self.table.capacity() * (std::mem::size_of::<u32>() + 1)
+            + self
+                .spill
+                .iter()
+                .map(|l| {
+                    l.list.capacity() * std::mem::size_of::<Placement>()
+                        + if l.l1.spilled() { l.l1.capacity() * 8 } else { 0 }
+                        + if l.any.spilled() { l.any.capacity() * 8 } else { 0 }
+                })
+                .sum::<usize>()
+            + self.spill.capacity() * std::mem::size_of::<Spill>()
+            + (self.free.capacity() + self.spill_free.capacity()) * 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(b: u8) -> DirKey {
+        DirKey { hash: [b; 32], ns: NsId(0) }
+    }
+
+    fn p(site: u32, size: u64) -> Placement {
+        Placement { site: SiteId(site), epoch: 0, size }
+    }
+
+    /// Sites 0..3 owned by instances 0..3 (site 1 in L2), site 3 a shared pool, site 4 owned
+    /// by instance 70 (a second bitset word).
+    const OWNERS: [Option<(InstanceId, Tier)>; 5] = [
+        Some((InstanceId(0), Tier::L1)),
+        Some((InstanceId(1), Tier::L2)),
+        Some((InstanceId(2), Tier::L1)),
+        None,
+        Some((InstanceId(70), Tier::L1)),
+    ];
+
+    #[test]
+    fn slot_is_32_bytes() {
+        assert_eq!(std::mem::size_of::<Slot>(), 32);
+    }
+
+    #[test]
+    fn a_batch_lands_in_consecutive_slots_and_is_found_from_its_neighbour() {
+        let mut s = Slots::new(1);
+        let idx: Vec<u32> = (0..8).map(|b| s.store(&key(b), p(0, 1), &OWNERS).0).collect();
+        assert_eq!(idx, (0..8).collect::<Vec<_>>());
+        assert_eq!(s.find_after(Some(2), &key(3)), Some(3));
+        // A wrong guess falls back to the table.
+        assert_eq!(s.find_after(Some(5), &key(3)), Some(3));
+        assert_eq!(s.find_after(Some(7), &key(99)), None);
+        assert_eq!(s.find_after(Some(u32::MAX), &key(0)), Some(0));
+    }
+
+    #[test]
+    fn placements_spill_and_come_back_inline() {
+        let mut s = Slots::new(1);
+        let (i, new, old) = s.store(&key(1), p(0, 10), &OWNERS);
+        assert!(new && old.is_none());
+        assert_eq!(s.store(&key(1), p(0, 11), &OWNERS), (i, false, Some(10)));
+        assert_eq!(s.store(&key(1), p(1, 20), &OWNERS).2, None);
+        assert_eq!(s.store(&key(1), p(2, 30), &OWNERS).2, None);
+        assert_eq!(s.placements(i).len(), 3);
+        assert_eq!(
+            s.remove(i, SiteId(0), &OWNERS).map(|r| (r.placement.size, r.key_gone)),
+            Some((11, None))
+        );
+        assert!(s.remove(i, SiteId(0), &OWNERS).is_none());
+        assert_eq!(s.remove(i, SiteId(2), &OWNERS).map(|r| r.key_gone), Some(None));
+        assert_eq!(s.placements(i), &[p(1, 20)]);
+        assert_eq!(s.spill_free.len(), 1, "a list back to one placement is released");
+        s.slot_mut(i).bound = true;
+        assert_eq!(s.remove(i, SiteId(1), &OWNERS).map(|r| r.key_gone), Some(Some(true)));
+        assert_eq!(s.len(), 0);
+        assert_eq!(s.find(&key(1)), None);
+        // The freed slot and spill list are reused, unbound.
+        let (j, new, _) = s.store(&key(2), p(0, 1), &OWNERS);
+        assert!(new && j == i && !s.slot(j).bound);
+        s.store(&key(2), p(1, 1), &OWNERS);
+        assert!(s.spill_free.is_empty());
+    }
+
+    #[test]
+    fn a_spill_list_keeps_its_owner_bitsets() {
+        let mut s = Slots::new(1);
+        let i = s.store(&key(1), p(0, 1), &OWNERS).0;
+        assert!(s.spill(i).is_none());
+        for site in 1..5 {
+            s.store(&key(1), p(site, 1), &OWNERS);
+        }
+        let sp = s.spill(i).unwrap();
+        assert_eq!(sp.l1.as_slice(), &[0b101, 1 << 6]);
+        assert_eq!(sp.any.as_slice(), &[0b111, 1 << 6]);
+        assert_eq!(sp.shared, 1);
+        s.remove(i, SiteId(2), &OWNERS);
+        s.remove(i, SiteId(3), &OWNERS);
+        let sp = s.spill(i).unwrap();
+        assert_eq!((sp.l1[0], sp.any[0], sp.shared), (0b1, 0b11, 0));
+        s.remove(i, SiteId(4), &OWNERS);
+        assert_eq!(s.spill(i).unwrap().l1.iter().sum::<u64>(), 1, "instance 70's bit went");
+    }
+
+    #[test]
+    fn a_restored_arena_is_indexed_and_refuses_a_duplicate() {
+        let mut s = Slots::new(3);
+        for b in 0..200u8 {
+            assert!(s.push_restored(&key(b), &[p(0, 1), p(3, 2)], 1, 2, &OWNERS));
+        }
+        assert!(!s.push_restored(&key(9), &[], 0, 0, &OWNERS), "a key needs a placement");
+        assert!(s.index_restored());
+        for b in 0..200u8 {
+            assert_eq!(s.find(&key(b)), Some(u32::from(b)));
+            assert_eq!(s.spill(u32::from(b)).unwrap().shared, 1);
+        }
+        assert_eq!(s.find(&key(200)), None);
+        let mut d = Slots::new(3);
+        d.push_restored(&key(1), &[p(0, 1)], 0, 0, &OWNERS);
+        d.push_restored(&key(2), &[p(0, 1)], 0, 0, &OWNERS);
+        d.push_restored(&key(1), &[p(2, 1)], 0, 0, &OWNERS);
+        assert!(!d.index_restored());
+    }
+
+    #[test]
+    fn keys_differ_by_namespace() {
+        let mut s = Slots::new(1);
+        let a = s.store(&key(1), p(0, 1), &OWNERS).0;
+        let other = DirKey { hash: [1; 32], ns: NsId(1) };
+        assert_eq!(s.find(&other), None);
+        assert_eq!(s.find_after(Some(a.wrapping_sub(1)), &other), None);
+        let b = s.store(&other, p(0, 1), &OWNERS).0;
+        assert_ne!(a, b);
+        assert_eq!(s.iter().collect::<Vec<_>>(), vec![a, b]);
+    }
+
+    #[test]
+    fn many_keys_survive_table_growth_and_removal() {
+        let mut s = Slots::new(7);
+        let keys: Vec<DirKey> = (0..5000u32)
+            .map(|i| {
+                let mut h = [0u8; 32];
+                h[..4].copy_from_slice(&i.to_le_bytes());
+                h[8..12].copy_from_slice(&i.wrapping_mul(2_654_435_761).to_le_bytes());
+                DirKey { hash: h, ns: NsId(i % 3) }
+            })
+            .collect();
+        for k in &keys {
+            s.store(k, p(0, 1), &OWNERS);
+        }
+        for k in keys.iter().step_by(2) {
+            let i = s.find(k).unwrap();
+            assert!(s.remove(i, SiteId(0), &OWNERS).unwrap().key_gone.is_some());
+        }
+        for (n, k) in keys.iter().enumerate() {
+            assert_eq!(s.find(k).is_some(), n % 2 == 1, "key {n}");
+        }
+        assert_eq!(s.len(), 2500);
+        assert_eq!(s.iter().count(), 2500);
+    }
+}
