@@ -332,8 +332,10 @@ impl Directory {
                 let ts = seconds(ts);
                 let (mut count, mut bytes) = (0i64, 0i64);
                 self.keys.warm(entries.iter().map(|e| &e.key));
+                let mut prev = None;
                 for e in entries {
-                    let (c, b) = self.store(epoch, site, ts, e);
+                    let (slot, c, b) = self.store(prev, epoch, site, ts, e);
+                    prev = Some(slot);
                     count += c;
                     bytes += b;
                     if let Some(nb) = self.ns_bytes.get_mut(e.key.ns.0 as usize) {
@@ -364,10 +366,18 @@ impl Directory {
         t.bytes = t.bytes.saturating_add_signed(bytes);
     }
 
-    /// Upserts one placement; returns the (placements, bytes) it added.
-    fn store(&mut self, epoch: u32, site: SiteId, ts: u32, e: &Entry<'_>) -> (i64, i64) {
+    /// Upserts one placement, trying the slot after `prev` first; returns its slot and the
+    /// (placements, bytes) it added.
+    fn store(
+        &mut self,
+        prev: Option<u32>,
+        epoch: u32,
+        site: SiteId,
+        ts: u32,
+        e: &Entry<'_>,
+    ) -> (u32, i64, i64) {
         let new = Placement { site, epoch, size: e.size };
-        let (i, is_new, replaced) = self.keys.store(&e.key, new, &self.site_owners);
+        let (i, is_new, replaced) = self.keys.store(prev, &e.key, new, &self.site_owners);
         if is_new {
             self.stats.keys += 1;
         }
@@ -392,7 +402,7 @@ impl Directory {
                 blend.sync(&e.key.hash, &b.tokens, b.offset, false);
             }
         }
-        delta
+        (i, delta.0, delta.1)
     }
 
     fn delete(&mut self, site: SiteId, tier: Tier, key: &DirKey) {

@@ -216,15 +216,17 @@ impl Slots {
         (s.head.site == SPILLED).then(|| &self.spill[s.head.epoch as usize])
     }
 
-    /// Places `key` at `p.site` (replacing the placement there). Returns the slot, whether the
-    /// key is new, and the size of the placement replaced.
+    /// Places `key` at `p.site` (replacing the placement there), trying the slot after `prev`
+    /// first (the batch's previous key). Returns the slot, whether the key is new, and the
+    /// size of the placement replaced.
     pub(crate) fn store(
         &mut self,
+        prev: Option<u32>,
         key: &DirKey,
         p: Placement,
         owners: &SiteOwners,
     ) -> (u32, bool, Option<u64>) {
-        if let Some(i) = self.find(key) {
+        if let Some(i) = self.find_after(prev, key) {
             return (i, false, self.put(i, p, owners));
         }
         (self.insert_new(key, p), true, None)
@@ -438,26 +440,35 @@ impl Slots {
                 starts[b] += 1;
             }
         }
-        drop(starts);
-        let mut table = HashTable::with_capacity(capacity.max(order.len()));
-        let (hashes, slots) = (&self.hashes, &self.slots);
-        for (h, i) in order {
-            if !check {
-                table.insert_unique(h, i, |&j| hs[j as usize]);
-                continue;
-            }
-            let (hash, ns) = (&hashes[i as usize], slots[i as usize].ns);
-            let entry = table.entry(
-                h,
-                |&j| slots[j as usize].ns == ns && hashes[j as usize] == *hash,
-                |&j| hs[j as usize],
-            );
-            match entry {
-                hashbrown::hash_table::Entry::Occupied(_) => return false,
-                hashbrown::hash_table::Entry::Vacant(v) => {
-                    v.insert(i);
+        if check {
+            // Two slots with one key have one hash: sort each bin by hash and compare the
+            // neighbours (a bin is about a hundred pairs).
+            let mut from = 0usize;
+            for &end in &starts[..starts.len() - 1] {
+                let bin = &mut order[from..end as usize];
+                from = end as usize;
+                // By key after the hash, so equal keys sit together even among colliding ones.
+                bin.sort_unstable_by(|&(h0, a), &(h1, b)| {
+                    h0.cmp(&h1).then_with(|| {
+                        let (a, b) = (a as usize, b as usize);
+                        (self.hashes[a], self.slots[a].ns).cmp(&(self.hashes[b], self.slots[b].ns))
+                    })
+                });
+                for w in bin.windows(2) {
+                    let ((h0, a), (h1, b)) = (w[0], w[1]);
+                    if h0 == h1
+                        && self.hashes[a as usize] == self.hashes[b as usize]
+                        && self.slots[a as usize].ns == self.slots[b as usize].ns
+                    {
+                        return false;
+                    }
                 }
             }
+        }
+        drop(starts);
+        let mut table = HashTable::with_capacity(capacity.max(order.len()));
+        for (h, i) in order {
+            table.insert_unique(h, i, |&j| hs[j as usize]);
         }
         self.table = table;
         true
@@ -512,7 +523,7 @@ mod tests {
     #[test]
     fn a_batch_lands_in_consecutive_slots_and_is_found_from_its_neighbour() {
         let mut s = Slots::new(1);
-        let idx: Vec<u32> = (0..8).map(|b| s.store(&key(b), p(0, 1), &OWNERS).0).collect();
+        let idx: Vec<u32> = (0..8).map(|b| s.store(None, &key(b), p(0, 1), &OWNERS).0).collect();
         assert_eq!(idx, (0..8).collect::<Vec<_>>());
         assert_eq!(s.find_after(Some(2), &key(3)), Some(3));
         // A wrong guess falls back to the table.
@@ -524,11 +535,11 @@ mod tests {
     #[test]
     fn placements_spill_and_come_back_inline() {
         let mut s = Slots::new(1);
-        let (i, new, old) = s.store(&key(1), p(0, 10), &OWNERS);
+        let (i, new, old) = s.store(None, &key(1), p(0, 10), &OWNERS);
         assert!(new && old.is_none());
-        assert_eq!(s.store(&key(1), p(0, 11), &OWNERS), (i, false, Some(10)));
-        assert_eq!(s.store(&key(1), p(1, 20), &OWNERS).2, None);
-        assert_eq!(s.store(&key(1), p(2, 30), &OWNERS).2, None);
+        assert_eq!(s.store(None, &key(1), p(0, 11), &OWNERS), (i, false, Some(10)));
+        assert_eq!(s.store(None, &key(1), p(1, 20), &OWNERS).2, None);
+        assert_eq!(s.store(None, &key(1), p(2, 30), &OWNERS).2, None);
         assert_eq!(s.placements(i).len(), 3);
         assert_eq!(
             s.remove(i, SiteId(0), &OWNERS).map(|r| (r.placement.size, r.key_gone)),
@@ -543,19 +554,19 @@ mod tests {
         assert_eq!(s.len(), 0);
         assert_eq!(s.find(&key(1)), None);
         // The freed slot and spill list are reused, unbound.
-        let (j, new, _) = s.store(&key(2), p(0, 1), &OWNERS);
+        let (j, new, _) = s.store(None, &key(2), p(0, 1), &OWNERS);
         assert!(new && j == i && !s.slot(j).bound);
-        s.store(&key(2), p(1, 1), &OWNERS);
+        s.store(None, &key(2), p(1, 1), &OWNERS);
         assert!(s.spill_free.is_empty());
     }
 
     #[test]
     fn a_spill_list_keeps_its_owner_bitsets() {
         let mut s = Slots::new(1);
-        let i = s.store(&key(1), p(0, 1), &OWNERS).0;
+        let i = s.store(None, &key(1), p(0, 1), &OWNERS).0;
         assert!(s.spill(i).is_none());
         for site in 1..5 {
-            s.store(&key(1), p(site, 1), &OWNERS);
+            s.store(None, &key(1), p(site, 1), &OWNERS);
         }
         let sp = s.spill(i).unwrap();
         assert_eq!(sp.l1.as_slice(), &[0b101, 1 << 6]);
@@ -592,11 +603,11 @@ mod tests {
     #[test]
     fn keys_differ_by_namespace() {
         let mut s = Slots::new(1);
-        let a = s.store(&key(1), p(0, 1), &OWNERS).0;
+        let a = s.store(None, &key(1), p(0, 1), &OWNERS).0;
         let other = DirKey { hash: [1; 32], ns: NsId(1) };
         assert_eq!(s.find(&other), None);
         assert_eq!(s.find_after(Some(a.wrapping_sub(1)), &other), None);
-        let b = s.store(&other, p(0, 1), &OWNERS).0;
+        let b = s.store(None, &other, p(0, 1), &OWNERS).0;
         assert_ne!(a, b);
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![a, b]);
     }
@@ -613,7 +624,7 @@ mod tests {
             })
             .collect();
         for k in &keys {
-            s.store(k, p(0, 1), &OWNERS);
+            s.store(None, k, p(0, 1), &OWNERS);
         }
         for k in keys.iter().step_by(2) {
             let i = s.find(k).unwrap();
