@@ -6,7 +6,8 @@
 //! sequence replaced by a new one).
 //!
 //! `cargo bench -p lmcache-directory --bench directory -- [servers] [sequences] [churn_rounds]`
-//! (defaults 64 2500 0: 10.24 M memberships).
+//! (defaults 64 2500 0: 10.24 M memberships). `LOOKUPS=n` in the environment sets the number
+//! of lookups (100,000).
 
 #![expect(clippy::needless_range_loop, reason = "server × sequence indices read clearer")]
 
@@ -128,8 +129,8 @@ fn main() {
         memberships as f64 / dec.as_secs_f64() / 1e6
     );
     drop(image);
-    // Lookups of stored sequences.
-    let n = 100_000;
+    // Lookups of stored sequences (`LOOKUPS` sets how many, for a profile of lookups alone).
+    let n = std::env::var("LOOKUPS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
     let mut lat = Vec::with_capacity(n);
     let mut matched = 0u64;
     let mut keys: Vec<DirKey> = Vec::with_capacity(LEN);

@@ -27,27 +27,58 @@ pub struct PrefixRun {
     pub any: u32,
 }
 
-/// A set of instances as a bitset over their dense ids (four words inline: 256 instances
-/// without allocating).
-type Bits = smallvec::SmallVec<[u64; 4]>;
+/// A set of instances as a bitset over their dense ids: a fixed array of words for fleets up
+/// to 1,024 instances (the scan's loops then have constant bounds), a vector beyond.
+trait Bits: Clone {
+    fn words(&self) -> &[u64];
+    fn words_mut(&mut self) -> &mut [u64];
+}
 
-fn set(bits: &mut Bits, i: InstanceId) {
+impl<const W: usize> Bits for [u64; W] {
+    fn words(&self) -> &[u64] {
+        self
+    }
+    fn words_mut(&mut self) -> &mut [u64] {
+        self
+    }
+}
+
+impl Bits for Vec<u64> {
+    fn words(&self) -> &[u64] {
+        self
+    }
+    fn words_mut(&mut self) -> &mut [u64] {
+        self
+    }
+}
+
+fn set(bits: &mut [u64], i: InstanceId) {
     let (w, b) = ((i.index() / 64) as usize, i.index() % 64);
     if let Some(word) = bits.get_mut(w) {
         *word |= 1 << b;
     }
 }
 
-/// Records `run` for every instance in `before` but not in `after`.
-fn dropped(before: &Bits, after: &Bits, run: u32, into: &mut [u32]) {
+fn or(into: &mut [u64], from: &[u64]) {
+    into.iter_mut().zip(from).for_each(|(c, k)| *c |= k);
+}
+
+fn and(into: &mut [u64], from: &[u64]) {
+    into.iter_mut().zip(from).for_each(|(c, k)| *c &= k);
+}
+
+fn is_empty(bits: &[u64]) -> bool {
+    bits.iter().all(|w| *w == 0)
+}
+
+/// Calls `f(instance)` for every instance in `before` but not in `after`.
+fn dropped(before: &[u64], after: &[u64], mut f: impl FnMut(usize)) {
     for (w, (b, a)) in before.iter().zip(after).enumerate() {
         let mut gone = b & !a;
         while gone != 0 {
             let bit = gone.trailing_zeros() as usize;
             gone &= gone - 1;
-            if let Some(slot) = into.get_mut(w * 64 + bit) {
-                *slot = run;
-            }
+            f(w * 64 + bit);
         }
     }
 }
@@ -59,101 +90,111 @@ impl Directory {
     /// Per chunk, each rank key's placements set bits in two bitsets over instance ids (its
     /// L1 holders; everyone who can load it), the chunk's sets are their AND, and the alive
     /// sets shrink by AND too; an instance's run is the chunk where its bit went. The scan
-    /// stops when nobody is left. No allocation below 256 instances.
+    /// stops when nobody is left. No allocation but the answer up to 1,024 instances.
     pub fn prefix_runs(&self, q: RunQuery<'_>) -> Vec<PrefixRun> {
+        match self.instance_count().div_ceil(64) {
+            0 | 1 => self.scan(q, [0u64; 1]),
+            2 => self.scan(q, [0u64; 2]),
+            3 | 4 => self.scan(q, [0u64; 4]),
+            5..=8 => self.scan(q, [0u64; 8]),
+            9..=16 => self.scan(q, [0u64; 16]),
+            words => self.scan(q, vec![0u64; words]),
+        }
+    }
+
+    fn scan<B: Bits>(&self, q: RunQuery<'_>, zero: B) -> Vec<PrefixRun> {
         let per = q.per_chunk.max(1);
-        let n = self.instance_count();
-        let words = n.div_ceil(64);
-        let zero: Bits = smallvec::smallvec![0; words];
         let (mut l1_alive, mut any_alive) = (zero.clone(), zero.clone());
-        let mut l1_run = vec![0u32; 0];
-        let mut any_run = vec![0u32; 0];
-        let mut started = false;
-        let mut done = 0u32;
         let (mut c_l1, mut c_any, mut k_l1, mut k_any) =
             (zero.clone(), zero.clone(), zero.clone(), zero.clone());
+        // Per instance (by id), its L1 run once it dropped out of L1; filled as they drop.
+        let mut l1_run: Vec<u32> = Vec::new();
+        let mut out: Vec<PrefixRun> = Vec::new();
+        let mut done = 0u32;
         // A request's keys were stored in one batch, so they sit in consecutive slots: each
         // key is tried in the slot after the previous one's before the table is probed.
         let usable = q.keys.len() - q.keys.len() % per;
         let mut prev: Option<u32> = None;
         for chunk in q.keys[..usable].chunks(per) {
             for (j, key) in chunk.iter().enumerate() {
-                k_l1.iter_mut().for_each(|w| *w = 0);
-                k_any.iter_mut().for_each(|w| *w = 0);
+                let (kl, ka) = (k_l1.words_mut(), k_any.words_mut());
+                kl.fill(0);
+                ka.fill(0);
                 let slot = self.slot_after(prev, key);
                 prev = slot.or(prev);
-                let spill = slot.and_then(|i| self.spill_at(i));
-                if let Some(sp) = spill {
-                    // Private owners come precomputed; only shared pools are read below.
-                    k_l1.iter_mut().zip(&sp.l1).for_each(|(k, b)| *k |= b);
-                    k_any.iter_mut().zip(&sp.any).for_each(|(k, b)| *k |= b);
-                }
-                let found = match (slot, spill) {
-                    (_, Some(sp)) if sp.shared == 0 => &[],
-                    (Some(i), _) => self.placements_at(i),
-                    (None, _) => &[],
+                let Some(i) = slot else {
+                    // A key nobody holds: the chunk ends every run.
+                    c_l1.words_mut().fill(0);
+                    c_any.words_mut().fill(0);
+                    continue;
+                };
+                let spill = self.spill_at(i);
+                let found = match spill {
+                    Some(sp) => {
+                        // Private owners come precomputed; only shared pools are read below.
+                        or(kl, &sp.l1);
+                        or(ka, &sp.any);
+                        if sp.shared == 0 { &[][..] } else { self.placements_at(i) }
+                    }
+                    None => self.placements_at(i),
                 };
                 for p in found {
                     let site_id = p.site();
-                    if spill.is_some() && self.site_owner(site_id).is_some() {
-                        continue;
-                    }
                     match self.site_owner(site_id) {
+                        Some(_) if spill.is_some() => {}
                         Some((owner, tier)) => {
                             if tier == Tier::L1 {
-                                set(&mut k_l1, owner);
+                                set(kl, owner);
                             }
-                            set(&mut k_any, owner);
+                            set(ka, owner);
                         }
                         None => {
                             for &m in self.mounts(site_id) {
-                                set(&mut k_any, m);
+                                set(ka, m);
                             }
                         }
                     }
                 }
                 if j == 0 {
-                    c_l1.copy_from_slice(&k_l1);
-                    c_any.copy_from_slice(&k_any);
+                    c_l1.words_mut().copy_from_slice(kl);
+                    c_any.words_mut().copy_from_slice(ka);
                 } else {
-                    c_l1.iter_mut().zip(&k_l1).for_each(|(c, k)| *c &= k);
-                    c_any.iter_mut().zip(&k_any).for_each(|(c, k)| *c &= k);
+                    and(c_l1.words_mut(), kl);
+                    and(c_any.words_mut(), ka);
                 }
             }
-            if !started {
-                started = true;
-                l1_alive.copy_from_slice(&c_l1);
-                any_alive.copy_from_slice(&c_any);
-                if any_alive.iter().all(|w| *w == 0) {
+            if done == 0 {
+                l1_alive = c_l1.clone();
+                any_alive = c_any.clone();
+                if is_empty(any_alive.words()) {
                     return Vec::new();
                 }
-                l1_run = vec![0; n];
-                any_run = vec![0; n];
+                l1_run = vec![0; any_alive.words().len() * 64];
             } else {
-                c_l1.iter_mut().zip(&l1_alive).for_each(|(c, a)| *c &= a);
-                c_any.iter_mut().zip(&any_alive).for_each(|(c, a)| *c &= a);
-                dropped(&l1_alive, &c_l1, done, &mut l1_run);
-                dropped(&any_alive, &c_any, done, &mut any_run);
-                l1_alive.copy_from_slice(&c_l1);
-                any_alive.copy_from_slice(&c_any);
+                and(c_l1.words_mut(), l1_alive.words());
+                and(c_any.words_mut(), any_alive.words());
+                dropped(l1_alive.words(), c_l1.words(), |i| l1_run[i] = done);
+                // An instance leaves `any` at or after it left L1 (L1 holders are a subset).
+                dropped(any_alive.words(), c_any.words(), |i| {
+                    out.push(PrefixRun { instance: InstanceId(i as u32), l1: l1_run[i], any: done })
+                });
+                l1_alive = c_l1.clone();
+                any_alive = c_any.clone();
             }
             done += 1;
-            if any_alive.iter().all(|w| *w == 0) {
+            if is_empty(any_alive.words()) {
                 break;
             }
         }
-        let empty: Bits = zero;
-        dropped(&l1_alive, &empty, done, &mut l1_run);
-        dropped(&any_alive, &empty, done, &mut any_run);
-        let mut out: Vec<PrefixRun> = any_run
-            .iter()
-            .zip(&l1_run)
-            .enumerate()
-            .filter(|(_, (any, _))| **any > 0)
-            .map(|(i, (&any, &l1))| PrefixRun { instance: InstanceId(i as u32), l1, any })
-            .collect();
-        out.sort_by(|a, b| {
-            b.any.cmp(&a.any).then(b.l1.cmp(&a.l1)).then(a.instance.cmp(&b.instance))
+        if done > 0 {
+            let empty = zero;
+            dropped(l1_alive.words(), empty.words(), |i| l1_run[i] = done);
+            dropped(any_alive.words(), empty.words(), |i| {
+                out.push(PrefixRun { instance: InstanceId(i as u32), l1: l1_run[i], any: done })
+            });
+        }
+        out.sort_unstable_by_key(|r| {
+            (std::cmp::Reverse(r.any), std::cmp::Reverse(r.l1), r.instance)
         });
         out
     }
@@ -163,6 +204,50 @@ impl Directory {
 mod tests {
     use super::*;
     use crate::{DirectoryConfig, Entry, EventKind, Namespace};
+
+    /// Every bitset width the scan picks (1, 2, 4, 8 and 16 words, and a vector past 1,024
+    /// instances) gives the same answer: the last instances hold runs of 5, 3 (1 in L1) and,
+    /// through a shared pool they mount, 2 chunks; a key in the middle of a chunk is held by
+    /// one instance only.
+    #[test]
+    fn every_fleet_size_gives_the_same_runs() {
+        for n in [3u32, 70, 200, 300, 600, 1100] {
+            let mut d = Directory::new(DirectoryConfig::default());
+            let ns = d
+                .namespace(&Namespace {
+                    model: "m".into(),
+                    kv_rank: 0x0100_0100,
+                    object_group: 0,
+                    cache_salt: "".into(),
+                })
+                .unwrap();
+            let ids: Vec<InstanceId> =
+                (0..n).map(|i| d.instance(&format!("i{i}")).unwrap()).collect();
+            let (a, b, c) = (ids[n as usize - 1], ids[n as usize - 2], ids[n as usize - 3]);
+            let k = |c: u8| DirKey { hash: [c; 32], ns };
+            let e = |key| Entry { key, size: 1, tokens: &[], token_offset: -1 };
+            let l1 = |d: &mut Directory, i| d.site(i, Tier::L1, "dram", false).unwrap();
+            let (a1, b1) = (l1(&mut d, a), l1(&mut d, b));
+            let b2 = d.site(b, Tier::L2, "fs", false).unwrap();
+            let pool = d.site(c, Tier::L2, "s3", true).unwrap();
+            d.apply(a, 1, EventKind::Store, a1, 0.0, &(0..5).map(|i| e(k(i))).collect::<Vec<_>>())
+                .unwrap();
+            d.apply(b, 1, EventKind::Store, b1, 0.0, &[e(k(0))]).unwrap();
+            d.apply(b, 1, EventKind::Store, b2, 0.0, &[e(k(1)), e(k(2)), e(k(4))]).unwrap();
+            d.apply(c, 1, EventKind::Store, pool, 0.0, &[e(k(0)), e(k(1))]).unwrap();
+            let q: Vec<DirKey> = (0..6).map(k).collect();
+            let got = d.prefix_runs(RunQuery { keys: &q, per_chunk: 1 });
+            assert_eq!(
+                got,
+                vec![
+                    PrefixRun { instance: a, l1: 5, any: 5 },
+                    PrefixRun { instance: b, l1: 1, any: 3 },
+                    PrefixRun { instance: c, l1: 0, any: 2 },
+                ],
+                "{n} instances"
+            );
+        }
+    }
 
     #[test]
     fn runs_need_every_rank_and_stop_at_the_first_gap() {
