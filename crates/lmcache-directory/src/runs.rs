@@ -52,9 +52,11 @@ impl Bits for Vec<u64> {
     }
 }
 
-fn set(bits: &mut [u64], i: InstanceId) {
+/// Sets instance `i` in `bits`, which hold words `lo..` of a set (bits outside are dropped:
+/// the scan only tracks words where someone is still alive).
+fn set(bits: &mut [u64], lo: usize, i: InstanceId) {
     let (w, b) = ((i.index() / 64) as usize, i.index() % 64);
-    if let Some(word) = bits.get_mut(w) {
+    if let Some(word) = w.checked_sub(lo).and_then(|w| bits.get_mut(w)) {
         *word |= 1 << b;
     }
 }
@@ -67,18 +69,22 @@ fn and(into: &mut [u64], from: &[u64]) {
     into.iter_mut().zip(from).for_each(|(c, k)| *c &= k);
 }
 
-fn is_empty(bits: &[u64]) -> bool {
-    bits.iter().all(|w| *w == 0)
+/// The words of `bits` from the first nonzero one to the last (empty when all are zero).
+fn live_range(bits: &[u64]) -> (usize, usize) {
+    match bits.iter().position(|w| *w != 0) {
+        Some(lo) => (lo, bits.iter().rposition(|w| *w != 0).map_or(lo, |h| h) + 1),
+        None => (0, 0),
+    }
 }
 
-/// Calls `f(instance)` for every instance in `before` but not in `after`.
-fn dropped(before: &[u64], after: &[u64], mut f: impl FnMut(usize)) {
+/// Calls `f(instance)` for every instance in `before` but not in `after` (words `lo..`).
+fn dropped(before: &[u64], after: &[u64], lo: usize, mut f: impl FnMut(usize)) {
     for (w, (b, a)) in before.iter().zip(after).enumerate() {
         let mut gone = b & !a;
         while gone != 0 {
             let bit = gone.trailing_zeros() as usize;
             gone &= gone - 1;
-            f(w * 64 + bit);
+            f((lo + w) * 64 + bit);
         }
     }
 }
@@ -107,6 +113,9 @@ impl Directory {
         let (mut l1_alive, mut any_alive) = (zero.clone(), zero.clone());
         let (mut c_l1, mut c_any, mut k_l1, mut k_any) =
             (zero.clone(), zero.clone(), zero.clone(), zero.clone());
+        // Words where someone may still be alive: all of them for the first chunk, then the
+        // span of `any_alive`, which only shrinks. Outside it every set below is zero.
+        let (mut lo, mut hi) = (0, zero.words().len());
         // Per instance (by id), its L1 run once it dropped out of L1; filled as they drop.
         let mut l1_run: Vec<u32> = Vec::new();
         let mut out: Vec<PrefixRun> = Vec::new();
@@ -117,23 +126,24 @@ impl Directory {
         let mut prev: Option<u32> = None;
         for chunk in q.keys[..usable].chunks(per) {
             for (j, key) in chunk.iter().enumerate() {
-                let (kl, ka) = (k_l1.words_mut(), k_any.words_mut());
+                let kl = &mut k_l1.words_mut()[lo..hi];
+                let ka = &mut k_any.words_mut()[lo..hi];
                 kl.fill(0);
                 ka.fill(0);
                 let slot = self.slot_after(prev, key);
                 prev = slot.or(prev);
                 let Some(i) = slot else {
                     // A key nobody holds: the chunk ends every run.
-                    c_l1.words_mut().fill(0);
-                    c_any.words_mut().fill(0);
+                    c_l1.words_mut()[lo..hi].fill(0);
+                    c_any.words_mut()[lo..hi].fill(0);
                     continue;
                 };
                 let spill = self.spill_at(i);
                 let found = match spill {
                     Some(sp) => {
                         // Private owners come precomputed; only shared pools are read below.
-                        or(kl, &sp.l1);
-                        or(ka, &sp.any);
+                        or(kl, sp.l1.get(lo..).unwrap_or_default());
+                        or(ka, sp.any.get(lo..).unwrap_or_default());
                         if sp.shared == 0 { &[][..] } else { self.placements_at(i) }
                     }
                     None => self.placements_at(i),
@@ -144,52 +154,58 @@ impl Directory {
                         Some(_) if spill.is_some() => {}
                         Some((owner, tier)) => {
                             if tier == Tier::L1 {
-                                set(kl, owner);
+                                set(kl, lo, owner);
                             }
-                            set(ka, owner);
+                            set(ka, lo, owner);
                         }
                         None => {
                             for &m in self.mounts(site_id) {
-                                set(ka, m);
+                                set(ka, lo, m);
                             }
                         }
                     }
                 }
+                let (cl, ca) = (&mut c_l1.words_mut()[lo..hi], &mut c_any.words_mut()[lo..hi]);
                 if j == 0 {
-                    c_l1.words_mut().copy_from_slice(kl);
-                    c_any.words_mut().copy_from_slice(ka);
+                    cl.copy_from_slice(kl);
+                    ca.copy_from_slice(ka);
                 } else {
-                    and(c_l1.words_mut(), kl);
-                    and(c_any.words_mut(), ka);
+                    and(cl, kl);
+                    and(ca, ka);
                 }
             }
             if done == 0 {
                 l1_alive = c_l1.clone();
                 any_alive = c_any.clone();
-                if is_empty(any_alive.words()) {
+                if any_alive.words().iter().all(|w| *w == 0) {
                     return Vec::new();
                 }
                 l1_run = vec![0; any_alive.words().len() * 64];
             } else {
-                and(c_l1.words_mut(), l1_alive.words());
-                and(c_any.words_mut(), any_alive.words());
-                dropped(l1_alive.words(), c_l1.words(), |i| l1_run[i] = done);
+                let (cl, ca) = (&mut c_l1.words_mut()[lo..hi], &mut c_any.words_mut()[lo..hi]);
+                let (al, aa) =
+                    (&mut l1_alive.words_mut()[lo..hi], &mut any_alive.words_mut()[lo..hi]);
+                and(cl, al);
+                and(ca, aa);
+                dropped(al, cl, lo, |i| l1_run[i] = done);
                 // An instance leaves `any` at or after it left L1 (L1 holders are a subset).
-                dropped(any_alive.words(), c_any.words(), |i| {
+                dropped(aa, ca, lo, |i| {
                     out.push(PrefixRun { instance: InstanceId(i as u32), l1: l1_run[i], any: done })
                 });
-                l1_alive = c_l1.clone();
-                any_alive = c_any.clone();
+                al.copy_from_slice(cl);
+                aa.copy_from_slice(ca);
             }
             done += 1;
-            if is_empty(any_alive.words()) {
+            let (l, h) = live_range(&any_alive.words()[lo..hi]);
+            (lo, hi) = (lo + l, lo + h);
+            if lo == hi {
                 break;
             }
         }
-        if done > 0 {
-            let empty = zero;
-            dropped(l1_alive.words(), empty.words(), |i| l1_run[i] = done);
-            dropped(any_alive.words(), empty.words(), |i| {
+        if done > 0 && lo < hi {
+            let empty = &zero.words()[lo..hi];
+            dropped(&l1_alive.words()[lo..hi], empty, lo, |i| l1_run[i] = done);
+            dropped(&any_alive.words()[lo..hi], empty, lo, |i| {
                 out.push(PrefixRun { instance: InstanceId(i as u32), l1: l1_run[i], any: done })
             });
         }
