@@ -99,23 +99,25 @@ impl Directory {
     /// stops when nobody is left. No allocation but the answer up to 1,024 instances.
     pub fn prefix_runs(&self, q: RunQuery<'_>) -> Vec<PrefixRun> {
         match self.instance_count().div_ceil(64) {
-            0 | 1 => self.scan(q, [0u64; 1]),
-            2 => self.scan(q, [0u64; 2]),
-            3 | 4 => self.scan(q, [0u64; 4]),
-            5..=8 => self.scan(q, [0u64; 8]),
-            9..=16 => self.scan(q, [0u64; 16]),
-            words => self.scan(q, vec![0u64; words]),
+            0 | 1 => self.scan::<_, false>(q, [0u64; 1]),
+            2 => self.scan::<_, false>(q, [0u64; 2]),
+            3 | 4 => self.scan::<_, true>(q, [0u64; 4]),
+            5..=8 => self.scan::<_, true>(q, [0u64; 8]),
+            9..=16 => self.scan::<_, true>(q, [0u64; 16]),
+            words => self.scan::<_, true>(q, vec![0u64; words]),
         }
     }
 
-    fn scan<B: Bits>(&self, q: RunQuery<'_>, zero: B) -> Vec<PrefixRun> {
+    /// With `NARROW`, bitset work shrinks to the words where someone is alive (worth it past
+    /// two words; below, whole fixed-size arrays are cheaper than the bounds).
+    fn scan<B: Bits, const NARROW: bool>(&self, q: RunQuery<'_>, zero: B) -> Vec<PrefixRun> {
         let per = q.per_chunk.max(1);
         let (mut l1_alive, mut any_alive) = (zero.clone(), zero.clone());
         let (mut c_l1, mut c_any, mut k_l1, mut k_any) =
             (zero.clone(), zero.clone(), zero.clone(), zero.clone());
         // Words where someone may still be alive: all of them for the first chunk, then the
         // span of `any_alive`, which only shrinks. Outside it every set below is zero.
-        let (mut lo, mut hi) = (0, zero.words().len());
+        let (mut narrow_lo, mut narrow_hi) = (0, zero.words().len());
         // Per instance (by id), its L1 run once it dropped out of L1; filled as they drop.
         let mut l1_run: Vec<u32> = Vec::new();
         let mut out: Vec<PrefixRun> = Vec::new();
@@ -124,7 +126,10 @@ impl Directory {
         // key is tried in the slot after the previous one's before the table is probed.
         let usable = q.keys.len() - q.keys.len() % per;
         let mut prev: Option<u32> = None;
+        let width = zero.words().len();
         for chunk in q.keys[..usable].chunks(per) {
+            // Constant bounds when not narrowing, so fixed-size arrays keep fixed-size loops.
+            let (lo, hi) = if NARROW { (narrow_lo, narrow_hi) } else { (0, width) };
             for (j, key) in chunk.iter().enumerate() {
                 let kl = &mut k_l1.words_mut()[lo..hi];
                 let ka = &mut k_any.words_mut()[lo..hi];
@@ -197,12 +202,15 @@ impl Directory {
             }
             done += 1;
             let (l, h) = live_range(&any_alive.words()[lo..hi]);
-            (lo, hi) = (lo + l, lo + h);
-            if lo == hi {
+            if l == h {
                 break;
             }
+            if NARROW {
+                (narrow_lo, narrow_hi) = (lo + l, lo + h);
+            }
         }
-        if done > 0 && lo < hi {
+        let (lo, hi) = (narrow_lo, narrow_hi);
+        if done > 0 {
             let empty = &zero.words()[lo..hi];
             dropped(&l1_alive.words()[lo..hi], empty, lo, |i| l1_run[i] = done);
             dropped(&any_alive.words()[lo..hi], empty, lo, |i| {
