@@ -129,6 +129,30 @@ fn main() {
         memberships as f64 / dec.as_secs_f64() / 1e6
     );
     drop(image);
+    // G9 without pausing ingest: the same image in steps of 16,384 keys (the coordinator's
+    // step), each step one hold of the coordinator's lock.
+    let t = Instant::now();
+    let mut b = d.image_builder();
+    let mut longest = std::time::Duration::ZERO;
+    loop {
+        let s = Instant::now();
+        let done = d.image_step(&mut b, 16_384);
+        longest = longest.max(s.elapsed());
+        if done {
+            break;
+        }
+    }
+    let s = Instant::now();
+    let parts = d.image_finish(b);
+    longest = longest.max(s.elapsed());
+    let stepped = parts.concat();
+    println!(
+        "G9 stepped image: {:.2} s in all, longest step {:.2} ms ({} MiB)",
+        t.elapsed().as_secs_f64(),
+        longest.as_secs_f64() * 1e3,
+        stepped.len() >> 20
+    );
+    drop(stepped);
     // Lookups of stored sequences (`LOOKUPS` sets how many, for a profile of lookups alone).
     let n = std::env::var("LOOKUPS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000);
     let mut lat = Vec::with_capacity(n);

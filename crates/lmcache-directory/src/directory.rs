@@ -165,6 +165,8 @@ pub struct Directory {
     blend_ns: Vec<BlendNs>,
     blend_names: Interner<(Arc<str>, Arc<str>, u32)>,
     stats: DirectoryStats,
+    /// Image builds started (the latest one resumes slot reuse when it finishes).
+    pub(crate) builds: u64,
 }
 
 impl Directory {
@@ -192,6 +194,7 @@ impl Directory {
             blend_ns: Vec::new(),
             blend_names: Interner::new("blend namespace"),
             stats: DirectoryStats::default(),
+            builds: 0,
         }
     }
 
@@ -735,6 +738,47 @@ impl Directory {
             buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size)));
             f(&self.keys.key(i), &buf, r.access_count, r.last_access);
         }
+    }
+
+    /// Slots in the arena, live or free (an image build visits those below this).
+    pub(crate) fn slot_count(&self) -> u32 {
+        self.keys.slot_count()
+    }
+
+    pub(crate) fn keys_pause_reuse(&mut self, pause: bool) {
+        self.keys.pause_reuse(pause);
+    }
+
+    /// `for_each_record` over the live slots in `from..to`, with whether each key is bound.
+    pub(crate) fn for_each_record_in(
+        &self,
+        from: u32,
+        to: u32,
+        mut f: impl FnMut(&DirKey, &[(SiteId, u32, u64)], u32, u32, bool),
+    ) {
+        let mut buf: Vec<(SiteId, u32, u64)> = Vec::new();
+        for i in self.keys.iter_range(from, to) {
+            let r = self.keys.slot(i);
+            buf.clear();
+            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size)));
+            f(&self.keys.key(i), &buf, r.access_count, r.last_access, r.bound);
+        }
+    }
+
+    /// The token bindings of `keys` that still exist, each with the namespaces of those of
+    /// `keys` that hold it and are still bound.
+    pub(crate) fn bindings_of(&self, keys: &[DirKey]) -> Vec<SavedBinding> {
+        let mut holders: FastMap<[u8; 32], Vec<NsId>> = FastMap::default();
+        for k in keys {
+            holders.entry(k.hash).or_default().push(k.ns);
+        }
+        holders
+            .into_iter()
+            .filter_map(|(h, ns)| {
+                let b = self.bindings.get(&h)?;
+                Some((h, b.offset, b.tokens.to_vec(), ns))
+            })
+            .collect()
     }
 
     /// Every token binding with the namespaces of the keys holding it.

@@ -78,7 +78,8 @@ pub struct SiteId(pub(crate) u32);
 /// A key as the directory stores it: the 32-byte chunk hash and its interned namespace.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DirKey {
-    /// The chunk hash (BLAKE3 prefix chain; uniformly distributed).
+    /// The chunk hash (a BLAKE3 prefix chain from LMCache's clients; nothing here relies on
+    /// it being uniform).
     pub hash: [u8; 32],
     /// Its namespace.
     pub ns: NsId,
@@ -86,13 +87,11 @@ pub struct DirKey {
 
 impl Hash for DirKey {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        // The chunk hash is already a uniform hash: one word of it, mixed with the namespace,
-        // is as good a table hash as hashing all 36 bytes, at a fraction of the cost.
-        let mut w = [0u8; 8];
-        w.copy_from_slice(&self.hash[..8]);
-        state.write_u64(
-            u64::from_le_bytes(w) ^ u64::from(self.ns.0).wrapping_mul(0x9E37_79B9_7F4A_7C15),
-        );
+        // All 32 bytes: chunk hashes come from clients, and a table hash over part of them
+        // lets a client that varies only the rest put every key in one bucket chain (keys
+        // that differ only in their last bytes made one table probe scan every key).
+        state.write(&self.hash);
+        state.write_u32(self.ns.0);
     }
 }
 
@@ -130,5 +129,27 @@ impl<T: Eq + Hash + Clone> Interner<T> {
 
     pub(crate) fn len(&self) -> usize {
         self.names.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::hash::BuildHasher as _;
+
+    #[test]
+    fn keys_differing_only_in_their_last_bytes_hash_apart() {
+        let h = foldhash::fast::FixedState::with_seed(7);
+        let hashes: std::collections::HashSet<u64> = (0..1000u64)
+            .map(|i| {
+                let mut hash = [0u8; 32];
+                hash[24..].copy_from_slice(&i.to_be_bytes());
+                h.hash_one(DirKey { hash, ns: NsId(0) })
+            })
+            .collect();
+        assert_eq!(hashes.len(), 1000);
+        let ns: std::collections::HashSet<u64> =
+            (0..100).map(|n| h.hash_one(DirKey { hash: [0; 32], ns: NsId(n) })).collect();
+        assert_eq!(ns.len(), 100, "namespaces hash apart too");
     }
 }

@@ -39,7 +39,7 @@ pub use directory::{
 };
 pub use ids::{DirKey, InstanceId, Namespace, NsId, Site, SiteId, Tier};
 pub use lmcache_blend::{BlendConfig, BlendMatch, BlendStats, MAX_CONTENTS_PER_FINGERPRINT};
-pub use persist::DecodeError;
+pub use persist::{DecodeError, ImageBuilder, ImageParts};
 pub use runs::{PrefixRun, RunQuery};
 pub use tokens::TokenBinding;
 

@@ -95,9 +95,124 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
+/// An image built a step at a time, so the coordinator can release its lock between steps
+/// and events keep applying while a large directory is saved.
+///
+/// The image is *fuzzy*: each key is saved as it was when its step ran. Keys the events
+/// changed during the build may be saved before or after the change, keys stored during it
+/// may be missing; none is saved twice (a key's slot is visited once, and new keys go past
+/// the slots the build visits). Every placement is a last-writer-wins register per (key,
+/// site), so replaying the events from the build's start onto the decoded image gives the
+/// directory the events give (the coordinator's JetStream replay does this; over HTTP, the
+/// cursors saved at the start make the servers' next batches a gap, which is resynced).
+#[derive(Debug)]
+pub struct ImageBuilder {
+    /// The first slot not yet visited, and the end of the slots that existed at the start.
+    next: u32,
+    end: u32,
+    count: u64,
+    records: Vec<u8>,
+    /// The bound keys saved (their bindings are written at the end).
+    bound: Vec<DirKey>,
+    id: u64,
+}
+
+/// A finished image in three parts, concatenated outside any lock ([`ImageParts::concat`]).
+#[derive(Debug)]
+pub struct ImageParts {
+    head: Vec<u8>,
+    records: Vec<u8>,
+    tail: Vec<u8>,
+}
+
+impl ImageParts {
+    /// The image, as [`Directory::decode`] reads it.
+    pub fn concat(self) -> Vec<u8> {
+        let mut out = self.head;
+        out.reserve(self.records.len() + self.tail.len());
+        out.extend_from_slice(&self.records);
+        out.extend_from_slice(&self.tail);
+        out
+    }
+}
+
+fn put_record(
+    out: &mut Vec<u8>,
+    key: &DirKey,
+    placements: &[(SiteId, u32, u64)],
+    ac: u32,
+    la: u32,
+) {
+    out.extend_from_slice(&key.hash);
+    out.extend_from_slice(&key.ns.0.to_le_bytes());
+    out.extend_from_slice(&ac.to_le_bytes());
+    out.extend_from_slice(&la.to_le_bytes());
+    out.push(placements.len().min(255) as u8);
+    for (site, epoch, size) in placements.iter().take(255) {
+        out.extend_from_slice(&site.0.to_le_bytes());
+        out.extend_from_slice(&epoch.to_le_bytes());
+        out.extend_from_slice(&size.to_le_bytes());
+    }
+}
+
 impl Directory {
     /// Appends this directory's image to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
+        self.put_head(out, self.stats().keys);
+        self.for_each_record(|key, placements, ac, la| put_record(out, key, placements, ac, la));
+        self.put_bindings(out, self.bindings_list());
+    }
+
+    /// Starts an image built in steps ([`Directory::image_step`], [`Directory::image_finish`];
+    /// see [`ImageBuilder`]). Until it finishes, freed slots are not reused (new keys append),
+    /// so no key can move into a slot the build has yet to visit. Starting another build
+    /// abandons this one.
+    pub fn image_builder(&mut self) -> ImageBuilder {
+        self.builds += 1;
+        let id = self.builds;
+        self.keys_pause_reuse(true);
+        ImageBuilder {
+            next: 0,
+            end: self.slot_count(),
+            count: 0,
+            // A key with one placement saves 58 bytes: reserved up front, so no step pays
+            // for copying the buffer to a larger one.
+            records: Vec::with_capacity(usize::try_from(self.stats().keys).unwrap_or(0) * 58),
+            bound: Vec::new(),
+            id,
+        }
+    }
+
+    /// Saves up to `max_slots` more slots of the build; true when none is left.
+    pub fn image_step(&self, b: &mut ImageBuilder, max_slots: usize) -> bool {
+        let to = b.next.saturating_add(u32::try_from(max_slots).unwrap_or(u32::MAX)).min(b.end);
+        self.for_each_record_in(b.next, to, |key, placements, ac, la, bound| {
+            put_record(&mut b.records, key, placements, ac, la);
+            b.count += 1;
+            if bound {
+                b.bound.push(*key);
+            }
+        });
+        b.next = to;
+        b.next >= b.end
+    }
+
+    /// Saves what the steps left, then the tables (as they are now: ids only grow, so every
+    /// id a saved placement names is in them) and the token bindings of the saved keys, and
+    /// lets freed slots be reused again.
+    pub fn image_finish(&mut self, mut b: ImageBuilder) -> ImageParts {
+        self.image_step(&mut b, usize::MAX);
+        if b.id == self.builds {
+            self.keys_pause_reuse(false);
+        }
+        let mut head = Vec::new();
+        self.put_head(&mut head, b.count);
+        let mut tail = Vec::new();
+        self.put_bindings(&mut tail, self.bindings_of(&b.bound));
+        ImageParts { head, records: b.records, tail }
+    }
+
+    fn put_head(&self, out: &mut Vec<u8>, keys: u64) {
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&self.seed().to_le_bytes());
         let p = self.parts();
@@ -133,20 +248,10 @@ impl Directory {
                 out.extend_from_slice(&m.0.to_le_bytes());
             }
         }
-        out.extend_from_slice(&(self.stats().keys).to_le_bytes());
-        self.for_each_record(|key, placements, access_count, last_access| {
-            out.extend_from_slice(&key.hash);
-            out.extend_from_slice(&key.ns.0.to_le_bytes());
-            out.extend_from_slice(&access_count.to_le_bytes());
-            out.extend_from_slice(&last_access.to_le_bytes());
-            out.push(placements.len().min(255) as u8);
-            for (site, epoch, size) in placements.iter().take(255) {
-                out.extend_from_slice(&site.0.to_le_bytes());
-                out.extend_from_slice(&epoch.to_le_bytes());
-                out.extend_from_slice(&size.to_le_bytes());
-            }
-        });
-        let bindings = self.bindings_list();
+        out.extend_from_slice(&keys.to_le_bytes());
+    }
+
+    fn put_bindings(&self, out: &mut Vec<u8>, bindings: Vec<crate::directory::SavedBinding>) {
         out.extend_from_slice(&(bindings.len() as u64).to_le_bytes());
         for (hash, offset, tokens, holders) in bindings {
             out.extend_from_slice(&hash);

@@ -123,6 +123,8 @@ pub(crate) struct Slots {
     spill_free: Vec<u32>,
     free: Vec<u32>,
     live: usize,
+    /// While an image build runs, new keys append instead of reusing freed slots.
+    reuse_paused: bool,
 }
 
 fn key_hash(hasher: &foldhash::fast::FixedState, hash: &[u8; 32], ns: u32) -> u64 {
@@ -140,6 +142,7 @@ impl Slots {
             spill_free: Vec::new(),
             free: Vec::new(),
             live: 0,
+            reuse_paused: false,
         }
     }
 
@@ -183,7 +186,8 @@ impl Slots {
     /// Whether `n` more keys can be given slots (slot numbers are 32-bit; `u32::MAX` is never
     /// handed out).
     pub(crate) fn has_room(&self, n: usize) -> bool {
-        self.slots.len().saturating_add(n.saturating_sub(self.free.len())) < MAX_SLOTS
+        let free = if self.reuse_paused { 0 } else { self.free.len() };
+        self.slots.len().saturating_add(n.saturating_sub(free)) < MAX_SLOTS
     }
 
     /// Slot `i`'s record.
@@ -239,7 +243,8 @@ impl Slots {
             self.rebuild_table((self.table.capacity() * 2).max(64), false);
         }
         let slot = Slot { ns: key.ns.0, last_access: 0, access_count: 0, bound: false, head: p };
-        let i = match self.free.pop() {
+        let reused = if self.reuse_paused { None } else { self.free.pop() };
+        let i = match reused {
             Some(i) => {
                 self.slots[i as usize] = slot;
                 self.hashes[i as usize] = key.hash;
@@ -356,6 +361,27 @@ impl Slots {
             }
         }
         (gone, key_gone)
+    }
+
+    /// Slots in the arena, live or free.
+    pub(crate) fn slot_count(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
+    /// Whether new keys must append rather than take freed slots.
+    pub(crate) fn pause_reuse(&mut self, pause: bool) {
+        self.reuse_paused = pause;
+    }
+
+    /// The live slot numbers in `from..to`, in order.
+    pub(crate) fn iter_range(&self, from: u32, to: u32) -> impl Iterator<Item = u32> + '_ {
+        let to = (to as usize).min(self.slots.len());
+        let from = (from as usize).min(to);
+        self.slots[from..to]
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !s.is_free())
+            .map(move |(i, _)| (from + i) as u32)
     }
 
     /// Every live slot number, in arena order (stable while nothing changes).

@@ -16,20 +16,26 @@ struct CheckpointHeader {
     stream_position: u64,
 }
 
+/// Keys a checkpoint saves per hold of the views lock (a few milliseconds at most).
+pub(crate) const CHECKPOINT_STEP_SLOTS: usize = 16_384;
+
 /// (tier, backend, shared, capacity) of one declared compartment.
 type SavedCompartment = (WireTier, String, bool, u64);
 
 impl Fleet {
-    /// The checkpoint of this state (see [`crate::checkpoint`]). The directory is encoded
-    /// under the views lock, so it is one consistent moment of the event streams.
+    /// The checkpoint of this state (see [`crate::checkpoint`]).
+    ///
+    /// Ingest is not paused for it: the directory is saved in steps of
+    /// [`CHECKPOINT_STEP_SLOTS`] keys, the views lock released between them
+    /// ([`lmcache_directory::ImageBuilder`]). The stream position and the cursors are taken
+    /// when it starts, so what changed during the save comes back after a restore: replayed
+    /// from the stream with JetStream, resynced as a gap over HTTP.
     pub(crate) fn checkpoint(&self) -> Vec<u8> {
         let registry = self.instances();
-        let mut image = Vec::new();
-        let (cursors, declarations, position) = {
-            let v = self.views.lock();
-            // Read under the views lock: the image and the position are one moment.
+        let (mut builder, cursors, declarations, position) = {
+            let mut v = self.views.lock();
             let position = self.stream_position();
-            v.dir.encode(&mut image);
+            let builder = v.dir.image_builder();
             let cursors = v
                 .cursors
                 .iter()
@@ -47,8 +53,15 @@ impl Fleet {
                     (id.clone(), d.stamp.0, d.stamp.1, comps)
                 })
                 .collect();
-            (cursors, declarations, position)
+            (builder, cursors, declarations, position)
         };
+        while !self.views.lock().dir.image_step(&mut builder, CHECKPOINT_STEP_SLOTS) {
+            // The lock is free here: batches waiting for it apply between steps.
+            std::thread::yield_now();
+        }
+        let parts = self.views.lock().dir.image_finish(builder);
+        // Outside the lock: copying the saved keys into one buffer takes a while.
+        let image = parts.concat();
         let header =
             CheckpointHeader { registry, cursors, declarations, stream_position: position };
         let header = serde_json::to_vec(&header).unwrap_or_default();
@@ -120,4 +133,71 @@ pub struct RestoreStats {
     pub keys: u64,
     /// Placements.
     pub placements: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lmcache_protocol::coordinator::{CacheEventEntry, CacheEventType, EncodedObjectKey};
+
+    fn batch(seq: u64, from: u32, n: u32) -> CacheEventBatch {
+        CacheEventBatch {
+            instance_id: "s".into(),
+            incarnation: 1,
+            seq,
+            event_type: CacheEventType::Store,
+            tier: WireTier::L1,
+            backend: "dram".into(),
+            entries: (from..from + n)
+                .map(|i| CacheEventEntry {
+                    key: EncodedObjectKey {
+                        chunk_hash_hex: format!("{i:064x}"),
+                        model_name: "m".into(),
+                        kv_rank: 0x0100_0100,
+                        object_group_id: 0,
+                        cache_salt: String::new(),
+                    },
+                    size_bytes: 1,
+                    token_ids: Vec::new(),
+                    token_offset: -1,
+                })
+                .collect(),
+            shared: false,
+            ts: 1.0,
+            capacity_bytes: 0,
+            capacity_revision: 0,
+        }
+    }
+
+    /// A checkpoint of several steps taken while batches keep arriving restores every key
+    /// stored before it began, and the cursor it saved is the one from its start.
+    #[test]
+    fn a_checkpoint_in_steps_beside_ingest_restores_what_came_before() {
+        let f = Arc::new(Fleet::new(CoordinatorConfig::default()).unwrap());
+        let before = 3 * CHECKPOINT_STEP_SLOTS as u32 + 1000;
+        let mut seq = 0;
+        for from in (0..before).step_by(1000) {
+            seq += 1;
+            f.ingest(&[batch(seq, from, 1000)]).unwrap();
+        }
+        let writer = {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                for i in 0..200u32 {
+                    f.ingest(&[batch(seq + 1 + u64::from(i), before + i * 10, 10)]).unwrap();
+                }
+            })
+        };
+        let image = f.checkpoint();
+        writer.join().unwrap();
+        let g = Fleet::new(CoordinatorConfig::default()).unwrap();
+        let stats = g.restore(&image).unwrap();
+        assert!(stats.keys >= u64::from(before), "{stats:?}");
+        let asked: Vec<EncodedObjectKey> =
+            (0..before).step_by(997).map(|i| batch(0, i, 1).entries[0].key.clone()).collect();
+        let found = g.lookup(asked).unwrap();
+        assert!(found.iter().all(|r| !r.placements.is_empty()), "a key stored before is missing");
+        let v = g.views.lock();
+        assert!(v.cursors["s"].last_seq >= seq, "the cursor saved is no older than the start");
+    }
 }
