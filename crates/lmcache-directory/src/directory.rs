@@ -334,10 +334,10 @@ impl Directory {
                 let epoch = self.epochs.intern(&(reporter, incarnation))?;
                 let ts = seconds(ts);
                 let (mut count, mut bytes) = (0i64, 0i64);
-                self.keys.warm(entries.iter().map(|e| &e.key));
+                let hashes = self.keys.warm(entries.iter().map(|e| &e.key));
                 let mut prev = None;
-                for e in entries {
-                    let (slot, c, b) = self.store(prev, epoch, site, ts, e);
+                for (e, &h) in entries.iter().zip(&hashes) {
+                    let (slot, c, b) = self.store(prev, h, epoch, site, ts, e);
                     prev = Some(slot);
                     count += c;
                     bytes += b;
@@ -369,18 +369,20 @@ impl Directory {
         t.bytes = t.bytes.saturating_add_signed(bytes);
     }
 
-    /// Upserts one placement, trying the slot after `prev` first; returns its slot and the
+    /// Upserts one placement (`h`: its key's table hash), trying the slot after `prev` first;
+    /// returns its slot and the
     /// (placements, bytes) it added.
     fn store(
         &mut self,
         prev: Option<u32>,
+        h: u64,
         epoch: u32,
         site: SiteId,
         ts: u32,
         e: &Entry<'_>,
     ) -> (u32, i64, i64) {
         let new = Placement { site, epoch, size: e.size };
-        let (i, is_new, replaced) = self.keys.store(prev, &e.key, new, &self.site_owners);
+        let (i, is_new, replaced) = self.keys.store(prev, &e.key, h, new, &self.site_owners);
         if is_new {
             self.stats.keys += 1;
         }

@@ -177,10 +177,22 @@ impl Slots {
     /// Brings the table lines of `keys` into cache: the probes are independent, so their
     /// misses overlap, and the store that follows finds each line warm (a batch's new keys
     /// otherwise pay one miss after another).
-    pub(crate) fn warm<'a>(&self, keys: impl Iterator<Item = &'a DirKey>) {
-        for key in keys {
-            std::hint::black_box(self.find(key));
-        }
+    /// Returns the keys' table hashes, for [`Slots::store`].
+    pub(crate) fn warm<'a>(
+        &self,
+        keys: impl Iterator<Item = &'a DirKey>,
+    ) -> smallvec::SmallVec<[u64; 64]> {
+        keys.map(|key| {
+            let h = key_hash(&self.hasher, &key.hash, key.ns.0);
+            std::hint::black_box(self.table.find(h, |&i| self.matches(i, key)));
+            h
+        })
+        .collect()
+    }
+
+    /// The table hash of `key`.
+    pub(crate) fn hash_of(&self, key: &DirKey) -> u64 {
+        key_hash(&self.hasher, &key.hash, key.ns.0)
     }
 
     /// Whether `n` more keys can be given slots (slot numbers are 32-bit; `u32::MAX` is never
@@ -227,17 +239,23 @@ impl Slots {
         &mut self,
         prev: Option<u32>,
         key: &DirKey,
+        h: u64,
         p: Placement,
         owners: &SiteOwners,
     ) -> (u32, bool, Option<u64>) {
-        if let Some(i) = self.find_after(prev, key) {
+        if let Some(next) = prev.map(|p| p.wrapping_add(1)) {
+            if (next as usize) < self.slots.len() && self.matches(next, key) {
+                return (next, false, self.put(next, p, owners));
+            }
+        }
+        if let Some(&i) = self.table.find(h, |&i| self.matches(i, key)) {
             return (i, false, self.put(i, p, owners));
         }
-        (self.insert_new(key, p), true, None)
+        (self.insert_new(key, h, p), true, None)
     }
 
     /// A new key with its first placement, in a free slot or at the arena's end.
-    fn insert_new(&mut self, key: &DirKey, p: Placement) -> u32 {
+    fn insert_new(&mut self, key: &DirKey, h: u64, p: Placement) -> u32 {
         if self.table.len() == self.table.capacity() {
             // Grow by doubling, rebuilt from the arena.
             self.rebuild_table((self.table.capacity() * 2).max(64), false);
@@ -258,7 +276,6 @@ impl Slots {
                 i
             }
         };
-        let h = key_hash(&self.hasher, &key.hash, key.ns.0);
         let (hashes, slots, hasher) = (&self.hashes, &self.slots, &self.hasher);
         self.table
             .insert_unique(h, i, |&j| key_hash(hasher, &hashes[j as usize], slots[j as usize].ns));
@@ -527,6 +544,11 @@ mod tests {
         DirKey { hash: [b; 32], ns: NsId(0) }
     }
 
+    fn st(s: &mut Slots, k: &DirKey, p: Placement) -> (u32, bool, Option<u64>) {
+        let h = s.hash_of(k);
+        s.store(None, k, h, p, &OWNERS)
+    }
+
     fn p(site: u32, size: u64) -> Placement {
         Placement { site: SiteId(site), epoch: 0, size }
     }
@@ -549,7 +571,7 @@ mod tests {
     #[test]
     fn a_batch_lands_in_consecutive_slots_and_is_found_from_its_neighbour() {
         let mut s = Slots::new(1);
-        let idx: Vec<u32> = (0..8).map(|b| s.store(None, &key(b), p(0, 1), &OWNERS).0).collect();
+        let idx: Vec<u32> = (0..8).map(|b| st(&mut s, &key(b), p(0, 1)).0).collect();
         assert_eq!(idx, (0..8).collect::<Vec<_>>());
         assert_eq!(s.find_after(Some(2), &key(3)), Some(3));
         // A wrong guess falls back to the table.
@@ -561,11 +583,11 @@ mod tests {
     #[test]
     fn placements_spill_and_come_back_inline() {
         let mut s = Slots::new(1);
-        let (i, new, old) = s.store(None, &key(1), p(0, 10), &OWNERS);
+        let (i, new, old) = st(&mut s, &key(1), p(0, 10));
         assert!(new && old.is_none());
-        assert_eq!(s.store(None, &key(1), p(0, 11), &OWNERS), (i, false, Some(10)));
-        assert_eq!(s.store(None, &key(1), p(1, 20), &OWNERS).2, None);
-        assert_eq!(s.store(None, &key(1), p(2, 30), &OWNERS).2, None);
+        assert_eq!(st(&mut s, &key(1), p(0, 11)), (i, false, Some(10)));
+        assert_eq!(st(&mut s, &key(1), p(1, 20)).2, None);
+        assert_eq!(st(&mut s, &key(1), p(2, 30)).2, None);
         assert_eq!(s.placements(i).len(), 3);
         assert_eq!(
             s.remove(i, SiteId(0), &OWNERS).map(|r| (r.placement.size, r.key_gone)),
@@ -580,19 +602,19 @@ mod tests {
         assert_eq!(s.len(), 0);
         assert_eq!(s.find(&key(1)), None);
         // The freed slot and spill list are reused, unbound.
-        let (j, new, _) = s.store(None, &key(2), p(0, 1), &OWNERS);
+        let (j, new, _) = st(&mut s, &key(2), p(0, 1));
         assert!(new && j == i && !s.slot(j).bound);
-        s.store(None, &key(2), p(1, 1), &OWNERS);
+        st(&mut s, &key(2), p(1, 1));
         assert!(s.spill_free.is_empty());
     }
 
     #[test]
     fn a_spill_list_keeps_its_owner_bitsets() {
         let mut s = Slots::new(1);
-        let i = s.store(None, &key(1), p(0, 1), &OWNERS).0;
+        let i = st(&mut s, &key(1), p(0, 1)).0;
         assert!(s.spill(i).is_none());
         for site in 1..5 {
-            s.store(None, &key(1), p(site, 1), &OWNERS);
+            st(&mut s, &key(1), p(site, 1));
         }
         let sp = s.spill(i).unwrap();
         assert_eq!(sp.l1.as_slice(), &[0b101, 1 << 6]);
@@ -629,11 +651,11 @@ mod tests {
     #[test]
     fn keys_differ_by_namespace() {
         let mut s = Slots::new(1);
-        let a = s.store(None, &key(1), p(0, 1), &OWNERS).0;
+        let a = st(&mut s, &key(1), p(0, 1)).0;
         let other = DirKey { hash: [1; 32], ns: NsId(1) };
         assert_eq!(s.find(&other), None);
         assert_eq!(s.find_after(Some(a.wrapping_sub(1)), &other), None);
-        let b = s.store(None, &other, p(0, 1), &OWNERS).0;
+        let b = st(&mut s, &other, p(0, 1)).0;
         assert_ne!(a, b);
         assert_eq!(s.iter().collect::<Vec<_>>(), vec![a, b]);
     }
@@ -650,7 +672,7 @@ mod tests {
             })
             .collect();
         for k in &keys {
-            s.store(None, k, p(0, 1), &OWNERS);
+            st(&mut s, k, p(0, 1));
         }
         for k in keys.iter().step_by(2) {
             let i = s.find(k).unwrap();
