@@ -191,6 +191,7 @@ impl Slots {
     }
 
     /// The table hash of `key`.
+    #[cfg(test)]
     pub(crate) fn hash_of(&self, key: &DirKey) -> u64 {
         key_hash(&self.hasher, &key.hash, key.ns.0)
     }
