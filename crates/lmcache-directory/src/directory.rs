@@ -51,17 +51,27 @@ pub struct Entry<'a> {
 /// A placement as the routing scan reads it.
 pub(crate) type PlacementRef = Placement;
 
-/// 16 bytes: the site, who reported it at which incarnation (an interned [`Epoch`]), bytes.
+/// 16 bytes, 4-aligned (so a slot holding one is 28 bytes): the site, who reported it at
+/// which incarnation (an interned [`Epoch`]), bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Placement {
     pub(crate) site: SiteId,
     pub(crate) epoch: u32,
-    pub(crate) size: u64,
+    size: [u32; 2],
 }
 
 impl Placement {
+    pub(crate) fn new(site: SiteId, epoch: u32, size: u64) -> Self {
+        Self { site, epoch, size: [size as u32, (size >> 32) as u32] }
+    }
+
     pub(crate) fn site(&self) -> SiteId {
         self.site
+    }
+
+    /// Bytes.
+    pub(crate) fn size(&self) -> u64 {
+        u64::from(self.size[0]) | u64::from(self.size[1]) << 32
     }
 }
 
@@ -381,7 +391,7 @@ impl Directory {
         ts: u32,
         e: &Entry<'_>,
     ) -> (u32, i64, i64) {
-        let new = Placement { site, epoch, size: e.size };
+        let new = Placement::new(site, epoch, e.size);
         let (i, is_new, replaced) = self.keys.store(prev, &e.key, h, new, &self.site_owners);
         if is_new {
             self.stats.keys += 1;
@@ -394,10 +404,10 @@ impl Directory {
         };
         // Token bindings exist only for chunks some store carried tokens for; every key of
         // the chunk stored since holds a reference.
-        let bound = record.bound;
+        let bound = record.bound();
         if !bound && (!e.tokens.is_empty() || self.bindings.holds(&e.key.hash)) {
             let now = self.bindings.add_ref(&e.key.hash, e.tokens, e.token_offset);
-            self.keys.slot_mut(i).bound = now;
+            self.keys.slot_mut(i).set_bound(now);
             if now {
                 self.blend_claim(&e.key);
             }
@@ -421,9 +431,9 @@ impl Directory {
                 self.blend_release(key);
             }
         }
-        self.account(site, tier, -1, -(gone.size as i64));
+        self.account(site, tier, -1, -(gone.size() as i64));
         if let Some(nb) = self.ns_bytes.get_mut(key.ns.0 as usize) {
-            nb[tier as usize] = nb[tier as usize].saturating_sub(gone.size);
+            nb[tier as usize] = nb[tier as usize].saturating_sub(gone.size());
         }
     }
 
@@ -470,7 +480,7 @@ impl Directory {
                 |p| !doomed[p.site.0 as usize] || keep(&key, p.site),
                 &self.site_owners,
             );
-            removed.extend(gone.iter().map(|p| (p.site, key.ns, p.size)));
+            removed.extend(gone.iter().map(|p| (p.site, key.ns, p.size())));
             if let Some(bound) = key_gone {
                 emptied += 1;
                 if bound {
@@ -508,7 +518,7 @@ impl Directory {
                     incarnation,
                     tier: site.tier,
                     backend: site.backend.clone(),
-                    size: p.size,
+                    size: p.size(),
                     shared: site.owner.is_none(),
                 })
             })
@@ -521,7 +531,7 @@ impl Directory {
 
     /// How often `key` was accessed (0 when unknown).
     pub fn access_count(&self, key: &DirKey) -> u64 {
-        self.keys.find(key).map_or(0, |i| u64::from(self.keys.slot(i).access_count))
+        self.keys.find(key).map_or(0, |i| u64::from(self.keys.slot(i).access_count()))
     }
 
     /// The tokens known for chunk `hash`.
@@ -685,7 +695,7 @@ impl Directory {
                 }
                 h.update(&ns.kv_rank.to_le_bytes());
                 h.update(&ns.object_group.to_le_bytes());
-                h.update(&p.size.to_le_bytes());
+                h.update(&p.size().to_le_bytes());
                 let mut w = [0u8; 16];
                 w.copy_from_slice(&h.finalize().as_bytes()[..16]);
                 let d = u128::from_le_bytes(w);
@@ -705,7 +715,7 @@ impl Directory {
             prev = self.keys.find_after(prev, &k);
             if let Some(i) = prev {
                 let r = self.keys.slot_mut(i);
-                r.access_count = r.access_count.saturating_add(1);
+                r.count_access();
                 r.last_access = r.last_access.max(ts);
             }
         }
@@ -737,8 +747,8 @@ impl Directory {
         for i in self.keys.iter() {
             let r = self.keys.slot(i);
             buf.clear();
-            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size)));
-            f(&self.keys.key(i), &buf, r.access_count, r.last_access);
+            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size())));
+            f(&self.keys.key(i), &buf, r.access_count(), r.last_access);
         }
     }
 
@@ -762,8 +772,8 @@ impl Directory {
         for i in self.keys.iter_range(from, to) {
             let r = self.keys.slot(i);
             buf.clear();
-            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size)));
-            f(&self.keys.key(i), &buf, r.access_count, r.last_access, r.bound);
+            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size())));
+            f(&self.keys.key(i), &buf, r.access_count(), r.last_access, r.bound());
         }
     }
 
@@ -787,7 +797,7 @@ impl Directory {
     pub(crate) fn bindings_list(&self) -> Vec<SavedBinding> {
         let mut holders: FastMap<[u8; 32], Vec<NsId>> = FastMap::default();
         for i in self.keys.iter() {
-            if self.keys.slot(i).bound {
+            if self.keys.slot(i).bound() {
                 let k = self.keys.key(i);
                 holders.entry(k.hash).or_default().push(k.ns);
             }
@@ -862,7 +872,7 @@ impl Directory {
             if list.iter().any(|p| p.site == site) || self.sites.get(site.0).is_err() {
                 return false;
             }
-            list.push(Placement { site, epoch, size });
+            list.push(Placement::new(site, epoch, size));
         }
         if !self.keys.push_restored(&key, &list, access_count, last_access, &self.site_owners) {
             return false;
@@ -892,7 +902,7 @@ impl Directory {
     ) -> bool {
         for ns in holders {
             match self.keys.find(&DirKey { hash: *hash, ns: *ns }) {
-                Some(i) if !self.keys.slot(i).bound => self.keys.slot_mut(i).bound = true,
+                Some(i) if !self.keys.slot(i).bound() => self.keys.slot_mut(i).set_bound(true),
                 _ => return false,
             }
         }

@@ -79,20 +79,49 @@ const FREE: u32 = u32::MAX;
 /// `head.site` of a slot whose placements live in the spill list `head.epoch`.
 const SPILLED: SiteId = SiteId(u32::MAX);
 
-/// 32 bytes: a key's namespace, use, binding flag and first placement (or its spill list).
+/// 28 bytes: a key's namespace, use, binding flag and first placement (or its spill list).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Slot {
     ns: u32,
     /// Last store or access, whole seconds.
     pub(crate) last_access: u32,
-    /// Accesses reported.
-    pub(crate) access_count: u32,
-    /// Whether the key holds a reference on its chunk's token binding.
-    pub(crate) bound: bool,
+    /// Accesses reported (low 31 bits, saturating) and whether the key holds a reference on
+    /// its chunk's token binding (the top bit).
+    meta: u32,
     head: Placement,
 }
 
+const BOUND: u32 = 1 << 31;
+
 impl Slot {
+    fn new(ns: u32, head: Placement) -> Self {
+        Self { ns, last_access: 0, meta: 0, head }
+    }
+
+    /// Accesses reported (saturating at 2^31 - 1).
+    pub(crate) fn access_count(&self) -> u32 {
+        self.meta & !BOUND
+    }
+
+    pub(crate) fn count_access(&mut self) {
+        if self.access_count() < !BOUND {
+            self.meta += 1;
+        }
+    }
+
+    fn set_access_count(&mut self, n: u32) {
+        self.meta = (self.meta & BOUND) | n.min(!BOUND);
+    }
+
+    /// Whether the key holds a reference on its chunk's token binding.
+    pub(crate) fn bound(&self) -> bool {
+        self.meta & BOUND != 0
+    }
+
+    pub(crate) fn set_bound(&mut self, bound: bool) {
+        self.meta = if bound { self.meta | BOUND } else { self.meta & !BOUND };
+    }
+
     /// The slot's namespace.
     pub(crate) fn ns(&self) -> NsId {
         NsId(self.ns)
@@ -261,7 +290,7 @@ impl Slots {
             // Grow by doubling, rebuilt from the arena.
             self.rebuild_table((self.table.capacity() * 2).max(64), false);
         }
-        let slot = Slot { ns: key.ns.0, last_access: 0, access_count: 0, bound: false, head: p };
+        let slot = Slot::new(key.ns.0, p);
         let reused = if self.reuse_paused { None } else { self.free.pop() };
         let i = match reused {
             Some(i) => {
@@ -291,14 +320,14 @@ impl Slots {
             let spill = &mut self.spill[s.head.epoch as usize];
             match spill.list.iter_mut().find(|q| q.site == p.site) {
                 // Same site, same owner: the bitsets stand.
-                Some(q) => Some(std::mem::replace(q, p).size),
+                Some(q) => Some(std::mem::replace(q, p).size()),
                 None => {
                     spill.add(p, owners);
                     None
                 }
             }
         } else if s.head.site == p.site {
-            Some(std::mem::replace(&mut s.head, p).size)
+            Some(std::mem::replace(&mut s.head, p).size())
         } else {
             let mut spill = Spill::default();
             spill.add(s.head, owners);
@@ -313,7 +342,7 @@ impl Slots {
                     (self.spill.len() - 1) as u32
                 }
             };
-            s.head = Placement { site: SPILLED, epoch: id, size: 0 };
+            s.head = Placement::new(SPILLED, id, 0);
             None
         }
     }
@@ -341,7 +370,7 @@ impl Slots {
         };
         if s.head.site == site {
             // The inline placement was the last one.
-            let bound = s.bound;
+            let bound = s.bound();
             self.free_slot(i);
             return Some(Removed { placement, key_gone: Some(bound) });
         }
@@ -355,7 +384,7 @@ impl Slots {
             e.remove();
         }
         self.slots[i as usize].ns = FREE;
-        self.slots[i as usize].bound = false;
+        self.slots[i as usize].set_bound(false);
         self.free.push(i);
         self.live -= 1;
     }
@@ -428,13 +457,10 @@ impl Slots {
             return false;
         }
         let i = self.slots.len() as u32;
-        self.slots.push(Slot {
-            ns: key.ns.0,
-            last_access,
-            access_count,
-            bound: false,
-            head: *first,
-        });
+        let mut slot = Slot::new(key.ns.0, *first);
+        slot.last_access = last_access;
+        slot.set_access_count(access_count);
+        self.slots.push(slot);
         self.hashes.push(key.hash);
         for p in rest {
             self.put(i, *p, owners);
@@ -551,7 +577,7 @@ mod tests {
     }
 
     fn p(site: u32, size: u64) -> Placement {
-        Placement { site: SiteId(site), epoch: 0, size }
+        Placement::new(SiteId(site), 0, size)
     }
 
     /// Sites 0..3 owned by instances 0..3 (site 1 in L2), site 3 a shared pool, site 4 owned
@@ -565,8 +591,18 @@ mod tests {
     ];
 
     #[test]
-    fn slot_is_32_bytes() {
-        assert_eq!(std::mem::size_of::<Slot>(), 32);
+    fn slot_is_28_bytes_and_counts_apart_from_its_binding_flag() {
+        assert_eq!(std::mem::size_of::<Slot>(), 28);
+        let mut s = Slot::new(0, Placement::new(SiteId(0), 0, 5 << 32 | 7));
+        assert_eq!(s.head.size(), 5 << 32 | 7);
+        s.set_bound(true);
+        s.count_access();
+        assert_eq!((s.access_count(), s.bound()), (1, true));
+        s.set_access_count(u32::MAX);
+        s.count_access();
+        assert_eq!((s.access_count(), s.bound()), (u32::MAX >> 1, true), "saturates below the flag");
+        s.set_bound(false);
+        assert_eq!((s.access_count(), s.bound()), (u32::MAX >> 1, false));
     }
 
     #[test]
@@ -591,20 +627,20 @@ mod tests {
         assert_eq!(st(&mut s, &key(1), p(2, 30)).2, None);
         assert_eq!(s.placements(i).len(), 3);
         assert_eq!(
-            s.remove(i, SiteId(0), &OWNERS).map(|r| (r.placement.size, r.key_gone)),
+            s.remove(i, SiteId(0), &OWNERS).map(|r| (r.placement.size(), r.key_gone)),
             Some((11, None))
         );
         assert!(s.remove(i, SiteId(0), &OWNERS).is_none());
         assert_eq!(s.remove(i, SiteId(2), &OWNERS).map(|r| r.key_gone), Some(None));
         assert_eq!(s.placements(i), &[p(1, 20)]);
         assert_eq!(s.spill_free.len(), 1, "a list back to one placement is released");
-        s.slot_mut(i).bound = true;
+        s.slot_mut(i).set_bound(true);
         assert_eq!(s.remove(i, SiteId(1), &OWNERS).map(|r| r.key_gone), Some(Some(true)));
         assert_eq!(s.len(), 0);
         assert_eq!(s.find(&key(1)), None);
         // The freed slot and spill list are reused, unbound.
         let (j, new, _) = st(&mut s, &key(2), p(0, 1));
-        assert!(new && j == i && !s.slot(j).bound);
+        assert!(new && j == i && !s.slot(j).bound());
         st(&mut s, &key(2), p(1, 1));
         assert!(s.spill_free.is_empty());
     }
