@@ -7,6 +7,9 @@
 //! Then, on the loaded directory, `/directory/lookup`'s work for 2,000 requests of one stored
 //! sequence's 64 keys (decode, lookup, encode the answer), median µs per request.
 //!
+//! The same batches as the JetStream feed carries them (the binary layout, one message per
+//! batch) are decoded alone and decoded + ingested into another fresh coordinator.
+//!
 //! `cargo bench -p lmcache-coordinator --bench ingest -- [repetitions]`
 
 use std::time::{Duration, Instant};
@@ -15,6 +18,7 @@ use lmcache_coordinator::{Coordinator, CoordinatorConfig};
 use lmcache_protocol::coordinator::{
     CacheEventsRequest, DirectoryLookupRequest, DirectoryLookupResponse,
 };
+use lmcache_protocol::coordinator_binary;
 
 fn h(parts: &[u64]) -> String {
     let mut x = blake3::Hasher::new();
@@ -62,6 +66,15 @@ fn main() {
     let (bodies, events, lookups) = bodies();
     let bytes: usize = bodies.iter().map(String::len).sum();
     let (mut decode, mut ingest) = (Vec::new(), Vec::new());
+    // The same batches in the JetStream feed's binary layout, one message per batch as the
+    // servers publish them.
+    let messages: Vec<Vec<u8>> = bodies
+        .iter()
+        .flat_map(|b| serde_json::from_str::<CacheEventsRequest>(b).unwrap().batches)
+        .map(|b| coordinator_binary::encode(std::slice::from_ref(&b)).unwrap())
+        .collect();
+    let message_bytes: usize = messages.iter().map(Vec::len).sum();
+    let (mut bin_decode, mut bin_total) = (Vec::new(), Vec::new());
     let mut lookup_us = Vec::new();
     for rep in 0..reps {
         let c = Coordinator::start(CoordinatorConfig {
@@ -84,6 +97,24 @@ fn main() {
         }
         decode.push(d.as_nanos() as f64 / events as f64);
         ingest.push(i.as_nanos() as f64 / events as f64);
+        let t = Instant::now();
+        for m in &messages {
+            std::hint::black_box(coordinator_binary::decode(m).unwrap());
+        }
+        bin_decode.push(t.elapsed().as_nanos() as f64 / events as f64);
+        let b = Coordinator::start(CoordinatorConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            health_check_interval: Duration::ZERO,
+            eviction_check_interval: Duration::ZERO,
+            ..CoordinatorConfig::default()
+        })
+        .unwrap();
+        let t = Instant::now();
+        for m in &messages {
+            b.fleet().ingest_binary(m).unwrap();
+        }
+        bin_total.push(t.elapsed().as_nanos() as f64 / events as f64);
         if rep == 0 {
             for n in 0..2000 {
                 let body = &lookups[n % lookups.len()];
@@ -108,6 +139,12 @@ fn main() {
         bytes as f64 / events as f64,
         d + i,
         1e3 / (d + i)
+    );
+    let (bd, bt) = (med(&mut bin_decode), med(&mut bin_total));
+    println!(
+        "binary JetStream messages ({:.0} bytes per event): decode {bd:.0} ns, decode + ingest {bt:.0} ns per event ({:.2} M events/s on one core)",
+        message_bytes as f64 / events as f64,
+        1e3 / bt
     );
     let l = med(&mut lookup_us);
     println!(

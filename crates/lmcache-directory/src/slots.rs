@@ -600,7 +600,11 @@ mod tests {
         assert_eq!((s.access_count(), s.bound()), (1, true));
         s.set_access_count(u32::MAX);
         s.count_access();
-        assert_eq!((s.access_count(), s.bound()), (u32::MAX >> 1, true), "saturates below the flag");
+        assert_eq!(
+            (s.access_count(), s.bound()),
+            (u32::MAX >> 1, true),
+            "saturates below the flag"
+        );
         s.set_bound(false);
         assert_eq!((s.access_count(), s.bound()), (u32::MAX >> 1, false));
     }

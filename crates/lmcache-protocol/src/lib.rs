@@ -17,11 +17,14 @@
 //!   descriptors, transfer responses) with their decoders and encoders.
 //! - [`coordinator`]: the JSON contract with LMCache's coordinator (registration, cache-event
 //!   batches, directory answers).
+//! - [`coordinator_binary`]: cache-event batches in a binary layout, for the JetStream feed
+//!   between lmcache-rs's own servers and coordinator.
 //! - [`error`]: [`ProtocolError`], each naming the field and what was wrong, and its kind
 //!   for metrics.
 #![forbid(unsafe_code)]
 
 pub mod coordinator;
+pub mod coordinator_binary;
 pub mod error;
 pub mod frame;
 pub mod op;

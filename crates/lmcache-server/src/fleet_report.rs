@@ -72,8 +72,10 @@ pub enum ReportTransport {
     /// `POST /events` to the coordinator.
     #[default]
     Http,
-    /// One NATS JetStream message per batch on `lmcache.cache_events.<instance>`, each
-    /// acknowledged by the stream before the next flush forgets it.
+    /// One NATS JetStream message per batch on `lmcache.cache_events.<instance>`, in the
+    /// binary layout (`lmcache_protocol::coordinator_binary`; a coordinator older than it
+    /// skips them, so upgrade the coordinator first), each acknowledged by the stream before
+    /// the flush forgets it.
     JetStream {
         /// `nats://host:port`.
         url: String,
@@ -81,6 +83,9 @@ pub enum ReportTransport {
         stream: String,
     },
 }
+
+/// Batches a flush publishes ahead of their acks.
+const ACKS_IN_FLIGHT: usize = 256;
 
 /// A connected JetStream publisher, on its own small runtime (the reporter's thread is not
 /// async).
@@ -117,14 +122,28 @@ impl JetStreamSink {
                 *js = Some(ctx);
             }
             let Some(ctx) = js.as_ref() else { return Err("not connected".to_string()) };
+            // Up to ACKS_IN_FLIGHT published ahead of their acks (one connection keeps them in
+            // order): a flush waits for about one round trip per window, not one per batch,
+            // and never for more acks than the client lets be in flight (it stalls past that).
+            let mut acks = std::collections::VecDeque::with_capacity(ACKS_IN_FLIGHT);
             for b in batches {
-                let payload = serde_json::to_vec(b).map_err(|e| e.to_string())?;
+                if acks.len() == ACKS_IN_FLIGHT {
+                    if let Some(ack) = acks.pop_front() {
+                        let ack: async_nats::jetstream::context::PublishAckFuture = ack;
+                        ack.await.map_err(|e| format!("publish ack: {e}"))?;
+                    }
+                }
+                let payload = lmcache_protocol::coordinator_binary::encode(std::slice::from_ref(b))
+                    .map_err(|e| e.to_string())?;
                 let subject =
                     lmcache_protocol::coordinator::jetstream_subject(stream, &b.instance_id);
-                let ack = ctx
-                    .publish(subject, payload.into())
-                    .await
-                    .map_err(|e| format!("publish: {e}"))?;
+                acks.push_back(
+                    ctx.publish(subject, payload.into())
+                        .await
+                        .map_err(|e| format!("publish: {e}"))?,
+                );
+            }
+            for ack in acks {
                 ack.await.map_err(|e| format!("publish ack: {e}"))?;
             }
             Ok(())
@@ -874,6 +893,57 @@ mod tests {
 
     fn key(b: u8) -> ObjectKey {
         ObjectKey::new([b; 32], "m", 1, 0, 0, "").unwrap()
+    }
+
+    /// A flush of more batches than the NATS client lets wait for acks (5,000) is published
+    /// whole and in order: publishing everything before awaiting any ack stalled there for
+    /// good. Needs nats-server (`LMCACHE_RS_TEST_NATS`; scripts/test starts one).
+    #[test]
+    fn a_flush_past_the_clients_ack_limit_is_published_in_order() {
+        let url = match std::env::var("LMCACHE_RS_TEST_NATS") {
+            Ok(u) if !u.is_empty() => u,
+            _ if std::env::var("LMCACHE_RS_REQUIRE_SERVICES").is_ok_and(|v| v == "1") => {
+                panic!("LMCACHE_RS_TEST_NATS is not set, but LMCACHE_RS_REQUIRE_SERVICES=1")
+            }
+            _ => {
+                eprintln!("LMCACHE_RS_TEST_NATS not set: skipping (scripts/test sets it)");
+                return;
+            }
+        };
+        let stream = format!("LMCACHE_RS_TEST_SINK_{}", std::process::id());
+        let batches: Vec<CacheEventBatch> = (1..=5_100u64)
+            .map(|seq| CacheEventBatch {
+                instance_id: "sink".into(),
+                incarnation: 1,
+                seq,
+                event_type: CacheEventType::Store,
+                tier: WireTier::L1,
+                backend: "dram".into(),
+                entries: vec![Reporter::entry(&key((seq % 251) as u8), seq)],
+                shared: false,
+                ts: 1.0,
+                capacity_bytes: 0,
+                capacity_revision: 0,
+            })
+            .collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (u, s) = (url.clone(), stream.clone());
+        std::thread::spawn(move || {
+            let mut sink = JetStreamSink::new().unwrap();
+            let _ = tx.send(sink.send(&u, &s, &batches));
+        });
+        let sent = rx.recv_timeout(Duration::from_secs(120)).expect("the flush never finished");
+        assert_eq!(sent, Ok(()));
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let js = async_nats::jetstream::new(async_nats::connect(&url).await.unwrap());
+            let mut st = js.get_stream(&stream).await.unwrap();
+            assert_eq!(st.info().await.unwrap().state.messages, 5_100);
+            let last = st.get_raw_message(5_100).await.unwrap();
+            let b = lmcache_protocol::coordinator_binary::decode(&last.payload).unwrap();
+            assert_eq!(b[0].seq, 5_100, "in order");
+            js.delete_stream(&stream).await.unwrap();
+        });
     }
 
     #[test]

@@ -137,7 +137,7 @@ impl Fleet {
     }
 
     /// The last applied stream sequence (JetStream).
-    pub(crate) fn stream_position(&self) -> u64 {
+    pub fn stream_position(&self) -> u64 {
         self.stream_position.load(std::sync::atomic::Ordering::Acquire)
     }
 

@@ -1,7 +1,160 @@
 //! The event gate: cache-event batches admitted in order per emitter (duplicates, stale
 //! incarnations and gaps told apart) and applied to the directory.
 
+use std::borrow::Cow;
+
+use lmcache_protocol::coordinator_binary::{self, BinaryBatch};
+
 use super::*;
+
+/// One entry as the gate applies it, whichever form its batch came in.
+pub(crate) struct EntryView<'a> {
+    model_name: &'a str,
+    kv_rank: u32,
+    object_group_id: u32,
+    cache_salt: &'a str,
+    hash: Result<[u8; 32], String>,
+    size_bytes: u64,
+    token_ids: &'a [u32],
+    token_offset: i64,
+}
+
+impl EntryView<'_> {
+    fn same_namespace(&self, o: &EntryView<'_>) -> bool {
+        self.model_name == o.model_name
+            && self.kv_rank == o.kv_rank
+            && self.object_group_id == o.object_group_id
+            && self.cache_salt == o.cache_salt
+    }
+
+    fn namespace(&self) -> Namespace {
+        Namespace {
+            model: Arc::from(self.model_name),
+            kv_rank: self.kv_rank,
+            object_group: self.object_group_id,
+            cache_salt: Arc::from(self.cache_salt),
+        }
+    }
+}
+
+/// A cache-event batch as the gate reads it: LMCache's JSON form ([`CacheEventBatch`]) or the
+/// binary JetStream form ([`BinaryBatch`]), which carries raw chunk hashes and a namespace
+/// table, so applying it parses no hex and allocates no string per entry.
+pub(crate) trait IncomingBatch {
+    fn instance_id(&self) -> &str;
+    fn incarnation(&self) -> u64;
+    fn seq(&self) -> u64;
+    fn event_type(&self) -> CacheEventType;
+    fn tier(&self) -> WireTier;
+    fn backend(&self) -> &str;
+    fn shared(&self) -> bool;
+    fn ts(&self) -> f64;
+    fn validate(&self) -> Result<(), String>;
+    fn entry_count(&self) -> usize;
+    fn entries(&self) -> impl Iterator<Item = EntryView<'_>>;
+    /// The JSON form (config declarations and vLLM re-publishing read it; both are rare or
+    /// optional).
+    fn as_json(&self) -> Cow<'_, CacheEventBatch>;
+}
+
+impl IncomingBatch for CacheEventBatch {
+    fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+    fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn event_type(&self) -> CacheEventType {
+        self.event_type
+    }
+    fn tier(&self) -> WireTier {
+        self.tier
+    }
+    fn backend(&self) -> &str {
+        &self.backend
+    }
+    fn shared(&self) -> bool {
+        self.shared
+    }
+    fn ts(&self) -> f64 {
+        self.ts
+    }
+    fn validate(&self) -> Result<(), String> {
+        CacheEventBatch::validate(self)
+    }
+    fn entry_count(&self) -> usize {
+        self.entries.len()
+    }
+    fn entries(&self) -> impl Iterator<Item = EntryView<'_>> {
+        self.entries.iter().map(|e| EntryView {
+            model_name: &e.key.model_name,
+            kv_rank: e.key.kv_rank,
+            object_group_id: e.key.object_group_id,
+            cache_salt: &e.key.cache_salt,
+            hash: e.key.chunk_hash(),
+            size_bytes: e.size_bytes,
+            token_ids: &e.token_ids,
+            token_offset: e.token_offset,
+        })
+    }
+    fn as_json(&self) -> Cow<'_, CacheEventBatch> {
+        Cow::Borrowed(self)
+    }
+}
+
+impl IncomingBatch for BinaryBatch<'_> {
+    fn instance_id(&self) -> &str {
+        self.instance_id
+    }
+    fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn event_type(&self) -> CacheEventType {
+        self.event_type
+    }
+    fn tier(&self) -> WireTier {
+        self.tier
+    }
+    fn backend(&self) -> &str {
+        self.backend
+    }
+    fn shared(&self) -> bool {
+        self.shared
+    }
+    fn ts(&self) -> f64 {
+        self.ts
+    }
+    fn validate(&self) -> Result<(), String> {
+        BinaryBatch::validate(self)
+    }
+    fn entry_count(&self) -> usize {
+        self.entries.len()
+    }
+    fn entries(&self) -> impl Iterator<Item = EntryView<'_>> {
+        self.entries.iter().map(|e| {
+            let ns = self.namespace(e);
+            EntryView {
+                model_name: ns.model_name,
+                kv_rank: ns.kv_rank,
+                object_group_id: ns.object_group_id,
+                cache_salt: ns.cache_salt,
+                hash: Ok(e.hash),
+                size_bytes: e.size_bytes,
+                token_ids: self.tokens_of(e),
+                token_offset: e.token_offset,
+            }
+        })
+    }
+    fn as_json(&self) -> Cow<'_, CacheEventBatch> {
+        Cow::Owned(self.to_owned_batch())
+    }
+}
 
 impl Fleet {
     // ---- events ---------------------------------------------------------------------------
@@ -10,6 +163,21 @@ impl Fleet {
     /// request, as LMCache's 422 does); then each is admitted by its emitter's cursor and
     /// applied in order.
     pub fn ingest(&self, batches: &[CacheEventBatch]) -> Result<CacheEventsResponse, FleetError> {
+        self.ingest_any(batches)
+    }
+
+    /// A binary JetStream message ([`coordinator_binary`]): decoded without copying its
+    /// strings, then admitted and applied exactly as [`Fleet::ingest`] does JSON batches.
+    pub fn ingest_binary(&self, message: &[u8]) -> Result<CacheEventsResponse, FleetError> {
+        let batches = coordinator_binary::decode(message)
+            .map_err(|e| FleetError::Invalid(format!("binary batches: {e}")))?;
+        self.ingest_any(&batches)
+    }
+
+    fn ingest_any<B: IncomingBatch>(
+        &self,
+        batches: &[B],
+    ) -> Result<CacheEventsResponse, FleetError> {
         for (i, b) in batches.iter().enumerate() {
             b.validate().map_err(|m| FleetError::Invalid(format!("batches[{i}]: {m}")))?;
         }
@@ -29,56 +197,57 @@ impl Fleet {
         Ok(out)
     }
 
-    fn admit(&self, v: &mut Views, b: &CacheEventBatch) -> Result<Admission, FleetError> {
+    fn admit<B: IncomingBatch>(&self, v: &mut Views, b: &B) -> Result<Admission, FleetError> {
         let now = Instant::now();
-        match v.cursors.get_mut(&b.instance_id) {
-            Some(c) if b.incarnation < c.incarnation => return Ok(Admission::Stale),
-            Some(c) if b.incarnation == c.incarnation => {
-                if b.seq <= c.last_seq {
+        let (id, incarnation, seq) = (b.instance_id(), b.incarnation(), b.seq());
+        match v.cursors.get_mut(id) {
+            Some(c) if incarnation < c.incarnation => return Ok(Admission::Stale),
+            Some(c) if incarnation == c.incarnation => {
+                if seq <= c.last_seq {
                     return Ok(Admission::Duplicate);
                 }
-                if b.seq > c.last_seq + 1 {
-                    let missing = b.seq - c.last_seq - 1;
+                if seq > c.last_seq + 1 {
+                    let missing = seq - c.last_seq - 1;
                     if !c.gap {
-                        tracing::warn!(instance = %b.instance_id, incarnation = b.incarnation, from = c.last_seq, to = b.seq,
+                        tracing::warn!(instance = %id, incarnation, from = c.last_seq, to = seq,
                             "cache-event gap: {missing} batch(es) missing");
                     }
                     c.gap = true;
                     c.missing += missing;
                     self.metrics.missing_batches.inc_by(missing);
-                    c.last_seq = b.seq;
+                    c.last_seq = seq;
                     c.last_admitted = now;
-                    self.want_repair(v, &b.instance_id, b.incarnation);
+                    self.want_repair(v, id, incarnation);
                 } else {
-                    c.last_seq = b.seq;
+                    c.last_seq = seq;
                     c.last_admitted = now;
                 }
             }
             existing => {
                 if let Some(c) = existing {
-                    tracing::info!(instance = %b.instance_id, old = c.incarnation, new = b.incarnation,
+                    tracing::info!(instance = %id, old = c.incarnation, new = incarnation,
                         "instance restarted: fencing its L1 placements");
-                    self.fence(v, &b.instance_id);
+                    self.fence(v, id);
                 }
-                let gap = b.seq > 1;
+                let gap = seq > 1;
                 if gap {
-                    self.metrics.missing_batches.inc_by(b.seq - 1);
+                    self.metrics.missing_batches.inc_by(seq - 1);
                 }
                 v.cursors.insert(
-                    b.instance_id.clone(),
+                    id.to_string(),
                     Cursor {
-                        incarnation: b.incarnation,
-                        last_seq: b.seq,
-                        missing: b.seq - 1,
+                        incarnation,
+                        last_seq: seq,
+                        missing: seq - 1,
                         gap,
                         last_admitted: now,
                         repairs: 0,
                         last_repair: None,
                     },
                 );
-                v.repairs.remove(&b.instance_id);
+                v.repairs.remove(id);
                 if gap {
-                    self.want_repair(v, &b.instance_id, b.incarnation);
+                    self.want_repair(v, id, incarnation);
                 }
             }
         }
@@ -86,62 +255,48 @@ impl Fleet {
         Ok(Admission::Applied)
     }
 
-    fn apply(&self, v: &mut Views, b: &CacheEventBatch) -> Result<(), FleetError> {
-        let Some(tier) = tier_of(b.tier) else { return Ok(()) };
-        let reporter = v.dir.instance(&b.instance_id)?;
-        let kind = match b.event_type {
+    fn apply<B: IncomingBatch>(&self, v: &mut Views, b: &B) -> Result<(), FleetError> {
+        let Some(tier) = tier_of(b.tier()) else { return Ok(()) };
+        let reporter = v.dir.instance(b.instance_id())?;
+        let kind = match b.event_type() {
             CacheEventType::Store => EventKind::Store,
             CacheEventType::Delete => EventKind::Delete,
             CacheEventType::Access => EventKind::Access,
             CacheEventType::Config => {
-                if b.shared {
-                    v.dir.site(reporter, tier, &b.backend, true)?;
+                if b.shared() {
+                    v.dir.site(reporter, tier, b.backend(), true)?;
                 }
-                declare(&mut v.declarations, b, tier);
+                declare(&mut v.declarations, &b.as_json(), tier);
                 return Ok(());
             }
         };
         let site = match kind {
             EventKind::Access => None,
-            _ => Some(v.dir.site(reporter, tier, &b.backend, b.shared)?),
+            _ => Some(v.dir.site(reporter, tier, b.backend(), b.shared())?),
         };
-        let mut entries = Vec::with_capacity(b.entries.len());
-        let mut last: Option<(&EncodedObjectKey, lmcache_directory::NsId)> = None;
-        for e in &b.entries {
-            let k = &e.key;
-            let ns = match last {
-                Some((p, id))
-                    if p.model_name == k.model_name
-                        && p.kv_rank == k.kv_rank
-                        && p.object_group_id == k.object_group_id
-                        && p.cache_salt == k.cache_salt =>
-                {
-                    id
-                }
-                _ => {
-                    let ns = namespace(k);
-                    let id = if kind == EventKind::Store {
-                        v.dir.namespace(&ns)?
-                    } else {
-                        match v.dir.find_namespace(&ns) {
-                            Some(id) => id,
-                            None => continue,
-                        }
-                    };
-                    last = Some((k, id));
-                    id
-                }
+        let mut entries = Vec::with_capacity(b.entry_count());
+        let mut last: Option<(EntryView<'_>, lmcache_directory::NsId)> = None;
+        for e in b.entries() {
+            let ns = match &last {
+                Some((p, id)) if p.same_namespace(&e) => *id,
+                _ if kind == EventKind::Store => v.dir.namespace(&e.namespace())?,
+                _ => match v.dir.find_namespace(&e.namespace()) {
+                    Some(id) => id,
+                    // Nothing was ever stored in it: nothing to delete or touch.
+                    None => continue,
+                },
             };
-            let hash = k.chunk_hash().map_err(FleetError::Invalid)?;
+            let hash = e.hash.clone().map_err(FleetError::Invalid)?;
             entries.push(Entry {
                 key: DirKey { hash, ns },
                 size: e.size_bytes,
-                tokens: &e.token_ids,
+                tokens: e.token_ids,
                 token_offset: e.token_offset,
             });
+            last = Some((e, ns));
         }
         if kind != EventKind::Access {
-            if let Some(r) = v.repairs.get_mut(&b.instance_id) {
+            if let Some(r) = v.repairs.get_mut(b.instance_id()) {
                 match (tier, site) {
                     (Tier::L1, _) => r.touched.extend(entries.iter().map(|e| e.key)),
                     (Tier::L2, Some(site)) => {
@@ -152,10 +307,12 @@ impl Fleet {
             }
         }
         match site {
-            Some(site) => v.dir.apply(reporter, b.incarnation, kind, site, b.ts, &entries)?,
-            None => v.dir.access(b.ts, entries.iter().map(|e| e.key)),
+            Some(site) => v.dir.apply(reporter, b.incarnation(), kind, site, b.ts(), &entries)?,
+            None => v.dir.access(b.ts(), entries.iter().map(|e| e.key)),
         }
-        self.publish_vllm(b, tier, kind);
+        if self.vllm_enabled() {
+            self.publish_vllm(&b.as_json(), tier, kind);
+        }
         self.metrics.entries.inc_by(entries.len() as u64);
         Ok(())
     }
@@ -183,5 +340,89 @@ impl Fleet {
             .collect();
         out.sort_by(|a, b| a.instance_id.cmp(&b.instance_id));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lmcache_protocol::coordinator::CacheEventEntry;
+
+    fn key(b: u8, salt: &str) -> EncodedObjectKey {
+        EncodedObjectKey {
+            chunk_hash_hex: format!("{b:02x}").repeat(32),
+            model_name: "m".into(),
+            kv_rank: 0x0100_0100,
+            object_group_id: 0,
+            cache_salt: salt.into(),
+        }
+    }
+
+    fn batch(
+        seq: u64,
+        event_type: CacheEventType,
+        tier: WireTier,
+        keys: &[(u8, &str)],
+    ) -> CacheEventBatch {
+        CacheEventBatch {
+            instance_id: "s".into(),
+            incarnation: 1,
+            seq,
+            event_type,
+            tier,
+            backend: if tier == WireTier::L1 { "dram".into() } else { "fs".into() },
+            entries: keys
+                .iter()
+                .map(|&(b, salt)| CacheEventEntry {
+                    key: key(b, salt),
+                    size_bytes: 100 + u64::from(b),
+                    token_ids: if b % 2 == 0 { vec![u32::from(b); 4] } else { Vec::new() },
+                    token_offset: if b % 2 == 0 { 0 } else { -1 },
+                })
+                .collect(),
+            shared: false,
+            ts: 1.0,
+            capacity_bytes: if event_type == CacheEventType::Config { 1 << 30 } else { 0 },
+            capacity_revision: 1,
+        }
+    }
+
+    /// The binary layout and LMCache's JSON give the same fleet: placements, cursors,
+    /// declarations; a damaged message is refused by name and changes nothing.
+    #[test]
+    fn binary_and_json_batches_make_the_same_fleet() {
+        use CacheEventType::*;
+        let batches = vec![
+            batch(1, Config, WireTier::L2, &[]),
+            batch(2, Store, WireTier::L1, &[(1, ""), (2, ""), (3, "t"), (4, "t")]),
+            batch(3, Store, WireTier::L2, &[(1, ""), (5, "")]),
+            batch(4, Delete, WireTier::L1, &[(2, ""), (9, "nobody")]),
+            batch(5, Access, WireTier::L1, &[(1, "")]),
+        ];
+        let json = Fleet::new(CoordinatorConfig::default()).unwrap();
+        json.ingest(&batches).unwrap();
+        let bin = Fleet::new(CoordinatorConfig::default()).unwrap();
+        for b in &batches {
+            let message = coordinator_binary::encode(std::slice::from_ref(b)).unwrap();
+            assert_eq!(bin.ingest_binary(&message).unwrap().applied, 1);
+        }
+        let (a, b) = (json.views.lock(), bin.views.lock());
+        assert_eq!(a.dir.digest(), b.dir.digest());
+        assert_eq!(a.dir.stats(), b.dir.stats());
+        assert_eq!(a.cursors["s"].last_seq, b.cursors["s"].last_seq);
+        assert_eq!(a.declarations["s"].compartments, b.declarations["s"].compartments);
+        assert_eq!(
+            a.dir.tokens(&[4; 32]).map(|t| t.tokens.to_vec()),
+            b.dir.tokens(&[4; 32]).map(|t| t.tokens.to_vec()),
+            "tokens travel too"
+        );
+        let before = b.dir.digest();
+        drop((a, b));
+        let mut bad =
+            coordinator_binary::encode(&[batch(6, Store, WireTier::L1, &[(7, "")])]).unwrap();
+        bad.truncate(bad.len() - 3);
+        let err = bin.ingest_binary(&bad).unwrap_err().to_string();
+        assert!(err.starts_with("binary batches: "), "{err}");
+        assert_eq!(bin.views.lock().dir.digest(), before, "a refused message changes nothing");
     }
 }

@@ -30,6 +30,11 @@ impl Fleet {
 
     /// An admitted store or delete of `b` at `tier`, re-published: one `KVEventBatch` per
     /// model the batch names, in the batch's order.
+    /// Whether batches are re-published in vLLM's format.
+    pub(super) fn vllm_enabled(&self) -> bool {
+        self.vllm.lock().is_some()
+    }
+
     pub(super) fn publish_vllm(&self, b: &CacheEventBatch, tier: Tier, kind: EventKind) {
         if self.vllm.lock().is_none() || kind == EventKind::Access {
             return;
