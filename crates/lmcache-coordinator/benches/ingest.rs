@@ -61,6 +61,18 @@ fn bodies() -> (Vec<String>, usize, Vec<String>) {
     (out, n, lookups)
 }
 
+/// A coordinator on a loopback port with its background passes off.
+fn fresh_coordinator() -> Coordinator {
+    Coordinator::start(CoordinatorConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        health_check_interval: Duration::ZERO,
+        eviction_check_interval: Duration::ZERO,
+        ..CoordinatorConfig::default()
+    })
+    .unwrap()
+}
+
 fn main() {
     let reps: usize = std::env::args().skip(1).find_map(|a| a.parse().ok()).unwrap_or(7);
     let (bodies, events, lookups) = bodies();
@@ -77,14 +89,7 @@ fn main() {
     let (mut bin_decode, mut bin_total) = (Vec::new(), Vec::new());
     let mut lookup_us = Vec::new();
     for rep in 0..reps {
-        let c = Coordinator::start(CoordinatorConfig {
-            host: "127.0.0.1".into(),
-            port: 0,
-            health_check_interval: Duration::ZERO,
-            eviction_check_interval: Duration::ZERO,
-            ..CoordinatorConfig::default()
-        })
-        .unwrap();
+        let c = fresh_coordinator();
         let (mut d, mut i) = (Duration::ZERO, Duration::ZERO);
         for b in &bodies {
             let t = Instant::now();
@@ -102,14 +107,7 @@ fn main() {
             std::hint::black_box(coordinator_binary::decode(m).unwrap());
         }
         bin_decode.push(t.elapsed().as_nanos() as f64 / events as f64);
-        let b = Coordinator::start(CoordinatorConfig {
-            host: "127.0.0.1".into(),
-            port: 0,
-            health_check_interval: Duration::ZERO,
-            eviction_check_interval: Duration::ZERO,
-            ..CoordinatorConfig::default()
-        })
-        .unwrap();
+        let b = fresh_coordinator();
         let t = Instant::now();
         for m in &messages {
             b.fleet().ingest_binary(m).unwrap();

@@ -743,13 +743,7 @@ impl Directory {
         &self,
         mut f: impl FnMut(&DirKey, &[(SiteId, u32, u64)], u32, u32),
     ) {
-        let mut buf: Vec<(SiteId, u32, u64)> = Vec::new();
-        for i in self.keys.iter() {
-            let r = self.keys.slot(i);
-            buf.clear();
-            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size())));
-            f(&self.keys.key(i), &buf, r.access_count(), r.last_access);
-        }
+        self.for_each_record_in(0, self.slot_count(), |k, p, ac, la, _| f(k, p, ac, la));
     }
 
     /// Slots in the arena, live or free (an image build visits those below this).
@@ -795,20 +789,13 @@ impl Directory {
 
     /// Every token binding with the namespaces of the keys holding it.
     pub(crate) fn bindings_list(&self) -> Vec<SavedBinding> {
-        let mut holders: FastMap<[u8; 32], Vec<NsId>> = FastMap::default();
-        for i in self.keys.iter() {
-            if self.keys.slot(i).bound() {
-                let k = self.keys.key(i);
-                holders.entry(k.hash).or_default().push(k.ns);
-            }
-        }
-        holders
-            .into_iter()
-            .filter_map(|(h, ns)| {
-                let b = self.bindings.get(&h)?;
-                Some((h, b.offset, b.tokens.to_vec(), ns))
-            })
-            .collect()
+        let bound: Vec<DirKey> = self
+            .keys
+            .iter()
+            .filter(|&i| self.keys.slot(i).bound())
+            .map(|i| self.keys.key(i))
+            .collect();
+        self.bindings_of(&bound)
     }
 
     pub(crate) fn namespace_count(&self) -> usize {

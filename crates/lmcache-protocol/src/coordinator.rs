@@ -284,36 +284,68 @@ pub struct CacheEventBatch {
     pub capacity_revision: u64,
 }
 
+/// A batch's header as [`validate_batch`] checks it, whatever the batch's encoding.
+pub(crate) struct BatchHeader<'a> {
+    pub(crate) instance_id: &'a str,
+    pub(crate) backend: &'a str,
+    pub(crate) event_type: CacheEventType,
+    pub(crate) entries: usize,
+    pub(crate) seq: u64,
+    pub(crate) tier: WireTier,
+    pub(crate) ts: f64,
+}
+
+/// LMCache's `__post_init__` checks of a batch, given its header and its entries' token
+/// offsets, naming the field.
+pub(crate) fn validate_batch(
+    h: BatchHeader<'_>,
+    token_offsets: impl Iterator<Item = i64>,
+) -> Result<(), String> {
+    if h.instance_id.is_empty() {
+        return Err("instance_id must be non-empty".into());
+    }
+    if h.backend.is_empty() && h.event_type != CacheEventType::Access {
+        return Err(
+            format!("backend must be non-empty for {:?} batches", h.event_type).to_lowercase()
+        );
+    }
+    if h.event_type == CacheEventType::Config && h.entries > 0 {
+        return Err("config batches declare capacity and carry no entries".into());
+    }
+    if h.seq < 1 {
+        return Err(format!("seq must be >= 1 (got {})", h.seq));
+    }
+    if h.tier == WireTier::All {
+        return Err("cache events must target a concrete tier (got 'all')".into());
+    }
+    if !h.ts.is_finite() || h.ts < 0.0 {
+        return Err(format!("ts must be a finite number >= 0 (got {})", h.ts));
+    }
+    for (i, off) in token_offsets.enumerate() {
+        if off < -1 {
+            return Err(format!("entries[{i}].token_offset must be >= 0 or -1, got {off}"));
+        }
+    }
+    Ok(())
+}
+
 impl CacheEventBatch {
     /// LMCache's `__post_init__` checks plus key decoding, naming the field.
     pub fn validate(&self) -> Result<(), String> {
-        if self.instance_id.is_empty() {
-            return Err("instance_id must be non-empty".into());
-        }
-        if self.backend.is_empty() && self.event_type != CacheEventType::Access {
-            return Err(format!("backend must be non-empty for {:?} batches", self.event_type)
-                .to_lowercase());
-        }
-        if self.event_type == CacheEventType::Config && !self.entries.is_empty() {
-            return Err("config batches declare capacity and carry no entries".into());
-        }
-        if self.seq < 1 {
-            return Err(format!("seq must be >= 1 (got {})", self.seq));
-        }
-        if self.tier == WireTier::All {
-            return Err("cache events must target a concrete tier (got 'all')".into());
-        }
-        if !self.ts.is_finite() || self.ts < 0.0 {
-            return Err(format!("ts must be a finite number >= 0 (got {})", self.ts));
-        }
+        validate_batch(
+            BatchHeader {
+                instance_id: &self.instance_id,
+                backend: &self.backend,
+                event_type: self.event_type,
+                entries: self.entries.len(),
+                seq: self.seq,
+                tier: self.tier,
+                ts: self.ts,
+            },
+            self.entries.iter().map(|e| e.token_offset),
+        )?;
         for (i, e) in self.entries.iter().enumerate() {
             e.key.validate().map_err(|m| format!("entries[{i}].key: {m}"))?;
-            if e.token_offset < -1 {
-                return Err(format!(
-                    "entries[{i}].token_offset must be >= 0 or -1, got {}",
-                    e.token_offset
-                ));
-            }
         }
         Ok(())
     }

@@ -375,25 +375,18 @@ impl BinaryBatch<'_> {
 
     /// The checks [`CacheEventBatch::validate`] makes, on this layout.
     pub fn validate(&self) -> Result<(), String> {
-        if self.instance_id.is_empty() {
-            return Err("instance_id must be non-empty".into());
-        }
-        if self.backend.is_empty() && self.event_type != CacheEventType::Access {
-            return Err(format!("backend must be non-empty for {:?} batches", self.event_type)
-                .to_lowercase());
-        }
-        if self.event_type == CacheEventType::Config && !self.entries.is_empty() {
-            return Err("config batches declare capacity and carry no entries".into());
-        }
-        if self.seq < 1 {
-            return Err(format!("seq must be >= 1 (got {})", self.seq));
-        }
-        if self.tier == WireTier::All {
-            return Err("cache events must target a concrete tier (got 'all')".into());
-        }
-        if !self.ts.is_finite() || self.ts < 0.0 {
-            return Err(format!("ts must be a finite number >= 0 (got {})", self.ts));
-        }
+        crate::coordinator::validate_batch(
+            crate::coordinator::BatchHeader {
+                instance_id: self.instance_id,
+                backend: self.backend,
+                event_type: self.event_type,
+                entries: self.entries.len(),
+                seq: self.seq,
+                tier: self.tier,
+                ts: self.ts,
+            },
+            self.entries.iter().map(|e| e.token_offset),
+        )?;
         for (i, ns) in self.namespaces.iter().enumerate() {
             if ns.model_name.is_empty() {
                 return Err(format!("namespaces[{i}].model_name must be non-empty"));
@@ -402,14 +395,6 @@ impl BinaryBatch<'_> {
                 return Err(format!(
                     "namespaces[{i}]: kv_rank {:#x} packs world size 0",
                     ns.kv_rank
-                ));
-            }
-        }
-        for (i, e) in self.entries.iter().enumerate() {
-            if e.token_offset < -1 {
-                return Err(format!(
-                    "entries[{i}].token_offset must be >= 0 or -1, got {}",
-                    e.token_offset
                 ));
             }
         }
