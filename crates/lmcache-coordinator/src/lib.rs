@@ -138,9 +138,10 @@ impl Coordinator {
                 let (publisher, run) = vllm_events::bind(&c).map_err(|e| {
                     CoordinatorError::Config(FleetError::BadRequest(format!("vLLM KV events: {e}")))
                 })?;
-                fleet.set_vllm_publisher(publisher);
-                tracing::info!(endpoint = %c.endpoint, replay = ?c.replay_endpoint,
+                let (endpoint, replay) = publisher.endpoints();
+                tracing::info!(endpoint, replay = ?replay,
                     "re-publishing cache events as vLLM KV events");
+                fleet.set_vllm_publisher(publisher);
                 Some(run)
             }
             None => None,

@@ -130,9 +130,25 @@ pub(crate) enum Outgoing {
 #[derive(Debug)]
 pub(crate) struct Publisher {
     tx: SyncSender<Outgoing>,
+    /// The endpoints as bound (a `*` port resolved).
+    endpoint: String,
+    replay_endpoint: Option<String>,
+}
+
+/// The endpoint `s` is bound to (its port resolved when bound to `*`), or `asked`.
+fn bound_endpoint(s: &zmq::Socket, asked: &str) -> String {
+    match s.get_last_endpoint() {
+        Ok(Ok(ep)) => ep,
+        _ => asked.to_string(),
+    }
 }
 
 impl Publisher {
+    /// The PUB endpoint and the replay endpoint as bound.
+    pub(crate) fn endpoints(&self) -> (&str, Option<&str>) {
+        (&self.endpoint, self.replay_endpoint.as_deref())
+    }
+
     /// Queues `o`; false when the queue is full or the thread is gone (the batch is dropped).
     pub(crate) fn send(&self, o: Outgoing) -> bool {
         match self.tx.try_send(o) {
@@ -163,6 +179,9 @@ pub(crate) fn bind(
         }
         None => None,
     };
+    let endpoint = bound_endpoint(&publisher, &config.endpoint);
+    let replay_endpoint =
+        replay.as_ref().zip(config.replay_endpoint.as_deref()).map(|(r, ep)| bound_endpoint(r, ep));
     let (tx, rx) = std::sync::mpsc::sync_channel(QUEUE);
     let steps = config.buffer_steps.max(1);
     let run = move || {
@@ -177,7 +196,7 @@ pub(crate) fn bind(
         };
         t.run(&rx);
     };
-    Ok((Publisher { tx }, run))
+    Ok((Publisher { tx, endpoint, replay_endpoint }, run))
 }
 
 struct Thread {
@@ -306,15 +325,11 @@ mod tests {
     #[test]
     fn the_socket_publishes_in_order_and_replays_from_a_sequence() {
         let ctx = zmq::Context::new();
-        let free = || {
-            let probe = ctx.socket(zmq::PUB).unwrap();
-            probe.bind("tcp://127.0.0.1:*").unwrap();
-            probe.get_last_endpoint().unwrap().unwrap()
-        };
-        let (ep, replay) = (free(), free());
+        // Ports the kernel picks as the sockets bind (a port probed free and bound again
+        // later raced other tests: "Address already in use").
         let config = VllmEventsConfig {
-            endpoint: ep.clone(),
-            replay_endpoint: Some(replay.clone()),
+            endpoint: "tcp://127.0.0.1:*".into(),
+            replay_endpoint: Some("tcp://127.0.0.1:*".into()),
             buffer_steps: 2,
         };
         let Err(e) =
@@ -324,6 +339,8 @@ mod tests {
         };
         assert!(e.contains("--vllm-kv-events-endpoint tcp://nowhere:x"), "{e}");
         let (p, run) = bind(&config).unwrap();
+        let (ep, replay) = (p.endpoints().0.to_string(), p.endpoints().1.unwrap().to_string());
+        assert!(!ep.ends_with(":*") && !replay.ends_with(":*"), "{ep} {replay}");
         let sub = ctx.socket(zmq::SUB).unwrap();
         sub.connect(&ep).unwrap();
         sub.set_subscribe(b"kv@").unwrap();
