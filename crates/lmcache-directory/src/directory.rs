@@ -380,8 +380,7 @@ impl Directory {
     }
 
     /// Upserts one placement (`h`: its key's table hash), trying the slot after `prev` first;
-    /// returns its slot and the
-    /// (placements, bytes) it added.
+    /// returns its slot and the (placements, bytes) it added.
     fn store(
         &mut self,
         prev: Option<u32>,

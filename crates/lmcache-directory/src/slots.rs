@@ -4,7 +4,7 @@
 //! of the same chunks walks the arena sequentially: it checks the slot after the previous hit
 //! before it probes the table, one predictable read per chunk instead of one random probe
 //! ([`Slots::find_after`]). The table holds 4-byte slot numbers only, keyed by the chunk hash;
-//! the 32-byte hashes sit in an array parallel to the 32-byte slot records, so each costs its
+//! the 32-byte hashes sit in an array parallel to the 28-byte slot records, so each costs its
 //! bytes once.
 //!
 //! A slot holds its key's first placement inline; a key placed at several sites (a prefix every
@@ -186,21 +186,30 @@ impl Slots {
         self.slots[i].ns == key.ns.0 && self.hashes[i] == key.hash
     }
 
-    /// The slot of `key`.
-    pub(crate) fn find(&self, key: &DirKey) -> Option<u32> {
-        let h = key_hash(&self.hasher, &key.hash, key.ns.0);
+    /// The table hash of `key`.
+    pub(crate) fn hash_of(&self, key: &DirKey) -> u64 {
+        key_hash(&self.hasher, &key.hash, key.ns.0)
+    }
+
+    /// The slot of `key`, by its table hash `h`.
+    fn find_hashed(&self, key: &DirKey, h: u64) -> Option<u32> {
         self.table.find(h, |&i| self.matches(i, key)).copied()
     }
 
-    /// The slot of `key`, trying the one after `prev` first (a request's next chunk).
+    /// The slot of `key`.
+    pub(crate) fn find(&self, key: &DirKey) -> Option<u32> {
+        self.find_hashed(key, self.hash_of(key))
+    }
+
+    /// The slot after `prev` when it holds `key` (a request's next chunk, stored next).
+    fn next_slot(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
+        let next = prev?.wrapping_add(1);
+        ((next as usize) < self.slots.len() && self.matches(next, key)).then_some(next)
+    }
+
+    /// The slot of `key`, trying the one after `prev` first.
     pub(crate) fn find_after(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
-        if let Some(p) = prev {
-            let next = p.wrapping_add(1);
-            if (next as usize) < self.slots.len() && self.matches(next, key) {
-                return Some(next);
-            }
-        }
-        self.find(key)
+        self.next_slot(prev, key).or_else(|| self.find(key))
     }
 
     /// Brings the table lines of `keys` into cache: the probes are independent, so their
@@ -212,17 +221,11 @@ impl Slots {
         keys: impl Iterator<Item = &'a DirKey>,
     ) -> smallvec::SmallVec<[u64; 64]> {
         keys.map(|key| {
-            let h = key_hash(&self.hasher, &key.hash, key.ns.0);
-            std::hint::black_box(self.table.find(h, |&i| self.matches(i, key)));
+            let h = self.hash_of(key);
+            std::hint::black_box(self.find_hashed(key, h));
             h
         })
         .collect()
-    }
-
-    /// The table hash of `key`.
-    #[cfg(test)]
-    pub(crate) fn hash_of(&self, key: &DirKey) -> u64 {
-        key_hash(&self.hasher, &key.hash, key.ns.0)
     }
 
     /// Whether `n` more keys can be given slots (slot numbers are 32-bit; `u32::MAX` is never
@@ -273,15 +276,10 @@ impl Slots {
         p: Placement,
         owners: &SiteOwners,
     ) -> (u32, bool, Option<u64>) {
-        if let Some(next) = prev.map(|p| p.wrapping_add(1)) {
-            if (next as usize) < self.slots.len() && self.matches(next, key) {
-                return (next, false, self.put(next, p, owners));
-            }
+        match self.next_slot(prev, key).or_else(|| self.find_hashed(key, h)) {
+            Some(i) => (i, false, self.put(i, p, owners)),
+            None => (self.insert_new(key, h, p), true, None),
         }
-        if let Some(&i) = self.table.find(h, |&i| self.matches(i, key)) {
-            return (i, false, self.put(i, p, owners));
-        }
-        (self.insert_new(key, h, p), true, None)
     }
 
     /// A new key with its first placement, in a free slot or at the arena's end.
@@ -378,8 +376,7 @@ impl Slots {
     }
 
     fn free_slot(&mut self, i: u32) {
-        let key = self.key(i);
-        let h = key_hash(&self.hasher, &key.hash, key.ns.0);
+        let h = self.hash_of(&self.key(i));
         if let Ok(e) = self.table.find_entry(h, |&j| j == i) {
             e.remove();
         }
@@ -433,7 +430,7 @@ impl Slots {
 
     /// Every live slot number, in arena order (stable while nothing changes).
     pub(crate) fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        self.slots.iter().enumerate().filter(|(_, s)| !s.is_free()).map(|(i, _)| i as u32)
+        self.iter_range(0, self.slot_count())
     }
 
     /// Room for `n` more keys in the arena (the table is built after a restore).
@@ -518,20 +515,12 @@ impl Slots {
                 let bin = &mut order[from..end as usize];
                 from = end as usize;
                 // By key after the hash, so equal keys sit together even among colliding ones.
+                let key = |i: u32| (self.hashes[i as usize], self.slots[i as usize].ns);
                 bin.sort_unstable_by(|&(h0, a), &(h1, b)| {
-                    h0.cmp(&h1).then_with(|| {
-                        let (a, b) = (a as usize, b as usize);
-                        (self.hashes[a], self.slots[a].ns).cmp(&(self.hashes[b], self.slots[b].ns))
-                    })
+                    h0.cmp(&h1).then_with(|| key(a).cmp(&key(b)))
                 });
-                for w in bin.windows(2) {
-                    let ((h0, a), (h1, b)) = (w[0], w[1]);
-                    if h0 == h1
-                        && self.hashes[a as usize] == self.hashes[b as usize]
-                        && self.slots[a as usize].ns == self.slots[b as usize].ns
-                    {
-                        return false;
-                    }
+                if bin.windows(2).any(|w| w[0].0 == w[1].0 && key(w[0].1) == key(w[1].1)) {
+                    return false;
                 }
             }
         }

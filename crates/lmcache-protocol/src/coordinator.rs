@@ -88,7 +88,31 @@ pub struct EncodedObjectKey {
     pub cache_salt: String,
 }
 
+/// The namespace part of an object key (everything but the chunk hash), borrowed: keys with
+/// equal namespaces compare equal here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyNamespace<'a> {
+    /// Model name.
+    pub model_name: &'a str,
+    /// Packed world size and rank (LMCache's `kv_rank`).
+    pub kv_rank: u32,
+    /// Object group.
+    pub object_group_id: u32,
+    /// Cache salt.
+    pub cache_salt: &'a str,
+}
+
 impl EncodedObjectKey {
+    /// Its namespace part.
+    pub fn namespace(&self) -> KeyNamespace<'_> {
+        KeyNamespace {
+            model_name: &self.model_name,
+            kv_rank: self.kv_rank,
+            object_group_id: self.object_group_id,
+            cache_salt: &self.cache_salt,
+        }
+    }
+
     /// The chunk hash's bytes, or what is wrong with it.
     pub fn chunk_hash(&self) -> Result<[u8; 32], String> {
         hex32(&self.chunk_hash_hex).ok_or_else(|| {

@@ -17,7 +17,7 @@
 use std::ops::Range;
 
 use crate::coordinator::{
-    CacheEventBatch, CacheEventEntry, CacheEventType, EncodedObjectKey, WireTier,
+    CacheEventBatch, CacheEventEntry, CacheEventType, EncodedObjectKey, KeyNamespace, WireTier,
 };
 
 /// The first bytes of a binary message; a JSON message starts with `{`.
@@ -43,19 +43,6 @@ pub enum BinaryError {
     /// Bytes after the last batch.
     #[error("{0} trailing bytes")]
     Trailing(usize),
-}
-
-/// A namespace as the entries of one batch name it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BinaryNamespace<'a> {
-    /// Model name.
-    pub model_name: &'a str,
-    /// Packed world size and rank (LMCache's `kv_rank`).
-    pub kv_rank: u32,
-    /// Object group.
-    pub object_group_id: u32,
-    /// Cache salt.
-    pub cache_salt: &'a str,
 }
 
 /// One entry: the chunk hash, its namespace (an index into the batch's table), bytes, the
@@ -98,7 +85,7 @@ pub struct BinaryBatch<'a> {
     /// Config only: which declaration this batch belongs to.
     pub capacity_revision: u64,
     /// The namespaces the entries name.
-    pub namespaces: Vec<BinaryNamespace<'a>>,
+    pub namespaces: Vec<KeyNamespace<'a>>,
     /// The keys.
     pub entries: Vec<BinaryEntry>,
     /// Every entry's tokens, one after another.
@@ -163,20 +150,14 @@ pub fn encode(batches: &[CacheEventBatch]) -> Result<Vec<u8>, EncodeError> {
         out.extend_from_slice(&b.capacity_bytes.to_le_bytes());
         out.extend_from_slice(&b.capacity_revision.to_le_bytes());
         // The namespace table, in first-use order (a batch rarely names more than one).
-        let mut table: Vec<&EncodedObjectKey> = Vec::new();
+        let mut table: Vec<KeyNamespace<'_>> = Vec::new();
         let mut index: Vec<u16> = Vec::with_capacity(b.entries.len());
         for e in &b.entries {
-            let k = &e.key;
-            let same = |t: &&EncodedObjectKey| {
-                t.model_name == k.model_name
-                    && t.kv_rank == k.kv_rank
-                    && t.object_group_id == k.object_group_id
-                    && t.cache_salt == k.cache_salt
-            };
-            let at = match table.iter().rposition(same) {
+            let ns = e.key.namespace();
+            let at = match table.iter().rposition(|t| *t == ns) {
                 Some(at) => at,
                 None => {
-                    table.push(k);
+                    table.push(ns);
                     table.len() - 1
                 }
             };
@@ -184,10 +165,10 @@ pub fn encode(batches: &[CacheEventBatch]) -> Result<Vec<u8>, EncodeError> {
         }
         out.extend_from_slice(&(table.len() as u16).to_le_bytes());
         for k in &table {
-            put_str(&mut out, &k.model_name);
+            put_str(&mut out, k.model_name);
             out.extend_from_slice(&k.kv_rank.to_le_bytes());
             out.extend_from_slice(&k.object_group_id.to_le_bytes());
-            put_str(&mut out, &k.cache_salt);
+            put_str(&mut out, k.cache_salt);
         }
         out.extend_from_slice(&(b.entries.len() as u32).to_le_bytes());
         for (ei, (e, ns)) in b.entries.iter().zip(&index).enumerate() {
@@ -301,7 +282,7 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
         r.fits(n_ns, 16, at)?;
         let mut namespaces = Vec::with_capacity(n_ns);
         for _ in 0..n_ns {
-            namespaces.push(BinaryNamespace {
+            namespaces.push(KeyNamespace {
                 model_name: r.str()?,
                 kv_rank: r.u32()?,
                 object_group_id: r.u32()?,
@@ -363,7 +344,7 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
 
 impl BinaryBatch<'_> {
     /// Entry `e`'s namespace.
-    pub fn namespace(&self, e: &BinaryEntry) -> BinaryNamespace<'_> {
+    pub fn namespace(&self, e: &BinaryEntry) -> KeyNamespace<'_> {
         // `decode` checked every index against the table.
         self.namespaces[usize::from(e.ns)]
     }

@@ -43,7 +43,7 @@ impl Fleet {
             };
             let mut others: Vec<EncodedObjectKey> = v
                 .dir
-                .namespaces_like(&namespace(&k))
+                .namespaces_like(&namespace(k.namespace()))
                 .into_iter()
                 .filter(|(ns, id)| {
                     ns.object_group != k.object_group_id && v.dir.has_key(&DirKey { hash, ns: *id })
@@ -70,17 +70,11 @@ impl Fleet {
         let v = self.views.lock();
         // A request's keys mostly share one namespace: resolve it once per run of equal ones.
         let mut last: Option<(usize, Option<lmcache_directory::NsId>)> = None;
-        let same_ns = |a: &EncodedObjectKey, b: &EncodedObjectKey| {
-            a.model_name == b.model_name
-                && a.kv_rank == b.kv_rank
-                && a.object_group_id == b.object_group_id
-                && a.cache_salt == b.cache_salt
-        };
         let mut nss = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
             let ns = match last {
-                Some((j, ns)) if same_ns(&keys[j], k) => ns,
-                _ => v.dir.find_namespace(&namespace(k)),
+                Some((j, ns)) if keys[j].namespace() == k.namespace() => ns,
+                _ => v.dir.find_namespace(&namespace(k.namespace())),
             };
             last = Some((i, ns));
             nss.push(ns);
@@ -199,7 +193,7 @@ impl Fleet {
             for k in keys {
                 let hash = k.chunk_hash().map_err(FleetError::Invalid)?;
                 // A key of a namespace nobody stored into is held nowhere: the runs stop there.
-                match v.dir.find_namespace(&namespace(k)) {
+                match v.dir.find_namespace(&namespace(k.namespace())) {
                     Some(ns) => dks.push(DirKey { hash, ns }),
                     None => break,
                 }
@@ -242,45 +236,18 @@ impl Fleet {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_batches::l1_store;
     use super::*;
-    use lmcache_protocol::coordinator::{CacheEventEntry, CacheEventType};
 
     fn key(b: u8, model: &str, salt: &str) -> EncodedObjectKey {
-        EncodedObjectKey {
-            chunk_hash_hex: format!("{b:02x}").repeat(32),
-            model_name: model.into(),
-            kv_rank: 0x0100_0100,
-            object_group_id: 0,
-            cache_salt: salt.into(),
-        }
+        super::super::test_batches::key(format!("{b:02x}").repeat(32), model, salt)
     }
 
     #[test]
     fn a_lookup_answers_each_key_in_its_own_namespace() {
         let f = Fleet::new(CoordinatorConfig::default()).unwrap();
         let stored = [key(1, "m1", ""), key(2, "m2", ""), key(3, "m2", "t"), key(4, "m1", "")];
-        f.ingest(&[CacheEventBatch {
-            instance_id: "s".into(),
-            incarnation: 1,
-            seq: 1,
-            event_type: CacheEventType::Store,
-            tier: WireTier::L1,
-            backend: "dram".into(),
-            entries: stored
-                .iter()
-                .map(|k| CacheEventEntry {
-                    key: k.clone(),
-                    size_bytes: 1,
-                    token_ids: Vec::new(),
-                    token_offset: -1,
-                })
-                .collect(),
-            shared: false,
-            ts: 1.0,
-            capacity_bytes: 0,
-            capacity_revision: 0,
-        }])
-        .unwrap();
+        f.ingest(&[l1_store(1, stored.iter().cloned())]).unwrap();
         // Runs of one namespace, and the same hashes asked in another namespace (a miss).
         let asked = vec![
             key(1, "m1", ""),

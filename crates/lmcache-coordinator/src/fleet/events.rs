@@ -9,32 +9,11 @@ use super::*;
 
 /// One entry as the gate applies it, whichever form its batch came in.
 pub(crate) struct EntryView<'a> {
-    model_name: &'a str,
-    kv_rank: u32,
-    object_group_id: u32,
-    cache_salt: &'a str,
+    ns: KeyNamespace<'a>,
     hash: Result<[u8; 32], String>,
     size_bytes: u64,
     token_ids: &'a [u32],
     token_offset: i64,
-}
-
-impl EntryView<'_> {
-    fn same_namespace(&self, o: &EntryView<'_>) -> bool {
-        self.model_name == o.model_name
-            && self.kv_rank == o.kv_rank
-            && self.object_group_id == o.object_group_id
-            && self.cache_salt == o.cache_salt
-    }
-
-    fn namespace(&self) -> Namespace {
-        Namespace {
-            model: Arc::from(self.model_name),
-            kv_rank: self.kv_rank,
-            object_group: self.object_group_id,
-            cache_salt: Arc::from(self.cache_salt),
-        }
-    }
 }
 
 /// A cache-event batch as the gate reads it: LMCache's JSON form ([`CacheEventBatch`]) or the
@@ -90,10 +69,7 @@ impl IncomingBatch for CacheEventBatch {
     }
     fn entries(&self) -> impl Iterator<Item = EntryView<'_>> {
         self.entries.iter().map(|e| EntryView {
-            model_name: &e.key.model_name,
-            kv_rank: e.key.kv_rank,
-            object_group_id: e.key.object_group_id,
-            cache_salt: &e.key.cache_salt,
+            ns: e.key.namespace(),
             hash: e.key.chunk_hash(),
             size_bytes: e.size_bytes,
             token_ids: &e.token_ids,
@@ -137,18 +113,12 @@ impl IncomingBatch for BinaryBatch<'_> {
         self.entries.len()
     }
     fn entries(&self) -> impl Iterator<Item = EntryView<'_>> {
-        self.entries.iter().map(|e| {
-            let ns = self.namespace(e);
-            EntryView {
-                model_name: ns.model_name,
-                kv_rank: ns.kv_rank,
-                object_group_id: ns.object_group_id,
-                cache_salt: ns.cache_salt,
-                hash: Ok(e.hash),
-                size_bytes: e.size_bytes,
-                token_ids: self.tokens_of(e),
-                token_offset: e.token_offset,
-            }
+        self.entries.iter().map(|e| EntryView {
+            ns: self.namespace(e),
+            hash: Ok(e.hash),
+            size_bytes: e.size_bytes,
+            token_ids: self.tokens_of(e),
+            token_offset: e.token_offset,
         })
     }
     fn as_json(&self) -> Cow<'_, CacheEventBatch> {
@@ -275,25 +245,25 @@ impl Fleet {
             _ => Some(v.dir.site(reporter, tier, b.backend(), b.shared())?),
         };
         let mut entries = Vec::with_capacity(b.entry_count());
-        let mut last: Option<(EntryView<'_>, lmcache_directory::NsId)> = None;
+        let mut last: Option<(KeyNamespace<'_>, lmcache_directory::NsId)> = None;
         for e in b.entries() {
-            let ns = match &last {
-                Some((p, id)) if p.same_namespace(&e) => *id,
-                _ if kind == EventKind::Store => v.dir.namespace(&e.namespace())?,
-                _ => match v.dir.find_namespace(&e.namespace()) {
+            let ns = match last {
+                Some((p, id)) if p == e.ns => id,
+                _ if kind == EventKind::Store => v.dir.namespace(&namespace(e.ns))?,
+                _ => match v.dir.find_namespace(&namespace(e.ns)) {
                     Some(id) => id,
                     // Nothing was ever stored in it: nothing to delete or touch.
                     None => continue,
                 },
             };
-            let hash = e.hash.clone().map_err(FleetError::Invalid)?;
+            let hash = e.hash.map_err(FleetError::Invalid)?;
             entries.push(Entry {
                 key: DirKey { hash, ns },
                 size: e.size_bytes,
                 tokens: e.token_ids,
                 token_offset: e.token_offset,
             });
-            last = Some((e, ns));
+            last = Some((e.ns, ns));
         }
         if kind != EventKind::Access {
             if let Some(r) = v.repairs.get_mut(b.instance_id()) {
@@ -345,45 +315,34 @@ impl Fleet {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_batches::{key, l1_store};
     use super::*;
-    use lmcache_protocol::coordinator::CacheEventEntry;
 
-    fn key(b: u8, salt: &str) -> EncodedObjectKey {
-        EncodedObjectKey {
-            chunk_hash_hex: format!("{b:02x}").repeat(32),
-            model_name: "m".into(),
-            kv_rank: 0x0100_0100,
-            object_group_id: 0,
-            cache_salt: salt.into(),
-        }
-    }
-
+    /// Batch `seq` of instance `s`: `keys` (chunk byte, salt) with sizes, and tokens on the
+    /// even ones.
     fn batch(
         seq: u64,
         event_type: CacheEventType,
         tier: WireTier,
         keys: &[(u8, &str)],
     ) -> CacheEventBatch {
-        CacheEventBatch {
-            instance_id: "s".into(),
-            incarnation: 1,
+        let mut out = l1_store(
             seq,
+            keys.iter().map(|&(b, salt)| key(format!("{b:02x}").repeat(32), "m", salt)),
+        );
+        for (e, &(b, _)) in out.entries.iter_mut().zip(keys) {
+            e.size_bytes = 100 + u64::from(b);
+            if b % 2 == 0 {
+                (e.token_ids, e.token_offset) = (vec![u32::from(b); 4], 0);
+            }
+        }
+        CacheEventBatch {
             event_type,
             tier,
             backend: if tier == WireTier::L1 { "dram".into() } else { "fs".into() },
-            entries: keys
-                .iter()
-                .map(|&(b, salt)| CacheEventEntry {
-                    key: key(b, salt),
-                    size_bytes: 100 + u64::from(b),
-                    token_ids: if b % 2 == 0 { vec![u32::from(b); 4] } else { Vec::new() },
-                    token_offset: if b % 2 == 0 { 0 } else { -1 },
-                })
-                .collect(),
-            shared: false,
-            ts: 1.0,
             capacity_bytes: if event_type == CacheEventType::Config { 1 << 30 } else { 0 },
             capacity_revision: 1,
+            ..out
         }
     }
 

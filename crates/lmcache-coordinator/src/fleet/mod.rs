@@ -26,8 +26,8 @@ use lmcache_directory::{
 };
 use lmcache_protocol::coordinator::{
     CacheEventBatch, CacheEventType, CacheEventsResponse, DirectoryKeyInfo, DirectoryKeyPlacements,
-    EncodedObjectKey, FleetMemoryResponse, InstanceInfo, InstanceMemoryStatus, MAX_TOKEN_IDS,
-    ModuleMemoryStatus, Placement, RegisterRequest, RegisterResponse, WireTier,
+    EncodedObjectKey, FleetMemoryResponse, InstanceInfo, InstanceMemoryStatus, KeyNamespace,
+    MAX_TOKEN_IDS, ModuleMemoryStatus, Placement, RegisterRequest, RegisterResponse, WireTier,
 };
 use parking_lot::Mutex;
 
@@ -43,6 +43,54 @@ mod repair;
 mod replicated;
 mod usage;
 mod vllm;
+
+/// Batch builders the fleet's unit tests share.
+#[cfg(test)]
+pub(crate) mod test_batches {
+    use lmcache_protocol::coordinator::{
+        CacheEventBatch, CacheEventEntry, CacheEventType, EncodedObjectKey, WireTier,
+    };
+
+    /// Chunk hash `hex` (64 digits) of model `model`, one rank, salt `salt`.
+    pub(crate) fn key(hex: String, model: &str, salt: &str) -> EncodedObjectKey {
+        EncodedObjectKey {
+            chunk_hash_hex: hex,
+            model_name: model.into(),
+            kv_rank: 0x0100_0100,
+            object_group_id: 0,
+            cache_salt: salt.into(),
+        }
+    }
+
+    /// Instance `s` (incarnation 1) stored `keys` in its L1 `dram`, one byte each, as batch
+    /// `seq`.
+    pub(crate) fn l1_store(
+        seq: u64,
+        keys: impl IntoIterator<Item = EncodedObjectKey>,
+    ) -> CacheEventBatch {
+        CacheEventBatch {
+            instance_id: "s".into(),
+            incarnation: 1,
+            seq,
+            event_type: CacheEventType::Store,
+            tier: WireTier::L1,
+            backend: "dram".into(),
+            entries: keys
+                .into_iter()
+                .map(|key| CacheEventEntry {
+                    key,
+                    size_bytes: 1,
+                    token_ids: Vec::new(),
+                    token_offset: -1,
+                })
+                .collect(),
+            shared: false,
+            ts: 1.0,
+            capacity_bytes: 0,
+            capacity_revision: 0,
+        }
+    }
+}
 
 pub use control::EvictionOrder;
 pub use persist::RestoreStats;
@@ -360,12 +408,12 @@ pub(crate) fn keys_of_chunks(
         .collect())
 }
 
-fn namespace(k: &EncodedObjectKey) -> Namespace {
+fn namespace(k: KeyNamespace<'_>) -> Namespace {
     Namespace {
-        model: Arc::from(k.model_name.as_str()),
+        model: Arc::from(k.model_name),
         kv_rank: k.kv_rank,
         object_group: k.object_group_id,
-        cache_salt: Arc::from(k.cache_salt.as_str()),
+        cache_salt: Arc::from(k.cache_salt),
     }
 }
 

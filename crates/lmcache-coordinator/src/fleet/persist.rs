@@ -137,36 +137,12 @@ pub struct RestoreStats {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_batches::{key, l1_store};
     use super::*;
-    use lmcache_protocol::coordinator::{CacheEventEntry, CacheEventType, EncodedObjectKey};
+    use lmcache_protocol::coordinator::EncodedObjectKey;
 
     fn batch(seq: u64, from: u32, n: u32) -> CacheEventBatch {
-        CacheEventBatch {
-            instance_id: "s".into(),
-            incarnation: 1,
-            seq,
-            event_type: CacheEventType::Store,
-            tier: WireTier::L1,
-            backend: "dram".into(),
-            entries: (from..from + n)
-                .map(|i| CacheEventEntry {
-                    key: EncodedObjectKey {
-                        chunk_hash_hex: format!("{i:064x}"),
-                        model_name: "m".into(),
-                        kv_rank: 0x0100_0100,
-                        object_group_id: 0,
-                        cache_salt: String::new(),
-                    },
-                    size_bytes: 1,
-                    token_ids: Vec::new(),
-                    token_offset: -1,
-                })
-                .collect(),
-            shared: false,
-            ts: 1.0,
-            capacity_bytes: 0,
-            capacity_revision: 0,
-        }
+        l1_store(seq, (from..from + n).map(|i| key(format!("{i:064x}"), "m", "")))
     }
 
     /// A checkpoint of several steps taken while batches keep arriving restores every key

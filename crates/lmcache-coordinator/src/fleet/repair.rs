@@ -6,7 +6,7 @@ use super::*;
 /// A snapshot entry's key, checked as LMCache checks keys, its namespace interned.
 fn listed_key(v: &mut Views, k: &EncodedObjectKey) -> Result<DirKey, FleetError> {
     k.validate().map_err(FleetError::Invalid)?;
-    let ns = v.dir.namespace(&namespace(k))?;
+    let ns = v.dir.namespace(&namespace(k.namespace()))?;
     Ok(DirKey { hash: k.chunk_hash().map_err(FleetError::Invalid)?, ns })
 }
 
