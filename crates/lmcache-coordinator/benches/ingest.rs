@@ -1,8 +1,11 @@
 //! The server side of `POST /events`, in process: the same trace as
 //! `scripts/bench-coordinator` (16 servers x 200 sequences of 64 chunks, 16 batches of 64
 //! entries per request body, LMCache's JSON), decoded as the HTTP route decodes it and
-//! ingested into a fresh coordinator. Reports ns per chunk event for the decode and for the
-//! ingest (gate + directory + usage), median of the repetitions. No HTTP or client here: this
+//! ingested into a fresh coordinator, twice: into the owned batch types and decoded in place
+//! (`decode_body`: one pass, borrowed strings, hashes decoded while parsing), as the route
+//! does. Reports ns per chunk
+//! event for the decode and for the ingest (gate + directory + usage), median of the
+//! repetitions. No HTTP or client here: this
 //! is what `scripts/bench-coordinator`'s end-to-end figure is made of on the server's side.
 //! Then, on the loaded directory, `/directory/lookup`'s work for 2,000 requests of one stored
 //! sequence's 64 keys (decode, lookup, encode the answer), median µs per request.
@@ -19,6 +22,7 @@ use lmcache_protocol::coordinator::{
     CacheEventsRequest, DirectoryLookupRequest, DirectoryLookupResponse,
 };
 use lmcache_protocol::coordinator_binary;
+use lmcache_protocol::coordinator_borrowed::{CacheEventsBody, decode_body};
 
 fn h(parts: &[u64]) -> String {
     let mut x = blake3::Hasher::new();
@@ -78,6 +82,7 @@ fn main() {
     let (bodies, events, lookups) = bodies();
     let bytes: usize = bodies.iter().map(String::len).sum();
     let (mut decode, mut ingest) = (Vec::new(), Vec::new());
+    let (mut in_place_decode, mut in_place_ingest) = (Vec::new(), Vec::new());
     // The same batches in the JetStream feed's binary layout, one message per batch as the
     // servers publish them.
     let messages: Vec<Vec<u8>> = bodies
@@ -102,6 +107,19 @@ fn main() {
         }
         decode.push(d.as_nanos() as f64 / events as f64);
         ingest.push(i.as_nanos() as f64 / events as f64);
+        let p = fresh_coordinator();
+        let (mut d, mut i) = (Duration::ZERO, Duration::ZERO);
+        for b in &bodies {
+            let t = Instant::now();
+            let req: CacheEventsBody<'_> = decode_body(b).unwrap();
+            d += t.elapsed();
+            let t = Instant::now();
+            p.fleet().ingest_borrowed(&req.batches).unwrap();
+            i += t.elapsed();
+            drop(req);
+        }
+        in_place_decode.push(d.as_nanos() as f64 / events as f64);
+        in_place_ingest.push(i.as_nanos() as f64 / events as f64);
         let t = Instant::now();
         for m in &messages {
             std::hint::black_box(coordinator_binary::decode(m).unwrap());
@@ -132,9 +150,15 @@ fn main() {
     };
     let (d, i) = (med(&mut decode), med(&mut ingest));
     println!(
-        "{events} chunk events in {} bodies ({:.0} bytes per event): decode {d:.0} ns, ingest {i:.0} ns, total {:.0} ns per event ({:.2} M events/s on one core)",
+        "{events} chunk events in {} bodies ({:.0} bytes per event), owned types: decode {d:.0} ns, ingest {i:.0} ns, total {:.0} ns per event ({:.2} M events/s on one core)",
         bodies.len(),
         bytes as f64 / events as f64,
+        d + i,
+        1e3 / (d + i)
+    );
+    let (d, i) = (med(&mut in_place_decode), med(&mut in_place_ingest));
+    println!(
+        "the same decoded in place (POST /events): decode {d:.0} ns, ingest {i:.0} ns, total {:.0} ns per event ({:.2} M events/s on one core)",
         d + i,
         1e3 / (d + i)
     );

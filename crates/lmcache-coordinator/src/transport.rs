@@ -16,7 +16,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt as _;
-use lmcache_protocol::coordinator::{CacheEventBatch, jetstream_subjects};
+use lmcache_protocol::coordinator::jetstream_subjects;
+use lmcache_protocol::coordinator_borrowed::CacheEventBatchRef;
 
 use crate::FleetError;
 use crate::fleet::Fleet;
@@ -56,8 +57,8 @@ fn apply_message(fleet: &Fleet, seq: u64, payload: &[u8]) {
     let result = if payload.starts_with(lmcache_protocol::coordinator_binary::MAGIC) {
         fleet.ingest_binary(payload).map(drop)
     } else {
-        match serde_json::from_slice::<CacheEventBatch>(payload) {
-            Ok(batch) => fleet.ingest(std::slice::from_ref(&batch)).map(drop),
+        match serde_json::from_slice::<CacheEventBatchRef<'_>>(payload) {
+            Ok(batch) => fleet.ingest_borrowed(std::slice::from_ref(&batch)).map(drop),
             Err(e) => Err(FleetError::Invalid(format!("undecodable JSON batch: {e}"))),
         }
     };

@@ -45,6 +45,16 @@ impl Api {
         Self::read(self.agent.post(&self.url(path)).send_json(body).unwrap())
     }
 
+    fn post_raw(&self, path: &str, body: &[u8]) -> (u16, Value) {
+        Self::read(
+            self.agent
+                .post(&self.url(path))
+                .header("Content-Type", "application/json")
+                .send(body)
+                .unwrap(),
+        )
+    }
+
     fn put(&self, path: &str) -> (u16, Value) {
         Self::read(self.agent.put(&self.url(path)).send_empty().unwrap())
     }
@@ -224,6 +234,25 @@ fn events_are_gated_per_emitter_and_restarts_fence_l1_only() {
         b[field] = value;
         let (s, v) = api.post("/events", json!({ "batches": [b] }));
         assert_eq!(s, 422, "{field}: {v}");
+    }
+    // The body is read in one pass when it has the usual shape and by serde otherwise: an
+    // escaped string, an unknown field and a duplicate key all take the second way, with
+    // serde's answer.
+    let escaped = batch("a", 6, 4, "store", "l1", "dram", &[7])
+        .to_string()
+        .replace(r#""backend":"dram""#, r#""backend":"dr\u0061m","extra":[null]"#);
+    assert!(escaped.contains(r"\u0061"), "{escaped}");
+    let (s, v) = api.post_raw("/events", format!(r#"{{"batches": [{escaped}]}}"#).as_bytes());
+    assert_eq!((s, &v["applied"]), (200, &json!(1)), "{v}");
+    assert_eq!(placements(&api, 7), vec![("a".into(), "l1".into(), "dram".into())]);
+    for (body, says) in [
+        (&br#"{"batches": [], "batches": []}"#[..], "duplicate field `batches`"),
+        (b"{\"batches\": [\"\xff\"]}", "not UTF-8"),
+        (b"[1, 2", "body: "),
+    ] {
+        let (s, v) = api.post_raw("/events", body);
+        assert_eq!(s, 422, "{v}");
+        assert!(v["detail"].as_str().unwrap().contains(says), "{v}");
     }
 }
 

@@ -115,58 +115,53 @@ impl EncodedObjectKey {
 
     /// The chunk hash's bytes, or what is wrong with it.
     pub fn chunk_hash(&self) -> Result<[u8; 32], String> {
-        hex32(&self.chunk_hash_hex).ok_or_else(|| {
-            format!(
-                "chunk_hash_hex must be 64 hex digits (32 bytes), got {:?}",
-                truncate(&self.chunk_hash_hex)
-            )
-        })
+        chunk_hash_of(&self.chunk_hash_hex)
     }
 
     /// Checks what LMCache's `ObjectKey` checks.
     pub fn validate(&self) -> Result<(), String> {
         self.chunk_hash()?;
-        if self.model_name.is_empty() {
-            return Err("model_name must be non-empty".into());
-        }
-        if self.kv_rank >> 24 == 0 {
-            return Err(format!("kv_rank {:#x} packs world size 0", self.kv_rank));
-        }
-        Ok(())
+        validate_namespace(self.namespace())
     }
 }
 
+/// The bytes of a `chunk_hash_hex`, or what is wrong with it.
+pub(crate) fn chunk_hash_of(hex: &str) -> Result<[u8; 32], String> {
+    hex32(hex).ok_or_else(|| {
+        format!("chunk_hash_hex must be 64 hex digits (32 bytes), got {:?}", truncate(hex))
+    })
+}
+
+/// What LMCache's `ObjectKey` checks of a key beyond its hash.
+pub(crate) fn validate_namespace(ns: KeyNamespace<'_>) -> Result<(), String> {
+    if ns.model_name.is_empty() {
+        return Err("model_name must be non-empty".into());
+    }
+    if ns.kv_rank >> 24 == 0 {
+        return Err(format!("kv_rank {:#x} packs world size 0", ns.kv_rank));
+    }
+    Ok(())
+}
+
 /// Decodes 64 hex digits (either case) into 32 bytes; `None` for anything else. Every
-/// cache-event entry and lookup key goes through here, so it is a table lookup per digit.
+/// cache-event entry and lookup key goes through here, so each digit is worked out by
+/// arithmetic with no branch or table, which the compiler runs in vector registers.
 pub fn hex32(s: &str) -> Option<[u8; 32]> {
-    const BAD: u8 = 0xff;
-    const LUT: [u8; 256] = {
-        let mut t = [BAD; 256];
-        let mut i = 0;
-        while i < 10 {
-            t[b'0' as usize + i] = i as u8;
-            i += 1;
-        }
-        let mut i = 0;
-        while i < 6 {
-            t[b'a' as usize + i] = 10 + i as u8;
-            t[b'A' as usize + i] = 10 + i as u8;
-            i += 1;
-        }
-        t
-    };
-    let b = s.as_bytes();
-    if b.len() != 64 {
-        return None;
+    let b: &[u8; 64] = s.as_bytes().try_into().ok()?;
+    let mut nibbles = [0u8; 64];
+    let mut bad = false;
+    for (n, &c) in nibbles.iter_mut().zip(b) {
+        let digit = c.wrapping_sub(b'0');
+        let letter = (c | 0x20).wrapping_sub(b'a');
+        let (is_digit, is_letter) = (digit < 10, letter < 6);
+        *n = if is_digit { digit } else { letter.wrapping_add(10) };
+        bad |= !(is_digit | is_letter);
     }
     let mut out = [0u8; 32];
-    let mut bad = 0u8;
-    for (o, pair) in out.iter_mut().zip(b.chunks_exact(2)) {
-        let (hi, lo) = (LUT[pair[0] as usize], LUT[pair[1] as usize]);
-        bad |= (hi | lo) & 0xf0;
-        *o = hi << 4 | lo;
+    for (o, pair) in out.iter_mut().zip(nibbles.chunks_exact(2)) {
+        *o = pair[0] << 4 | pair[1];
     }
-    (bad == 0).then_some(out)
+    (!bad).then_some(out)
 }
 
 fn truncate(s: &str) -> &str {
@@ -255,7 +250,7 @@ pub enum CacheEventType {
     Config,
 }
 
-fn unknown_offset() -> i64 {
+pub(crate) fn unknown_offset() -> i64 {
     -1
 }
 
@@ -549,6 +544,20 @@ mod tests {
             ["ab".repeat(31), "zz".repeat(32), format!("{}g", "a".repeat(63)), "é".repeat(32)]
         {
             assert_eq!(hex32(&bad), None, "{bad}");
+        }
+        // Every byte at every position, against the standard library's reading of a digit.
+        for c in 0..=255u8 {
+            for at in [0, 1, 37, 63] {
+                let mut text = *b"0123456789abcdefABCDEF0123456789abcdefABCDEF0123456789abcdef0123";
+                text[at] = c;
+                let want = (c as char).to_digit(16).map(|_| hex::decode(text).unwrap());
+                let got = std::str::from_utf8(&text).ok().and_then(hex32).map(|h| h.to_vec());
+                if c.is_ascii() {
+                    assert_eq!(got, want, "byte {c:#x} at {at}");
+                } else {
+                    assert_eq!(got, None);
+                }
+            }
         }
         let mut ok = b.clone();
         ok.entries[0].key.chunk_hash_hex = "ab".repeat(32);

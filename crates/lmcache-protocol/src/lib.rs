@@ -17,6 +17,8 @@
 //!   descriptors, transfer responses) with their decoders and encoders.
 //! - [`coordinator`]: the JSON contract with LMCache's coordinator (registration, cache-event
 //!   batches, directory answers).
+//! - [`coordinator_borrowed`]: `POST /events` bodies decoded in place (strings borrowed from
+//!   the body, chunk hashes decoded once), what the coordinator ingests.
 //! - [`coordinator_binary`]: cache-event batches in a binary layout, for the JetStream feed
 //!   between lmcache-rs's own servers and coordinator.
 //! - [`error`]: [`ProtocolError`], each naming the field and what was wrong, and its kind
@@ -25,6 +27,7 @@
 
 pub mod coordinator;
 pub mod coordinator_binary;
+pub mod coordinator_borrowed;
 pub mod error;
 pub mod frame;
 pub mod op;

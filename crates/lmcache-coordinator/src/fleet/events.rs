@@ -4,6 +4,7 @@
 use std::borrow::Cow;
 
 use lmcache_protocol::coordinator_binary::{self, BinaryBatch};
+use lmcache_protocol::coordinator_borrowed::CacheEventBatchRef;
 
 use super::*;
 
@@ -126,6 +127,51 @@ impl IncomingBatch for BinaryBatch<'_> {
     }
 }
 
+impl IncomingBatch for CacheEventBatchRef<'_> {
+    fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+    fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+    fn seq(&self) -> u64 {
+        self.seq
+    }
+    fn event_type(&self) -> CacheEventType {
+        self.event_type
+    }
+    fn tier(&self) -> WireTier {
+        self.tier
+    }
+    fn backend(&self) -> &str {
+        &self.backend
+    }
+    fn shared(&self) -> bool {
+        self.shared
+    }
+    fn ts(&self) -> f64 {
+        self.ts
+    }
+    fn validate(&self) -> Result<(), String> {
+        CacheEventBatchRef::validate(self)
+    }
+    fn entry_count(&self) -> usize {
+        self.entries.len()
+    }
+    fn entries(&self) -> impl Iterator<Item = EntryView<'_>> {
+        self.entries.iter().map(|e| EntryView {
+            ns: e.key.namespace(),
+            hash: e.key.chunk_hash.0.clone(),
+            size_bytes: e.size_bytes,
+            token_ids: &e.token_ids,
+            token_offset: e.token_offset,
+        })
+    }
+    fn as_json(&self) -> Cow<'_, CacheEventBatch> {
+        Cow::Owned(self.to_owned_batch())
+    }
+}
+
 impl Fleet {
     // ---- events ---------------------------------------------------------------------------
 
@@ -133,6 +179,16 @@ impl Fleet {
     /// request, as LMCache's 422 does); then each is admitted by its emitter's cursor and
     /// applied in order.
     pub fn ingest(&self, batches: &[CacheEventBatch]) -> Result<CacheEventsResponse, FleetError> {
+        self.ingest_any(batches)
+    }
+
+    /// Batches decoded in place from a `POST /events` body or a JSON JetStream message
+    /// ([`lmcache_protocol::coordinator_borrowed`]): admitted and applied as [`Fleet::ingest`]
+    /// does, without a string copied or a hash decoded twice per entry.
+    pub fn ingest_borrowed(
+        &self,
+        batches: &[CacheEventBatchRef<'_>],
+    ) -> Result<CacheEventsResponse, FleetError> {
         self.ingest_any(batches)
     }
 
