@@ -70,7 +70,13 @@ impl<'a> Cursor<'a> {
         self.eat(b'"')?;
         let start = self.at;
         let rest = self.bytes().get(start..)?;
-        let len = memchr::memchr2(b'"', b'\\', rest)?;
+        // Field names and most values are short: a plain loop over their first bytes costs
+        // less than memchr's setup; a longer string (a hash) goes on with memchr.
+        let head = rest.len().min(16);
+        let len = match rest[..head].iter().position(|&x| x == b'"' || x == b'\\') {
+            Some(n) => n,
+            None => head + memchr::memchr2(b'"', b'\\', &rest[head..])?,
+        };
         let body = &rest[..len];
         // A fold, not `any`: without an early exit it runs in vector registers.
         if rest[len] != b'"' || body.iter().fold(false, |bad, &x| bad | (x < 0x20)) {
