@@ -23,6 +23,7 @@ use lmcache_protocol::coordinator::{
 };
 use lmcache_protocol::coordinator_binary;
 use lmcache_protocol::coordinator_borrowed::{CacheEventsBody, decode_body};
+use lmcache_protocol::coordinator_write::lookup_response_json;
 
 fn h(parts: &[u64]) -> String {
     let mut x = blake3::Hasher::new();
@@ -137,8 +138,7 @@ fn main() {
                 let t = Instant::now();
                 let req: DirectoryLookupRequest = serde_json::from_str(body).unwrap();
                 let results = c.fleet().lookup(req.keys).unwrap();
-                let out =
-                    serde_json::to_vec(&DirectoryLookupResponse { chunks: 64, results }).unwrap();
+                let out = lookup_response_json(&DirectoryLookupResponse { chunks: 64, results });
                 std::hint::black_box(out);
                 lookup_us.push(t.elapsed().as_nanos() as f64 / 1e3);
             }

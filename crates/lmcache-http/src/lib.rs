@@ -9,7 +9,7 @@
 //! - [`error`] and [`JsonBody`]: errors are `{"detail": ...}`; a body that does not decode is a
 //!   422 naming the problem (FastAPI's status, as LMCache's services answer); [`RawBody`],
 //!   [`parse_json`] and [`parse_json_with`] do the same for a body decoded borrowing from its
-//!   bytes ([`BadBody`] is that 422).
+//!   bytes ([`BadBody`] is that 422); [`json_bytes`] answers JSON a route wrote itself.
 //! - [`panic_message`]: the text of a panic payload.
 #![forbid(unsafe_code)]
 
@@ -168,6 +168,11 @@ pub fn parse_json_with<'a, T, E: std::fmt::Display>(
     let text =
         std::str::from_utf8(bytes).map_err(|e| BadBody(format!("body: not UTF-8 JSON: {e}")))?;
     decode(text).map_err(|e| BadBody(format!("body: {e}")))
+}
+
+/// A 200 whose body is JSON already written (by a route's own writer).
+pub fn json_bytes(body: Vec<u8>) -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 /// A body that did not decode: answered 422 `{"detail": "body: ..."}`.

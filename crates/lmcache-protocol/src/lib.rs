@@ -19,6 +19,8 @@
 //!   batches, directory answers).
 //! - [`coordinator_borrowed`]: `POST /events` bodies decoded in place (strings borrowed from
 //!   the body, chunk hashes decoded once), what the coordinator ingests.
+//! - [`coordinator_write`]: the directory's lookup answer written straight to JSON bytes (the
+//!   bytes serde writes, faster).
 //! - [`coordinator_binary`]: cache-event batches in a binary layout, for the JetStream feed
 //!   between lmcache-rs's own servers and coordinator.
 //! - [`error`]: [`ProtocolError`], each naming the field and what was wrong, and its kind
@@ -28,6 +30,7 @@
 pub mod coordinator;
 pub mod coordinator_binary;
 pub mod coordinator_borrowed;
+pub mod coordinator_write;
 pub mod error;
 pub mod frame;
 pub mod op;

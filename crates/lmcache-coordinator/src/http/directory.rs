@@ -8,10 +8,11 @@ use std::collections::BTreeMap;
 use axum::extract::{Json, Query, State};
 use axum::response::{IntoResponse, Response};
 use lmcache_directory::{KeyFilter, Tier};
-use lmcache_http::{Api, JsonBody as Body};
+use lmcache_http::{Api, JsonBody as Body, json_bytes};
 use lmcache_protocol::coordinator::{
     DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, WireTier,
 };
+use lmcache_protocol::coordinator_write::lookup_response_json;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -50,9 +51,10 @@ async fn lookup(State(s): State<Shared>, Body(req): Body<DirectoryLookupRequest>
         (req.keys.len(), req.keys)
     };
     match s.lookup(keys) {
-        Ok(results) => {
-            Json(DirectoryLookupResponse { chunks: chunks as u64, results }).into_response()
-        }
+        Ok(results) => json_bytes(lookup_response_json(&DirectoryLookupResponse {
+            chunks: chunks as u64,
+            results,
+        })),
         Err(e) => fail(&s, e),
     }
 }
