@@ -18,12 +18,10 @@
 use std::time::{Duration, Instant};
 
 use lmcache_coordinator::{Coordinator, CoordinatorConfig};
-use lmcache_protocol::coordinator::{
-    CacheEventsRequest, DirectoryLookupRequest, DirectoryLookupResponse,
-};
+use lmcache_protocol::coordinator::CacheEventsRequest;
 use lmcache_protocol::coordinator_binary;
-use lmcache_protocol::coordinator_borrowed::{CacheEventsBody, decode_body};
-use lmcache_protocol::coordinator_write::lookup_response_json;
+use lmcache_protocol::coordinator_borrowed::{CacheEventsBody, DirectoryLookupBody, decode_body};
+use lmcache_protocol::coordinator_write::lookup_answer_json;
 
 fn h(parts: &[u64]) -> String {
     let mut x = blake3::Hasher::new();
@@ -136,9 +134,9 @@ fn main() {
             for n in 0..2000 {
                 let body = &lookups[n % lookups.len()];
                 let t = Instant::now();
-                let req: DirectoryLookupRequest = serde_json::from_str(body).unwrap();
-                let results = c.fleet().lookup(req.keys).unwrap();
-                let out = lookup_response_json(&DirectoryLookupResponse { chunks: 64, results });
+                let req: DirectoryLookupBody<'_> = serde_json::from_str(body).unwrap();
+                let answers = c.fleet().lookup_answers(&req.keys).unwrap();
+                let out = lookup_answer_json(64, &req.keys, &answers);
                 std::hint::black_box(out);
                 lookup_us.push(t.elapsed().as_nanos() as f64 / 1e3);
             }

@@ -406,7 +406,7 @@ pub struct Placement {
     pub shared: bool,
 }
 
-fn one() -> u32 {
+pub(crate) fn one() -> u32 {
     1
 }
 

@@ -6,50 +6,84 @@
 //! escape in one vectorised pass and copied whole when clean, which every hash, model name and
 //! interned instance name is.
 
-use crate::coordinator::{
-    DirectoryKeyPlacements, DirectoryLookupResponse, EncodedObjectKey, Placement, WireTier,
-};
+use crate::coordinator::{DirectoryLookupResponse, Placement, WireTier};
+use crate::coordinator_borrowed::EncodedObjectKeyRef;
+
+/// One key's answer, without the key (the writer echoes the key asked beside it): what
+/// [`crate::coordinator::DirectoryKeyPlacements`] holds besides its key.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct KeyAnswer {
+    /// Its placements, sorted by instance, tier, backend.
+    pub placements: Vec<Placement>,
+    /// The chunk's tokens when known.
+    pub token_ids: Vec<u32>,
+    /// Accesses reported.
+    pub access_count: u64,
+}
 
 /// `r` as `serde_json::to_vec` writes it.
 pub fn lookup_response_json(r: &DirectoryLookupResponse) -> Vec<u8> {
-    let placements: usize = r.results.iter().map(|k| k.placements.len()).sum();
-    let mut out = Vec::with_capacity(32 + r.results.len() * 220 + placements * 110);
+    lookup_json(
+        r.chunks,
+        r.results.iter().map(|k| {
+            (EncodedObjectKeyRef::of(&k.key), &k.placements[..], &k.token_ids[..], k.access_count)
+        }),
+    )
+}
+
+/// The answer to keys `asked` whose answers are `answers` (in the same order), as
+/// [`lookup_response_json`] writes the [`DirectoryLookupResponse`] they make.
+pub fn lookup_answer_json(
+    chunks: u64,
+    asked: &[EncodedObjectKeyRef<'_>],
+    answers: &[KeyAnswer],
+) -> Vec<u8> {
+    lookup_json(
+        chunks,
+        asked
+            .iter()
+            .zip(answers)
+            .map(|(k, a)| (k.clone(), &a.placements[..], &a.token_ids[..], a.access_count)),
+    )
+}
+
+fn lookup_json<'a>(
+    chunks: u64,
+    results: impl ExactSizeIterator<Item = (EncodedObjectKeyRef<'a>, &'a [Placement], &'a [u32], u64)>,
+) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + results.len() * 600);
     out.extend_from_slice(b"{\"chunks\":");
-    number(&mut out, r.chunks);
+    number(&mut out, chunks);
     out.extend_from_slice(b",\"results\":[");
-    for (i, k) in r.results.iter().enumerate() {
+    for (i, (k, placements, token_ids, access_count)) in results.enumerate() {
         if i > 0 {
             out.push(b',');
         }
-        key_placements(&mut out, k);
+        out.extend_from_slice(b"{\"key\":");
+        key(&mut out, &k);
+        out.extend_from_slice(b",\"placements\":[");
+        for (i, p) in placements.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            placement(&mut out, p);
+        }
+        out.extend_from_slice(b"],\"token_ids\":[");
+        for (i, &t) in token_ids.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            number(&mut out, u64::from(t));
+        }
+        out.extend_from_slice(b"],\"access_count\":");
+        number(&mut out, access_count);
+        out.push(b'}');
     }
     out.extend_from_slice(b"]}");
     out
 }
 
-fn key_placements(out: &mut Vec<u8>, k: &DirectoryKeyPlacements) {
-    out.extend_from_slice(b"{\"key\":");
-    key(out, &k.key);
-    out.extend_from_slice(b",\"placements\":[");
-    for (i, p) in k.placements.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        placement(out, p);
-    }
-    out.extend_from_slice(b"],\"token_ids\":[");
-    for (i, &t) in k.token_ids.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        number(out, u64::from(t));
-    }
-    out.extend_from_slice(b"],\"access_count\":");
-    number(out, k.access_count);
-    out.push(b'}');
-}
-
-fn key(out: &mut Vec<u8>, k: &EncodedObjectKey) {
+fn key(out: &mut Vec<u8>, k: &EncodedObjectKeyRef<'_>) {
     out.extend_from_slice(b"{\"chunk_hash_hex\":");
     string(out, &k.chunk_hash_hex);
     out.extend_from_slice(b",\"model_name\":");
@@ -121,6 +155,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::coordinator::{DirectoryKeyPlacements, EncodedObjectKey};
 
     fn text() -> impl Strategy<Value = String> {
         prop_oneof![
@@ -167,10 +202,22 @@ mod tests {
     proptest! {
         #[test]
         fn the_answer_is_serdes_byte_for_byte(r in response()) {
-            let serde = serde_json::to_vec(&r).unwrap();
+            let serde = String::from_utf8(serde_json::to_vec(&r).unwrap()).unwrap();
+            prop_assert_eq!(&String::from_utf8(lookup_response_json(&r)).unwrap(), &serde);
+            // The same answer from the asked keys and their answers apart.
+            let asked: Vec<_> = r.results.iter().map(|k| EncodedObjectKeyRef::of(&k.key)).collect();
+            let answers: Vec<_> = r
+                .results
+                .iter()
+                .map(|k| KeyAnswer {
+                    placements: k.placements.clone(),
+                    token_ids: k.token_ids.clone(),
+                    access_count: k.access_count,
+                })
+                .collect();
             prop_assert_eq!(
-                String::from_utf8(lookup_response_json(&r)).unwrap(),
-                String::from_utf8(serde).unwrap()
+                String::from_utf8(lookup_answer_json(r.chunks, &asked, &answers)).unwrap(),
+                serde
             );
         }
     }

@@ -62,6 +62,26 @@ impl Fleet {
         &self,
         keys: Vec<EncodedObjectKey>,
     ) -> Result<Vec<DirectoryKeyPlacements>, FleetError> {
+        let asked: Vec<_> = keys.iter().map(EncodedObjectKeyRef::of).collect();
+        let answers = self.lookup_answers(&asked)?;
+        Ok(keys
+            .into_iter()
+            .zip(answers)
+            .map(|(key, a)| DirectoryKeyPlacements {
+                key,
+                placements: a.placements,
+                token_ids: a.token_ids,
+                access_count: a.access_count,
+            })
+            .collect())
+    }
+
+    /// [`Fleet::lookup`]'s answers to borrowed keys, without the keys (the route writes them
+    /// beside their answers: `lookup_answer_json`).
+    pub fn lookup_answers(
+        &self,
+        keys: &[EncodedObjectKeyRef<'_>],
+    ) -> Result<Vec<KeyAnswer>, FleetError> {
         let mut parsed = Vec::with_capacity(keys.len());
         for (i, k) in keys.iter().enumerate() {
             k.validate().map_err(|m| FleetError::Invalid(format!("keys[{i}]: {m}")))?;
@@ -79,14 +99,12 @@ impl Fleet {
             last = Some((i, ns));
             nss.push(ns);
         }
-        Ok(keys
+        Ok(parsed
             .into_iter()
-            .zip(parsed)
             .zip(nss)
-            .map(|((k, hash), ns)| {
+            .map(|(hash, ns)| {
                 let dk = ns.map(|ns| DirKey { hash, ns });
-                DirectoryKeyPlacements {
-                    key: k,
+                KeyAnswer {
                     placements: dk
                         .map(|dk| v.dir.placements(&dk))
                         .unwrap_or_default()

@@ -29,6 +29,8 @@ use lmcache_protocol::coordinator::{
     EncodedObjectKey, FleetMemoryResponse, InstanceInfo, InstanceMemoryStatus, KeyNamespace,
     MAX_TOKEN_IDS, ModuleMemoryStatus, Placement, RegisterRequest, RegisterResponse, WireTier,
 };
+use lmcache_protocol::coordinator_borrowed::EncodedObjectKeyRef;
+use lmcache_protocol::coordinator_write::KeyAnswer;
 use parking_lot::Mutex;
 
 use crate::config::CoordinatorConfig;

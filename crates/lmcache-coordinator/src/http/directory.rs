@@ -8,11 +8,10 @@ use std::collections::BTreeMap;
 use axum::extract::{Json, Query, State};
 use axum::response::{IntoResponse, Response};
 use lmcache_directory::{KeyFilter, Tier};
-use lmcache_http::{Api, JsonBody as Body, json_bytes};
-use lmcache_protocol::coordinator::{
-    DirectoryListResponse, DirectoryLookupRequest, DirectoryLookupResponse, WireTier,
-};
-use lmcache_protocol::coordinator_write::lookup_response_json;
+use lmcache_http::{Api, JsonBody as Body, RawBody, json_bytes, parse_json};
+use lmcache_protocol::coordinator::{DirectoryListResponse, WireTier};
+use lmcache_protocol::coordinator_borrowed::{DirectoryLookupBody, EncodedObjectKeyRef};
+use lmcache_protocol::coordinator_write::lookup_answer_json;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -32,10 +31,17 @@ pub(super) fn api() -> Api<Shared> {
         .post("/query_by_hash", rfc_query)
 }
 
-async fn lookup(State(s): State<Shared>, Body(req): Body<DirectoryLookupRequest>) -> Response {
+/// The body is decoded borrowing its strings and the answer written straight to JSON
+/// (`lookup_answer_json`): a 64-key lookup allocates no string per key either way.
+async fn lookup(State(s): State<Shared>, RawBody(body): RawBody) -> Response {
+    let req: DirectoryLookupBody<'_> = match parse_json(&body) {
+        Ok(req) => req,
+        Err(refused) => return refused.into_response(),
+    };
     if req.keys.is_empty() == req.token_ids.is_empty() {
         return fail(&s, FleetError::Invalid("supply exactly one of 'keys' or 'token_ids'".into()));
     }
+    let resolved;
     let (chunks, keys) = if req.keys.is_empty() {
         if req.model_name.is_empty() {
             return fail(
@@ -44,17 +50,17 @@ async fn lookup(State(s): State<Shared>, Body(req): Body<DirectoryLookupRequest>
             );
         }
         match s.resolve_tokens(&req.token_ids, &req.model_name, req.world_size, &req.cache_salt) {
-            Ok((chunks, keys)) => (chunks, s.across_object_groups(keys)),
+            Ok((chunks, keys)) => {
+                resolved = s.across_object_groups(keys);
+                (chunks, resolved.iter().map(EncodedObjectKeyRef::of).collect())
+            }
             Err(e) => return fail(&s, e),
         }
     } else {
         (req.keys.len(), req.keys)
     };
-    match s.lookup(keys) {
-        Ok(results) => json_bytes(lookup_response_json(&DirectoryLookupResponse {
-            chunks: chunks as u64,
-            results,
-        })),
+    match s.lookup_answers(&keys) {
+        Ok(answers) => json_bytes(lookup_answer_json(chunks as u64, &keys, &answers)),
         Err(e) => fail(&s, e),
     }
 }

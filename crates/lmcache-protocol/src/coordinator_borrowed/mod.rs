@@ -14,7 +14,7 @@ use serde::de::{self, Deserializer, Visitor};
 
 use crate::coordinator::{
     BatchHeader, CacheEventBatch, CacheEventEntry, CacheEventType, EncodedObjectKey, KeyNamespace,
-    WireTier, chunk_hash_of, unknown_offset, validate_batch, validate_namespace,
+    WireTier, chunk_hash_of, one, unknown_offset, validate_batch, validate_namespace,
 };
 
 mod scan;
@@ -207,6 +207,81 @@ impl CacheEventBatchRef<'_> {
     }
 }
 
+/// `POST /directory/lookup` body ([`crate::coordinator::DirectoryLookupRequest`]) borrowing
+/// its strings.
+#[derive(Debug, PartialEq, Deserialize)]
+pub struct DirectoryLookupBody<'a> {
+    /// Keys form.
+    #[serde(borrow, default)]
+    pub keys: Vec<EncodedObjectKeyRef<'a>>,
+    /// Tokens form: the request's whole token sequence from position 0.
+    #[serde(default)]
+    pub token_ids: Vec<u32>,
+    /// Tokens form: model.
+    #[serde(borrow, default)]
+    pub model_name: Cow<'a, str>,
+    /// Tokens form: world size (rank fan-out).
+    #[serde(default = "one")]
+    pub world_size: u32,
+    /// Tokens form: salt.
+    #[serde(borrow, default)]
+    pub cache_salt: Cow<'a, str>,
+}
+
+/// An [`EncodedObjectKey`] borrowing its strings, the hash kept as the caller wrote it (an
+/// answer echoes the key asked).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct EncodedObjectKeyRef<'a> {
+    /// Hex of the 32-byte chunk hash.
+    #[serde(borrow)]
+    pub chunk_hash_hex: Cow<'a, str>,
+    /// Model.
+    #[serde(borrow)]
+    pub model_name: Cow<'a, str>,
+    /// Packed kv rank.
+    pub kv_rank: u32,
+    /// Object group.
+    #[serde(default)]
+    pub object_group_id: u32,
+    /// Tenant salt.
+    #[serde(borrow, default)]
+    pub cache_salt: Cow<'a, str>,
+}
+
+impl<'a> EncodedObjectKeyRef<'a> {
+    /// A view of an owned key.
+    pub fn of(k: &'a EncodedObjectKey) -> Self {
+        Self {
+            chunk_hash_hex: Cow::Borrowed(&k.chunk_hash_hex),
+            model_name: Cow::Borrowed(&k.model_name),
+            kv_rank: k.kv_rank,
+            object_group_id: k.object_group_id,
+            cache_salt: Cow::Borrowed(&k.cache_salt),
+        }
+    }
+
+    /// Its namespace part.
+    pub fn namespace(&self) -> KeyNamespace<'_> {
+        KeyNamespace {
+            model_name: &self.model_name,
+            kv_rank: self.kv_rank,
+            object_group_id: self.object_group_id,
+            cache_salt: &self.cache_salt,
+        }
+    }
+
+    /// The chunk hash's bytes, or what is wrong with it ([`EncodedObjectKey::chunk_hash`]).
+    pub fn chunk_hash(&self) -> Result<[u8; 32], String> {
+        chunk_hash_of(&self.chunk_hash_hex)
+    }
+
+    /// [`EncodedObjectKey::validate`]'s checks, with its texts.
+    pub fn validate(&self) -> Result<(), String> {
+        self.chunk_hash()?;
+        validate_namespace(self.namespace())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,5 +339,33 @@ mod tests {
         let text = body(HASH, "m").replacen(&format!("\"{HASH}\""), "7", 1);
         assert!(serde_json::from_str::<CacheEventsBody<'_>>(&text).is_err());
         assert!(serde_json::from_str::<CacheEventsRequest>(&text).is_err());
+    }
+
+    #[test]
+    fn lookup_bodies_decode_as_the_owned_form_does() {
+        for text in [
+            format!(
+                r#"{{"keys": [{{"chunk_hash_hex": "{HASH}", "model_name": "m\u0031", "kv_rank": 16777472}},
+                {{"chunk_hash_hex": "zz", "model_name": "", "kv_rank": 1, "object_group_id": 3, "cache_salt": "s", "x": 1}}]}}"#
+            ),
+            r#"{"token_ids": [1, 2, 3], "model_name": "m", "world_size": 2, "cache_salt": "t"}"#
+                .into(),
+            "{}".into(),
+        ] {
+            let owned: crate::coordinator::DirectoryLookupRequest =
+                serde_json::from_str(&text).unwrap();
+            let borrowed: DirectoryLookupBody<'_> = serde_json::from_str(&text).unwrap();
+            assert_eq!(borrowed.keys.len(), owned.keys.len());
+            for (b, o) in borrowed.keys.iter().zip(&owned.keys) {
+                assert_eq!(b, &EncodedObjectKeyRef::of(o));
+                assert_eq!(b.chunk_hash(), o.chunk_hash());
+                assert_eq!(b.validate(), o.validate());
+                assert_eq!(b.namespace(), o.namespace());
+            }
+            assert_eq!(borrowed.token_ids, owned.token_ids);
+            assert_eq!(borrowed.model_name, owned.model_name);
+            assert_eq!(borrowed.world_size, owned.world_size);
+            assert_eq!(borrowed.cache_salt, owned.cache_salt);
+        }
     }
 }
