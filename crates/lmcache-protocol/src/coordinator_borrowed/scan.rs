@@ -17,7 +17,7 @@ use crate::coordinator::{CacheEventType, WireTier, chunk_hash_of};
 
 /// `text` read as a `POST /events` body, or `None` where serde must decide.
 pub(super) fn scan(text: &str) -> Option<CacheEventsBody<'_>> {
-    let mut c = Cursor { text, at: 0 };
+    let mut c = Cursor { text, at: 0, last_entries: 0 };
     let mut batches = Vec::new();
     let mut seen = Seen::default();
     c.object(|c, field| match field {
@@ -37,6 +37,8 @@ pub(super) fn scan(text: &str) -> Option<CacheEventsBody<'_>> {
 struct Cursor<'a> {
     text: &'a str,
     at: usize,
+    /// Entries in the last batch read.
+    last_entries: usize,
 }
 
 impl<'a> Cursor<'a> {
@@ -195,7 +197,9 @@ impl<'a> Cursor<'a> {
             event_type: CacheEventType::Store,
             tier: WireTier::L1,
             backend: Cow::Borrowed(""),
-            entries: Vec::new(),
+            // The previous batch's count: a body's batches tend to be alike, and a guess from
+            // what was read cannot make a small body allocate much.
+            entries: Vec::with_capacity(self.last_entries),
             shared: false,
             ts: 0.0,
             capacity_bytes: 0,
@@ -231,6 +235,7 @@ impl<'a> Cursor<'a> {
         b.seq = seq?;
         b.event_type = event_type?;
         b.tier = tier?;
+        self.last_entries = b.entries.len();
         Some(b)
     }
 
