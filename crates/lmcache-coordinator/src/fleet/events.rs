@@ -1,8 +1,6 @@
 //! The event gate: cache-event batches admitted in order per emitter (duplicates, stale
 //! incarnations and gaps told apart) and applied to the directory.
 
-use std::borrow::Cow;
-
 use lmcache_protocol::coordinator_binary::{self, BinaryBatch};
 use lmcache_protocol::coordinator_borrowed::CacheEventBatchRef;
 
@@ -10,11 +8,11 @@ use super::*;
 
 /// One entry as the gate applies it, whichever form its batch came in.
 pub(crate) struct EntryView<'a> {
-    ns: KeyNamespace<'a>,
-    hash: Result<[u8; 32], String>,
-    size_bytes: u64,
-    token_ids: &'a [u32],
-    token_offset: i64,
+    pub(super) ns: KeyNamespace<'a>,
+    pub(super) hash: Result<[u8; 32], String>,
+    pub(super) size_bytes: u64,
+    pub(super) token_ids: &'a [u32],
+    pub(super) token_offset: i64,
 }
 
 /// A cache-event batch as the gate reads it: LMCache's JSON form ([`CacheEventBatch`]) or the
@@ -32,54 +30,8 @@ pub(crate) trait IncomingBatch {
     fn validate(&self) -> Result<(), String>;
     fn entry_count(&self) -> usize;
     fn entries(&self) -> impl Iterator<Item = EntryView<'_>>;
-    /// The JSON form (config declarations and vLLM re-publishing read it; both are rare or
-    /// optional).
-    fn as_json(&self) -> Cow<'_, CacheEventBatch>;
-}
-
-impl IncomingBatch for CacheEventBatch {
-    fn instance_id(&self) -> &str {
-        &self.instance_id
-    }
-    fn incarnation(&self) -> u64 {
-        self.incarnation
-    }
-    fn seq(&self) -> u64 {
-        self.seq
-    }
-    fn event_type(&self) -> CacheEventType {
-        self.event_type
-    }
-    fn tier(&self) -> WireTier {
-        self.tier
-    }
-    fn backend(&self) -> &str {
-        &self.backend
-    }
-    fn shared(&self) -> bool {
-        self.shared
-    }
-    fn ts(&self) -> f64 {
-        self.ts
-    }
-    fn validate(&self) -> Result<(), String> {
-        CacheEventBatch::validate(self)
-    }
-    fn entry_count(&self) -> usize {
-        self.entries.len()
-    }
-    fn entries(&self) -> impl Iterator<Item = EntryView<'_>> {
-        self.entries.iter().map(|e| EntryView {
-            ns: e.key.namespace(),
-            hash: e.key.chunk_hash(),
-            size_bytes: e.size_bytes,
-            token_ids: &e.token_ids,
-            token_offset: e.token_offset,
-        })
-    }
-    fn as_json(&self) -> Cow<'_, CacheEventBatch> {
-        Cow::Borrowed(self)
-    }
+    /// Config only: the compartment's capacity and the declaration's revision.
+    fn capacity(&self) -> (u64, u64);
 }
 
 impl IncomingBatch for BinaryBatch<'_> {
@@ -122,8 +74,8 @@ impl IncomingBatch for BinaryBatch<'_> {
             token_offset: e.token_offset,
         })
     }
-    fn as_json(&self) -> Cow<'_, CacheEventBatch> {
-        Cow::Owned(self.to_owned_batch())
+    fn capacity(&self) -> (u64, u64) {
+        (self.capacity_bytes, self.capacity_revision)
     }
 }
 
@@ -167,8 +119,8 @@ impl IncomingBatch for CacheEventBatchRef<'_> {
             token_offset: e.token_offset,
         })
     }
-    fn as_json(&self) -> Cow<'_, CacheEventBatch> {
-        Cow::Owned(self.to_owned_batch())
+    fn capacity(&self) -> (u64, u64) {
+        (self.capacity_bytes, self.capacity_revision)
     }
 }
 
@@ -179,7 +131,8 @@ impl Fleet {
     /// request, as LMCache's 422 does); then each is admitted by its emitter's cursor and
     /// applied in order.
     pub fn ingest(&self, batches: &[CacheEventBatch]) -> Result<CacheEventsResponse, FleetError> {
-        self.ingest_any(batches)
+        let views: Vec<_> = batches.iter().map(CacheEventBatchRef::of).collect();
+        self.ingest_any(&views)
     }
 
     /// Batches decoded in place from a `POST /events` body or a JSON JetStream message
@@ -292,7 +245,7 @@ impl Fleet {
                 if b.shared() {
                     v.dir.site(reporter, tier, b.backend(), true)?;
                 }
-                declare(&mut v.declarations, &b.as_json(), tier);
+                declare(&mut v.declarations, b, tier);
                 return Ok(());
             }
         };
@@ -336,9 +289,7 @@ impl Fleet {
             Some(site) => v.dir.apply(reporter, b.incarnation(), kind, site, b.ts(), &entries)?,
             None => v.dir.access(b.ts(), entries.iter().map(|e| e.key)),
         }
-        if self.vllm_enabled() {
-            self.publish_vllm(&b.as_json(), tier, kind);
-        }
+        self.publish_vllm(b, tier, kind);
         self.metrics.entries.inc_by(entries.len() as u64);
         Ok(())
     }

@@ -371,9 +371,10 @@ fn base_url_of(info: &InstanceInfo) -> String {
     format!("http://{host}:{}", info.http_port)
 }
 
-fn declare(decls: &mut HashMap<String, Declaration>, b: &CacheEventBatch, tier: Tier) {
-    let stamp = (b.incarnation, b.capacity_revision);
-    let d = decls.entry(b.instance_id.clone()).or_default();
+fn declare<B: events::IncomingBatch>(decls: &mut HashMap<String, Declaration>, b: &B, tier: Tier) {
+    let (capacity, revision) = b.capacity();
+    let stamp = (b.incarnation(), revision);
+    let d = decls.entry(b.instance_id().to_string()).or_default();
     if stamp < d.stamp {
         return;
     }
@@ -381,7 +382,7 @@ fn declare(decls: &mut HashMap<String, Declaration>, b: &CacheEventBatch, tier: 
         d.compartments.clear();
         d.stamp = stamp;
     }
-    d.compartments.insert((tier, b.backend.clone(), b.shared), b.capacity_bytes);
+    d.compartments.insert((tier, b.backend().to_string(), b.shared()), capacity);
 }
 
 /// The object keys of chunks given by their hex hashes: chunk-major, one key per rank of a

@@ -1,8 +1,7 @@
 //! Admitted batches and fences, handed to the vLLM KV-event publisher
 //! ([`crate::vllm_events`]) when re-publishing is on.
 
-use lmcache_protocol::coordinator::CacheEventEntry;
-
+use super::events::{EntryView, IncomingBatch};
 use crate::vllm_events::{Outgoing, Publisher, VllmEvent, encode_batch};
 
 use super::*;
@@ -29,25 +28,22 @@ impl Fleet {
     }
 
     /// An admitted store or delete of `b` at `tier`, re-published: one `KVEventBatch` per
-    /// model the batch names, in the batch's order.
-    /// Whether batches are re-published in vLLM's format.
-    pub(super) fn vllm_enabled(&self) -> bool {
-        self.vllm.lock().is_some()
-    }
-
-    pub(super) fn publish_vllm(&self, b: &CacheEventBatch, tier: Tier, kind: EventKind) {
-        if self.vllm.lock().is_none() || kind == EventKind::Access {
+    /// model the batch names, in the batch's order. Nothing is read of the batch while no
+    /// publisher is installed.
+    pub(super) fn publish_vllm<B: IncomingBatch>(&self, b: &B, tier: Tier, kind: EventKind) {
+        if kind == EventKind::Access || self.vllm.lock().is_none() {
             return;
         }
         let medium = match tier {
             Tier::L1 => "CPU".to_string(),
-            Tier::L2 => format!("L2:{}", b.backend),
+            Tier::L2 => format!("L2:{}", b.backend()),
         };
-        let mut models: Vec<(&str, Vec<&CacheEventEntry>)> = Vec::new();
-        for e in &b.entries {
-            match models.iter_mut().find(|(m, _)| *m == e.key.model_name) {
+        let all: Vec<EntryView<'_>> = b.entries().collect();
+        let mut models: Vec<(&str, Vec<&EntryView<'_>>)> = Vec::new();
+        for e in &all {
+            match models.iter_mut().find(|(m, _)| *m == e.ns.model_name) {
                 Some((_, v)) => v.push(e),
-                None => models.push((&e.key.model_name, vec![e])),
+                None => models.push((e.ns.model_name, vec![e])),
             }
         }
         for (model, entries) in models {
@@ -59,9 +55,9 @@ impl Fleet {
                 continue;
             }
             self.send_vllm(Outgoing::Batch {
-                instance: b.instance_id.clone(),
+                instance: b.instance_id().to_string(),
                 model: model.to_string(),
-                payload: encode_batch(b.ts, &events),
+                payload: encode_batch(b.ts(), &events),
             });
         }
     }
@@ -74,18 +70,18 @@ impl Fleet {
     }
 }
 
-fn hashes(entries: &[&CacheEventEntry]) -> Vec<Vec<u8>> {
-    entries.iter().filter_map(|e| e.key.chunk_hash().ok()).map(|h| h.to_vec()).collect()
+fn hashes(entries: &[&EntryView<'_>]) -> Vec<Vec<u8>> {
+    entries.iter().filter_map(|e| e.hash.as_ref().ok()).map(|h| h.to_vec()).collect()
 }
 
 /// Stores as `BlockStored` events: one per run of chunks that follow each other (the next
 /// starts at the token where the previous ended, both known), with the run's tokens when
 /// every chunk of it carried them. A chunk without a token offset is a run of its own: vLLM's
 /// consumers read `block_hashes` as a chain, and a chain we cannot vouch for is not sent.
-fn stored_runs(entries: &[&CacheEventEntry], medium: &str, chunk_size: usize) -> Vec<VllmEvent> {
+fn stored_runs(entries: &[&EntryView<'_>], medium: &str, chunk_size: usize) -> Vec<VllmEvent> {
     let mut out = Vec::new();
-    let mut run: Vec<&CacheEventEntry> = Vec::new();
-    let flush = |run: &mut Vec<&CacheEventEntry>, out: &mut Vec<VllmEvent>| {
+    let mut run: Vec<&EntryView<'_>> = Vec::new();
+    let flush = |run: &mut Vec<&EntryView<'_>>, out: &mut Vec<VllmEvent>| {
         if run.is_empty() {
             return;
         }
@@ -109,7 +105,7 @@ fn stored_runs(entries: &[&CacheEventEntry], medium: &str, chunk_size: usize) ->
         run.clear();
     };
     for &e in entries {
-        if e.key.chunk_hash().is_err() {
+        if e.hash.is_err() {
             continue;
         }
         let follows = run.last().is_some_and(|p| {
@@ -129,19 +125,18 @@ fn stored_runs(entries: &[&CacheEventEntry], medium: &str, chunk_size: usize) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lmcache_protocol::coordinator::EncodedObjectKey;
 
-    fn entry(b: u8, offset: i64, tokens: &[u32]) -> CacheEventEntry {
-        CacheEventEntry {
-            key: EncodedObjectKey {
-                chunk_hash_hex: hex::encode([b; 32]),
-                model_name: "m".into(),
+    fn entry(b: u8, offset: i64, tokens: &'static [u32]) -> EntryView<'static> {
+        EntryView {
+            ns: KeyNamespace {
+                model_name: "m",
                 kv_rank: 0x0100_0100,
                 object_group_id: 0,
-                cache_salt: String::new(),
+                cache_salt: "",
             },
+            hash: Ok([b; 32]),
             size_bytes: 1,
-            token_ids: tokens.to_vec(),
+            token_ids: tokens,
             token_offset: offset,
         }
     }
@@ -155,7 +150,7 @@ mod tests {
             entry(4, -1, &[]),    // offset unknown: alone
             entry(5, -1, &[]),
         ];
-        let refs: Vec<&CacheEventEntry> = e.iter().collect();
+        let refs: Vec<&EntryView<'_>> = e.iter().collect();
         let runs = stored_runs(&refs, "CPU", 256);
         let got: Vec<(Vec<u8>, Vec<u32>, u32)> = runs
             .iter()

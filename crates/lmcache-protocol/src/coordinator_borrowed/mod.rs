@@ -153,7 +153,39 @@ impl ObjectKeyRef<'_> {
     }
 }
 
-impl CacheEventBatchRef<'_> {
+impl<'a> CacheEventBatchRef<'a> {
+    /// A view of an owned batch (its hashes decoded, its token lists copied).
+    pub fn of(b: &'a CacheEventBatch) -> Self {
+        Self {
+            instance_id: Cow::Borrowed(&b.instance_id),
+            incarnation: b.incarnation,
+            seq: b.seq,
+            event_type: b.event_type,
+            tier: b.tier,
+            backend: Cow::Borrowed(&b.backend),
+            entries: b
+                .entries
+                .iter()
+                .map(|e| CacheEventEntryRef {
+                    key: ObjectKeyRef {
+                        chunk_hash: ChunkHashHex(e.key.chunk_hash()),
+                        model_name: Cow::Borrowed(&e.key.model_name),
+                        kv_rank: e.key.kv_rank,
+                        object_group_id: e.key.object_group_id,
+                        cache_salt: Cow::Borrowed(&e.key.cache_salt),
+                    },
+                    size_bytes: e.size_bytes,
+                    token_ids: e.token_ids.clone(),
+                    token_offset: e.token_offset,
+                })
+                .collect(),
+            shared: b.shared,
+            ts: b.ts,
+            capacity_bytes: b.capacity_bytes,
+            capacity_revision: b.capacity_revision,
+        }
+    }
+
     /// [`CacheEventBatch::validate`]'s checks, with its texts.
     pub fn validate(&self) -> Result<(), String> {
         validate_batch(
@@ -321,6 +353,8 @@ mod tests {
             e.key.chunk_hash_hex = e.key.chunk_hash_hex.to_lowercase();
         }
         assert_eq!(b.to_owned_batch(), expect);
+        // A view of the owned form is the decoded form.
+        assert_eq!(&CacheEventBatchRef::of(&owned.batches[0]), b);
     }
 
     #[test]
