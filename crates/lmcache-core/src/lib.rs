@@ -11,6 +11,8 @@
 //! - [`hashing`]: LMCache 0.5.6's BLAKE3 prefix chain, batch and incremental.
 //! - [`layout`]: tensor element types as the wire names them, and stored objects' shapes.
 //! - [`units`]: byte-size helpers shared by configuration code.
+//! - [`le_reader`]: a bounds-checked cursor over little-endian bytes, for the binary formats
+//!   above (checkpoint images, the JetStream feed).
 //! - [`error`]: why a key part or a hash input was refused.
 #![forbid(unsafe_code)]
 
@@ -18,6 +20,7 @@ pub mod error;
 pub mod hashing;
 pub mod key;
 pub mod layout;
+pub mod le_reader;
 pub mod units;
 
 pub use error::KeyError;

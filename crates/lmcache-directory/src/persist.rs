@@ -8,6 +8,8 @@
 
 use std::sync::Arc;
 
+use lmcache_core::le_reader::{LeReader, Truncated};
+
 use crate::directory::{Directory, DirectoryConfig};
 use crate::ids::{DirKey, InstanceId, Namespace, NsId, Site, SiteId, Tier};
 
@@ -38,52 +40,32 @@ pub enum DecodeError {
     Trailing(usize),
 }
 
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
+impl From<Truncated> for DecodeError {
+    fn from(t: Truncated) -> Self {
+        DecodeError::Truncated(t.0)
+    }
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.b.len())
-            .ok_or(DecodeError::Truncated(self.at))?;
-        let s = &self.b[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-    fn u8(&mut self) -> Result<u8, DecodeError> {
-        Ok(self.take(1)?[0])
-    }
-    fn u32(&mut self) -> Result<u32, DecodeError> {
-        let mut w = [0u8; 4];
-        w.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(w))
-    }
-    fn u64(&mut self) -> Result<u64, DecodeError> {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(w))
-    }
-    fn hash(&mut self) -> Result<[u8; 32], DecodeError> {
-        let mut h = [0u8; 32];
-        h.copy_from_slice(self.take(32)?);
-        Ok(h)
-    }
+/// What the image reads beyond [`LeReader`]'s integers.
+trait ReadExt {
+    /// A `u32` length and that many bytes of UTF-8.
+    fn str(&mut self) -> Result<Arc<str>, DecodeError>;
+    /// A `u64` count whose items take at least `min` bytes each: refused when the rest cannot
+    /// hold them (so a forged count cannot make us reserve gigabytes).
+    fn count(&mut self, min: usize) -> Result<usize, DecodeError>;
+}
+
+impl ReadExt for LeReader<'_> {
     fn str(&mut self) -> Result<Arc<str>, DecodeError> {
         let n = self.u32()? as usize;
-        let at = self.at;
+        let at = self.at();
         let s = self.take(n)?;
         std::str::from_utf8(s).map(Arc::from).map_err(|_| DecodeError::Utf8(at))
     }
-    /// A count whose items take at least `min` bytes each: refused when the rest cannot hold
-    /// them (so a forged count cannot make us reserve gigabytes).
     fn count(&mut self, min: usize) -> Result<usize, DecodeError> {
-        let at = self.at;
+        let at = self.at();
         let n = self.u64()? as usize;
-        if n.checked_mul(min).is_none_or(|need| need > self.b.len() - self.at) {
+        if !self.holds(n, min) {
             return Err(DecodeError::Invalid { what: "count", at });
         }
         Ok(n)
@@ -269,7 +251,7 @@ impl Directory {
 
     /// A directory from an image [`Directory::encode`] wrote.
     pub fn decode(bytes: &[u8], config: DirectoryConfig) -> Result<Directory, DecodeError> {
-        let mut r = Reader { b: bytes, at: 0 };
+        let mut r = LeReader::new(bytes);
         if r.take(8)? != MAGIC {
             return Err(DecodeError::Magic);
         }
@@ -283,7 +265,7 @@ impl Directory {
                 object_group: r.u32()?,
                 cache_salt: r.str()?,
             };
-            let at = r.at;
+            let at = r.at();
             if ns.world_size() == 0 {
                 return Err(DecodeError::Invalid { what: "kv_rank", at });
             }
@@ -296,7 +278,7 @@ impl Directory {
         let n_ns = d.namespace_count();
         let n = r.count(4)?;
         for _ in 0..n {
-            let at = r.at;
+            let at = r.at();
             let name = r.str()?;
             let id =
                 d.instance(&name).map_err(|_| DecodeError::Invalid { what: "instance", at })?;
@@ -308,7 +290,7 @@ impl Directory {
         let n = r.count(12)?;
         let mut epochs = Vec::with_capacity(n);
         for _ in 0..n {
-            let at = r.at;
+            let at = r.at();
             let inst = r.u32()?;
             let inc = r.u64()?;
             if inst >= n_inst {
@@ -319,7 +301,7 @@ impl Directory {
         let n = r.count(14)?;
         let mut sites = Vec::with_capacity(n);
         for _ in 0..n {
-            let at = r.at;
+            let at = r.at();
             let tier = match r.u8()? {
                 0 => Tier::L1,
                 1 => Tier::L2,
@@ -340,7 +322,7 @@ impl Directory {
             let m = r.count(4)?;
             let mut mounts = Vec::with_capacity(m);
             for _ in 0..m {
-                let at = r.at;
+                let at = r.at();
                 let i = r.u32()?;
                 if i >= n_inst {
                     return Err(DecodeError::Invalid { what: "mount", at });
@@ -350,15 +332,15 @@ impl Directory {
             sites.push((Site { tier, backend, owner }, mounts));
         }
         d.restore_tables(epochs, sites)
-            .map_err(|_| DecodeError::Invalid { what: "site table", at: r.at })?;
+            .map_err(|_| DecodeError::Invalid { what: "site table", at: r.at() })?;
         let n_sites = d.sites().count() as u32;
         let n_epochs = d.epoch_count() as u32;
         let n = r.count(45)?;
         d.reserve(n);
         let mut placements = Vec::new();
         for _ in 0..n {
-            let at = r.at;
-            let hash = r.hash()?;
+            let at = r.at();
+            let hash = r.array()?;
             let ns = r.u32()?;
             if ns as usize >= n_ns {
                 return Err(DecodeError::Invalid { what: "key namespace", at });
@@ -371,7 +353,7 @@ impl Directory {
             }
             placements.clear();
             for _ in 0..k {
-                let at = r.at;
+                let at = r.at();
                 let (site, epoch, size) = (r.u32()?, r.u32()?, r.u64()?);
                 if site >= n_sites || epoch >= n_epochs {
                     return Err(DecodeError::Invalid { what: "placement", at });
@@ -388,21 +370,21 @@ impl Directory {
             }
         }
         if !d.index_restored() {
-            return Err(DecodeError::Invalid { what: "duplicate key", at: r.at });
+            return Err(DecodeError::Invalid { what: "duplicate key", at: r.at() });
         }
         let n = r.count(48)?;
         for _ in 0..n {
-            let hash = r.hash()?;
+            let hash = r.array()?;
             let offset = r.u64()? as i64;
-            let at = r.at;
+            let at = r.at();
             let t = r.u32()? as usize;
-            if t == 0 || t.checked_mul(4).is_none_or(|need| need > bytes.len() - r.at) {
+            if t == 0 || !r.holds(t, 4) {
                 return Err(DecodeError::Invalid { what: "token count", at });
             }
             let tokens: Vec<u32> = (0..t).map(|_| r.u32()).collect::<Result<_, _>>()?;
-            let at = r.at;
+            let at = r.at();
             let h = r.u32()? as usize;
-            if h == 0 || h.checked_mul(4).is_none_or(|need| need > bytes.len() - r.at) {
+            if h == 0 || !r.holds(h, 4) {
                 return Err(DecodeError::Invalid { what: "binding holders", at });
             }
             let holders: Vec<NsId> = (0..h).map(|_| r.u32().map(NsId)).collect::<Result<_, _>>()?;
@@ -410,8 +392,8 @@ impl Directory {
                 return Err(DecodeError::Invalid { what: "binding", at });
             }
         }
-        if r.at != bytes.len() {
-            return Err(DecodeError::Trailing(bytes.len() - r.at));
+        if r.remaining() > 0 {
+            return Err(DecodeError::Trailing(r.remaining()));
         }
         Ok(d)
     }

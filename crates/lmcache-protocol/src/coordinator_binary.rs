@@ -16,6 +16,8 @@
 
 use std::ops::Range;
 
+use lmcache_core::le_reader::{LeReader, Truncated};
+
 use crate::coordinator::{
     CacheEventBatch, CacheEventEntry, CacheEventType, EncodedObjectKey, KeyNamespace, WireTier,
 };
@@ -190,61 +192,39 @@ pub fn encode(batches: &[CacheEventBatch]) -> Result<Vec<u8>, EncodeError> {
     Ok(out)
 }
 
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
+impl From<Truncated> for BinaryError {
+    fn from(t: Truncated) -> Self {
+        BinaryError::Truncated(t.0)
+    }
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], BinaryError> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.b.len())
-            .ok_or(BinaryError::Truncated(self.at))?;
-        let s = &self.b[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], BinaryError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-    fn u8(&mut self) -> Result<u8, BinaryError> {
-        Ok(self.take(1)?[0])
-    }
-    fn u16(&mut self) -> Result<u16, BinaryError> {
-        self.array().map(u16::from_le_bytes)
-    }
-    fn u32(&mut self) -> Result<u32, BinaryError> {
-        self.array().map(u32::from_le_bytes)
-    }
-    fn u64(&mut self) -> Result<u64, BinaryError> {
-        self.array().map(u64::from_le_bytes)
-    }
+/// What this layout reads beyond [`LeReader`]'s integers.
+trait ReadExt<'a> {
+    /// A `u32` length and that many bytes of UTF-8, borrowed.
+    fn str(&mut self) -> Result<&'a str, BinaryError>;
+    /// A count of items of at least `min` bytes each, read at `at`: refused when the rest
+    /// cannot hold them (so a forged count cannot make us reserve memory).
+    fn fits(&self, n: usize, min: usize, at: usize) -> Result<(), BinaryError>;
+}
+
+impl<'a> ReadExt<'a> for LeReader<'a> {
     fn str(&mut self) -> Result<&'a str, BinaryError> {
         let n = self.u32()? as usize;
-        let at = self.at;
+        let at = self.at();
         std::str::from_utf8(self.take(n)?).map_err(|_| BinaryError::Invalid { what: "string", at })
     }
-    /// A count of items of at least `min` bytes each: refused when the rest cannot hold them
-    /// (so a forged count cannot make us reserve memory).
     fn fits(&self, n: usize, min: usize, at: usize) -> Result<(), BinaryError> {
-        match n.checked_mul(min) {
-            Some(need) if need <= self.b.len() - self.at => Ok(()),
-            _ => Err(BinaryError::Invalid { what: "count", at }),
-        }
+        if self.holds(n, min) { Ok(()) } else { Err(BinaryError::Invalid { what: "count", at }) }
     }
 }
 
 /// Decodes a message [`encode`] wrote.
 pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
-    let mut r = Reader { b: bytes, at: 0 };
+    let mut r = LeReader::new(bytes);
     if r.take(8).ok() != Some(&MAGIC[..]) {
         return Err(BinaryError::Magic);
     }
-    let at = r.at;
+    let at = r.at();
     let n = r.u32()? as usize;
     r.fits(n, 60, at)?;
     let mut out = Vec::with_capacity(n);
@@ -252,7 +232,7 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
         let instance_id = r.str()?;
         let incarnation = r.u64()?;
         let seq = r.u64()?;
-        let at = r.at;
+        let at = r.at();
         let event_type = match r.u8()? {
             0 => CacheEventType::Store,
             1 => CacheEventType::Delete,
@@ -260,7 +240,7 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
             3 => CacheEventType::Config,
             _ => return Err(BinaryError::Invalid { what: "event type", at }),
         };
-        let at = r.at;
+        let at = r.at();
         let tier = match r.u8()? {
             0 => WireTier::L1,
             1 => WireTier::L2,
@@ -268,7 +248,7 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
             _ => return Err(BinaryError::Invalid { what: "tier", at }),
         };
         let backend = r.str()?;
-        let at = r.at;
+        let at = r.at();
         let shared = match r.u8()? {
             0 => false,
             1 => true,
@@ -277,7 +257,7 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
         let ts = f64::from_le_bytes(r.array()?);
         let capacity_bytes = r.u64()?;
         let capacity_revision = r.u64()?;
-        let at = r.at;
+        let at = r.at();
         let n_ns = r.u16()? as usize;
         r.fits(n_ns, 16, at)?;
         let mut namespaces = Vec::with_capacity(n_ns);
@@ -289,21 +269,21 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
                 cache_salt: r.str()?,
             });
         }
-        let at = r.at;
+        let at = r.at();
         let n_entries = r.u32()? as usize;
         r.fits(n_entries, 54, at)?;
         let mut entries = Vec::with_capacity(n_entries);
         let mut tokens = Vec::new();
         for _ in 0..n_entries {
             let hash = r.array()?;
-            let at = r.at;
+            let at = r.at();
             let ns = r.u16()?;
             if usize::from(ns) >= n_ns {
                 return Err(BinaryError::Invalid { what: "namespace index", at });
             }
             let size_bytes = r.u64()?;
             let token_offset = r.u64()? as i64;
-            let at = r.at;
+            let at = r.at();
             let n_tokens = r.u32()? as usize;
             r.fits(n_tokens, 4, at)?;
             let start = tokens.len();
@@ -336,8 +316,8 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<BinaryBatch<'_>>, BinaryError> {
             tokens,
         });
     }
-    if r.at != bytes.len() {
-        return Err(BinaryError::Trailing(bytes.len() - r.at));
+    if r.remaining() > 0 {
+        return Err(BinaryError::Trailing(r.remaining()));
     }
     Ok(out)
 }
