@@ -16,6 +16,8 @@
 //! - [`foreign`]: [`ForeignSegment`], another process's shm segment, reached only by
 //!   bounds-checked raw copies; [`fault_guard`] turns the SIGBUS of a segment its owner
 //!   shrank under us into a failed copy.
+//! - [`file_region`]: [`FileRegion`], a range of a file we own mapped shared and written by
+//!   bounds-checked copies (raw_block's journal appends).
 //! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
 //!   arena, gives `&[u8]`/`&mut [u8]` to it, and returns it to the allocator on drop.
 //! - [`error`]: [`MemoryError`], naming the operation and the OS error.
@@ -27,6 +29,7 @@ pub mod allocator;
 pub mod arena;
 pub mod error;
 pub mod fault_guard;
+pub mod file_region;
 pub mod foreign;
 pub mod shm;
 pub mod stream_copy;
@@ -35,4 +38,5 @@ pub use allocation::{Allocation, ArenaAllocator, MemoryUsage, Prefaulter};
 pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
 pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind};
 pub use error::MemoryError;
+pub use file_region::FileRegion;
 pub use foreign::ForeignSegment;

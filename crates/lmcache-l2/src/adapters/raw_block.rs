@@ -31,6 +31,8 @@ use bytes::Bytes;
 use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 
+use lmcache_memory::FileRegion;
+
 use super::aligned::AlignedBuf;
 use super::{blocking, blocking_each};
 use crate::adapter::{KeyFilter, KeyPage, L2Adapter, Stored};
@@ -258,6 +260,9 @@ struct State {
     /// Which container the next checkpoint goes to.
     next_ckpt: usize,
     evictions: u64,
+    /// The journal region mapped: appends are copies into it (see [`FileRegion`]); `None`
+    /// where it cannot be mapped, and appends are `pwrite`s.
+    journal: Option<FileRegion>,
 }
 
 /// What recovery found, for logs and benchmarks.
@@ -341,6 +346,14 @@ impl RawBlockAdapter {
             recovery: Recovery::default(),
         };
         inner.recovery = inner.recover()?;
+        match usize::try_from(geo.journal_len).map_err(|e| e.to_string()).and_then(|len| {
+            FileRegion::map(&inner.meta, geo.journal_off, len).map_err(|e| e.to_string())
+        }) {
+            Ok(j) => inner.state.get_mut().journal = Some(j),
+            Err(e) => {
+                tracing::warn!(error = %e, "raw_block: journal not mapped; appending with pwrite")
+            }
+        }
         inner.recovery.seconds = t0.elapsed().as_secs_f64();
         tracing::info!(
             keys = inner.recovery.keys,
@@ -511,7 +524,15 @@ impl Inner {
         }
         let s = xxh3_64(&r[..56]);
         r[56..64].copy_from_slice(&s.to_le_bytes());
-        self.meta.write_all_at(&r, self.geo.journal_off + st.next_rec * REC as u64)?;
+        let at = st.next_rec * REC as u64;
+        match st.journal.as_mut() {
+            // A copy into the mapped journal takes no inode lock, where a `pwrite` would wait
+            // for every O_DIRECT slot write in flight (and hold back the next ones).
+            Some(j) => j
+                .write(at as usize, &r)
+                .map_err(|e| L2Error::transient(format!("raw_block journal: {e}")))?,
+            None => self.meta.write_all_at(&r, self.geo.journal_off + at)?,
+        }
         if self.config.sync_journal {
             self.meta.sync_data()?;
         }

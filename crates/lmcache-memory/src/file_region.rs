@@ -1,0 +1,169 @@
+//! A range of a file we own, mapped shared and written by bounds-checked copies: how
+//! raw_block appends its journal records. A `pwrite` of a record into a file that also takes
+//! O_DIRECT writes needs the inode's lock exclusively, so each append waited for every data
+//! write in flight and held back the next ones; a store into a mapped page takes no inode
+//! lock (BENCHMARKS.md, fifteenth session). The page cache holds what is written, so it
+//! survives the process (`kill -9`), as a `pwrite` does; [`FileRegion::flush`] makes it
+//! durable.
+//!
+//! The file is the caller's own (raw_block refuses files that are not), so nobody should
+//! shrink it under the mapping; if something does, the SIGBUS of a copy is caught
+//! ([`crate::fault_guard`]) and that copy and every later one fail instead of killing the
+//! process.
+
+use std::fs::File;
+
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::allocator::AllocError;
+use crate::error::MemoryError;
+
+/// `len` bytes of a file from `offset`, mapped read-write and shared.
+#[derive(Debug)]
+pub struct FileRegion {
+    // Field order matters for drop: the guard unregisters before the mapping goes.
+    guard: crate::fault_guard::Guard,
+    map: MmapRaw,
+}
+
+impl FileRegion {
+    /// Maps `[offset, offset + len)` of `file` (opened read-write), which must lie within it.
+    pub fn map(file: &File, offset: u64, len: usize) -> Result<Self, MemoryError> {
+        if len == 0 {
+            return Err(MemoryError::InvalidSize { size: 0, reason: "zero" });
+        }
+        let size = file.metadata().map_err(|e| MemoryError::os("fstat", e))?.len();
+        let is_file = file.metadata().map(|m| m.is_file()).unwrap_or(false);
+        let end = offset.checked_add(len as u64);
+        if is_file && end.is_none_or(|end| end > size) {
+            return Err(MemoryError::InvalidSize {
+                size: len as u64,
+                reason: "past the file's end",
+            });
+        }
+        let map = MmapOptions::new()
+            .offset(offset)
+            .len(len)
+            .map_raw(file)
+            .map_err(|e| MemoryError::os("mmap file region", e))?;
+        let guard = crate::fault_guard::guard(map.as_ptr(), map.len());
+        Ok(Self { guard, map })
+    }
+
+    /// Mapped length.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True for an empty mapping (never).
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), AllocError> {
+        if self.guard.faulted() {
+            return Err(AllocError::SegmentTruncated);
+        }
+        let oob = AllocError::OutOfBounds {
+            offset: offset as u64,
+            len: len as u64,
+            size: self.map.len() as u64,
+        };
+        match offset.checked_add(len) {
+            Some(end) if end <= self.map.len() => Ok(()),
+            _ => Err(oob),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`. `&mut self`: no two writes race.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), AllocError> {
+        self.check(offset, src.len())?;
+        // SAFETY: `check` proved `offset + src.len() <= map.len()`, so the destination lies in
+        // the live mapping `self` owns; `src` is a Rust slice and cannot overlap a mapping no
+        // reference to which is ever handed out; `&mut self` excludes concurrent writers.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.map.as_mut_ptr().add(offset),
+                src.len(),
+            )
+        };
+        if self.guard.faulted() {
+            return Err(AllocError::SegmentTruncated);
+        }
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` of the region into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), AllocError> {
+        self.check(offset, dst.len())?;
+        // SAFETY: as in `write`, with the roles swapped: the source range is inside the
+        // mapping and cannot overlap the Rust slice `dst`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        if self.guard.faulted() {
+            return Err(AllocError::SegmentTruncated);
+        }
+        Ok(())
+    }
+
+    /// Writes `[offset, offset + len)` back to the file and waits for it (`msync`).
+    pub fn flush(&self, offset: usize, len: usize) -> Result<(), MemoryError> {
+        self.check(offset, len)
+            .map_err(|e| MemoryError::os("msync", std::io::Error::other(e.to_string())))?;
+        self.map.flush_range(offset, len).map_err(|e| MemoryError::os("msync", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+
+    fn file(len: u64) -> (tempfile::TempDir, File) {
+        let dir = tempfile::tempdir().unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.path().join("f"))
+            .unwrap();
+        f.set_len(len).unwrap();
+        (dir, f)
+    }
+
+    #[test]
+    fn writes_reach_the_file_and_reads_see_the_file() {
+        let (_dir, f) = file(3 * 4096);
+        let mut r = FileRegion::map(&f, 4096, 4096).unwrap();
+        r.write(100, b"record").unwrap();
+        let mut got = [0u8; 6];
+        f.read_exact_at(&mut got, 4096 + 100).unwrap();
+        assert_eq!(&got, b"record");
+        f.write_all_at(b"other", 4096 + 200).unwrap();
+        let mut back = [0u8; 5];
+        r.read(200, &mut back).unwrap();
+        assert_eq!(&back, b"other");
+        r.flush(0, 4096).unwrap();
+    }
+
+    #[test]
+    fn out_of_bounds_and_past_the_end_are_refused() {
+        let (_dir, f) = file(2 * 4096);
+        assert!(FileRegion::map(&f, 4096, 2 * 4096).is_err(), "past the file's end");
+        assert!(FileRegion::map(&f, 0, 0).is_err());
+        let mut r = FileRegion::map(&f, 4096, 4096).unwrap();
+        assert!(matches!(r.write(4090, &[0; 7]), Err(AllocError::OutOfBounds { .. })));
+        assert!(matches!(r.write(usize::MAX, &[0; 2]), Err(AllocError::OutOfBounds { .. })));
+        assert!(r.read(4096, &mut [0; 1]).is_err());
+        assert!(r.flush(4000, 200).is_err());
+        r.write(4089, &[1; 7]).unwrap();
+    }
+}
