@@ -3,7 +3,7 @@
 //! O_DIRECT writes needs the inode's lock exclusively, so each append waited for every data
 //! write in flight and held back the next ones; a store into a mapped page takes no inode
 //! lock (BENCHMARKS.md, fifteenth session). The page cache holds what is written, so it
-//! survives the process (`kill -9`), as a `pwrite` does; [`FileRegion::flush`] makes it
+//! survives the process (`kill -9`), as a `pwrite` does; the file's `fdatasync` makes it
 //! durable.
 //!
 //! The file is the caller's own (raw_block refuses files that are not), so nobody should
@@ -32,10 +32,10 @@ impl FileRegion {
         if len == 0 {
             return Err(MemoryError::InvalidSize { size: 0, reason: "zero" });
         }
-        let size = file.metadata().map_err(|e| MemoryError::os("fstat", e))?.len();
-        let is_file = file.metadata().map(|m| m.is_file()).unwrap_or(false);
+        let meta = file.metadata().map_err(|e| MemoryError::os("fstat", e))?;
+        // A block device reports no length here; the kernel bounds its mapping.
         let end = offset.checked_add(len as u64);
-        if is_file && end.is_none_or(|end| end > size) {
+        if meta.is_file() && end.is_none_or(|end| end > meta.len()) {
             return Err(MemoryError::InvalidSize {
                 size: len as u64,
                 reason: "past the file's end",
@@ -48,16 +48,6 @@ impl FileRegion {
             .map_err(|e| MemoryError::os("mmap file region", e))?;
         let guard = crate::fault_guard::guard(map.as_ptr(), map.len());
         Ok(Self { guard, map })
-    }
-
-    /// Mapped length.
-    pub fn len(&self) -> usize {
-        self.map.len()
-    }
-
-    /// True for an empty mapping (never).
-    pub fn is_empty(&self) -> bool {
-        self.map.len() == 0
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<(), AllocError> {
@@ -93,31 +83,6 @@ impl FileRegion {
         }
         Ok(())
     }
-
-    /// Copies `dst.len()` bytes at `offset` of the region into `dst`.
-    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), AllocError> {
-        self.check(offset, dst.len())?;
-        // SAFETY: as in `write`, with the roles swapped: the source range is inside the
-        // mapping and cannot overlap the Rust slice `dst`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.map.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
-        if self.guard.faulted() {
-            return Err(AllocError::SegmentTruncated);
-        }
-        Ok(())
-    }
-
-    /// Writes `[offset, offset + len)` back to the file and waits for it (`msync`).
-    pub fn flush(&self, offset: usize, len: usize) -> Result<(), MemoryError> {
-        self.check(offset, len)
-            .map_err(|e| MemoryError::os("msync", std::io::Error::other(e.to_string())))?;
-        self.map.flush_range(offset, len).map_err(|e| MemoryError::os("msync", e))
-    }
 }
 
 #[cfg(test)]
@@ -140,18 +105,15 @@ mod tests {
     }
 
     #[test]
-    fn writes_reach_the_file_and_reads_see_the_file() {
+    fn writes_reach_the_file_at_the_regions_offset() {
         let (_dir, f) = file(3 * 4096);
         let mut r = FileRegion::map(&f, 4096, 4096).unwrap();
         r.write(100, b"record").unwrap();
         let mut got = [0u8; 6];
         f.read_exact_at(&mut got, 4096 + 100).unwrap();
         assert_eq!(&got, b"record");
-        f.write_all_at(b"other", 4096 + 200).unwrap();
-        let mut back = [0u8; 5];
-        r.read(200, &mut back).unwrap();
-        assert_eq!(&back, b"other");
-        r.flush(0, 4096).unwrap();
+        f.read_exact_at(&mut got, 100).unwrap();
+        assert_eq!(got, [0; 6], "nothing before the region");
     }
 
     #[test]
@@ -162,8 +124,6 @@ mod tests {
         let mut r = FileRegion::map(&f, 4096, 4096).unwrap();
         assert!(matches!(r.write(4090, &[0; 7]), Err(AllocError::OutOfBounds { .. })));
         assert!(matches!(r.write(usize::MAX, &[0; 2]), Err(AllocError::OutOfBounds { .. })));
-        assert!(r.read(4096, &mut [0; 1]).is_err());
-        assert!(r.flush(4000, 200).is_err());
         r.write(4089, &[1; 7]).unwrap();
     }
 }

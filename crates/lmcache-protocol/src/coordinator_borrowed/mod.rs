@@ -1,10 +1,10 @@
-//! `POST /events` bodies decoded in place: the cache-event batches of [`coordinator`] with
+//! `POST /events` bodies decoded in place: the cache-event batches of [`crate::coordinator`] with
 //! their strings borrowed from the body (copied only when JSON escapes them) and each chunk
 //! hash decoded from hex once, while the body is parsed. The coordinator ingests these; the
 //! owned types stay what servers build and send.
 //!
 //! Same fields, defaults and checks as the owned types (unknown fields ignored, as pydantic
-//! does), and the same error texts. [`decode_body`] is the door: one pass of [`scan`] over a
+//! does), and the same error texts. [`decode_body`] is the door: one pass of `scan` over a
 //! body in the shape servers send, serde for anything else.
 
 use std::borrow::Cow;
@@ -19,7 +19,7 @@ use crate::coordinator::{
 
 mod scan;
 
-/// A `POST /events` body decoded in place: read in one pass ([`scan`]) when it has the shape
+/// A `POST /events` body decoded in place: read in one pass (`scan`) when it has the shape
 /// servers send (fields of these types, strings without escapes, integers as digits), by
 /// serde otherwise, which gives the same value for any body the pass reads and names what is
 /// wrong with a bad one.
