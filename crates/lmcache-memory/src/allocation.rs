@@ -14,13 +14,14 @@
 //! reservation, and this process never reads those until the engine commits them.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
 use crate::allocator::{AllocError, Allocator, AllocatorStats, Block};
 use crate::arena::{Arena, BackingKind};
 use crate::error::MemoryError;
+use crate::file_arena::PersistError;
 
 #[derive(Debug)]
 struct Shared {
@@ -40,6 +41,46 @@ struct Shared {
     backed: AtomicU64,
     /// Serializes growing `backed`.
     backing: Mutex<()>,
+    /// File arenas restarted warm: the objects adopted from the catalog, until the L1 takes
+    /// them ([`ArenaAllocator::take_adopted`]).
+    adopted: Mutex<Vec<Adopted>>,
+    adopt_report: Mutex<Option<AdoptReport>>,
+    /// Set by [`ArenaAllocator::detach_catalog`]: recorded objects that drop from now on
+    /// keep their records and their ranges.
+    detached: std::sync::atomic::AtomicBool,
+}
+
+/// No catalog record (the arena keeps none, or the object is not sealed yet).
+const NO_RECORD: u32 = u32::MAX;
+
+/// An object a previous process left in a file arena, verified: its record checked, its
+/// range was free and inside the arena, and its bytes hash to the recorded checksum.
+#[derive(Debug)]
+pub struct Adopted {
+    /// The key bytes it was persisted with (the L1's encoding).
+    pub key: Vec<u8>,
+    /// Its memory, already recorded in the catalog.
+    pub alloc: Allocation,
+    /// The xxh3-64 of its bytes.
+    pub checksum: u64,
+    /// Its record's generation: later records were sealed later.
+    pub generation: u64,
+}
+
+/// What adopting a file arena's catalog found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AdoptReport {
+    /// Records that checked.
+    pub records: u64,
+    /// Objects adopted.
+    pub adopted: u64,
+    /// Bytes adopted.
+    pub bytes: u64,
+    /// Records naming a range outside the arena, unaligned, or overlapping another: dropped.
+    pub misplaced: u64,
+    /// Objects whose bytes did not match their checksum (a write or a seal that did not
+    /// complete): dropped, never served.
+    pub corrupt: u64,
 }
 
 /// `backed` grows in steps of this size (one `fallocate` per step).
@@ -61,6 +102,27 @@ impl Shared {
         }
         self.high_water.fetch_max(end, Ordering::Relaxed);
         Ok(blocks)
+    }
+
+    /// Marks `[0, end of the last block)` backed after adopting `blocks` (sorted by offset):
+    /// the blocks hold a previous process's data, so their file space exists; only the gaps
+    /// between them are reserved (a `fallocate` of space that exists still walks every page:
+    /// a fifth of an 8 GiB tmpfs adoption). If a gap cannot be, `backed` stays as it was and
+    /// allocations reserve their ranges as usual.
+    fn back_around(&self, blocks: impl Iterator<Item = (u64, u64)>) {
+        if !self.arena.needs_reserve() {
+            return;
+        }
+        let _g = self.backing.lock();
+        let mut at = 0u64;
+        for (offset, size) in blocks {
+            if offset > at && self.arena.reserve(at, offset - at).is_err() {
+                tracing::warn!(offset = at, "cannot back the L1 file between adopted objects");
+                return;
+            }
+            at = at.max(offset + size);
+        }
+        self.backed.fetch_max(at, Ordering::AcqRel);
     }
 
     /// Makes sure `[0, end)` of the arena is backed (see [`Arena::reserve`]).
@@ -108,8 +170,16 @@ pub struct MemoryUsage {
 }
 
 impl ArenaAllocator {
-    /// Puts an allocator with alignment `align` over the whole arena.
+    /// Puts an allocator with alignment `align` over the whole arena. A file arena opened
+    /// to adopt ([`crate::FileBacking::adopt`]) first takes back every object its catalog
+    /// names that verifies (see [`Self::take_adopted`]); the others' records are zeroed.
     pub fn new(arena: Arena, align: u64) -> Result<Self, MemoryError> {
+        let this = Self::over(arena, align)?;
+        this.adopt();
+        Ok(this)
+    }
+
+    fn over(arena: Arena, align: u64) -> Result<Self, MemoryError> {
         let allocator =
             Allocator::new(arena.len(), align).map_err(|_| MemoryError::InvalidAlign { align })?;
         // The soundness of every slice below rests on this.
@@ -125,8 +195,141 @@ impl ArenaAllocator {
                 populated: AtomicU64::new(0),
                 backed: AtomicU64::new(0),
                 backing: Mutex::new(()),
+                adopted: Mutex::new(Vec::new()),
+                adopt_report: Mutex::new(None),
+                detached: std::sync::atomic::AtomicBool::new(false),
             }),
         })
+    }
+
+    /// Adopts what the catalog of a file arena names (see [`Self::new`]).
+    fn adopt(&self) {
+        let Some(file) = self.shared.arena.file() else { return };
+        let records = file.catalog.take_records();
+        if !file.adopt {
+            file.catalog.release(records.into_iter().map(|r| r.index));
+            if file.asked_adopt {
+                *self.shared.adopt_report.lock() = Some(AdoptReport::default());
+            }
+            return;
+        }
+        let started = std::time::Instant::now();
+        let mut report = AdoptReport { records: records.len() as u64, ..AdoptReport::default() };
+        // Claim each record's range; records that overlap one claimed already, or name a
+        // range the arena does not have, are dropped.
+        let mut claimed = Vec::with_capacity(records.len());
+        let mut dropped = Vec::new();
+        {
+            let mut a = self.shared.allocator.lock();
+            for r in records {
+                let fits = r.len > 0 && a.aligned_size(r.len).is_ok_and(|p| p == r.physical);
+                match fits.then(|| a.claim(r.offset, r.physical)) {
+                    Some(Ok(block)) => claimed.push((r, block)),
+                    _ => {
+                        report.misplaced += 1;
+                        dropped.push(r.index);
+                    }
+                }
+            }
+        }
+        file.catalog.release(dropped);
+        claimed.sort_by_key(|(_, b)| b.offset());
+        if let Some(end) = claimed.iter().map(|(_, b)| b.offset() + b.size()).max() {
+            self.shared.back_around(claimed.iter().map(|(_, b)| (b.offset(), b.size())));
+            self.shared.high_water.fetch_max(end, Ordering::Relaxed);
+        }
+        let allocs: Vec<(crate::file_arena::Record, Allocation)> = claimed
+            .into_iter()
+            .map(|(r, block)| {
+                let alloc = Allocation {
+                    shared: Arc::clone(&self.shared),
+                    block: Some(block),
+                    len: r.len,
+                    record: AtomicU32::new(r.index),
+                };
+                (r, alloc)
+            })
+            .collect();
+        // Verify every object's bytes, on every core: objects that fail drop (their records
+        // are zeroed as they go).
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).max(1);
+        let per = allocs.len().div_ceil(threads).max(1);
+        let mut parts: Vec<Vec<(crate::file_arena::Record, Allocation)>> = Vec::new();
+        let mut it = allocs.into_iter();
+        loop {
+            let part: Vec<_> = it.by_ref().take(per).collect();
+            if part.is_empty() {
+                break;
+            }
+            parts.push(part);
+        }
+        let verified: Vec<Vec<Adopted>> = std::thread::scope(|s| {
+            let handles: Vec<_> = parts
+                .into_iter()
+                .map(|part| {
+                    s.spawn(move || {
+                        part.into_iter()
+                            .filter_map(|(r, alloc)| {
+                                alloc.shared.arena.populate_read(alloc.offset(), alloc.len());
+                                let sum = twox_hash::XxHash3_64::oneshot(alloc.as_slice());
+                                (sum == r.checksum).then_some(Adopted {
+                                    key: r.key,
+                                    alloc,
+                                    checksum: sum,
+                                    generation: r.generation,
+                                })
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+        });
+        let adopted: Vec<Adopted> = verified.into_iter().flatten().collect();
+        report.adopted = adopted.len() as u64;
+        report.bytes = adopted.iter().map(|a| a.alloc.len()).sum();
+        report.corrupt = report.records - report.misplaced - report.adopted;
+        tracing::info!(
+            path = %file.path.display(),
+            adopted = report.adopted,
+            bytes = report.bytes,
+            misplaced = report.misplaced,
+            corrupt = report.corrupt,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "adopted the L1 file's objects"
+        );
+        *self.shared.adopted.lock() = adopted;
+        *self.shared.adopt_report.lock() = Some(report);
+    }
+
+    /// The objects adopted from a file arena's catalog (once; empty afterwards and for every
+    /// other arena). Dropping one frees its memory and zeroes its record.
+    pub fn take_adopted(&self) -> Vec<Adopted> {
+        std::mem::take(&mut *self.shared.adopted.lock())
+    }
+
+    /// What the adoption found, for a file arena opened to adopt.
+    pub fn adopt_report(&self) -> Option<AdoptReport> {
+        *self.shared.adopt_report.lock()
+    }
+
+    /// For a shutdown that should restart warm: every recorded object that drops from now on
+    /// keeps its catalog record, and its range is never handed out again by this process,
+    /// so the next process adopts it. Call it when nothing will be written any more (the
+    /// process is about to exit).
+    pub fn detach_catalog(&self) {
+        self.shared.detached.store(true, Ordering::Release);
+    }
+
+    /// Whether objects can be recorded to survive a restart ([`Allocation::persist`]).
+    pub fn is_persistent(&self) -> bool {
+        self.shared.arena.file().is_some()
+    }
+
+    /// `(records in use, records)` of a file arena's catalog.
+    pub fn catalog_usage(&self) -> Option<(u64, u64)> {
+        let f = self.shared.arena.file()?;
+        Some((f.catalog.used(), f.catalog.capacity()))
     }
 
     /// The alignment of every allocation's offset and size (`--l1-align-bytes`).
@@ -140,7 +343,12 @@ impl ArenaAllocator {
         let block = self.shared.allocator.lock().allocate(len)?;
         let mut v = self.shared.back(vec![block])?;
         let block = v.pop();
-        Ok(Allocation { shared: Arc::clone(&self.shared), block, len })
+        Ok(Allocation {
+            shared: Arc::clone(&self.shared),
+            block,
+            len,
+            record: AtomicU32::new(NO_RECORD),
+        })
     }
 
     /// Allocates one allocation per entry of `lens`, all or nothing (backed, as
@@ -156,6 +364,7 @@ impl ArenaAllocator {
                 shared: Arc::clone(&self.shared),
                 block: Some(block),
                 len,
+                record: AtomicU32::new(NO_RECORD),
             })
             .collect())
     }
@@ -273,6 +482,8 @@ pub struct Allocation {
     block: Option<Block>,
     /// Logical length (what was asked for); the block may be larger.
     len: u64,
+    /// Its catalog record in a file arena ([`NO_RECORD`]: none).
+    record: AtomicU32,
 }
 
 impl Allocation {
@@ -342,6 +553,32 @@ impl Allocation {
         Ok(())
     }
 
+    /// Records the object in a file arena's catalog under `key`, with `checksum` (the
+    /// xxh3-64 of its bytes, which must be final: the next process adopts it only if they
+    /// still hash to it). `Ok(false)` when the arena keeps no catalog or the object is
+    /// recorded already. The record is zeroed when the allocation drops.
+    pub fn persist(&self, key: &[u8], checksum: u64) -> Result<bool, PersistError> {
+        let Some(f) = self.shared.arena.file() else { return Ok(false) };
+        if self.record.load(Ordering::Acquire) != NO_RECORD {
+            return Ok(false);
+        }
+        let index = f.catalog.write(key, self.offset(), self.len, self.physical_len(), checksum)?;
+        if self
+            .record
+            .compare_exchange(NO_RECORD, index, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            f.catalog.clear(index);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Whether the object is recorded in a file arena's catalog.
+    pub fn is_persisted(&self) -> bool {
+        self.record.load(Ordering::Acquire) != NO_RECORD
+    }
+
     fn checked_range(&self, offset: u64, len: u64) -> Result<std::ops::Range<usize>, AllocError> {
         let oob = AllocError::OutOfBounds { offset, len, size: self.len };
         let end = offset.checked_add(len).ok_or(oob)?;
@@ -362,6 +599,18 @@ impl Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
+        let record = *self.record.get_mut();
+        if record != NO_RECORD && self.shared.detached.load(Ordering::Acquire) {
+            // Shutting down warm: the record and the bytes it names stay for the next process.
+            let _kept = self.block.take();
+            return;
+        }
+        if record != NO_RECORD
+            && let Some(f) = self.shared.arena.file()
+        {
+            // Before the range can be handed out again: no record may name it then.
+            f.catalog.clear(record);
+        }
         if let Some(block) = self.block.take() {
             self.shared.allocator.lock().free(block);
         }

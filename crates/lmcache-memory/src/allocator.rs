@@ -69,6 +69,15 @@ pub enum AllocError {
         /// The refused alignment.
         align: u64,
     },
+    /// [`Allocator::claim`] named a range that is not wholly free, aligned and inside the
+    /// arena.
+    #[error("range {offset}+{size} is not a free, aligned range of the arena")]
+    NotFree {
+        /// Start of the range.
+        offset: u64,
+        /// Its aligned length.
+        size: u64,
+    },
     /// The other process shrank its shared-memory segment while it was mapped: the copy hit
     /// pages that no longer exist (SIGBUS, caught). Nothing it read or wrote can be trusted.
     #[error("the client shrank its shared-memory segment while it was mapped; register again")]
@@ -257,6 +266,37 @@ impl Allocator {
             }
         }
         Ok(out)
+    }
+
+    /// Takes exactly `[offset, offset + size)` out of the free memory: how a restarted L1
+    /// adopts the objects its file still holds. `size` is aligned up; the range must be
+    /// aligned, inside the capacity and wholly free ([`AllocError::NotFree`] otherwise, and
+    /// nothing changes).
+    pub fn claim(&mut self, offset: u64, size: u64) -> Result<Block, AllocError> {
+        let size = self.aligned_size(size)?;
+        let not_free = AllocError::NotFree { offset, size };
+        let end = offset.checked_add(size).ok_or(not_free)?;
+        if offset % self.align != 0 || end > self.capacity {
+            return Err(not_free);
+        }
+        self.consolidate();
+        let (&start, &len) = self.by_addr.range(..=offset).next_back().ok_or(not_free)?;
+        if start + len < end {
+            return Err(not_free);
+        }
+        self.by_addr.remove(&start);
+        self.by_size.remove(&(len, start));
+        if start < offset {
+            self.by_addr.insert(start, offset - start);
+            self.by_size.insert((offset - start, start));
+        }
+        if end < start + len {
+            self.by_addr.insert(end, start + len - end);
+            self.by_size.insert((start + len - end, end));
+        }
+        self.allocated_bytes += size;
+        self.live_blocks += 1;
+        Ok(Block { offset, size })
     }
 
     /// Returns a block. O(1) when its size has a bin.
@@ -476,12 +516,33 @@ mod tests {
         a.check_invariants(&l).unwrap();
     }
 
+    #[test]
+    fn claim_takes_exactly_a_free_range() {
+        let mut a = Allocator::new(16 * A, A).unwrap();
+        let b = a.claim(4 * A, 2 * A - 100).unwrap();
+        assert_eq!((b.offset(), b.size()), (4 * A, 2 * A));
+        assert!(matches!(a.claim(5 * A, A), Err(AllocError::NotFree { .. })), "overlaps");
+        assert!(matches!(a.claim(A + 1, A), Err(AllocError::NotFree { .. })), "unaligned");
+        assert!(matches!(a.claim(15 * A, 2 * A), Err(AllocError::NotFree { .. })), "past end");
+        let c = a.claim(6 * A, A).unwrap();
+        a.check_invariants(&[(4 * A, 2 * A), (6 * A, A)]).unwrap();
+        // What is left is still allocatable around the claimed ranges.
+        let d = a.allocate(4 * A).unwrap();
+        assert_eq!(d.offset(), 0);
+        a.free(b);
+        a.free(c);
+        a.free(d);
+        a.check_invariants(&[]).unwrap();
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Alloc(u64),
         Batch(Vec<u64>),
         Free(usize),
         Consolidate,
+        /// Claim `(offset in alignment units, size)`.
+        Claim(u64, u64),
     }
 
     fn op(uniform: bool) -> impl Strategy<Value = Op> {
@@ -491,6 +552,7 @@ mod tests {
             1 => proptest::collection::vec(size, 1..6).prop_map(Op::Batch),
             4 => any::<usize>().prop_map(Op::Free),
             1 => Just(Op::Consolidate),
+            2 => (0u64..300, 1u64..12 * A).prop_map(|(o, s)| Op::Claim(o, s)),
         ]
     }
 
@@ -533,6 +595,27 @@ mod tests {
                 }
                 Op::Free(_) => {}
                 Op::Consolidate => a.consolidate(),
+                Op::Claim(unit, s) => {
+                    let offset = unit * A;
+                    let size = s.next_multiple_of(A);
+                    let free = offset + size <= a.capacity()
+                        && live.iter().all(|b| {
+                            b.offset() + b.size() <= offset || offset + size <= b.offset()
+                        });
+                    let before = a.allocated_bytes();
+                    match a.claim(offset, s) {
+                        Ok(b) => {
+                            prop_assert!(free, "claimed a range that was not free");
+                            prop_assert_eq!((b.offset(), b.size()), (offset, size));
+                            live.push(b);
+                        }
+                        Err(AllocError::NotFree { .. }) | Err(AllocError::TooLarge { .. }) => {
+                            prop_assert!(!free, "refused a free range");
+                            prop_assert_eq!(a.allocated_bytes(), before);
+                        }
+                        Err(e) => return Err(TestCaseError::fail(format!("{e}"))),
+                    }
+                }
             }
             let l: Vec<_> = live.iter().map(|b| (b.offset(), b.size())).collect();
             if let Err(msg) = a.check_invariants(&l) {

@@ -10,6 +10,7 @@
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::error::MemoryError;
+use crate::file_arena::{FileArena, FileBacking};
 use crate::shm::ShmSegment;
 
 /// Size of a huge page (x86-64 and aarch64 default).
@@ -27,6 +28,10 @@ pub enum ArenaBacking {
     },
     /// 2 MiB huge pages (anonymous). Falls back to transparent huge pages.
     HugePages,
+    /// A device or file mapped shared (`--l1-devdax-path`: /dev/dax, pmem, tmpfs, any
+    /// file), with a catalog of what it holds so that a restarted process can adopt it
+    /// ([`crate::file_arena`]).
+    File(FileBacking),
 }
 
 /// What memory the arena actually got.
@@ -40,6 +45,8 @@ pub enum BackingKind {
     HugePages,
     /// Anonymous memory advised as huge pages (`MADV_HUGEPAGE`): what huge pages fall back to.
     TransparentHugePages,
+    /// A device or file (`--l1-devdax-path`).
+    DevDax,
 }
 
 impl BackingKind {
@@ -50,6 +57,7 @@ impl BackingKind {
             Self::SharedMemory => "shm",
             Self::HugePages => "hugepages",
             Self::TransparentHugePages => "thp",
+            Self::DevDax => "devdax",
         }
     }
 }
@@ -72,6 +80,7 @@ pub struct Arena {
     // Field order matters for drop: the mapping goes before the segment is unlinked.
     map: MmapRaw,
     shm: Option<ShmSegment>,
+    file: Option<FileArena>,
     kind: BackingKind,
     locked: bool,
 }
@@ -86,8 +95,14 @@ impl Arena {
             size: config.size,
             reason: "larger than the address space",
         })?;
+        let mut file = None;
         let (map, shm, kind) = match &config.backing {
             ArenaBacking::Anonymous => (map_anonymous(len)?, None, BackingKind::Anonymous),
+            ArenaBacking::File(backing) => {
+                let (map, f) = FileArena::open(backing, config.size)?;
+                file = Some(f);
+                (map, None, BackingKind::DevDax)
+            }
             ArenaBacking::SharedMemory { name } => {
                 let seg = ShmSegment::create(name, config.size)?;
                 let map = MmapOptions::new()
@@ -115,7 +130,7 @@ impl Arena {
                 }
             }
         };
-        let mut arena = Self { map, shm, kind, locked: false };
+        let mut arena = Self { map, shm, file, kind, locked: false };
         if config.mlock {
             arena.map.lock().map_err(|e| MemoryError::os("mlock (check RLIMIT_MEMLOCK)", e))?;
             arena.locked = true;
@@ -200,32 +215,72 @@ impl Arena {
         }
     }
 
+    /// Maps the pages of `[offset, offset + len)` for reading in one system call
+    /// (`MADV_POPULATE_READ`): a file arena's pages are in the page cache (or on the device)
+    /// but not in this process's page tables, and reading them through one fault per 4 KiB
+    /// page is what a restart's verification would otherwise spend its time on. Best effort.
+    pub fn populate_read(&self, offset: u64, len: u64) {
+        let page = 4096u64;
+        let start = offset - offset % page;
+        let Some(end) = offset.checked_add(len).and_then(|e| e.checked_next_multiple_of(page))
+        else {
+            return;
+        };
+        let end = end.min(self.len());
+        if start >= end {
+            return;
+        }
+        let r = self.map.advise_range(
+            memmap2::Advice::PopulateRead,
+            start as usize,
+            (end - start) as usize,
+        );
+        if let Err(e) = r {
+            tracing::debug!(error = %e, "MADV_POPULATE_READ refused; pages fault in on use");
+        }
+    }
+
     /// Allocates file-system space behind `[offset, offset + len)` of a shared-memory arena
     /// (`fallocate`), so that touching it later cannot fault with SIGBUS when /dev/shm fills
     /// up: a full file system is an error here instead. No-op for private memory (which the
     /// kernel backs on touch, or the OOM killer reclaims).
     pub fn reserve(&self, offset: u64, len: u64) -> Result<(), MemoryError> {
-        let Some(seg) = &self.shm else { return Ok(()) };
+        let (fd, base) = match (&self.shm, &self.file) {
+            (Some(seg), _) => (std::os::fd::AsRawFd::as_raw_fd(seg.file()), 0),
+            (None, Some(f)) if f.regular => {
+                (std::os::fd::AsRawFd::as_raw_fd(&*f.file), f.data_offset)
+            }
+            _ => return Ok(()),
+        };
         let bad = MemoryError::InvalidSize { size: len, reason: "range outside the arena" };
         let end = offset.checked_add(len).ok_or(bad)?;
         if end > self.len() {
             return Err(MemoryError::InvalidSize { size: len, reason: "range outside the arena" });
         }
         let (off, n) = (
-            i64::try_from(offset)
+            i64::try_from(offset + base)
                 .map_err(|_| MemoryError::InvalidSize { size: offset, reason: "offset" })?,
             i64::try_from(len)
                 .map_err(|_| MemoryError::InvalidSize { size: len, reason: "length" })?,
         );
-        use std::os::fd::AsRawFd;
-        let fd = seg.file().as_raw_fd();
         nix::fcntl::fallocate(fd, nix::fcntl::FallocateFlags::empty(), off, n)
-            .map_err(|e| MemoryError::os("fallocate (backing the L1 pool in /dev/shm)", e))
+            .map_err(|e| MemoryError::os("fallocate (backing the L1 pool)", e))
     }
 
-    /// True when the arena's pages need [`Self::reserve`] before use (shared memory).
+    /// True when the arena's pages need [`Self::reserve`] before use (shared memory, a
+    /// regular L1 file).
     pub fn needs_reserve(&self) -> bool {
-        self.shm.is_some()
+        self.shm.is_some() || self.file.as_ref().is_some_and(|f| f.regular)
+    }
+
+    /// The L1 file, for file arenas (`--l1-devdax-path`).
+    pub fn file_path(&self) -> Option<&std::path::Path> {
+        self.file.as_ref().map(|f| f.path.as_path())
+    }
+
+    /// The file arena's catalog and whether it asked to adopt, for file arenas.
+    pub(crate) fn file(&self) -> Option<&FileArena> {
+        self.file.as_ref()
     }
 
     /// The mapping's address, as a number (to register the arena with a transfer engine

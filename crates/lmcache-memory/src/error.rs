@@ -56,6 +56,54 @@ pub enum MemoryError {
         /// Free bytes on the shared-memory file system.
         available: u64,
     },
+    /// An L1 file (`--l1-devdax-path`) could not be opened, sized or mapped.
+    #[error("L1 file {path}: {op} failed: {source}")]
+    File {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another process holds the L1 file (its `flock`).
+    #[error("L1 file {path} is in use by another process")]
+    FileInUse {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+    /// The L1 file holds something that is not an lmcache-rs L1: left as it is.
+    #[error(
+        "L1 file {path} holds data that is not an lmcache-rs L1; it is left alone \
+         (pass --l1-devdax-format to format it, losing what it holds)"
+    )]
+    FileNotOurs {
+        /// The file.
+        path: std::path::PathBuf,
+    },
+    /// The path is not something an L1 can live in.
+    #[error("L1 file {path}: {reason}")]
+    FileNotUsable {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A warm restart found the L1 file laid out for another size.
+    #[error(
+        "L1 file {path} was formatted for {had} bytes of L1, not the {asked} asked for: pass \
+         the same --l1-size-gb to restart warm, or start without --l1-warm-restart to \
+         reformat it (what it holds is dropped)"
+    )]
+    FileGeometry {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Its L1 size.
+        had: u64,
+        /// The size asked for.
+        asked: u64,
+    },
     /// A system call failed.
     #[error("{op} failed: {source}")]
     Os {

@@ -1,5 +1,5 @@
-//! A range of a file we own, mapped shared and written by bounds-checked copies: how
-//! raw_block appends its journal records. A `pwrite` of a record into a file that also takes
+//! A range of a file we own, mapped shared and written and read by bounds-checked copies: how
+//! raw_block appends its journal records and how the L1 file keeps its catalog. A `pwrite` of a record into a file that also takes
 //! O_DIRECT writes needs the inode's lock exclusively, so each append waited for every data
 //! write in flight and held back the next ones; a store into a mapped page takes no inode
 //! lock (BENCHMARKS.md, fifteenth session). The page cache holds what is written, so it
@@ -65,6 +65,26 @@ impl FileRegion {
         }
     }
 
+    /// Copies the region's bytes at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), AllocError> {
+        self.check(offset, dst.len())?;
+        // SAFETY: `check` proved `offset + dst.len() <= map.len()`, so the source lies in the
+        // live mapping `self` owns; `dst` is a Rust slice, which cannot overlap a mapping no
+        // reference to which is ever handed out. Another process may write the file at the
+        // same time: the bytes are then whatever the page held, which callers verify.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        if self.guard.faulted() {
+            return Err(AllocError::SegmentTruncated);
+        }
+        Ok(())
+    }
+
     /// Copies `src` into the region at `offset`. `&mut self`: no two writes race.
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), AllocError> {
         self.check(offset, src.len())?;
@@ -125,5 +145,9 @@ mod tests {
         assert!(matches!(r.write(4090, &[0; 7]), Err(AllocError::OutOfBounds { .. })));
         assert!(matches!(r.write(usize::MAX, &[0; 2]), Err(AllocError::OutOfBounds { .. })));
         r.write(4089, &[1; 7]).unwrap();
+        let mut back = [0u8; 7];
+        r.read(4089, &mut back).unwrap();
+        assert_eq!(back, [1; 7]);
+        assert!(matches!(r.read(4090, &mut back), Err(AllocError::OutOfBounds { .. })));
     }
 }

@@ -16,6 +16,10 @@
 //! - [`foreign`]: [`ForeignSegment`], another process's shm segment, reached only by
 //!   bounds-checked raw copies; [`fault_guard`] turns the SIGBUS of a segment its owner
 //!   shrank under us into a failed copy.
+//! - [`file_arena`]: an arena in a device or file that outlives the process
+//!   (`--l1-devdax-path`), with a checksummed catalog of its objects ([`FileBacking`];
+//!   [`Allocation::persist`] records one, [`ArenaAllocator::take_adopted`] hands back what a
+//!   restarted process verified).
 //! - [`file_region`]: [`FileRegion`], a range of a file we own mapped shared and written by
 //!   bounds-checked copies (raw_block's journal appends).
 //! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
@@ -29,14 +33,16 @@ pub mod allocator;
 pub mod arena;
 pub mod error;
 pub mod fault_guard;
+pub mod file_arena;
 pub mod file_region;
 pub mod foreign;
 pub mod shm;
 pub mod stream_copy;
 
-pub use allocation::{Allocation, ArenaAllocator, MemoryUsage, Prefaulter};
+pub use allocation::{AdoptReport, Adopted, Allocation, ArenaAllocator, MemoryUsage, Prefaulter};
 pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
 pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind};
 pub use error::MemoryError;
+pub use file_arena::{FileBacking, PersistError};
 pub use file_region::FileRegion;
 pub use foreign::ForeignSegment;
