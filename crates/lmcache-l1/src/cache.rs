@@ -28,6 +28,7 @@ use crate::error::{L1ConfigError, L1Error};
 use crate::eviction::{EntryMeta, EvictionPolicy};
 use crate::handles::{ReadLease, WriteReservation};
 use crate::lease_table::{LeaseId, LeaseTable};
+use crate::persist::{PersistStats, SealQueue};
 use crate::quota::Quotas;
 
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -178,6 +179,8 @@ pub(crate) struct State {
     write_behind: bool,
     /// Resident objects not yet written to L2.
     unwritten: usize,
+    /// Adopted at start: objects, bytes, refused.
+    adopted: (u64, u64, u64),
 }
 
 #[derive(Debug)]
@@ -186,6 +189,8 @@ pub(crate) struct Shared {
     memory: ArenaAllocator,
     config: L1Config,
     key_hasher: foldhash::fast::FixedState,
+    /// Objects to seal into the arena's catalog (file arenas only).
+    seals: Option<Arc<SealQueue>>,
 }
 
 /// The L1 tier. Cheap to clone; every clone is the same cache.
@@ -220,16 +225,119 @@ impl L1Cache {
             stats: L1Stats::default(),
             write_behind: false,
             unwritten: 0,
+            adopted: (0, 0, 0),
         };
+        let seals = memory.is_persistent().then(|| Arc::new(SealQueue::default()));
         Ok(Self {
             shared: Arc::new(Shared {
                 state: Mutex::new(state),
+                seals,
                 memory,
                 config,
                 key_hasher: foldhash::fast::FixedState::with_seed(0x6c6d_6361_6368_6521),
             }),
             leases,
         })
+    }
+
+    /// The seal queue, for an L1 in a file arena.
+    pub(crate) fn seal_queue(&self) -> Option<Arc<SealQueue>> {
+        self.shared.seals.clone()
+    }
+
+    /// Makes resident every object the arena adopted from its file (see [`crate::persist`]):
+    /// the newest record of a key wins, a key that does not decode is dropped, and objects
+    /// enter the eviction policy oldest first. Their checksums are known already. Returns
+    /// how many were adopted. No-op for other arenas, and after the first call.
+    pub fn adopt(&self) -> u64 {
+        let mut found = self.shared.memory.take_adopted();
+        if found.is_empty() {
+            return 0;
+        }
+        found.sort_by_key(|a| std::cmp::Reverse(a.generation));
+        let mut seen = std::collections::HashSet::new();
+        let mut keep = Vec::with_capacity(found.len());
+        let mut refused = 0u64;
+        for a in found {
+            match crate::persist::decode_key(&a.key) {
+                Some(key) if seen.insert(key.clone()) => keep.push((key, a)),
+                _ => refused += 1,
+            }
+        }
+        keep.reverse();
+        let shared = &self.shared;
+        let mut st = shared.state.lock();
+        let mut n = 0u64;
+        for (key, a) in keep {
+            if st.index.contains_key(&key) {
+                refused += 1;
+                continue;
+            }
+            let bytes = a.alloc.physical_len();
+            let memory = Arc::new(ObjectMemory::with_checksum(a.alloc, a.checksum));
+            let id = st.entries.insert(Entry {
+                key: key.clone(),
+                bytes,
+                temporary: false,
+                indexed: true,
+                shadow: false,
+                superseded: false,
+                unwritten: false,
+                slot: Slot::Resident { alloc: memory, readers: 0 },
+            });
+            st.index.insert(key.clone(), IndexSlot { id, resident: true });
+            st.quotas.charge(&key.cache_salt, bytes);
+            st.used_bytes += bytes;
+            let meta = EntryMeta {
+                key_hash: shared.key_hasher.hash_one(&key),
+                cache_salt: &key.cache_salt,
+                bytes,
+            };
+            st.policy.on_insert(id, meta);
+            if let Some(l) = &st.listener {
+                l.committed(&key, bytes);
+            }
+            st.adopted.0 += 1;
+            st.adopted.1 += bytes;
+            n += 1;
+        }
+        st.adopted.2 += refused;
+        n
+    }
+
+    /// Tells the listener about every resident object, as if each had just been committed:
+    /// how a listener installed after [`Self::adopt`] (the coordinator reporter, the KV
+    /// events) learns what a restarted L1 holds.
+    pub fn announce_resident(&self) {
+        let st = self.shared.state.lock();
+        let Some(l) = &st.listener else { return };
+        for e in st.entries.values() {
+            if e.indexed && !e.temporary && matches!(e.slot, Slot::Resident { .. }) {
+                l.committed(&e.key, e.bytes);
+            }
+        }
+    }
+
+    /// Waits at most `timeout` for every committed object to be sealed (a shutdown that
+    /// should restart warm); returns how many were still waiting. 0 for other arenas.
+    pub fn drain_seals(&self, timeout: std::time::Duration) -> u64 {
+        self.shared.seals.as_ref().map_or(0, |q| q.drain(timeout))
+    }
+
+    /// Sealing and adoption counters (all zero for an L1 not in a file arena).
+    pub fn persist_stats(&self) -> PersistStats {
+        let (adopted, adopted_bytes, adopt_refused) = self.shared.state.lock().adopted;
+        let (sealed, seal_failed, seal_skipped, pending) =
+            self.shared.seals.as_ref().map_or((0, 0, 0, 0), |q| q.stats());
+        PersistStats {
+            sealed,
+            seal_failed,
+            seal_skipped,
+            pending,
+            adopted,
+            adopted_bytes,
+            adopt_refused,
+        }
     }
 
     /// Turns write-behind protection on: every object committed from now on (temporary ones
@@ -945,6 +1053,9 @@ impl State {
         let e = &self.entries[id];
         if let (Some(l), false) = (&self.listener, e.temporary) {
             l.committed(&key, e.bytes);
+        }
+        if let (Some(q), false) = (&shared.seals, e.temporary) {
+            q.push(&alloc, &key);
         }
         let (key_hash, cache_salt) = self.key_meta(shared, e);
         let meta = EntryMeta { key_hash, cache_salt, bytes: e.bytes };

@@ -35,6 +35,11 @@ impl ObjectMemory {
         Self { alloc, checksum: OnceLock::new() }
     }
 
+    /// Memory whose checksum is known (an object adopted from a file arena, verified).
+    pub(crate) fn with_checksum(alloc: Allocation, checksum: u64) -> Self {
+        Self { alloc, checksum: OnceLock::from(checksum) }
+    }
+
     /// The xxh3-64 of the bytes (the L2 blob format's checksum), computed on first use.
     pub(crate) fn checksum(&self) -> u64 {
         *self.checksum.get_or_init(|| twox_hash::XxHash3_64::oneshot(self.alloc.as_slice()))

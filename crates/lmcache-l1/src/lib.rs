@@ -19,6 +19,8 @@
 //!   S3-FIFO, IsolatedLRU, noop.
 //! - [`quota`]: per-cache_salt accounting; [`lease_table`]: TTL-bounded parking of handles.
 //! - [`maintenance`]: the background watermark/quota/lease thread.
+//! - [`persist`]: restart warm for an L1 in a file arena: the [`Sealer`] thread records
+//!   committed objects in the arena's catalog; [`L1Cache::adopt`] takes them back at start.
 #![forbid(unsafe_code)]
 
 mod cache;
@@ -29,6 +31,7 @@ pub mod eviction;
 mod handles;
 pub mod lease_table;
 pub mod maintenance;
+pub mod persist;
 pub mod quota;
 
 pub use cache::{
@@ -42,3 +45,4 @@ pub use eviction::EvictionPolicyKind;
 pub use handles::{ReadLease, WriteReservation};
 pub use lease_table::LeaseId;
 pub use maintenance::Maintenance;
+pub use persist::{PersistStats, Sealer};
