@@ -127,6 +127,39 @@ pub struct ServerArgs {
     /// Name of the L1 shared-memory segment (default: lmcache_l1_pool_<pid>).
     #[arg(long, default_value = "")]
     pub shm_name: String,
+    /// Put L1 in this /dev/dax device or mmap-able file (pmem, a DAX file system, tmpfs, or
+    /// any file) instead of shared memory; a missing file is created at --l1-size-gb. Only
+    /// lmcache-driven clients can use it (engine-driven ones map shared memory). A device or
+    /// file that holds anything but an lmcache-rs L1 is refused unless --l1-devdax-format.
+    #[arg(long, value_name = "PATH")]
+    pub l1_devdax_path: Option<std::path::PathBuf>,
+    /// Format the --l1-devdax-path device or file even if it holds something else (lost).
+    #[arg(long)]
+    pub l1_devdax_format: bool,
+    /// Restart warm from the --l1-devdax-path file: serve what the previous server held. Each
+    /// stored chunk is checksummed in the background and recorded in the file; at start the
+    /// new server adopts every recorded chunk whose bytes still match their checksum. What
+    /// survives: chunks stored and recorded before a SIGTERM (the stop waits for the
+    /// records) or before a SIGKILL or crash (a chunk stored in the last moments may not be
+    /// recorded yet: it is dropped, never served half-written). What does not: chunks still
+    /// being written, read locks, sessions, quotas set over HTTP, and the file itself across
+    /// a reboot unless it is on persistent media (a DAX device, pmem or a disk; tmpfs is RAM).
+    /// The same --l1-size-gb is required; without this flag the file is reset at start.
+    #[arg(long)]
+    pub l1_warm_restart: bool,
+    /// An L1 as LMCache's tagged JSON, e.g. '{"type": "DEVDAX", "tag": "dax0", "size_gb": 8,
+    /// "path": "/dev/dax0.0"}' or '{"type": "DRAM", "tag": "_default", "size_gb": 8}'. Its
+    /// fields replace the matching --l1-* flags (size_gb, align_bytes, read/write_ttl_seconds,
+    /// eviction, shm_name, use_hugepages, path). lmcache-rs runs one L1: one entry; GDS entries
+    /// are refused (no GPU path).
+    #[arg(long = "l1-manager", value_name = "JSON")]
+    pub l1_manager: Vec<String>,
+    /// Accepted for LMCache compatibility: L1 memory is always committed as it is used.
+    #[arg(long, overrides_with = "no_l1_use_lazy")]
+    pub l1_use_lazy: bool,
+    /// Accepted for LMCache compatibility (LMCache needs it with --l1-devdax-path).
+    #[arg(long, overrides_with = "l1_use_lazy")]
+    pub no_l1_use_lazy: bool,
     /// Eviction policy: LRU, ARC, S3FIFO, IsolatedLRU or noop.
     #[arg(long, default_value = "LRU", value_parser = parse_policy)]
     pub eviction_policy: EvictionPolicyKind,
@@ -426,8 +459,6 @@ fn default_instance_id() -> String {
 
 /// LMCache `server` flags that lmcache-rs does not implement yet: refused by name.
 pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
-    "--l1-manager",
-    "--l1-devdax-path",
     "--gds-l1-path",
     "--transport",
     "--isolated-ipc",
@@ -455,7 +486,128 @@ fn parse_policy(s: &str) -> Result<EvictionPolicyKind, String> {
     s.parse().map_err(|e: lmcache_l1::eviction::UnknownPolicy| e.to_string())
 }
 
+/// The flags one `--l1-manager` entry (LMCache's tagged L1 JSON) stands for.
+fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
+    let mut out = args.clone();
+    let [text] = args.l1_manager.as_slice() else {
+        bail!(
+            "--l1-manager was given {} times: lmcache-rs runs one L1 (several tagged L1s are \
+             not supported yet)",
+            args.l1_manager.len()
+        );
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(text).with_context(|| format!("--l1-manager: not JSON: {text}"))?;
+    let obj = v.as_object().context("--l1-manager: expected a JSON object")?;
+    let kind = obj.get("type").and_then(|t| t.as_str()).context("--l1-manager: type: missing")?;
+    let common = [
+        "type",
+        "tag",
+        "size_gb",
+        "align_bytes",
+        "read_ttl_seconds",
+        "write_ttl_seconds",
+        "eviction",
+    ];
+    let own: &[&str] = match kind.to_ascii_uppercase().as_str() {
+        "DRAM" => &["use_lazy", "init_size_gb", "shm_name", "use_hugepages"],
+        "DEVDAX" => &["path"],
+        "GDS" => bail!(
+            "--l1-manager: a GDS L1 (an NVMe slab reached by GPUDirect Storage) is not \
+             supported by lmcache-rs: it has no GPU path"
+        ),
+        other => bail!("--l1-manager: type: {other:?} is not DRAM, DEVDAX or GDS"),
+    };
+    for k in obj.keys() {
+        if !common.contains(&k.as_str()) && !own.contains(&k.as_str()) {
+            bail!("--l1-manager: {k}: unknown field for a {kind} L1");
+        }
+    }
+    if obj.get("tag").and_then(|t| t.as_str()).is_none_or(str::is_empty) {
+        bail!("--l1-manager: tag: missing (a non-empty string)");
+    }
+    let num = |k: &str| -> anyhow::Result<Option<f64>> {
+        match obj.get(k) {
+            None => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .filter(|_| !x.is_boolean())
+                .map(Some)
+                .with_context(|| format!("--l1-manager: {k}: not a number: {x}")),
+        }
+    };
+    let whole = |k: &str| -> anyhow::Result<Option<u64>> {
+        match obj.get(k) {
+            None => Ok(None),
+            Some(x) => {
+                x.as_u64().map(Some).with_context(|| format!("--l1-manager: {k}: not a count: {x}"))
+            }
+        }
+    };
+    out.l1_size_gb = num("size_gb")?.context("--l1-manager: size_gb: missing")?;
+    if let Some(a) = whole("align_bytes")? {
+        out.l1_align_bytes = a;
+    }
+    if let Some(t) = whole("read_ttl_seconds")? {
+        out.l1_read_ttl_seconds = t;
+    }
+    if let Some(t) = whole("write_ttl_seconds")? {
+        out.l1_write_ttl_seconds = t;
+    }
+    if let Some(e) = obj.get("eviction") {
+        let e = e.as_object().context("--l1-manager: eviction: expected an object")?;
+        for (k, x) in e {
+            match k.as_str() {
+                "eviction_policy" => {
+                    let p = x.as_str().context("--l1-manager: eviction.eviction_policy")?;
+                    out.eviction_policy = parse_policy(p)
+                        .map_err(|e| anyhow::anyhow!("--l1-manager: eviction_policy: {e}"))?;
+                }
+                "trigger_watermark" => {
+                    out.eviction_trigger_watermark =
+                        x.as_f64().context("--l1-manager: eviction.trigger_watermark")?;
+                }
+                "eviction_ratio" => {
+                    out.eviction_ratio =
+                        x.as_f64().context("--l1-manager: eviction.eviction_ratio")?;
+                }
+                other => bail!("--l1-manager: eviction.{other}: unknown field"),
+            }
+        }
+    }
+    match kind.to_ascii_uppercase().as_str() {
+        "DEVDAX" => {
+            let p = obj.get("path").and_then(|p| p.as_str()).filter(|p| !p.is_empty());
+            let p = p.context("--l1-manager: path: missing for a DEVDAX L1")?;
+            out.l1_devdax_path = Some(p.into());
+        }
+        _ => {
+            if let Some(n) = obj.get("shm_name") {
+                out.shm_name =
+                    n.as_str().context("--l1-manager: shm_name: not a string")?.to_owned();
+            }
+            if let Some(h) = obj.get("use_hugepages") {
+                out.l1_use_hugepages =
+                    h.as_bool().context("--l1-manager: use_hugepages: not a boolean")?;
+            }
+        }
+    }
+    Ok(out)
+}
+
 pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
+    let managed;
+    let args = if args.l1_manager.is_empty() {
+        args
+    } else {
+        if args.l1_devdax_path.is_some() || args.l1_use_hugepages {
+            bail!(
+                "--l1-manager and the L1 flags it replaces (--l1-devdax-path, --l1-use-hugepages) exclude each other"
+            );
+        }
+        managed = apply_l1_manager(args)?;
+        &managed
+    };
     let size = gib_to_bytes(args.l1_size_gb)
         .filter(|&b| b > 0)
         .with_context(|| format!("--l1-size-gb {} is not a positive size", args.l1_size_gb))?;
@@ -463,7 +615,25 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     if t != 0 && t < 30 {
         bail!("--worker-reap-timeout-seconds must be 0 (disabled) or at least 30, got {t}");
     }
-    let backing = if args.l1_use_hugepages {
+    if args.l1_devdax_path.is_none() && (args.l1_warm_restart || args.l1_devdax_format) {
+        bail!(
+            "--l1-warm-restart and --l1-devdax-format need --l1-devdax-path (an L1 in shared or \
+             private memory does not outlive the process)"
+        );
+    }
+    let backing = if let Some(path) = &args.l1_devdax_path {
+        if !args.shm_name.is_empty() {
+            bail!("--l1-devdax-path and --shm-name exclude each other (L1 lives in the file)");
+        }
+        if args.l1_use_hugepages {
+            bail!("--l1-devdax-path and --l1-use-hugepages exclude each other");
+        }
+        ArenaBacking::File(lmcache_memory::FileBacking {
+            path: path.clone(),
+            format: args.l1_devdax_format,
+            adopt: args.l1_warm_restart,
+        })
+    } else if args.l1_use_hugepages {
         if !args.shm_name.is_empty() {
             bail!("--l1-use-hugepages and --shm-name exclude each other (huge pages are private)");
         }
@@ -635,6 +805,51 @@ mod tests {
 
     fn parse(flags: &[&str]) -> ServerArgs {
         try_parse(flags).unwrap()
+    }
+
+    #[test]
+    fn an_l1_manager_entry_stands_for_the_l1_flags() {
+        let c = config(&parse(&[
+            "--l1-manager",
+            r#"{"type": "DEVDAX", "tag": "dax0", "size_gb": 2, "path": "/x/l1", "align_bytes": 8192,
+                "read_ttl_seconds": 7, "eviction": {"eviction_policy": "ARC", "trigger_watermark": 0.7,
+                "eviction_ratio": 0.1}}"#,
+        ]))
+        .unwrap();
+        assert_eq!(c.arena.size, 2 << 30);
+        assert_eq!(c.align, 8192);
+        assert_eq!(c.l1.read_ttl, Duration::from_secs(7));
+        assert_eq!(c.l1.eviction_policy.as_str(), "ARC");
+        assert_eq!((c.l1.trigger_watermark, c.l1.eviction_ratio), (0.7, 0.1));
+        match &c.arena.backing {
+            ArenaBacking::File(f) => assert_eq!(f.path, std::path::Path::new("/x/l1")),
+            other => panic!("{other:?}"),
+        }
+        let c = config(&parse(&[
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "_default", "size_gb": 0.5, "shm_name": "pool_x", "use_lazy": false}"#,
+        ]))
+        .unwrap();
+        assert_eq!(c.arena.size, 512 << 20);
+        assert_eq!(c.arena.backing, ArenaBacking::SharedMemory { name: "pool_x".into() });
+        for (bad, named) in [
+            (r#"{"type": "GDS", "tag": "g", "size_gb": 1, "path": "/nvme"}"#, "GDS"),
+            (r#"{"type": "DRAM", "tag": "t"}"#, "size_gb"),
+            (r#"{"type": "DRAM", "size_gb": 1}"#, "tag"),
+            (r#"{"type": "DEVDAX", "tag": "t", "size_gb": 1}"#, "path"),
+            (r#"{"type": "DRAM", "tag": "t", "size_gb": 1, "path": "/x"}"#, "path: unknown"),
+            (r#"{"type": "HBM", "tag": "t", "size_gb": 1}"#, "HBM"),
+            (r#"{"type": "DRAM", "tag": "t", "size_gb": true}"#, "size_gb"),
+            ("not json", "not JSON"),
+        ] {
+            let err = config(&parse(&["--l1-manager", bad])).unwrap_err();
+            assert!(format!("{err:#}").contains(named), "{bad}: {err:#}");
+        }
+        let two = ["--l1-manager", r#"{"type":"DRAM","tag":"a","size_gb":1}"#];
+        let err = config(&parse(&[two[0], two[1], two[0], two[1]])).unwrap_err();
+        assert!(err.to_string().contains("one L1"), "{err}");
+        let err = config(&parse(&[two[0], two[1], "--l1-devdax-path", "/x"])).unwrap_err();
+        assert!(err.to_string().contains("exclude"), "{err}");
     }
 
     #[test]

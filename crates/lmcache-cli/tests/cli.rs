@@ -12,8 +12,15 @@ fn help_names_lmcache_flags() {
     let out = bin().args(["server", "--help"]).output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    for flag in ["--l1-size-gb", "--eviction-policy", "--eviction-trigger-watermark", "--shm-name"]
-    {
+    for flag in [
+        "--l1-size-gb",
+        "--eviction-policy",
+        "--eviction-trigger-watermark",
+        "--shm-name",
+        "--l1-devdax-path",
+        "--no-l1-use-lazy",
+        "--l1-warm-restart",
+    ] {
         assert!(text.contains(flag), "--help lacks {flag}");
     }
 }
@@ -55,6 +62,37 @@ fn bad_flags_are_refused_with_their_name() {
         !out.status.success() && err.contains("--transport") && err.contains("not support"),
         "{err}"
     );
+    // The L1 file: combinations LMCache also refuses, flags that need it, and a file that
+    // is not ours, left as it was.
+    let dir = std::env::temp_dir().join(format!("lmcache-rs-devdax-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("l1");
+    let f = file.to_str().unwrap();
+    for (args, named) in [
+        (vec!["--l1-devdax-path", f, "--shm-name", "x"], "--shm-name"),
+        (vec!["--l1-devdax-path", f, "--l1-use-hugepages"], "--l1-use-hugepages"),
+        (vec!["--l1-warm-restart"], "--l1-devdax-path"),
+        (vec!["--l1-devdax-format"], "--l1-devdax-path"),
+    ] {
+        let out = bin().arg("server").args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(named), "{args:?}: {err}");
+    }
+    assert!(!file.exists(), "nothing was created by a refused command line");
+    std::fs::write(&file, b"someone else's bytes").unwrap();
+    let out = bin()
+        .args(["server", "--port", "0", "--http-port", "0", "--l1-size-gb", "0.1"])
+        .args(["--l1-devdax-path", f, "--no-l1-use-lazy", "--l1-warm-restart"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not an lmcache-rs L1") && err.contains(f),
+        "{err}"
+    );
+    assert_eq!(err.matches("not an lmcache-rs L1").count(), 1, "said once: {err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"someone else's bytes");
+    let _ = std::fs::remove_dir_all(&dir);
     let out = bin().args(["server", "--worker-reap-timeout-seconds", "5"]).output().unwrap();
     assert!(!out.status.success());
     let out = bin().args(["server", "--no-such-flag"]).output().unwrap();

@@ -479,6 +479,16 @@ pub struct Metrics {
     pub l1_unwritten_evictions: Counter,
     /// Resident objects the write-behind has not written to L2 yet.
     pub l1_unwritten_objects: Gauge,
+    /// L1 file: objects recorded to survive a restart.
+    pub l1_sealed_objects: Counter,
+    /// L1 file: objects that could not be recorded (served, not kept).
+    pub l1_seal_failures: Counter,
+    /// L1 file: committed objects waiting to be recorded.
+    pub l1_seal_pending: Gauge,
+    /// L1 file: objects adopted at start (restart warm).
+    pub l1_adopted_objects: Counter,
+    /// L1 file: recorded objects dropped at start (bytes or record did not verify).
+    pub l1_adopt_dropped_objects: Counter,
     /// CacheBlend (`--engine-type blend`).
     pub blend: BlendMetrics,
 }
@@ -545,6 +555,11 @@ impl Default for Metrics {
             l1_expired_read_leases: Counter::default(),
             l1_expired_write_leases: Counter::default(),
             l1_unwritten_evictions: Counter::default(),
+            l1_sealed_objects: Counter::default(),
+            l1_seal_failures: Counter::default(),
+            l1_seal_pending: Gauge::default(),
+            l1_adopted_objects: Counter::default(),
+            l1_adopt_dropped_objects: Counter::default(),
             l1_unwritten_objects: Gauge::default(),
             blend: BlendMetrics::default(),
         };
@@ -797,6 +812,31 @@ impl Default for Metrics {
                 "l1_unwritten_objects",
                 "Resident L1 objects the L2 write-behind has not written yet",
                 m.l1_unwritten_objects.clone(),
+            );
+            rs.register(
+                "l1_sealed_objects",
+                "L1 file: objects recorded (checksummed) to survive a restart",
+                m.l1_sealed_objects.clone(),
+            );
+            rs.register(
+                "l1_seal_failures",
+                "L1 file: objects that could not be recorded (served, not kept across a restart)",
+                m.l1_seal_failures.clone(),
+            );
+            rs.register(
+                "l1_seal_pending",
+                "L1 file: committed objects waiting to be recorded",
+                m.l1_seal_pending.clone(),
+            );
+            rs.register(
+                "l1_adopted_objects",
+                "L1 file: objects adopted at start from the previous process (restart warm)",
+                m.l1_adopted_objects.clone(),
+            );
+            rs.register(
+                "l1_adopt_dropped_objects",
+                "L1 file: recorded objects dropped at start because their bytes or record did not verify",
+                m.l1_adopt_dropped_objects.clone(),
             );
             rs.register("active_sessions", "Live request sessions", m.active_sessions.clone());
             let l2 = &m.l2;

@@ -152,6 +152,8 @@ impl Server {
                 reporter: reporter.clone(),
             }),
         );
+        // A restarted L1 file: the coordinator and the bus learn what it holds again.
+        storage.l1().announce_resident();
         let lookup_log = match &config.lookup_hash_log {
             None => None,
             Some(c) => Some(Arc::new(

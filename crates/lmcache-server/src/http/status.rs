@@ -81,9 +81,32 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
                 "backing": arena.kind().as_str(),
                 "shm_name": arena.shm_name(),
                 "evicted_objects": u.stats.evicted_objects,
+                "devdax_path": arena.file_path().map(|p| p.display().to_string()),
+                "restart": restart_status(&s),
             }
         }
     }))
+}
+
+/// An L1 file's sealing and what the last start adopted (`null` for other arenas).
+fn restart_status(s: &Shared) -> Value {
+    let memory = s.l1().memory();
+    let Some((records_used, records)) = memory.catalog_usage() else { return Value::Null };
+    let p = s.l1().persist_stats();
+    let report = memory.adopt_report();
+    json!({
+        "warm_restart": report.is_some(),
+        "catalog_records": records,
+        "catalog_records_used": records_used,
+        "sealed_objects": p.sealed,
+        "seal_pending": p.pending,
+        "seal_failed": p.seal_failed,
+        "adopted_objects": p.adopted,
+        "adopted_bytes": p.adopted_bytes,
+        "adopt_refused": p.adopt_refused,
+        "adopt_corrupt": report.map(|r| r.corrupt),
+        "adopt_misplaced": report.map(|r| r.misplaced),
+    })
 }
 
 pub(super) async fn version() -> Json<Value> {
@@ -268,6 +291,13 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     advance(&m.l1_expired_write_leases, st.expired_write_leases);
     advance(&m.l1_unwritten_evictions, st.unwritten_evictions);
     m.l1_unwritten_objects.set(s.l1().unwritten() as i64);
+    let p = s.l1().persist_stats();
+    advance(&m.l1_sealed_objects, p.sealed);
+    advance(&m.l1_seal_failures, p.seal_failed);
+    m.l1_seal_pending.set(p.pending as i64);
+    advance(&m.l1_adopted_objects, p.adopted);
+    let dropped = s.l1().memory().adopt_report().map_or(0, |r| r.corrupt + r.misplaced);
+    advance(&m.l1_adopt_dropped_objects, dropped + p.adopt_refused);
     if let Some(log) = &s.channels.lookup_log {
         advance(&m.lookup_hash_log_dropped, log.dropped());
     }
