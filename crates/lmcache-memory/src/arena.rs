@@ -195,31 +195,18 @@ impl Arena {
     /// (`MADV_POPULATE_WRITE`), instead of one page fault per 4 KiB page on first write. A
     /// best-effort hint: kernels before 5.14 refuse it and the pages fault in as usual.
     pub fn prefault(&self, offset: u64, len: u64) {
-        let page = 4096u64;
-        let start = offset - offset % page;
-        let Some(end) = offset.checked_add(len).and_then(|e| e.checked_next_multiple_of(page))
-        else {
-            return;
-        };
-        let end = end.min(self.len());
-        if start >= end {
-            return;
-        }
-        let r = self.map.advise_range(
-            memmap2::Advice::PopulateWrite,
-            start as usize,
-            (end - start) as usize,
-        );
-        if let Err(e) = r {
-            tracing::debug!(error = %e, "MADV_POPULATE_WRITE refused; pages fault in on use");
-        }
+        self.populate(offset, len, memmap2::Advice::PopulateWrite);
     }
 
     /// Maps the pages of `[offset, offset + len)` for reading in one system call
     /// (`MADV_POPULATE_READ`): a file arena's pages are in the page cache (or on the device)
-    /// but not in this process's page tables, and reading them through one fault per 4 KiB
-    /// page is what a restart's verification would otherwise spend its time on. Best effort.
+    /// but not in this process's page tables, as when a restart verifies them. Best effort.
     pub fn populate_read(&self, offset: u64, len: u64) {
+        self.populate(offset, len, memmap2::Advice::PopulateRead);
+    }
+
+    /// `advice` over the whole pages of `[offset, offset + len)` within the arena.
+    fn populate(&self, offset: u64, len: u64, advice: memmap2::Advice) {
         let page = 4096u64;
         let start = offset - offset % page;
         let Some(end) = offset.checked_add(len).and_then(|e| e.checked_next_multiple_of(page))
@@ -230,13 +217,8 @@ impl Arena {
         if start >= end {
             return;
         }
-        let r = self.map.advise_range(
-            memmap2::Advice::PopulateRead,
-            start as usize,
-            (end - start) as usize,
-        );
-        if let Err(e) = r {
-            tracing::debug!(error = %e, "MADV_POPULATE_READ refused; pages fault in on use");
+        if let Err(e) = self.map.advise_range(advice, start as usize, (end - start) as usize) {
+            tracing::debug!(error = %e, ?advice, "page population refused; pages fault in on use");
         }
     }
 
