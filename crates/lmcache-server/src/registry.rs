@@ -125,7 +125,13 @@ const MAX_REFUSALS: usize = 256;
 pub struct Registry {
     instances: RwLock<HashMap<(bool, u64), Instance>>,
     refused: RwLock<HashMap<(bool, u64), Refusal>>,
+    /// Instance ids that pinged while unknown and were answered `false` once (see
+    /// [`Registry::ping`]); an id leaves when it registers.
+    told_unknown: parking_lot::Mutex<std::collections::HashSet<u64>>,
 }
+
+/// How many unknown instance ids [`Registry::ping`] remembers having told (then it starts over).
+const MAX_TOLD_UNKNOWN: usize = 4096;
 
 /// Which family a registration belongs to (LMCache keeps them apart).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +171,7 @@ impl Family {
 impl Registry {
     /// Adds or replaces a registration (and forgets an earlier refusal of it).
     pub fn register(&self, family: Family, id: u64, instance: Instance) {
+        self.told_unknown.lock().remove(&id);
         self.refused.write().remove(&family.key(id));
         self.instances.write().insert(family.key(id), instance);
     }
@@ -218,14 +225,31 @@ impl Registry {
     }
 
     /// A ping from `id`: refreshes and proves every registration it has.
-    pub fn ping(&self, id: u64) {
+    ///
+    /// Returns the ping's answer: true, except the first ping of an instance id the server
+    /// does not know (neither registered nor refused: the server restarted, or reaped it).
+    /// LMCache's server always answers true, so a worker of a server that restarted within
+    /// one heartbeat never notices and its stores and lookups go to a server without its
+    /// registration; one `false` makes LMCache's vLLM adapter mark the server unhealthy, and
+    /// the next `true` runs its recovery, which registers the KV caches again.
+    pub fn ping(&self, id: u64) -> bool {
         let now = Instant::now();
+        let mut known = false;
         for ((_, i), inst) in self.instances.write().iter_mut() {
             if *i == id {
                 inst.last_seen = now;
                 inst.ping_proven = true;
+                known = true;
             }
         }
+        if known || self.refused.read().keys().any(|(_, i)| *i == id) {
+            return true;
+        }
+        let mut told = self.told_unknown.lock();
+        if told.len() >= MAX_TOLD_UNKNOWN {
+            told.clear();
+        }
+        !told.insert(id)
     }
 
     /// True when some worker registered `(model, world_size)`.

@@ -238,6 +238,20 @@ fn replies_are_not_blocked_by_many_pipelined_requests() {
 }
 
 #[test]
+fn an_unknown_worker_is_told_once_so_that_it_registers_again() {
+    let s = server("told");
+    let mut c = client(&s);
+    // A worker the server does not know (it restarted, or reaped it): one false, then true
+    // (LMCache's vLLM adapter re-registers on that false-to-true edge).
+    assert!(!c.ping(Some(77)).unwrap(), "the first ping of an unknown worker");
+    assert!(c.ping(Some(77)).unwrap(), "only once");
+    assert!(c.ping(None).unwrap(), "an untracked prober is always answered true");
+    let _pool = register(&mut c, 77, 1);
+    assert!(c.ping(Some(77)).unwrap());
+    assert!(c.ping(Some(77)).unwrap());
+}
+
+#[test]
 fn silent_workers_are_reaped_and_lookups_then_miss() {
     // A server whose reaper drops workers after 100 ms of silence.
     let s = server_with("reap", |c| {

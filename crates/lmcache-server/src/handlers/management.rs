@@ -22,10 +22,16 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
         // "kv_event_stream": vLLM's router then takes block hashes from our event stream.
         Command::GetExperimental => Ok(Some(capabilities(state))),
         Command::Ping(p) => {
-            if let Some(id) = p.instance_id {
-                state.registry.ping(id);
+            // An unknown worker is told once (see `Registry::ping`): LMCache's adapter then
+            // registers again, as after any restart it notices.
+            let ok = p.instance_id.is_none_or(|id| state.registry.ping(id));
+            if !ok {
+                tracing::info!(
+                    instance_id = p.instance_id,
+                    "ping from an unregistered worker: answered false once, so that it registers again"
+                );
             }
-            Ok(Some(Value::Boolean(true)))
+            Ok(Some(Value::Boolean(ok)))
         }
         Command::Noop => Ok(Some(Value::from("OK"))),
         Command::Clear(Clear { force }) => {
