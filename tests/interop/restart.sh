@@ -9,7 +9,10 @@
 #  4. without --l1-warm-restart the file starts empty;
 #  5. SIGKILL in the middle of stores, three times, then a warm restart: whatever was
 #     adopted hashes to the reference (a chunk whose write or seal did not finish is dropped,
-#     never served) and what was not is stored again.
+#     never served) and what was not is stored again;
+#  6. vLLM's own adapters keep running across a SIGKILL and restart, and hit again;
+#  7. a hot upgrade (--take-over) under those adapters: the old server exits 0, the new one
+#     serves its L1 on its ports, the adapters hit.
 # A coordinator hears the adopted chunks (they are announced after the restart).
 # Usage: tests/interop/restart.sh PATH/TO/lmcache-rs
 set -euo pipefail
@@ -63,6 +66,13 @@ wait_sealed() {
 
 stop() { # signal
   kill "-$1" "$srv"; wait "$srv" 2>/dev/null || true
+}
+
+# SIGTERM to a server this shell did not start (a restart script's), and wait until it is gone.
+stop_pid() { # pid
+  kill -TERM "$1" 2>/dev/null || true
+  for _ in $(seq 600); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+  echo "FAILED: server $1 did not stop"; exit 1
 }
 
 # digests LOG KIND: "seq digest" lines of the bench's per-sequence checksums of that pass.
@@ -163,4 +173,64 @@ bench final "$N"
 if grep -q "MISMATCH" "$WORK/final.bench.log"; then echo "FAILED: a checksum mismatch"; exit 1; fi
 echo "restart: after 3 SIGKILLs mid-store, $(cold_hits final) of $N sequences hit fully on the cold lookup; every retrieve byte-exact"
 stop TERM
+
+# 6. vLLM's own adapters (scheduler and worker, lmcache-driven) stay up across a SIGKILL and
+#    restart of the server: the worker registers again (told once by its ping) and hits.
+cat > "$WORK/restart-server" <<EOF
+#!/usr/bin/env bash
+kill -KILL \$(cat "$WORK/srv.pid"); sleep 0.2
+"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 3 \\
+    --l1-devdax-path "$FILE" --l1-warm-restart --log-level info >> "$WORK/vllm.server.log" 2>&1 &
+echo \$! > "$WORK/srv.pid"
+for _ in \$(seq 300); do
+  python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && exit 0
+  sleep 0.1
+done
+exit 1
+EOF
+chmod +x "$WORK/restart-server"
+start vllm --l1-warm-restart
+echo "$srv" > "$WORK/srv.pid"
+rc=0
+LMCACHE_MP_TRANSFER_MODE=lmcache_driven timeout 300 "$VENV/bin/python" tests/interop/vllm_restart.py \
+    "tcp://127.0.0.1:$port" "$WORK/restart-server" > "$WORK/vllm.log" 2>&1 || rc=$?
+pids+=("$(cat "$WORK/srv.pid")")
+stop_pid "$(cat "$WORK/srv.pid")"
+if [ "$rc" -ne 0 ] || ! grep -q "retrieve bytes equal" "$WORK/vllm.log"; then
+  echo "FAILED: vLLM's adapters across a restart"; grep -v INFO "$WORK/vllm.log" | tail -20; exit 1
+fi
+echo "restart: $(grep -o 'vllm restart:.*' "$WORK/vllm.log")"
+
+# 7. Hot upgrade: a second server started with --take-over (the "new binary") stops the
+#    running one with SIGTERM, adopts its L1 file and takes its ports, while vLLM's adapters
+#    keep their connections: they register again and hit what the old server stored.
+cat > "$WORK/take-over" <<EOF
+#!/usr/bin/env bash
+"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 3 \\
+    --l1-devdax-path "$FILE" --l1-warm-restart --take-over --log-level info \\
+    > "$WORK/upgraded.server.log" 2>&1 &
+echo \$! > "$WORK/srv.pid"
+for _ in \$(seq 600); do
+  grep -q "took over" "$WORK/upgraded.server.log" && exit 0
+  sleep 0.05
+done
+exit 1
+EOF
+chmod +x "$WORK/take-over"
+start old --l1-warm-restart
+echo "$srv" > "$WORK/srv.pid"
+rc=0
+LMCACHE_MP_TRANSFER_MODE=lmcache_driven timeout 300 "$VENV/bin/python" tests/interop/vllm_restart.py \
+    "tcp://127.0.0.1:$port" "$WORK/take-over" > "$WORK/upgrade.log" 2>&1 || rc=$?
+new=$(cat "$WORK/srv.pid")
+pids+=("$new")
+if [ "$rc" -ne 0 ] || ! grep -q "retrieve bytes equal" "$WORK/upgrade.log"; then
+  echo "FAILED: vLLM's adapters across a hot upgrade"; grep -v INFO "$WORK/upgrade.log" | tail -20
+  tail -5 "$WORK/upgraded.server.log"; exit 1
+fi
+wait "$srv" 2>/dev/null && old_rc=0 || old_rc=$?
+[ "$old_rc" -eq 0 ] || { echo "FAILED: the old server exited $old_rc"; exit 1; }
+pause=$(sed 's/\x1b\[[0-9;]*m//g' "$WORK/upgraded.server.log" | grep -o 'pause_ms=[0-9]*' | head -1)
+stop_pid "$new"
+echo "restart: hot upgrade ($pause from SIGTERM to the new server serving): $(grep -o 'vllm restart:.*' "$WORK/upgrade.log")"
 echo "restart: ok"

@@ -147,6 +147,16 @@ pub struct ServerArgs {
     /// The same --l1-size-gb is required; without this flag the file is reset at start.
     #[arg(long)]
     pub l1_warm_restart: bool,
+    /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (run
+    /// this binary, the new version, with the same flags). The old one is sent SIGTERM: it
+    /// answers what is in flight, records its last chunks and lets the file go; this one then
+    /// adopts its L1 and binds the same ports. Engines see one pause; LMCache's vLLM adapter
+    /// registers again on its own. Needs --l1-devdax-path and --l1-warm-restart.
+    #[arg(long)]
+    pub take_over: bool,
+    /// How long --take-over waits for the old server to let its L1 file go.
+    #[arg(long, default_value_t = 60.0)]
+    pub take_over_timeout_seconds: f64,
     /// An L1 as LMCache's tagged JSON, e.g. '{"type": "DEVDAX", "tag": "dax0", "size_gb": 8,
     /// "path": "/dev/dax0.0"}' or '{"type": "DRAM", "tag": "_default", "size_gb": 8}'. Its
     /// fields replace the matching --l1-* flags (size_gb, align_bytes, read/write_ttl_seconds,
@@ -767,6 +777,53 @@ pub(crate) fn wait_for_shutdown(signals: &SigSet, exit_after_seconds: u64) -> an
     Ok(())
 }
 
+/// `--take-over`: stops the lmcache-rs server holding the L1 file and waits until it let the
+/// file go. Returns its pid and when it was signalled (`None`: nobody held the file).
+fn take_over(args: &ServerArgs, config: &ServerConfig) -> anyhow::Result<Option<(u32, Instant)>> {
+    let path = match &config.arena.backing {
+        ArenaBacking::File(f) if f.adopt => f.path.clone(),
+        _ => bail!(
+            "--take-over needs --l1-devdax-path and --l1-warm-restart (the new server adopts \
+             the old one's L1)"
+        ),
+    };
+    let timeout = Duration::try_from_secs_f64(args.take_over_timeout_seconds)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .context("--take-over-timeout-seconds must be a positive number")?;
+    if !path.exists() {
+        tracing::info!(path = %path.display(), "--take-over: no L1 file yet, starting fresh");
+        return Ok(None);
+    }
+    let Some(pid) = lmcache_memory::file_arena::lock_holder(&path)? else {
+        tracing::info!(path = %path.display(), "--take-over: no server holds the L1 file");
+        return Ok(None);
+    };
+    // Only an lmcache-rs server is ever signalled (a process whose name starts so: a binary
+    // installed as lmcache-rs-0.2 is one too): a foreign holder is named and left alone.
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    if !comm.trim().starts_with("lmcache-rs") {
+        bail!(
+            "--take-over: {} is held by pid {pid} ({:?}), not an lmcache-rs server; it is left alone",
+            path.display(),
+            comm.trim()
+        );
+    }
+    let since = Instant::now();
+    let target = i32::try_from(pid).context("pid out of range")?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(target), Signal::SIGTERM)
+        .with_context(|| format!("--take-over: signalling pid {pid}"))?;
+    tracing::info!(old_pid = pid, "--take-over: asked the old server to stop");
+    if !lmcache_memory::file_arena::wait_released(&path, timeout) {
+        bail!(
+            "--take-over: pid {pid} still holds {} after {:.0} s (--take-over-timeout-seconds)",
+            path.display(),
+            timeout.as_secs_f64()
+        );
+    }
+    Ok(Some((pid, since)))
+}
+
 /// Runs the server until SIGINT/SIGTERM (or `--exit-after-seconds`).
 pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     let started = Instant::now();
@@ -774,7 +831,9 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     // and the main thread alone receives them through sigwait.
     let signals = block_shutdown_signals()?;
 
-    let server = Server::start(config(&args)?).context("starting the server")?;
+    let config = config(&args)?;
+    let took_over = if args.take_over { take_over(&args, &config)? } else { None };
+    let server = Server::start(config).context("starting the server")?;
     tracing::info!(
         zmq = server.endpoint(),
         http = ?server.http_addr(),
@@ -783,6 +842,13 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
         ready_ms = started.elapsed().as_millis() as u64,
         "lmcache-rs serving"
     );
+    if let Some((pid, since)) = took_over {
+        tracing::info!(
+            old_pid = pid,
+            pause_ms = since.elapsed().as_millis() as u64,
+            "took over: serving the old server's L1 and ports"
+        );
+    }
     wait_for_shutdown(&signals, args.exit_after_seconds)?;
     server.shutdown();
     tracing::info!("stopped");

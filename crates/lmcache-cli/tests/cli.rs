@@ -474,3 +474,34 @@ fn spans_are_exported_over_otlp() {
         assert!(has(s), "exported spans lack {s:?}");
     }
 }
+
+#[test]
+fn take_over_signals_only_an_lmcache_rs_server() {
+    let out = bin().args(["server", "--take-over"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--l1-devdax-path"), "{err}");
+    // This test process holds the file: the new server names it and leaves it alone (a
+    // SIGTERM to it would end this test).
+    let dir = std::env::temp_dir().join(format!("lmcache-rs-take-over-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("l1");
+    std::fs::write(&file, b"").unwrap();
+    let held = nix::fcntl::Flock::lock(
+        std::fs::File::open(&file).unwrap(),
+        nix::fcntl::FlockArg::LockExclusiveNonblock,
+    )
+    .unwrap();
+    let out = bin()
+        .args(["server", "--port", "0", "--http-port", "0", "--l1-size-gb", "0.1"])
+        .args(["--l1-devdax-path", file.to_str().unwrap(), "--l1-warm-restart", "--take-over"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    let me = std::process::id().to_string();
+    assert!(
+        !out.status.success() && err.contains("not an lmcache-rs server") && err.contains(&me),
+        "{err}"
+    );
+    drop(held);
+    let _ = std::fs::remove_dir_all(&dir);
+}

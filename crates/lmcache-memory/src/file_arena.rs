@@ -440,6 +440,54 @@ pub fn is_l1_file(path: &Path) -> bool {
         && Geometry::decode(&b).is_some()
 }
 
+/// The process that holds `path`'s lock (the server using it as its L1), read from
+/// `/proc/locks`; `None` when nobody holds it.
+pub fn lock_holder(path: &Path) -> Result<Option<u32>, MemoryError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).map_err(|e| MemoryError::File {
+        path: path.to_owned(),
+        op: "stat",
+        source: e,
+    })?;
+    let locks = std::fs::read_to_string("/proc/locks")
+        .map_err(|e| MemoryError::os("read /proc/locks", e))?;
+    let (major, minor) = (nix::sys::stat::major(meta.dev()), nix::sys::stat::minor(meta.dev()));
+    Ok(locks.lines().find_map(|line| holder_of(line, major, minor, meta.ino())))
+}
+
+/// The pid of a `/proc/locks` line (`1: FLOCK ADVISORY WRITE 123 fe:00:456 0 EOF`) that locks
+/// inode `ino` of device `major:minor`.
+fn holder_of(line: &str, major: u64, minor: u64, ino: u64) -> Option<u32> {
+    let f: Vec<&str> = line.split_whitespace().collect();
+    // A blocked waiter's line starts with "->": it does not hold the lock.
+    if f.first().is_some_and(|x| x.starts_with("->")) || f.get(1) != Some(&"FLOCK") {
+        return None;
+    }
+    let pid = f.get(4)?.parse().ok()?;
+    let mut id = f.get(5)?.split(':');
+    let ma = u64::from_str_radix(id.next()?, 16).ok()?;
+    let mi = u64::from_str_radix(id.next()?, 16).ok()?;
+    let i: u64 = id.next()?.parse().ok()?;
+    (ma == major && mi == minor && i == ino).then_some(pid)
+}
+
+/// Waits until nobody holds `path`'s lock (its server let it go), at most `timeout`; false
+/// if it is still held then.
+pub fn wait_released(path: &Path, timeout: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let free =
+            File::open(path).is_ok_and(|f| Flock::lock(f, FlockArg::LockSharedNonblock).is_ok());
+        if free {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -476,5 +524,30 @@ mod tests {
             assert_eq!(Record::decode(7, &d), None, "bit {bit}");
         }
         assert_eq!(Record::decode(7, &[0u8; RECORD_LEN]), None);
+    }
+
+    #[test]
+    fn the_lock_holder_is_found_in_proc_locks() {
+        let line = "1: FLOCK  ADVISORY  WRITE 22887 fe:00:10133565 0 EOF";
+        assert_eq!(holder_of(line, 0xfe, 0, 10133565), Some(22887));
+        assert_eq!(holder_of(line, 0xfe, 0, 10133566), None);
+        assert_eq!(
+            holder_of("2: POSIX  ADVISORY  WRITE 1 fe:00:10133565 0 EOF", 0xfe, 0, 10133565),
+            None
+        );
+        assert_eq!(
+            holder_of("1: -> FLOCK  ADVISORY  WRITE 9 fe:00:10133565 0 EOF", 0xfe, 0, 10133565),
+            None
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l1");
+        std::fs::write(&path, b"").unwrap();
+        assert_eq!(lock_holder(&path).unwrap(), None);
+        let held =
+            Flock::lock(File::open(&path).unwrap(), FlockArg::LockExclusiveNonblock).unwrap();
+        assert_eq!(lock_holder(&path).unwrap(), Some(std::process::id()));
+        assert!(!wait_released(&path, std::time::Duration::from_millis(20)));
+        drop(held);
+        assert!(wait_released(&path, std::time::Duration::from_millis(20)));
     }
 }
