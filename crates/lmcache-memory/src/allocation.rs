@@ -321,6 +321,17 @@ impl ArenaAllocator {
         self.shared.detached.store(true, Ordering::Release);
     }
 
+    /// The end of a shutdown that keeps a file arena for the next process: after
+    /// [`Self::detach_catalog`], once nothing can write the arena any more (no allocation,
+    /// no copy into one), the file's lock is let go while the mapping stays, so a process
+    /// taking over (`--take-over`) starts adopting at once. Nothing may be allocated or
+    /// written afterwards: a successor may be using the bytes.
+    pub fn release_file(&self) {
+        if let Some(f) = self.shared.arena.file() {
+            f.release();
+        }
+    }
+
     /// Whether objects can be recorded to survive a restart ([`Allocation::persist`]).
     pub fn is_persistent(&self) -> bool {
         self.shared.arena.file().is_some()

@@ -230,7 +230,7 @@ impl Arena {
         let (fd, base) = match (&self.shm, &self.file) {
             (Some(seg), _) => (std::os::fd::AsRawFd::as_raw_fd(seg.file()), 0),
             (None, Some(f)) if f.regular => {
-                (std::os::fd::AsRawFd::as_raw_fd(&*f.file), f.data_offset)
+                (std::os::fd::AsRawFd::as_raw_fd(&f.file), f.data_offset)
             }
             _ => return Ok(()),
         };

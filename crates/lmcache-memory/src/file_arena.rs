@@ -308,8 +308,12 @@ pub(crate) struct FileArena {
     /// A regular file: space is reserved with `fallocate` before use (as for /dev/shm), so a
     /// full file system is an error, not a SIGBUS. Devices need none.
     pub(crate) regular: bool,
-    // Last: the lock goes after the mappings.
-    pub(crate) file: Flock<File>,
+    /// The exclusive lock, on a duplicate of `file`'s descriptor (one open file description:
+    /// dropping it unlocks the file). Taken by [`FileArena::release`] once nothing will be
+    /// written any more, so a process taking over need not wait for this one's unmapping.
+    pub(crate) lock: Mutex<Option<Flock<File>>>,
+    // Last: the lock (if still held) goes after the mappings.
+    pub(crate) file: File,
 }
 
 impl FileArena {
@@ -330,7 +334,12 @@ impl FileArena {
             }
             Err(e) => return Err(MemoryError::File { path: path.clone(), op: "open", source: e }),
         };
-        let file = Flock::lock(file, FlockArg::LockExclusiveNonblock)
+        let dup = file.try_clone().map_err(|e| MemoryError::File {
+            path: path.clone(),
+            op: "dup",
+            source: e,
+        })?;
+        let lock = Flock::lock(dup, FlockArg::LockExclusiveNonblock)
             .map_err(|_| MemoryError::FileInUse { path: path.clone() })?;
         let meta = file.metadata().map_err(|e| MemoryError::File {
             path: path.clone(),
@@ -394,7 +403,7 @@ impl FileArena {
         let data = MmapOptions::new()
             .offset(want.data_offset)
             .len(len)
-            .map_raw(&*file)
+            .map_raw(&file)
             .map_err(|e| MemoryError::File { path: path.clone(), op: "mmap", source: e })?;
         let catalog = Catalog {
             region: Mutex::new(region),
@@ -411,9 +420,18 @@ impl FileArena {
                 path: path.clone(),
                 data_offset: want.data_offset,
                 regular,
+                lock: Mutex::new(Some(lock)),
                 file,
             },
         ))
+    }
+
+    /// Lets the file go (unlocks it) while it stays mapped: for a shutdown that has stopped
+    /// every writer and kept the catalog, so that a successor starts adopting while this
+    /// process still tears down its mapping (that can take most of a second for GiBs of
+    /// 4 KiB pages).
+    pub(crate) fn release(&self) {
+        drop(self.lock.lock().take());
     }
 }
 

@@ -159,6 +159,12 @@ fn one_process_at_a_time_and_a_warm_restart_keeps_its_size() {
     let path = dir.path().join("l1.dax");
     let mem = open(&path, true, false).unwrap();
     assert!(matches!(open(&path, true, false), Err(MemoryError::FileInUse { .. })));
+    assert_eq!(lmcache_memory::file_arena::lock_holder(&path).unwrap(), Some(std::process::id()));
+    // A shutdown lets the file go before unmapping it.
+    mem.detach_catalog();
+    mem.release_file();
+    assert_eq!(lmcache_memory::file_arena::lock_holder(&path).unwrap(), None);
+    drop(open(&path, true, false).unwrap());
     drop(mem);
     let cfg = ArenaConfig {
         size: 2 * SIZE,

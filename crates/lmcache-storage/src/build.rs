@@ -126,6 +126,9 @@ impl Storage {
             l1.memory().detach_catalog();
         }
         drop(background);
+        // Every writer has stopped (the transport before this, the controllers and the
+        // sealer above): a successor may take the file while this process unmaps it.
+        l1.memory().release_file();
         pending
     }
 }
@@ -190,10 +193,12 @@ mod tests {
             w.as_mut_slice().fill(i as u8 + 1);
             w.commit().unwrap();
         }
-        // The shutdown waits for the seals, then keeps the records as the objects drop.
+        // The shutdown waits for the seals, keeps the records as the objects drop, and lets
+        // the file go at once: a successor (a hot upgrade) adopts while this one still maps it.
         s.shutdown();
+        let next = Storage::build(&config(true)).unwrap();
         drop(s);
-        let s = Storage::build(&config(true)).unwrap();
+        let s = next;
         for i in 0..4 {
             let lease = s.l1().read_lock(&[key(i)], 1).pop().unwrap().unwrap();
             assert!(lease.bytes().iter().all(|&b| b == i + 1), "object {i}");
