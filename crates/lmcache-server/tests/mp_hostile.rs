@@ -164,6 +164,19 @@ fn engine_driven_registrations_the_pool_cannot_serve_are_refused() {
         assert!(errors.contains(&line), "{op}: {errors}");
     }
 
+    // An L1 in a file (--l1-devdax-path): refused, naming the flag and the mode that works.
+    let dir = tempfile::tempdir().unwrap();
+    let s = server(ArenaBacking::File(lmcache_memory::FileBacking {
+        path: dir.path().join("l1"),
+        format: false,
+        adopt: false,
+    }));
+    let mut c = client(&s);
+    assert_eq!(c.register_engine_driven(&reg).unwrap().pool_size, 0);
+    let r = refusal(&s, 4).expect("refused");
+    let reason = r["reason"].as_str().unwrap();
+    assert!(reason.contains("--l1-devdax-path") && reason.contains("lmcache_driven"), "{r}");
+
     // A layout larger than the pool, on a shared pool: refused the same way.
     let s = shm_server("toolarge");
     let mut c = client(&s);

@@ -54,10 +54,16 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
             let Some(name) = arena.shm_name() else {
                 return Err(refuse(ProtocolError::OutOfRange {
                     field: "payload".into(),
-                    reason: "engine-driven transfer needs the L1 pool in POSIX shared memory, \
-                             and this server's is private (--l1-use-hugepages); restart it \
-                             without that flag"
-                        .into(),
+                    reason: if arena.file_path().is_some() {
+                        "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
+                         this server's is a file (--l1-devdax-path, as LMCache's): use the \
+                         lmcache_driven transfer mode, or restart without that flag"
+                    } else {
+                        "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
+                         this server's is private (--l1-use-hugepages); restart it without that \
+                         flag"
+                    }
+                    .into(),
                 }));
             };
             if let Err(e) = state.storage.bind_layout_dtype(layout.dtype) {
