@@ -541,7 +541,6 @@ fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
             None => Ok(None),
             Some(x) => x
                 .as_f64()
-                .filter(|_| !x.is_boolean())
                 .map(Some)
                 .with_context(|| format!("--l1-manager: {k}: not a number: {x}")),
         }

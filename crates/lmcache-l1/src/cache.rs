@@ -266,7 +266,8 @@ impl L1Cache {
         }
         keep.reverse();
         let shared = &self.shared;
-        let mut st = shared.state.lock();
+        let mut guard = shared.state.lock();
+        let st = &mut *guard;
         let mut n = 0u64;
         for (key, a) in keep {
             if st.index.contains_key(&key) {
@@ -288,12 +289,8 @@ impl L1Cache {
             st.index.insert(key.clone(), IndexSlot { id, resident: true });
             st.quotas.charge(&key.cache_salt, bytes);
             st.used_bytes += bytes;
-            let meta = EntryMeta {
-                key_hash: shared.key_hasher.hash_one(&key),
-                cache_salt: &key.cache_salt,
-                bytes,
-            };
-            st.policy.on_insert(id, meta);
+            let (key_hash, cache_salt) = st.key_meta(shared, &st.entries[id]);
+            st.policy.on_insert(id, EntryMeta { key_hash, cache_salt, bytes });
             if let Some(l) = &st.listener {
                 l.committed(&key, bytes);
             }

@@ -234,7 +234,8 @@ impl ArenaAllocator {
         }
         file.catalog.release(dropped);
         claimed.sort_by_key(|(_, b)| b.offset());
-        if let Some(end) = claimed.iter().map(|(_, b)| b.offset() + b.size()).max() {
+        if let Some((_, last)) = claimed.last() {
+            let end = last.offset() + last.size();
             self.shared.back_around(claimed.iter().map(|(_, b)| (b.offset(), b.size())));
             self.shared.high_water.fetch_max(end, Ordering::Relaxed);
         }

@@ -202,6 +202,11 @@ impl Record {
     }
 }
 
+/// Where record `index` starts in the catalog region.
+fn record_at(index: u32) -> usize {
+    HEADER_BLOCK as usize + index as usize * RECORD_LEN
+}
+
 /// The catalog: records of sealed objects, and which record slots are free.
 #[derive(Debug)]
 pub(crate) struct Catalog {
@@ -228,7 +233,7 @@ impl Catalog {
             self.free.lock().pop().ok_or(PersistError::CatalogFull { records: self.records })?;
         let generation = self.generation.fetch_add(1, Ordering::Relaxed);
         let rec = Record { index, generation, offset, len, physical, checksum, key: key.to_vec() };
-        let at = HEADER_BLOCK as usize + index as usize * RECORD_LEN;
+        let at = record_at(index);
         if self.region.lock().write(at, &rec.encode()).is_err() {
             self.free.lock().push(index);
             return Err(PersistError::Io);
@@ -238,7 +243,7 @@ impl Catalog {
 
     /// Zeroes record `index` and frees its slot: its object's range may now be reused.
     pub(crate) fn clear(&self, index: u32) {
-        let at = HEADER_BLOCK as usize + index as usize * RECORD_LEN;
+        let at = record_at(index);
         if let Err(e) = self.region.lock().write(at, &[0u8; RECORD_LEN]) {
             // The slot is not reused: a record that may still name the range stays unused.
             tracing::error!(error = %e, record = index, "could not clear an L1 catalog record");
@@ -266,7 +271,7 @@ impl Catalog {
         let mut free = Vec::new();
         let mut top = 0u64;
         for i in (0..self.records as u32).rev() {
-            let at = HEADER_BLOCK as usize + i as usize * RECORD_LEN;
+            let at = record_at(i);
             let rec = region.read(at, &mut buf).ok().and_then(|()| Record::decode(i, &buf));
             match rec {
                 Some(r) => {
@@ -382,18 +387,9 @@ impl FileArena {
         let mut region = FileRegion::map(&file, 0, want.catalog_len())?;
         let adopt = backing.adopt && geometry_ok;
         if !adopt {
-            // Start empty: no record of an earlier process may name a range we reuse.
-            let zeros = vec![0u8; 1 << 20];
-            let mut at = HEADER_BLOCK as usize;
-            while at < want.catalog_len() {
-                let n = zeros.len().min(want.catalog_len() - at);
-                region.write(at, &zeros[..n]).map_err(|e| MemoryError::File {
-                    path: path.clone(),
-                    op: "clear the catalog",
-                    source: std::io::Error::other(e),
-                })?;
-                at += n;
-            }
+            // Start empty. The records left by an earlier process (or whatever a formatted
+            // file held) are zeroed by the allocator over this arena before it hands out
+            // anything (`Catalog::take_records`, then `release`), whether it adopts or not.
             region.write(0, &want.encode()).map_err(|e| MemoryError::File {
                 path: path.clone(),
                 op: "write the superblock",
@@ -448,14 +444,11 @@ fn read_superblock(file: &File, regular: bool, len: u64) -> Option<Geometry> {
 }
 
 /// Whether `path` holds an L1 file of ours (a superblock we wrote), for tools and tests.
+/// Opened read-write, as the arena maps it, but nothing is written.
 pub fn is_l1_file(path: &Path) -> bool {
-    let Ok(file) = File::open(path) else { return false };
+    let Ok(file) = OpenOptions::new().read(true).write(true).open(path) else { return false };
     let Ok(meta) = file.metadata() else { return false };
-    let mut b = [0u8; SUPER_LEN];
-    use std::os::unix::fs::FileExt;
-    meta.len() >= HEADER_BLOCK
-        && file.read_exact_at(&mut b, 0).is_ok()
-        && Geometry::decode(&b).is_some()
+    read_superblock(&file, meta.is_file(), meta.len()).is_some()
 }
 
 /// The process that holds `path`'s lock (the server using it as its L1), read from
