@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Interop: LMCache 0.5.6's own operator CLI (`lmcache ping kvcache`, `describe kvcache`,
-# `kvcache clear`, `quota set|get|list|delete`) against `lmcache-rs server`'s HTTP API.
+# `kvcache clear`, `quota set|get|list|delete`) against `lmcache-rs server`'s HTTP API; and
+# `lmcache-rs explain` on the lookups LMCache's `lmcache bench server` made (a cold lookup never
+# stored, a warm one a hit, a cold one after `lmcache kvcache clear` cleared from L1).
 # Usage: tests/interop/cli.sh PATH/TO/lmcache-rs
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,10 +34,24 @@ check() { # name, expected text, command...
   fi
 }
 L="$VENV/bin/lmcache"
+bench() { # end
+  timeout 120 "$L" bench server --rpc-url "tcp://127.0.0.1:$port" --url "$url" --mode cpu \
+      --transfer-mode lmcache_driven --num-tokens 1024 --start 0 --end "$1" --interval 0 \
+      > "$WORK/bench.log" 2>&1 || { echo "FAILED: bench"; tail -20 "$WORK/bench.log"; exit 1; }
+}
+bench 2
+check "lmcache-rs explain (cold)" "miss \[never_stored\]: never stored" "$BIN" explain req-1-cold --url "$url"
+check "lmcache-rs explain (warm)" "chunks 0-3, tokens 0-1024: *hit (L1)" "$BIN" explain req-1-warm --url "$url"
+check "lmcache-rs explain --format json" '"reason": "never_stored"' "$BIN" explain req-0-cold --url "$url" --format json
+check "lmcache-rs explain (unknown request)" "no lookup of" bash -c "! '$BIN' explain nobody --url '$url'"
 check "ping kvcache" "OK" "$L" ping kvcache --url "$url"
 check "describe kvcache" "Chunk size" "$L" describe kvcache --url "$url"
 check "describe kvcache (policy)" "LRU" "$L" describe kvcache --url "$url"
 check "kvcache clear" "ok" "$L" kvcache clear --url "$url"
+bench 1
+check "lmcache-rs explain (after a clear)" "cleared from L1" "$BIN" explain req-0-cold --url "$url"
+check "lmcache_rs_lookup_miss_chunks_total by reason" 'reason="deleted"} 4' \
+    python3 -c "import urllib.request; print(urllib.request.urlopen('$url/metrics').read().decode())"
 check "quota set" "ok" "$L" quota set tenant-x --limit-gb 2 --url "$url"
 check "quota get" "tenant-x" "$L" quota get tenant-x --url "$url"
 check "quota list" "tenant-x" "$L" quota list --url "$url"

@@ -70,6 +70,15 @@ enum Command {
     /// Cache operations.
     #[command(subcommand)]
     Kvcache(ops::KvcacheCommand),
+    /// Why a request's last lookup missed, chunk by chunk: never stored, stored under another
+    /// salt/model/layout, evicted (when, by which policy, from which tier), locked, an L2 error
+    /// or timeout, refused by a quota, a peer that did not answer.
+    Explain {
+        /// The request id the engine looked up with.
+        request_id: String,
+        #[command(flatten)]
+        common: ops::Common,
+    },
     /// Per-tenant (cache_salt) quotas; `_default` is the empty salt.
     #[command(subcommand)]
     Quota(ops::QuotaCommand),
@@ -148,6 +157,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::L2(args)) => bench_l2::run(args),
         Command::Ping { target, common } => ops::ping(target, &common),
         Command::Describe { target, common } => ops::describe(target, &common),
+        Command::Explain { request_id, common } => ops::explain(&request_id, &common),
         Command::Kvcache(cmd) => ops::kvcache(&cmd),
         Command::Quota(cmd) => ops::quota(&cmd),
         Command::Query(cmd) => query::run(&cmd),

@@ -1,5 +1,5 @@
 //! Operator commands, as LMCache's CLI names them: `ping kvcache`, `describe kvcache`,
-//! `kvcache clear`, `quota set|get|list|delete`. Each talks to a server's HTTP API (ours or
+//! `kvcache clear`, `quota set|get|list|delete`, and ours: `explain REQUEST_ID`. Each talks to a server's HTTP API (ours or
 //! LMCache's), prints a human table or `--format json`, can write the result to `--output`,
 //! and exits non-zero when the server cannot be reached or refuses.
 
@@ -439,9 +439,80 @@ pub fn quota(cmd: &QuotaCommand) -> anyhow::Result<()> {
     }
 }
 
+/// `explain REQUEST_ID`: why the request's last lookup missed, chunk by chunk.
+pub fn explain(request_id: &str, common: &Common) -> anyhow::Result<()> {
+    let url = format!("{}/cache/requests/{}/explain", base(&common.url), segment(request_id));
+    let r = call(common, "GET", &url, None)?;
+    emit(common, &format!("Lookup of {request_id}"), &explain_rows(&r), &r)
+}
+
+/// The rows of `explain`'s table: the lookup, then one row per run of chunks.
+fn explain_rows(r: &Value) -> Vec<(String, String)> {
+    let mut rows = vec![
+        ("Model".to_owned(), s(&r["model"])),
+        (
+            "Cache salt".to_owned(),
+            if r["cache_salt"] == "" { "-".into() } else { s(&r["cache_salt"]) },
+        ),
+        ("World size".to_owned(), s(&r["world_size"])),
+        (
+            "Hit".to_owned(),
+            format!(
+                "{} of {} chunks ({} tokens; {} loaded from L2 or a peer)",
+                s(&r["hit_chunks"]),
+                s(&r["chunks"]),
+                s(&r["hit_tokens"]),
+                s(&r["loaded_chunks"])
+            ),
+        ),
+        ("Looked up".to_owned(), format!("{:.1} s ago", r["seconds_ago"].as_f64().unwrap_or(0.0))),
+    ];
+    if r["pending"] == json!(true) {
+        rows.push(("Prefetch".into(), "still running: ask again".into()));
+    }
+    for run in r["runs"].as_array().map(Vec::as_slice).unwrap_or_default() {
+        let first = run["first_chunk"].as_u64().unwrap_or(0);
+        let n = run["chunks"].as_u64().unwrap_or(0);
+        let chunks = if n == 1 {
+            format!("chunk {first}")
+        } else {
+            format!("chunks {first}-{}", first + n.saturating_sub(1))
+        };
+        let tokens = &run["tokens"];
+        let what = if run["outcome"] == "hit" {
+            format!("hit ({})", s(&run["tier"]))
+        } else {
+            format!("miss [{}]: {}", s(&run["reason"]), s(&run["detail"]))
+        };
+        rows.push((format!("{chunks}, tokens {}-{}", s(&tokens[0]), s(&tokens[1])), what));
+    }
+    rows
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_explanation_reads_as_one_row_per_run() {
+        let r = json!({"model": "m", "cache_salt": "", "world_size": 1, "hit_chunks": 1,
+            "chunks": 3, "hit_tokens": 256, "loaded_chunks": 0, "seconds_ago": 2.0,
+            "pending": false, "runs": [
+                {"first_chunk": 0, "chunks": 1, "tokens": [0, 256], "outcome": "hit", "tier": "L1"},
+                {"first_chunk": 1, "chunks": 2, "tokens": [256, 768], "outcome": "miss",
+                 "reason": "evicted", "detail": "evicted from L1 by LRU (memory) 1.0 s ago"}]});
+        let rows = explain_rows(&r);
+        assert_eq!(rows[1], ("Cache salt".to_owned(), "-".to_owned()));
+        assert_eq!(rows[3].1, "1 of 3 chunks (256 tokens; 0 loaded from L2 or a peer)");
+        assert_eq!(rows[5], ("chunk 0, tokens 0-256".to_owned(), "hit (L1)".to_owned()));
+        assert_eq!(
+            rows[6],
+            (
+                "chunks 1-2, tokens 256-768".to_owned(),
+                "miss [evicted]: evicted from L1 by LRU (memory) 1.0 s ago".to_owned()
+            )
+        );
+    }
 
     #[test]
     fn segments_and_urls_are_normalized() {

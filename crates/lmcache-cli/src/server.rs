@@ -92,6 +92,10 @@ pub struct ServerArgs {
     /// Lookup-hash log files kept; the oldest of them are deleted past it.
     #[arg(long, default_value_t = 100)]
     pub lookup_hash_log_max_files: usize,
+    /// Recent requests whose last lookup the server can explain chunk by chunk ("why was this
+    /// a miss?": `lmcache-rs explain REQUEST_ID`, `GET /cache/requests/{id}/explain`). 0: off.
+    #[arg(long, value_name = "N", default_value_t = lmcache_server::explain::DEFAULT_REQUESTS)]
+    pub explain_requests: usize,
     /// Store a hybrid model's KV groups as separate objects, one per sliding-window size and
     /// for recurrent state, so a hit needs only each group's window (LMCache's flag). Off: one
     /// object per chunk holding every group, served as full attention.
@@ -729,6 +733,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
                 max_files: args.lookup_hash_log_max_files,
             }
         }),
+        explain_requests: if args.disable_observability { 0 } else { args.explain_requests },
         kv_event_log_size: if args.disable_observability { 0 } else { args.kv_event_log_size },
         event_bus_queue_size: if args.disable_observability {
             0

@@ -146,6 +146,45 @@ pub struct ClearReport {
     pub skipped: usize,
 }
 
+/// Why a resident object left L1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RemovalCause {
+    /// The eviction policy chose it to make room (a store needed memory, or the watermark).
+    Evicted,
+    /// The eviction policy chose it to bring its tenant back under its L1 quota.
+    EvictedForQuota,
+    /// Deleted on request (an HTTP or operator delete, the `skip_l1` store policy).
+    Deleted,
+    /// Removed by a clear of the whole cache.
+    Cleared,
+    /// A temporary object (not kept in L1) whose last reader finished.
+    Released,
+}
+
+impl RemovalCause {
+    /// A short name (`evicted`, `evicted_for_quota`, `deleted`, `cleared`, `released`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Evicted => "evicted",
+            Self::EvictedForQuota => "evicted_for_quota",
+            Self::Deleted => "deleted",
+            Self::Cleared => "cleared",
+            Self::Released => "released",
+        }
+    }
+}
+
+/// Where a key stands in L1 at one moment (see [`L1Cache::probe`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residency {
+    /// Resident: a lookup finds it.
+    Resident,
+    /// Reserved and being written by a store that has not committed (write-locked).
+    BeingWritten,
+    /// Not in L1.
+    Absent,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct IndexSlot {
     id: EntryId,
@@ -160,6 +199,10 @@ struct IndexSlot {
 pub trait L1Listener: Send + Sync + std::fmt::Debug {
     /// `key` is no longer resident.
     fn removed(&self, key: &ObjectKey);
+    /// `key` is no longer resident, and why. What L1 calls; by default [`Self::removed`].
+    fn removed_because(&self, key: &ObjectKey, _cause: RemovalCause) {
+        self.removed(key);
+    }
     /// `key` became resident with `bytes` (a store or a load from L2 committed).
     fn committed(&self, _key: &ObjectKey, _bytes: u64) {}
 }
@@ -570,6 +613,19 @@ impl L1Cache {
         self.shared.state.lock().index.get(key).is_some_and(|s| s.resident)
     }
 
+    /// Where each of `keys` stands (one lock for all): resident, being written by a store
+    /// that has not committed, or absent.
+    pub fn probe(&self, keys: &[ObjectKey]) -> Vec<Residency> {
+        let st = self.shared.state.lock();
+        keys.iter()
+            .map(|k| match st.index.get(k) {
+                Some(s) if s.resident => Residency::Resident,
+                Some(_) => Residency::BeingWritten,
+                None => Residency::Absent,
+            })
+            .collect()
+    }
+
     /// Every resident key with its bytes, in a stable order (model, rank, group, hash, salt).
     /// O(n log n): for operator listings, not hot paths.
     pub fn resident_keys(&self) -> Vec<(ObjectKey, u64)> {
@@ -618,7 +674,7 @@ impl L1Cache {
         keys.iter()
             .map(|k| {
                 let id = st.index.get(k).ok_or(L1Error::NotFound)?.id;
-                st.delete_entry(id, force)
+                st.delete_entry(id, force, RemovalCause::Deleted)
             })
             .collect()
     }
@@ -630,7 +686,7 @@ impl L1Cache {
         let ids: Vec<EntryId> = st.index.values().map(|s| s.id).collect();
         let mut report = ClearReport::default();
         for id in ids {
-            match st.delete_entry(id, force) {
+            match st.delete_entry(id, force, RemovalCause::Cleared) {
                 Ok(()) => report.removed += 1,
                 Err(_) => report.skipped += 1,
             }
@@ -901,8 +957,10 @@ impl State {
             },
             &mut victims,
         );
+        let cause =
+            if scope.is_some() { RemovalCause::EvictedForQuota } else { RemovalCause::Evicted };
         for id in victims {
-            if let Some(e) = self.remove_entry(id) {
+            if let Some(e) = self.remove_entry(id, cause) {
                 self.stats.evicted_objects += 1;
                 self.stats.evicted_bytes += e.bytes;
                 if e.unwritten {
@@ -915,7 +973,7 @@ impl State {
     }
 
     /// Removes an entry and its accounting. The caller has already told the policy.
-    fn remove_entry(&mut self, id: EntryId) -> Option<Entry> {
+    fn remove_entry(&mut self, id: EntryId, cause: RemovalCause) -> Option<Entry> {
         let e = self.entries.remove(id)?;
         if e.unwritten {
             self.unwritten -= 1;
@@ -923,7 +981,7 @@ impl State {
         if e.indexed {
             self.index.remove(&e.key);
             if let (Some(l), Slot::Resident { .. }) = (&self.listener, &e.slot) {
-                l.removed(&e.key);
+                l.removed_because(&e.key, cause);
             }
         }
         self.quotas.credit(&e.key.cache_salt, e.bytes);
@@ -934,7 +992,12 @@ impl State {
         Some(e)
     }
 
-    fn delete_entry(&mut self, id: EntryId, force: bool) -> Result<(), L1Error> {
+    fn delete_entry(
+        &mut self,
+        id: EntryId,
+        force: bool,
+        cause: RemovalCause,
+    ) -> Result<(), L1Error> {
         let e = self.entries.get_mut(id).ok_or(L1Error::NotFound)?;
         let pinned = matches!(e.slot, Slot::Staged) || e.readers() > 0;
         if pinned && !force {
@@ -947,14 +1010,14 @@ impl State {
             let key = e.key.clone();
             self.index.remove(&key);
             if let (Some(l), true) = (&self.listener, resident) {
-                l.removed(&key);
+                l.removed_because(&key, cause);
             }
         }
         if resident {
             self.policy.on_remove(id);
         }
         if !pinned {
-            self.remove_entry(id);
+            self.remove_entry(id, cause);
         }
         Ok(())
     }
@@ -1003,7 +1066,7 @@ impl State {
                 // this commit is done (the bytes of one key are the same KV whoever wrote
                 // them); its copy goes.
                 Some(slot) if slot.resident && (e.shadow || e.superseded) => {
-                    self.remove_entry(id);
+                    self.remove_entry(id, RemovalCause::Released);
                     self.stats.superseded += 1;
                     return match readers {
                         0 => Ok(None),
@@ -1029,7 +1092,7 @@ impl State {
                 }
                 // Deleted by force while being written: the object never becomes visible.
                 _ => {
-                    self.remove_entry(id);
+                    self.remove_entry(id, RemovalCause::Released);
                     self.stats.discarded += 1;
                     return Err((L1Error::WrongState, alloc));
                 }
@@ -1066,7 +1129,7 @@ impl Shared {
     pub(crate) fn discard(&self, id: EntryId) {
         let mut st = self.state.lock();
         if matches!(st.entries.get(id).map(|e| &e.slot), Some(Slot::Staged)) {
-            st.remove_entry(id);
+            st.remove_entry(id, RemovalCause::Released);
             st.stats.discarded += 1;
         }
     }
@@ -1086,7 +1149,7 @@ impl Shared {
             if e.indexed {
                 st.policy.on_remove(id);
             }
-            st.remove_entry(id);
+            st.remove_entry(id, RemovalCause::Released);
         }
     }
 

@@ -35,8 +35,8 @@ pub mod persist;
 pub mod quota;
 
 pub use cache::{
-    ClearReport, L1Cache, L1Listener, L1Stats, L1Usage, MaintenanceReport, ReserveMode,
-    WriteRequest,
+    ClearReport, L1Cache, L1Listener, L1Stats, L1Usage, MaintenanceReport, RemovalCause,
+    ReserveMode, Residency, WriteRequest,
 };
 pub use config::L1Config;
 pub use entry::EntryId;

@@ -446,3 +446,49 @@ fn background_maintenance_runs_and_stops_on_drop() {
     drop(m);
     assert!(c.usage().used_bytes < 8 * PAGE, "watermark pass never ran");
 }
+
+/// Hears removals with their causes.
+#[derive(Debug, Default)]
+struct Causes(std::sync::Mutex<Vec<(u32, lmcache_l1::RemovalCause)>>);
+
+impl lmcache_l1::L1Listener for Causes {
+    fn removed(&self, _key: &lmcache_core::ObjectKey) {
+        panic!("L1 calls removed_because, with the cause");
+    }
+    fn removed_because(&self, key: &lmcache_core::ObjectKey, cause: lmcache_l1::RemovalCause) {
+        let i = (0..64).find(|&i| &common::key(i) == key).unwrap_or(u32::MAX);
+        self.0.lock().unwrap().push((i, cause));
+    }
+}
+
+#[test]
+fn a_probe_tells_resident_from_being_written_and_removals_carry_their_cause() {
+    use lmcache_l1::{RemovalCause, Residency};
+    let c = cache(3 * PAGE);
+    let heard = std::sync::Arc::new(Causes::default());
+    c.set_listener(heard.clone());
+    reserve_one(&c, 1, PAGE).commit().unwrap();
+    let staged = reserve_one(&c, 2, PAGE);
+    assert_eq!(
+        c.probe(&[key(1), key(2), key(3)]),
+        vec![Residency::Resident, Residency::BeingWritten, Residency::Absent]
+    );
+    staged.commit().unwrap();
+    reserve_one(&c, 3, PAGE).commit().unwrap();
+    // A fourth object needs room: the policy evicts the oldest.
+    reserve_one(&c, 4, PAGE).commit().unwrap();
+    c.delete(&[key(2)], false).pop().unwrap().unwrap();
+    c.clear(false);
+    let mut got = heard.0.lock().unwrap().clone();
+    got.sort_by_key(|(i, _)| *i);
+    assert_eq!(
+        got,
+        vec![
+            (1, RemovalCause::Evicted),
+            (2, RemovalCause::Deleted),
+            (3, RemovalCause::Cleared),
+            (4, RemovalCause::Cleared)
+        ]
+    );
+    assert_eq!(c.probe(&[key(1)]), vec![Residency::Absent]);
+}

@@ -3,7 +3,9 @@
 //! Prompts of 2 to 128 chunks (256 tokens each), all hits; p50 and p99 of 2000 round trips.
 //! Target: <= 200 us p50 for 2 chunks, growing linearly.
 //! Then the cost of observability: 2-chunk lookups with the event bus and KV event log on and
-//! off (`--disable-observability`), alternating servers, 3 rounds.
+//! off (`--disable-observability`), alternating servers, 3 rounds; and the cost of "why was
+//! this a miss?": 128-chunk lookups that miss every chunk (each one judged) and 2-chunk hits,
+//! with `--explain-requests` 1024 and 0, alternating servers, 3 rounds.
 //! Run: `cargo bench -p lmcache-server --bench roundtrip`.
 #![expect(clippy::expect_used, reason = "a benchmark binary: any failure should abort it")]
 
@@ -105,6 +107,55 @@ fn main() {
             row[0] / row[1]
         );
     }
+    println!("explain on vs off (--explain-requests 1024 / 0), lookup + query, p50 of 2000:");
+    for round in 1..=3 {
+        for (chunks, stored, what) in [(128, false, "128-chunk misses"), (2, true, "2-chunk hits")]
+        {
+            let on = explain_p50(true, round, chunks, stored);
+            let off = explain_p50(false, round, chunks, stored);
+            println!(
+                "  round {round}, {what}: on {on:.1} us, off {off:.1} us, on/off {:.3}",
+                on / off
+            );
+        }
+    }
+}
+
+/// p50 of `chunks`-chunk lookups with the explainer on or off: misses (`stored` false: every
+/// chunk judged), or hits.
+fn explain_p50(on: bool, round: u32, chunks: usize, stored: bool) -> f64 {
+    let arena = ArenaConfig {
+        size: 64 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_rt_x_{on}_{round}_{chunks}_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let cfg =
+        ServerConfig { explain_requests: if on { 1024 } else { 0 }, ..ServerConfig::local(arena) };
+    let server = Server::start(cfg).expect("server");
+    let mut c = Client::connect(server.endpoint(), Duration::from_secs(5)).expect("client");
+    let r = c.register_engine_driven(&registration(1, 1, 16, 1, 8)).expect("register");
+    let pool = ForeignSegment::open(&r.shm_name, r.pool_size).expect("pool");
+    let tokens: Vec<u32> = (0..(chunks * 256) as u32).collect();
+    let key = CacheKey::whole(model_m(), "warm", tokens, 256);
+    if stored {
+        for (_, s) in c.prepare_store(&key.for_worker(0), 1).expect("prepare") {
+            pool.write(s.offset, &vec![1u8; s.length as usize]).expect("write");
+        }
+        assert!(c.commit_store(&key.for_worker(0), 1).expect("commit"));
+    }
+    let mut times = Vec::with_capacity(2000);
+    for i in 0..2000 {
+        let k = CacheKey { request_id: format!("x{i}"), ..key.clone() };
+        let t = Instant::now();
+        let hits = c.lookup(&k).expect("lookup");
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+        assert_eq!(hits as usize, if stored { chunks } else { 0 });
+        c.end_session(&k.request_id).expect("end");
+    }
+    times.sort_by(f64::total_cmp);
+    times[1000]
 }
 
 fn lookup_p50(observability: bool, round: u32) -> f64 {

@@ -55,6 +55,9 @@ pub struct ServerConfig {
     pub copy_threads: usize,
     /// Lookup-hash JSONL logs (`--lookup-hash-log-dir`); `None`: off.
     pub lookup_hash_log: Option<crate::lookup_log::LookupHashLogConfig>,
+    /// Requests whose last lookup "why was this a miss?" remembers (`--explain-requests`;
+    /// 0: off).
+    pub explain_requests: usize,
     /// `--trace-level` / `--trace-output`: record a `.lct` trace (None: off).
     pub trace: Option<crate::trace_record::TraceConfig>,
     /// This server's id (`--instance-id`, or a random one), named in events traces.
@@ -108,6 +111,7 @@ impl ServerConfig {
             separate_object_groups: false,
             copy_threads: 1,
             lookup_hash_log: None,
+            explain_requests: crate::explain::DEFAULT_REQUESTS,
             trace: None,
             instance_id: String::new(),
             kv_event_log_size: 32768,

@@ -262,7 +262,12 @@ mod tests {
 
 /// Forwards the L2 tier's reports to the server's bus (and to the coordinator reporter).
 #[derive(Debug)]
-pub struct TierEvents(pub Publisher, pub Option<Arc<crate::fleet_report::Reporter>>);
+pub struct TierEvents(
+    pub Publisher,
+    pub Option<Arc<crate::fleet_report::Reporter>>,
+    /// "Why was this a miss?" remembers L2 evictions, deletes and refused blobs.
+    pub Arc<crate::explain::Explainer>,
+);
 
 impl TierEvents {
     fn publish(&self, e: Event) {
@@ -275,6 +280,7 @@ impl lmcache_storage::TierObserver for TierEvents {
         if let Some(rep) = &self.1 {
             rep.l2_stored(r.adapter, &r.keys);
         }
+        self.2.l2_stored(&r.keys);
         let mut r = r.clone();
         r.keys = Vec::new();
         self.publish(Event::L2Stored(r));
@@ -283,16 +289,19 @@ impl lmcache_storage::TierObserver for TierEvents {
         if let Some(rep) = &self.1 {
             rep.l2_removed(adapter, keys);
         }
+        self.2.l2_evicted(adapter, keys);
     }
     fn deleted(&self, adapter: u64, keys: &[lmcache_core::ObjectKey]) {
         if let Some(rep) = &self.1 {
             rep.l2_removed(adapter, keys);
         }
+        self.2.l2_deleted(adapter, keys);
     }
     fn prefetched(&self, r: &lmcache_storage::PrefetchReport) {
         self.publish(Event::L2Prefetched(r.clone()));
     }
     fn blob_refused(&self, adapter: u64, key: &lmcache_core::ObjectKey, reason: &str) {
+        self.2.blob_refused(adapter, key);
         self.publish(Event::L2BlobRefused {
             adapter,
             key: key.to_string(),
@@ -310,6 +319,8 @@ pub struct L1Events {
     pub bus: Publisher,
     /// The coordinator reporter, when reporting.
     pub reporter: Option<Arc<crate::fleet_report::Reporter>>,
+    /// "Why was this a miss?": what stored each chunk, and why keys left.
+    pub explain: Arc<crate::explain::Explainer>,
 }
 
 impl lmcache_l1::L1Listener for L1Events {
@@ -317,6 +328,11 @@ impl lmcache_l1::L1Listener for L1Events {
         if let Some(rep) = &self.reporter {
             rep.l1_stored(key, bytes);
         }
+        self.explain.committed(key);
+    }
+    fn removed_because(&self, key: &lmcache_core::ObjectKey, cause: lmcache_l1::RemovalCause) {
+        self.explain.l1_removed(key, cause);
+        self.removed(key);
     }
     fn removed(&self, key: &lmcache_core::ObjectKey) {
         if let Some(rep) = &self.reporter {

@@ -30,6 +30,7 @@
 //! - [`metrics`]: LMCache's Prometheus names and ours.
 //! - [`fleet_report`]: registration, heartbeats and cache events to a coordinator.
 //! - [`lookup_log`]: LMCache's lookup-hash JSONL logs, from a writer thread.
+//! - [`explain`]: "why was this a miss?": each recent lookup judged chunk by chunk.
 //! - [`trace_record`]: LMCache's `.lct` traces (storage calls, cache events).
 #![forbid(unsafe_code)]
 
@@ -38,6 +39,7 @@ pub mod blend_fleet;
 pub mod blend_telemetry;
 pub mod config;
 pub mod event_bus;
+pub mod explain;
 pub mod fleet_report;
 pub mod handlers;
 pub mod http;

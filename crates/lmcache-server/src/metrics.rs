@@ -489,6 +489,8 @@ pub struct Metrics {
     pub l1_adopted_objects: Counter,
     /// L1 file: recorded objects dropped at start (bytes or record did not verify).
     pub l1_adopt_dropped_objects: Counter,
+    /// Chunks lookups missed, by reason ("why was this a miss?").
+    pub lookup_miss_chunks: Family<ReasonLabel, Counter>,
     /// CacheBlend (`--engine-type blend`).
     pub blend: BlendMetrics,
 }
@@ -556,6 +558,7 @@ impl Default for Metrics {
             l1_expired_write_leases: Counter::default(),
             l1_unwritten_evictions: Counter::default(),
             l1_sealed_objects: Counter::default(),
+            lookup_miss_chunks: Family::default(),
             l1_seal_failures: Counter::default(),
             l1_seal_pending: Gauge::default(),
             l1_adopted_objects: Counter::default(),
@@ -812,6 +815,11 @@ impl Default for Metrics {
                 "l1_unwritten_objects",
                 "Resident L1 objects the L2 write-behind has not written yet",
                 m.l1_unwritten_objects.clone(),
+            );
+            rs.register(
+                "lookup_miss_chunks",
+                "Chunks lookups missed, by reason (lmcache-rs explain REQUEST_ID tells each chunk)",
+                m.lookup_miss_chunks.clone(),
             );
             rs.register(
                 "l1_sealed_objects",

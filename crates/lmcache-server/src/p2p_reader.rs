@@ -24,7 +24,9 @@ use lmcache_core::ObjectKey;
 use lmcache_l1::{ReadLease, WriteRequest};
 use lmcache_protocol::request::{Command, P2pLookupAndLock, P2pUnlockObjects};
 use lmcache_protocol::types::{LayoutDesc, TransferAddress, WireObjectKey};
-use lmcache_storage::{PeerDone, PeerFetch, PeerSource, PrefetchOutcome, StorageManager};
+use lmcache_storage::{
+    PeerDone, PeerFetch, PeerSource, PrefetchOutcome, PrefetchTrouble, StorageManager,
+};
 use parking_lot::Mutex;
 use rmpv::Value;
 
@@ -150,6 +152,8 @@ fn work(
         };
         let mut outcome = PrefetchOutcome::default();
         let mut report = FetchReport::default();
+        // The first peer that failed, for "why was this a miss?".
+        let mut trouble = None;
         let current = peers.peers();
         clients.retain(|id, _| current.iter().any(|p| &p.instance_id == id));
         for peer in current.iter().filter(|p| channel.speaks(p)) {
@@ -160,6 +164,10 @@ fn work(
                         Ok(c) => e.insert(c),
                         Err(err) => {
                             tracing::warn!(peer = %peer.instance_id, error = %err, "P2P peer unreachable: a miss");
+                            trouble.get_or_insert_with(|| PrefetchTrouble::Peer {
+                                peer: peer.instance_id.clone(),
+                                error: format!("unreachable: {err}"),
+                            });
                             continue;
                         }
                     }
@@ -175,8 +183,16 @@ fn work(
                     // A client whose request failed may be out of step: a new one next time.
                     clients.remove(&peer.instance_id);
                     tracing::warn!(peer = %peer.instance_id, error = %e, "P2P fetch failed: a miss");
+                    trouble.get_or_insert_with(|| PrefetchTrouble::Peer {
+                        peer: peer.instance_id.clone(),
+                        error: e.to_string(),
+                    });
                 }
             }
+        }
+        let asked = req.shards.iter().map(Vec::len).min().unwrap_or(0);
+        if outcome.hits < asked && outcome.trouble.is_none() {
+            outcome.trouble = trouble;
         }
         storage.announce(&lmcache_storage::StorageEvent::PeerFetched {
             keys: report.keys,
@@ -341,5 +357,6 @@ fn load(
         loaded_keys: report.keys,
         loaded_bytes: report.bytes,
         expired: false,
+        trouble: None,
     })
 }

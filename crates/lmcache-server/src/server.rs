@@ -144,12 +144,28 @@ impl Server {
                 Some(r)
             }
         };
+        let metrics = Arc::new(Metrics::default());
+        let explain = Arc::new(crate::explain::Explainer::new(
+            storage.l1().clone(),
+            config.chunk_size,
+            config.explain_requests,
+            metrics.lookup_miss_chunks.clone(),
+        ));
+        for a in storage.describe_l2() {
+            let policy = a.eviction.map_or_else(|| "LRU".to_owned(), |e| format!("{:?}", e.policy));
+            explain.name_adapter(a.id, &a.kind, &policy);
+        }
         storage.set_observers(
-            Arc::new(crate::event_bus::TierEvents(bus.publisher(), reporter.clone())),
+            Arc::new(crate::event_bus::TierEvents(
+                bus.publisher(),
+                reporter.clone(),
+                Arc::clone(&explain),
+            )),
             Arc::new(crate::event_bus::L1Events {
                 kv: events.clone(),
                 bus: bus.publisher(),
                 reporter: reporter.clone(),
+                explain: Arc::clone(&explain),
             }),
         );
         // A restarted L1 file: the coordinator and the bus learn what it holds again.
@@ -210,8 +226,7 @@ impl Server {
             }
             None => None,
         };
-        let metrics = Arc::new(Metrics::default());
-        let subs = subscribers(
+        let mut subs = subscribers(
             &config,
             &metrics,
             &bus,
@@ -220,6 +235,9 @@ impl Server {
             trace.as_ref(),
             lookup_log.as_ref(),
         );
+        if explain.enabled() {
+            subs.push(Arc::new(crate::explain::ExplainSubscriber(Arc::clone(&explain))));
+        }
         storage.subscribe(subs);
         let state = Arc::new(ServerState {
             requests: RequestState {
@@ -233,7 +251,13 @@ impl Server {
                 config,
             },
             bus,
-            channels: crate::state::SideChannels { kv_events: events, reporter, lookup_log, trace },
+            channels: crate::state::SideChannels {
+                kv_events: events,
+                reporter,
+                lookup_log,
+                trace,
+                explain,
+            },
             http: crate::state::HttpJobs::default(),
             metrics,
             started,

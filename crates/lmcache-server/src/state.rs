@@ -146,6 +146,8 @@ pub(crate) struct SideChannels {
     pub(crate) lookup_log: Option<Arc<crate::lookup_log::LookupHashLog>>,
     /// The trace recorder, when `--trace-level` is set (closed at shutdown).
     pub(crate) trace: Option<Arc<crate::trace_record::TraceRecorder>>,
+    /// "Why was this a miss?" (`GET /cache/requests/{id}/explain`).
+    pub(crate) explain: Arc<crate::explain::Explainer>,
 }
 
 /// What HTTP keeps between calls.

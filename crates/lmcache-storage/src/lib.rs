@@ -50,7 +50,9 @@ pub use manager::{
 };
 pub use observe::{RequestContext, StorageEvent, StorageSubscriber};
 pub use peers::{PeerDone, PeerFetch, PeerSource};
-pub use prefetch::{PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchWaiter};
+pub use prefetch::{
+    PrefetchHandle, PrefetchOutcome, PrefetchRequest, PrefetchTrouble, PrefetchWaiter,
+};
 pub use scope::RequestScope;
 pub use tier::{
     AdapterCounters, AdapterInfo, L2Tier, PrefetchReport, StorePolicy, StoreReport, TierConfig,

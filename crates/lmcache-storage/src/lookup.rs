@@ -140,7 +140,7 @@ pub struct PendingLookup {
 }
 
 /// What a prefetch added to a lookup, reported once by [`Lookup::settle`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settled {
     /// Chunks servable in all (L1 then L2).
     pub hits: usize,
@@ -148,6 +148,9 @@ pub struct Settled {
     pub l2_hits: usize,
     /// Objects loaded from L2.
     pub loaded_keys: usize,
+    /// What went wrong in the prefetch, if anything did (a timeout, an adapter's error, a
+    /// refused blob, a peer that did not answer).
+    pub trouble: Option<crate::prefetch::PrefetchTrouble>,
 }
 
 impl LookupLeases {
@@ -219,7 +222,12 @@ impl Lookup {
             leases.extend(w, l);
         }
         *self = Self::Ready { leases, hits };
-        Some(Settled { hits, l2_hits: out.hits, loaded_keys: out.loaded_keys })
+        Some(Settled {
+            hits,
+            l2_hits: out.hits,
+            loaded_keys: out.loaded_keys,
+            trouble: out.trouble,
+        })
     }
 
     /// The locks held so far (the L1 part while pending).

@@ -46,6 +46,49 @@ pub struct PrefetchOutcome {
     pub loaded_bytes: u64,
     /// Whether the deadline cut the request short.
     pub expired: bool,
+    /// The first thing that went wrong (beyond keys simply being absent), for "why was this
+    /// a miss?".
+    pub trouble: Option<PrefetchTrouble>,
+}
+
+/// Why a prefetch (from L2 or the peers) served less than asked for when something went
+/// wrong, rather than the keys being absent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PrefetchTrouble {
+    /// The deadline cut it short.
+    TimedOut,
+    /// An L2 adapter failed a lookup or a load.
+    L2Error {
+        /// The adapter (`type#id`).
+        adapter: String,
+        /// Its error.
+        error: String,
+    },
+    /// A loaded blob failed verification or decoding (wrong KV is a miss, never served).
+    BlobRefused {
+        /// The adapter (`type#id`).
+        adapter: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A peer did not answer, or its transfer failed.
+    Peer {
+        /// The peer's instance id.
+        peer: String,
+        /// What went wrong.
+        error: String,
+    },
+}
+
+impl PrefetchTrouble {
+    pub(crate) fn l2(slot: &AdapterSlot, error: impl std::fmt::Display) -> Self {
+        Self::L2Error { adapter: adapter_name(slot), error: error.to_string() }
+    }
+}
+
+/// `type#id` of an adapter, as "why was this a miss?" names it.
+pub(crate) fn adapter_name(slot: &AdapterSlot) -> String {
+    format!("{}#{}", slot.built.kind, slot.id)
 }
 
 impl PrefetchOutcome {
@@ -62,6 +105,7 @@ impl PrefetchOutcome {
         self.loaded_keys += next.loaded_keys;
         self.loaded_bytes += next.loaded_bytes;
         self.expired |= next.expired;
+        self.trouble = self.trouble.or(next.trouble);
         self
     }
 }
@@ -220,6 +264,7 @@ async fn run_inner(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcom
     }
     if out.expired {
         stats.prefetch_expired.fetch_add(1, Ordering::Relaxed);
+        out.trouble.get_or_insert(PrefetchTrouble::TimedOut);
     }
     // Lock what L1 now holds, shard by shard, and keep the common prefix.
     let mut leases: Vec<Vec<ReadLease>> = req
@@ -273,8 +318,9 @@ async fn load_missing(
     let pins: Vec<(Pins, Vec<bool>)> = adapters.iter().map(|a| a.ledger.pin(&keys)).collect();
     // One batched lookup per adapter, all at once; with stored sizes where the adapter knows
     // them (they let a load go straight into L1).
+    let trouble = parking_lot::Mutex::new(None);
     let lookups = join_all(adapters.iter().map(|a| {
-        let keys = &keys;
+        let (keys, trouble) = (&keys, &trouble);
         async move {
             let r = match a.built.adapter.lookup_sized(keys).await {
                 Ok(sizes) => Ok(sizes.into_iter().map(|s| s.map(Some)).collect::<Vec<_>>()),
@@ -297,12 +343,14 @@ async fn load_missing(
                 Ok(_) => vec![None; keys.len()],
                 Err(e) => {
                     a.failed(shared.epoch, &e);
+                    trouble.lock().get_or_insert_with(|| PrefetchTrouble::l2(a, &e));
                     vec![None; keys.len()]
                 }
             }
         }
     }));
     let Ok(mut found) = tokio::time::timeout_at(deadline, lookups).await else { return false };
+    out.trouble = trouble.into_inner();
     for (a, (_, doomed)) in pins.iter().enumerate() {
         for (m, d) in doomed.iter().enumerate() {
             if *d {
@@ -339,9 +387,12 @@ async fn load_missing(
         async move { load_from(shared, &slot, ks, sizes).await }
     }));
     let Ok(loads) = tokio::time::timeout_at(load_deadline, loads).await else { return false };
-    for (k, b) in loads {
+    for (k, b, t) in loads {
         out.loaded_keys += k;
         out.loaded_bytes += b;
+        if out.trouble.is_none() {
+            out.trouble = t;
+        }
     }
     drop(pins);
     true
@@ -368,11 +419,12 @@ struct Tally<'a> {
     bytes: u64,
     error: Option<lmcache_l2::L2Error>,
     placed: Vec<ObjectKey>,
+    trouble: Option<PrefetchTrouble>,
 }
 
 impl<'a> Tally<'a> {
     fn new(shared: &'a Shared, slot: &'a AdapterSlot) -> Self {
-        Self { shared, slot, keys: 0, bytes: 0, error: None, placed: Vec::new() }
+        Self { shared, slot, keys: 0, bytes: 0, error: None, placed: Vec::new(), trouble: None }
     }
 
     /// A key committed to L1.
@@ -385,8 +437,9 @@ impl<'a> Tally<'a> {
     /// A key the adapter did not return (absent, or the load failed).
     fn missed(&mut self, error: Option<lmcache_l2::L2Error>) {
         self.slot.stats.load_failures.fetch_add(1, Ordering::Relaxed);
-        if error.is_some() {
-            self.error = error;
+        if let Some(e) = error {
+            self.trouble.get_or_insert_with(|| PrefetchTrouble::l2(self.slot, &e));
+            self.error = Some(e);
         }
     }
 
@@ -394,6 +447,10 @@ impl<'a> Tally<'a> {
     fn refused(&mut self, key: &ObjectKey, reason: &str) {
         let slot = self.slot;
         slot.stats.corrupt_blobs.fetch_add(1, Ordering::Relaxed);
+        self.trouble.get_or_insert_with(|| PrefetchTrouble::BlobRefused {
+            adapter: adapter_name(slot),
+            reason: reason.to_owned(),
+        });
         tracing::warn!(key = %key, adapter = slot.id, reason, "L2 blob refused; treated as a miss");
         self.shared.observe(|o| o.blob_refused(slot.id, key, reason));
     }
@@ -417,7 +474,7 @@ impl<'a> Tally<'a> {
             .collect()
     }
 
-    fn finish(self) -> (usize, u64) {
+    fn finish(self) -> (usize, u64, Option<PrefetchTrouble>) {
         let (slot, shared) = (self.slot, self.shared);
         match &self.error {
             Some(e) => slot.failed(shared.epoch, e),
@@ -430,7 +487,7 @@ impl<'a> Tally<'a> {
         slot.stats.loaded_bytes.fetch_add(self.bytes, Ordering::Relaxed);
         shared.stats.prefetch_loaded_keys.fetch_add(self.keys as u64, Ordering::Relaxed);
         shared.stats.prefetch_loaded_bytes.fetch_add(self.bytes, Ordering::Relaxed);
-        (self.keys, self.bytes)
+        (self.keys, self.bytes, self.trouble)
     }
 }
 
@@ -441,7 +498,7 @@ async fn load_from(
     slot: &AdapterSlot,
     keys: Vec<ObjectKey>,
     sizes: Vec<Option<u64>>,
-) -> (usize, u64) {
+) -> (usize, u64, Option<PrefetchTrouble>) {
     let direct_ok = matches!(*slot.built.codec, Codec::None);
     let mut tally = Tally::new(shared, slot);
     let mut sized: Vec<(usize, WriteRequest)> = Vec::new();

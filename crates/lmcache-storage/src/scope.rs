@@ -54,7 +54,11 @@ impl<'s, 'a> RequestScope<'s, 'a> {
     /// resident in L1. Returns that, once.
     pub fn settle(&self, chunks: usize, lookup: &mut Lookup) -> Option<Settled> {
         let settled = lookup.settle()?;
-        self.publish(&StorageEvent::LookupSettled { ctx: self.ctx, chunks, settled });
+        self.publish(&StorageEvent::LookupSettled {
+            ctx: self.ctx,
+            chunks,
+            settled: settled.clone(),
+        });
         Some(settled)
     }
 

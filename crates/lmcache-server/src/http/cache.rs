@@ -1,5 +1,6 @@
 //! Cached objects: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`
-//! (`tier=l1|l2|all`).
+//! (`tier=l1|l2|all`), and `GET /cache/requests/{request_id}/explain`: why a request's last
+//! lookup missed, chunk by chunk ([`crate::explain`]).
 
 use lmcache_storage::{DeleteScope, L2Listing, StorageError};
 
@@ -287,4 +288,55 @@ pub(super) async fn l2_objects_list(s: &ServerState, q: ObjectsQuery, size: usiz
         ),
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
+}
+
+pub(super) async fn explain_request(
+    State(s): State<Shared>,
+    Path(request_id): Path<String>,
+) -> Response {
+    let x = &s.channels.explain;
+    if !x.enabled() {
+        return error(
+            StatusCode::NOT_FOUND,
+            "explain: off (--explain-requests 0 or --disable-observability)",
+        );
+    }
+    match x.explain(&request_id) {
+        Some(e) => Json(e.to_json()).into_response(),
+        None => error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "request_id: no lookup of {request_id:?} is remembered (never seen, or older than \
+                 the last --explain-requests requests)"
+            ),
+        ),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub(super) struct RecentQuery {
+    #[serde(default)]
+    limit: Option<usize>,
+}
+
+/// `GET /cache/requests?limit=N`: the most recent lookups (newest first), each summarised.
+pub(super) async fn recent_requests(
+    State(s): State<Shared>,
+    axum::extract::Query(q): axum::extract::Query<RecentQuery>,
+) -> Response {
+    let limit = q.limit.unwrap_or(50).min(1000);
+    let rows: Vec<Value> = s
+        .channels
+        .explain
+        .recent(limit)
+        .iter()
+        .map(|e| {
+            let j = e.to_json();
+            json!({"request_id": j["request_id"], "seconds_ago": j["seconds_ago"],
+                   "model": j["model"], "cache_salt": j["cache_salt"], "chunks": j["chunks"],
+                   "hit_chunks": j["hit_chunks"], "pending": j["pending"],
+                   "first_miss": j["first_miss"]})
+        })
+        .collect();
+    Json(json!({"requests": rows})).into_response()
 }

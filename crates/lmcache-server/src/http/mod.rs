@@ -1,7 +1,9 @@
 //! The HTTP API (axum), LMCache's routes and JSON shapes, one file per resource:
 //! - [`status`]: `/status`, `/version`, `/config`, `/config/adapters`, `/metrics`,
 //!   `/metrics/reset`;
-//! - [`cache`]: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`;
+//! - [`cache`]: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`,
+//!   `GET /cache/requests` (recent lookups), `GET /cache/requests/{request_id}/explain` (why
+//!   a lookup missed);
 //! - [`quota`]: `GET /quota`, `GET|PUT|DELETE /quota/{cache_salt}` (`_default` is the empty
 //!   salt; `?tier=l1`, the default, or `?tier=l2`);
 //! - [`l2`]: `/reconfigure/{backend}/l2/...` and `/cache/prefetches`;
@@ -81,6 +83,8 @@ fn api() -> Api<Shared> {
         .get("/cache/objects", objects_list)
         .delete("/cache/objects", objects_delete)
         .post("/cache/checksums", cache_checksums)
+        .get("/cache/requests", recent_requests)
+        .get("/cache/requests/{request_id}/explain", explain_request)
         .get("/fleet/snapshot", fleet::snapshot)
         .get("/quota", quota_list)
         .get("/quota/{salt}", quota_get)
