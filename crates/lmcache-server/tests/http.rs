@@ -239,6 +239,16 @@ fn bearer_token_guards_every_route_but_healthcheck() {
         assert_eq!(code, 401, "{method} {path} open without a token: {text}");
         assert!(text.contains("authorization"), "{text}");
     }
+    // The status page's shell opens for a browser without the token: it holds no figure, and
+    // its script asks for the token (every figure comes from the guarded routes above).
+    let mut c = TcpStream::connect(s.http_addr().unwrap()).unwrap();
+    c.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAccept: text/html\r\n\r\n")
+        .unwrap();
+    let mut page = String::new();
+    c.read_to_string(&mut page).unwrap();
+    assert_eq!(&page[9..12], "200", "{page}");
+    assert!(page.contains("id=\"auth\"") && page.contains("content-security-policy"), "{page}");
+    assert!(!page.contains(&key.chunk_hash.to_hex()) && !page.contains("s3cret"));
     // Nothing any of them asked for happened.
     assert!(s.state().l1().contains(&key), "an unauthorized delete or clear removed an object");
     let quotas = s.state().storage.quotas(lmcache_storage::TierName::L1).unwrap();

@@ -7,7 +7,8 @@
 //! - [`quota`]: `GET /quota`, `GET|PUT|DELETE /quota/{cache_salt}` (`_default` is the empty
 //!   salt; `?tier=l1`, the default, or `?tier=l2`);
 //! - [`l2`]: `/reconfigure/{backend}/l2/...` and `/cache/prefetches`;
-//! - [`fleet`]: `GET /fleet/snapshot`, the resident keys a coordinator resyncs from.
+//! - [`fleet`]: `GET /fleet/snapshot`, the resident keys a coordinator resyncs from;
+//! - [`page`]: `GET /`, the status page for a browser (LMCache's JSON for anything else).
 //!
 //! Errors are `{"detail": ...}` with a 4xx status naming what was wrong. With
 //! `--http-auth-token` (or `LMCACHE_RS_HTTP_TOKEN`) every route but `/healthcheck` requires
@@ -35,6 +36,7 @@ use crate::transfer::{checksums, compress_ranges, kernel_transfers};
 mod cache;
 pub mod fleet;
 mod l2;
+mod page;
 mod quota;
 mod status;
 
@@ -51,8 +53,14 @@ async fn auth(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
+    // The status page's shell holds no data (its script asks for it with the token), so a
+    // browser can load it and be asked for the token; `GET /` for anything else is guarded.
+    let page_shell = req.method() == axum::http::Method::GET
+        && req.uri().path() == "/"
+        && page::wants_html(req.headers());
     if let Some(token) = &s.config.http_auth_token
         && req.uri().path() != "/healthcheck"
+        && !page_shell
         && !lmcache_http::bearer_ok(req.headers(), token)
     {
         return error(StatusCode::UNAUTHORIZED, "authorization: missing or wrong bearer token");
@@ -63,7 +71,7 @@ async fn auth(
 /// Every route of the API.
 fn api() -> Api<Shared> {
     Api::new()
-        .get("/", || async { Json(json!({"status": "ok", "service": "LMCache HTTP API"})) })
+        .get("/", page::root)
         .get("/healthcheck", || async { Json(json!({"status": "healthy"})) })
         .get("/status", status)
         .get("/version", version)

@@ -45,6 +45,22 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
         );
     }
     let p2p = s.channels.reporter.as_ref().and_then(|r| r.peers());
+    // Every tenant with bytes in L1 or a quota: its usage and its limit.
+    let quotas = s.l1().quotas();
+    let mut tenants: Vec<(lmcache_core::CacheSalt, u64, Option<u64>)> =
+        u.by_salt.iter().map(|(salt, used)| (salt.clone(), *used, None)).collect();
+    for (salt, limit) in quotas {
+        match tenants.iter_mut().find(|(s, _, _)| *s == salt) {
+            Some(t) => t.2 = Some(limit),
+            None => tenants.push((salt, 0, Some(limit))),
+        }
+    }
+    let tenants: Vec<Value> = tenants
+        .iter()
+        .map(|(salt, used, limit)| {
+            json!({"cache_salt": quota::salt_name(salt), "used_bytes": used, "quota_bytes": limit})
+        })
+        .collect();
     Json(json!({
         "cache_context_meta": meta,
         "is_healthy": true,
@@ -70,6 +86,12 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
             },
             "eviction_controller": {"eviction_policy": s.l1().config().eviction_policy.as_str()},
             "l2_adapters": l2_status(&s),
+            "l2_write_behind": s.storage.l2_stats().map(|t| json!({
+                "unwritten_objects": s.l1().unwritten(),
+                "enqueued_keys": t.store_enqueued.load(std::sync::atomic::Ordering::Relaxed),
+                "dropped_keys": t.store_dropped.load(std::sync::atomic::Ordering::Relaxed),
+                "prefetch_in_flight": t.prefetch_in_flight.load(std::sync::atomic::Ordering::Relaxed),
+            })),
             "l1": {
                 "capacity_bytes": u.capacity,
                 "used_bytes": u.used_bytes,
@@ -81,6 +103,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
                 "backing": arena.kind().as_str(),
                 "shm_name": arena.shm_name(),
                 "evicted_objects": u.stats.evicted_objects,
+                "tenants": tenants,
                 "devdax_path": arena.file_path().map(|p| p.display().to_string()),
                 "restart": restart_status(&s),
             }
