@@ -13,33 +13,19 @@ Usage: python status_page.py URL TOKEN BENCH_PID SCREENSHOT_DIR
 """
 import json
 import os
-import re
 import sys
 import time
-import urllib.request
 
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+
+from browser import checks_common, chromium, compare, figures, next_poll, prom
+from browser import get as http_get
 
 url, token, bench_pid, shots = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 
 
 def get(path, text=False):
-    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token}"})
-    body = urllib.request.urlopen(req, timeout=10).read().decode()
-    return body if text else json.loads(body)
-
-
-def prom(text):
-    out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-    return out
+    return http_get(url + path, token, text)
 
 
 def alive(pid):
@@ -50,14 +36,7 @@ def alive(pid):
         return False
 
 
-opts = webdriver.ChromeOptions()
-opts.binary_location = "/usr/bin/chromium"
-for flag in ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--window-size=1366,768", "--disable-dev-shm-usage"]:
-    opts.add_argument(flag)
-opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+driver = chromium()
 problems = []
 try:
     driver.set_page_load_timeout(30)
@@ -87,10 +66,6 @@ try:
     while alive(bench_pid):
         time.sleep(0.5)
 
-    # 3. A laptop screen: nothing wider than the window.
-    width = driver.execute_script("return [document.documentElement.scrollWidth, window.innerWidth]")
-    if width[0] > width[1]:
-        problems.append(f"the page is wider than a 1366 px window: {width}")
 
     # 4. Still: wait until /status and /metrics stop changing, then for the page's next poll.
     def state():
@@ -111,11 +86,8 @@ try:
         time.sleep(1)
     else:
         problems.append(f"the server never went still after the bench: {changed[:10]}")
-    t0 = time.time() * 1000
-    while driver.execute_script("return window.lmcacheSnapshot.at") < t0 + 100:
-        time.sleep(0.2)
-    page = driver.execute_script(
-        "const o = {}; for (const e of document.querySelectorAll('[data-k]')) o[e.dataset.k] = e.dataset.v; return o;")
+    next_poll(driver)
+    page = figures(driver)
     st, m = get("/status"), prom(get("/metrics", True))
     l1 = st["storage_manager"]["l1"]
     want = {
@@ -141,11 +113,7 @@ try:
         want[f"engine:{i['instance_id']}"] = None
     if want["lookups_total"] == 0 or want["stores_total"] == 0 or want["l1_used_bytes"] == 0:
         problems.append(f"the bench left no trace on the server: {want}")
-    for k, v in want.items():
-        if k not in page:
-            problems.append(f"the page lacks {k}")
-        elif v is not None and float(page[k]) != float(v):
-            problems.append(f"{k}: the page says {page[k]}, the server {v}")
+    compare(page, want, problems)
     hit_rate = float(page["hit_rate"])
     if abs(hit_rate - want["lookup_hit_tokens_total"] / want["lookup_requested_tokens_total"]) > 1e-9:
         problems.append(f"hit rate {hit_rate} is not hit/requested tokens")
@@ -154,20 +122,8 @@ try:
     if "No lookups yet" in driver.find_element(By.ID, "recent").text:
         problems.append("recent lookups are empty after the bench")
     driver.save_screenshot(os.path.join(shots, "status-still.png"))
-    tall = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1366, tall + 140)
-    time.sleep(0.5)
-    driver.save_screenshot(os.path.join(shots, "status-full-page.png"))
-
-    # 2. No console errors; every request went to this server.
-    for entry in driver.get_log("browser"):
-        if entry["level"] in ("SEVERE", "ERROR") and "401" not in entry["message"]:
-            problems.append(f"console: {entry['message']}")
-    hosts = driver.execute_script(
-        "return performance.getEntriesByType('resource').map(e => new URL(e.name).host)")
-    here = url.split("//", 1)[1]
-    if any(h != here for h in hosts):
-        problems.append(f"the page fetched from elsewhere: {set(hosts)}")
+    # 2, 3: a laptop screen, no console error, nothing fetched from elsewhere.
+    checks_common(driver, url, shots, "status", problems)
     print(f"status page: {len(want)} figures equal /status and /metrics; screenshots in {shots}")
 finally:
     driver.quit()

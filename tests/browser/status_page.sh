@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The status page (GET /) in headless Chromium from Debian's packages, driven over WebDriver
-# (selenium, from PyPI, in a virtualenv cached outside the repo), against `lmcache-rs server`
-# with --http-auth-token under LMCache's `lmcache bench server`. See status_page.py.
+# The status pages (GET /) in headless Chromium from Debian's packages, driven over WebDriver
+# (selenium, from PyPI, in a virtualenv cached outside the repo), each under LMCache's
+# `lmcache bench server`: the server's (with --http-auth-token; status_page.py), then the
+# coordinator's fleet page with two servers reporting (fleet_page.py).
 # Usage: tests/browser/status_page.sh PATH/TO/lmcache-rs [SCREENSHOT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -48,3 +49,18 @@ bench=$!
 "$SEL/bin/python" tests/browser/status_page.py "http://127.0.0.1:$http" "$token" "$bench" "$SHOTS"
 wait "$bench" || { echo "FAILED: LMCache's bench"; tail -20 "$WORK/bench.log"; exit 1; }
 echo "status page: ok"
+
+# The fleet page: a coordinator, two servers reporting, LMCache's bench storing into one.
+cport=$(free_port)
+"$BIN" coordinator --host 127.0.0.1 --port "$cport" > "$WORK/coordinator.log" 2>&1 &
+pids+=($!)
+wait_http "http://127.0.0.1:$cport/healthz" "$WORK/coordinator.log"
+start_reporting_server lmcache-rs server-b "$cport" page 300
+start_reporting_server lmcache-rs server-a "$cport" page 300
+timeout 240 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$srv_port" \
+    --url "http://127.0.0.1:$srv_http" --mode cpu --transfer-mode lmcache_driven \
+    --num-tokens 1024 --start 0 --end 10 --interval 1 > "$WORK/fleet-bench.log" 2>&1 &
+bench=$!
+"$SEL/bin/python" tests/browser/fleet_page.py "http://127.0.0.1:$cport" "$bench" "$SHOTS"
+wait "$bench" || { echo "FAILED: LMCache's bench (fleet)"; tail -20 "$WORK/fleet-bench.log"; exit 1; }
+echo "fleet page: ok"

@@ -11,7 +11,10 @@
 //!   [`parse_json`] and [`parse_json_with`] do the same for a body decoded borrowing from its
 //!   bytes ([`BadBody`] is that 422); [`json_bytes`] answers JSON a route wrote itself.
 //! - [`panic_message`]: the text of a panic payload.
+//! - [`page`]: the status pages' kit (shared style and script, assembly, the CSP answer).
 #![forbid(unsafe_code)]
+
+pub mod page;
 
 use axum::Router;
 use axum::extract::{FromRequest, Json, Request};

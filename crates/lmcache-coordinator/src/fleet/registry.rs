@@ -59,6 +59,18 @@ impl Instances {
     }
 
     /// Registered instances, in registration order.
+    /// Each instance's id and the time since its last heartbeat (or registration).
+    fn ages(&self, now: Instant) -> Vec<(String, Duration)> {
+        let mut v: Vec<(String, Duration)> = self
+            .0
+            .lock()
+            .iter()
+            .map(|(id, r)| (id.clone(), now.saturating_duration_since(r.last_heartbeat)))
+            .collect();
+        v.sort();
+        v
+    }
+
     pub(crate) fn infos(&self) -> Vec<InstanceInfo> {
         let mut v: Vec<InstanceInfo> = self.0.lock().values().map(|r| r.info.clone()).collect();
         v.sort_by(|a, b| {
@@ -153,6 +165,14 @@ impl Fleet {
     /// Registered instances, in registration order.
     pub fn instances(&self) -> Vec<InstanceInfo> {
         self.registry.infos()
+    }
+
+    /// `GET /instances/liveness`: each instance's seconds since its last heartbeat, by id,
+    /// and the timeout past which it is dropped.
+    pub fn liveness(&self) -> (Vec<(String, f64)>, f64) {
+        let ages = self.registry.ages(Instant::now());
+        let ages = ages.into_iter().map(|(id, d)| (id, d.as_secs_f64())).collect();
+        (ages, self.config.instance_timeout.as_secs_f64())
     }
 
     /// Drops instances silent for longer than the instance timeout (their L1 placements and

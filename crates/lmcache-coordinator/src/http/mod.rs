@@ -6,7 +6,8 @@
 //! - [`registry`]: registration, heartbeats, usage;
 //! - [`events`]: `POST /events`;
 //! - [`directory`]: lookups, listings, stats, digests, blend lookups, routing, RFC #1403;
-//! - [`control`]: quotas, pins, prefetch and delete relays.
+//! - [`control`]: quotas, pins, prefetch and delete relays;
+//! - `page`: `GET /`, the fleet's page for a browser.
 //!
 //! Errors are `{"detail": ...}`: 422 for a body LMCache's models would refuse, 400 for a
 //! request that cannot be served (too many tokens), 404 for an unknown instance. A handler
@@ -26,6 +27,7 @@ use crate::fleet::{Fleet, FleetError};
 pub mod control;
 pub mod directory;
 pub mod events;
+mod page;
 pub mod registry;
 
 type Shared = Arc<Fleet>;
@@ -50,6 +52,7 @@ pub(crate) fn fail(s: &Fleet, e: FleetError) -> Response {
 /// Every route of the API.
 fn api() -> Api<Shared> {
     Api::new()
+        .get("/", page::root)
         .get("/healthz", || async { Json(json!({"status": "healthy"})) })
         .get("/metrics", metrics)
         .merge(registry::api())

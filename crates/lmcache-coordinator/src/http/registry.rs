@@ -1,5 +1,6 @@
 //! Registration, heartbeats and usage: `POST|GET /instances`, `PUT /instances/{id}/heartbeat`,
-//! `DELETE /instances/{id}`, `GET /instances/usage`, `GET /instances/{id}/usage`.
+//! `DELETE /instances/{id}`, `GET /instances/usage`, `GET /instances/{id}/usage`, and ours:
+//! `GET /instances/liveness` (seconds since each heartbeat).
 
 use axum::extract::{Json, Path, State};
 use axum::http::StatusCode;
@@ -16,6 +17,7 @@ pub(super) fn api() -> Api<Shared> {
         .post("/instances", register)
         .get("/instances", instances)
         .get("/instances/usage", usage)
+        .get("/instances/liveness", liveness)
         .get("/instances/{id}/usage", instance_usage)
         .put("/instances/{id}/heartbeat", heartbeat)
         .delete("/instances/{id}", deregister)
@@ -51,6 +53,16 @@ async fn deregister(State(s): State<Shared>, Path(id): Path<String>) -> StatusCo
 
 async fn instances(State(s): State<Shared>) -> Response {
     Json(json!({"instances": s.instances()})).into_response()
+}
+
+/// Ours (LMCache has none): seconds since each instance's last heartbeat, for the fleet page.
+async fn liveness(State(s): State<Shared>) -> Response {
+    let (ages, timeout) = s.liveness();
+    let rows: Vec<serde_json::Value> = ages
+        .into_iter()
+        .map(|(id, age)| json!({"instance_id": id, "seconds_since_heartbeat": age}))
+        .collect();
+    Json(json!({"instances": rows, "instance_timeout_seconds": timeout})).into_response()
 }
 
 async fn usage(State(s): State<Shared>) -> Response {
