@@ -122,6 +122,21 @@ try:
     if "No lookups yet" in driver.find_element(By.ID, "recent").text:
         problems.append("recent lookups are empty after the bench")
     driver.save_screenshot(os.path.join(shots, "status-still.png"))
+    # A page opened now draws the minutes before it from the server's samples.
+    hist = get("/status/history")
+    if len(hist["samples"]) < 3:
+        problems.append(f"/status/history kept {len(hist['samples'])} samples")
+    driver.execute_script("window.open(arguments[0], '_blank')", url + "/")
+    driver.switch_to.window(driver.window_handles[-1])
+    deadline = time.time() + 15
+    while driver.execute_script("return window.lmcacheSnapshot") is None:
+        assert time.time() < deadline, "the second page showed nothing"
+        time.sleep(0.2)
+    points = driver.execute_script("return hist.t.length")
+    if points < len(hist["samples"]):
+        problems.append(f"a fresh page drew {points} points, the server had {len(hist['samples'])} samples")
+    driver.close()
+    driver.switch_to.window(driver.window_handles[0])
     # 2, 3: a laptop screen, no console error, nothing fetched from elsewhere.
     checks_common(driver, url, shots, "status", problems)
     print(f"status page: {len(want)} figures equal /status and /metrics; screenshots in {shots}")

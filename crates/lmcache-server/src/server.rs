@@ -508,6 +508,8 @@ fn start_http(state: Arc<ServerState>, port: u16) -> Result<HttpParts, ServerErr
                         return;
                     }
                 };
+                // The status page's last minutes, sampled on this runtime (ends with it).
+                tokio::spawn(crate::http::history::run(Arc::clone(&state)));
                 let app = crate::http::router(state);
                 let shutdown = async move {
                     let _ = rx.await;

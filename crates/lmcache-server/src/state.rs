@@ -158,6 +158,8 @@ pub(crate) struct HttpJobs {
     pub(crate) prefetches: Mutex<HashMap<String, Option<(usize, usize)>>>,
     /// Frozen key lists of `GET /fleet/snapshot`.
     pub(crate) snapshots: crate::http::fleet::Snapshots,
+    /// The status page's last minutes (`GET /status/history`).
+    pub(crate) history: crate::http::history::History,
 }
 
 impl std::ops::Deref for ServerState {

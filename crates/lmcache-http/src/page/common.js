@@ -57,7 +57,9 @@ function chart(id, times, series, pct) {
   let max = pct ? 1 : 0;
   for (const s of series) for (const v of s.values) if (v !== null && v > max) max = v;
   if (max === 0) max = 1;
-  const x = (i) => pad + (n <= 1 ? 0 : (i / (n - 1)) * (w - pad - 4));
+  // Placed by time: points sampled apart (history, then live polls) sit where they belong.
+  const span = n > 1 ? times[n - 1] - times[0] : 0;
+  const x = (i) => pad + (span <= 0 ? 0 : ((times[i] - times[0]) / span) * (w - pad - 4));
   const y = (v) => h - 14 - (v / max) * (h - 24);
   let g = `<line x1="${pad}" y1="${y(0)}" x2="${w - 4}" y2="${y(0)}" stroke="#e4e7ec"/>` +
           `<line x1="${pad}" y1="${y(max)}" x2="${w - 4}" y2="${y(max)}" stroke="#f0f1f3"/>` +

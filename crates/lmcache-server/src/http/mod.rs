@@ -1,6 +1,6 @@
 //! The HTTP API (axum), LMCache's routes and JSON shapes, one file per resource:
 //! - [`status`]: `/status`, `/version`, `/config`, `/config/adapters`, `/metrics`,
-//!   `/metrics/reset`;
+//!   `/metrics/reset`; [`history`]: `/status/history` (the status page's last minutes);
 //! - [`cache`]: `POST /cache/clear`, `POST /cache/checksums`, `GET|DELETE /cache/objects`,
 //!   `GET /cache/requests` (recent lookups), `GET /cache/requests/{request_id}/explain` (why
 //!   a lookup missed);
@@ -35,6 +35,7 @@ use crate::transfer::{checksums, compress_ranges, kernel_transfers};
 
 mod cache;
 pub mod fleet;
+pub mod history;
 mod l2;
 mod page;
 mod quota;
@@ -74,6 +75,7 @@ fn api() -> Api<Shared> {
         .get("/", page::root)
         .get("/healthcheck", || async { Json(json!({"status": "healthy"})) })
         .get("/status", status)
+        .get("/status/history", history::history)
         .get("/version", version)
         .get("/lmc_version", version)
         .get("/commit_id", || async {

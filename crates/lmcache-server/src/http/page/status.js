@@ -4,7 +4,6 @@ function render(st, m, recent, now) {
   const l1 = st.storage_manager.l1, wb = st.storage_manager.l2_write_behind;
   const req = total(m, "lmcache_mp_lookup_requested_tokens_total");
   const hit = total(m, "lmcache_mp_lookup_hit_tokens_total");
-  const opsOf = (re) => total(m, "lmcache_rs_mp_requests_total", l => re.test(l.op));
   const fig = {
     l1_used_bytes: l1.used_bytes, l1_capacity_bytes: l1.capacity_bytes,
     l1_resident_objects: l1.resident_objects, l1_locked_objects: l1.locked_objects,
@@ -34,8 +33,8 @@ function render(st, m, recent, now) {
   document.getElementById("health").className = "dot " + (st.is_healthy ? "ok" : "bad");
 
   // Rates over the last interval.
-  const cur = { t: now, req, hit, look: fig.lookups_total, store: opsOf(/^(store|commit_store)$/),
-                ret: opsOf(/^(retrieve|commit_retrieve)$/), lat: new Map() };
+  const cur = { t: now, req, hit, look: fig.lookups_total, store: fig.stores_total,
+                ret: fig.retrieves_total, lat: new Map() };
   for (const x of m.get("lmcache_rs_mp_request_seconds_sum") || []) cur.lat.set(x.labels.op, { sum: x.value });
   for (const x of m.get("lmcache_rs_mp_request_seconds_count") || []) { const e = cur.lat.get(x.labels.op); if (e) e.count = x.value; }
   const buckets = new Map();
@@ -126,8 +125,31 @@ function render(st, m, recent, now) {
   window.lmcacheSnapshot = { at: now, figures: fig };
 }
 
+// The minutes before the page was opened, from the server's own samples.
+async function seed() {
+  const h = await api("/status/history");
+  let p = null;
+  for (const s of h.samples) {
+    push(hist.t, s.t);
+    push(hist.l1, s.l1_capacity_bytes ? s.l1_used_bytes / s.l1_capacity_bytes : 0);
+    push(hist.queue, s.l2_unwritten_objects);
+    if (p) {
+      const dt = (s.t - p.t) / 1000, dreq = s.lookup_requested_tokens - p.lookup_requested_tokens;
+      push(hist.hit, dreq > 0 ? (s.lookup_hit_tokens - p.lookup_hit_tokens) / dreq : null);
+      push(hist.look, Math.max(0, s.lookups - p.lookups) / dt);
+      push(hist.store, Math.max(0, s.stores - p.stores) / dt);
+      push(hist.ret, Math.max(0, s.retrieves - p.retrieves) / dt);
+    } else {
+      push(hist.hit, null); push(hist.look, null); push(hist.store, null); push(hist.ret, null);
+    }
+    p = s;
+  }
+}
+let seeded = false;
+
 async function tick() {
   try {
+    if (!seeded) { await seed(); seeded = true; }
     const [st, text, recent] = await Promise.all([api("/status"), api("/metrics", true),
       api("/cache/requests?limit=12").catch(() => ({ requests: [] }))]);
     document.getElementById("auth").style.display = "none";
