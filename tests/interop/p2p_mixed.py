@@ -92,6 +92,21 @@ def transfer(store_url, read_url, seed, shape, tokens_per_round, rounds):
     return out
 
 
+def miss(read_url, seed, shape, n_tokens):
+    """A prompt nobody stored, looked up on READ: must miss; returns its request id."""
+    ctx = zmq.Context()
+    worker, sched, _ = adapters(read_url, ctx, seed, shape)
+    tokens = list(range(seed * 1_000_000, seed * 1_000_000 + n_tokens))
+    rid = f"miss-{seed}"
+    sched.maybe_submit_lookup_request(rid, tokens)
+    hit = poll("lookup", lambda: sched.check_lookup_result(rid))
+    sched.end_session(rid)
+    for a in (worker, sched):
+        a.shutdown()
+    assert hit == 0, f"a prompt nobody stored hit {hit} tokens"
+    return rid
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("store_url")
@@ -103,8 +118,13 @@ def main():
     p.add_argument("--tokens", type=int, default=3 * CHUNK)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the timings as JSON")
+    p.add_argument("--miss-only", action="store_true",
+                   help="only look a never-stored prompt up on READ (STORE unused); print its request id")
     a = p.parse_args()
     shape = (a.layers, a.heads, a.head_size, 2 * a.tokens // BS)
+    if a.miss_only:
+        print(miss(a.read_url, a.seed, shape, a.tokens))
+        return
     res = transfer(a.store_url, a.read_url, a.seed, shape, a.tokens, a.rounds)
     if a.json:
         print(json.dumps([{"lookups": n, "lookup_s": l, "retrieve_s": r} for n, l, r in res]))
