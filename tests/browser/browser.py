@@ -1,6 +1,7 @@
 """What the status-page tests share: Debian's headless Chromium over WebDriver, the figures a
 page shows (`data-k` / `data-v`), Prometheus text, and waiting for a page's next poll."""
 import json
+import os
 import re
 import time
 import urllib.request
@@ -79,3 +80,11 @@ def checks_common(driver, url, shots, name, problems):
     driver.set_window_size(1366, tall + 140)
     time.sleep(0.5)
     driver.save_screenshot(f"{shots}/{name}-full-page.png")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False

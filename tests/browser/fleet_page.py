@@ -14,17 +14,9 @@ import time
 
 from selenium.webdriver.common.by import By
 
-from browser import checks_common, chromium, compare, figures, get, next_poll, prom
+from browser import alive, checks_common, chromium, compare, figures, get, next_poll, prom
 
 url, bench_pid, shots = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 driver = chromium()

@@ -18,7 +18,7 @@ import time
 
 from selenium.webdriver.common.by import By
 
-from browser import checks_common, chromium, compare, figures, next_poll, prom
+from browser import alive, checks_common, chromium, compare, figures, next_poll, prom
 from browser import get as http_get
 
 url, token, bench_pid, shots = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -26,14 +26,6 @@ url, token, bench_pid, shots = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.a
 
 def get(path, text=False):
     return http_get(url + path, token, text)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 driver = chromium()
@@ -107,6 +99,10 @@ try:
     }
     for t in l1["tenants"]:
         want[f"tenant:{t['cache_salt']}"] = t["used_bytes"]
+    for t in st["storage_manager"]["l2_tenants"]:
+        want[f"tenant-l2:{t['cache_salt']}"] = t["used_bytes"]
+    if not any(t["quota_bytes"] for t in st["storage_manager"]["l2_tenants"]):
+        problems.append("the L2 quota set for the test is not in /status")
     for a in st["storage_manager"]["l2_adapters"]:
         want[f"l2:{a['id']}:used"] = a["used_bytes"]
     for i in st["registered_instances"]:

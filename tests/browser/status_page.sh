@@ -34,12 +34,14 @@ token="page-test-$$-$RANDOM"
     --l2-adapter "{\"type\": \"fs\", \"base_path\": \"$WORK/l2\"}" > "$WORK/server.log" 2>&1 &
 pids+=($!)
 wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/server.log"
+# A tenant with quotas in both tiers, for the tenants table.
 python3 - "$http" "$token" <<'PY'
 import sys, urllib.request
-req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/quota/tenant-a?tier=l1", method="PUT",
-                             data=b'{"limit_gb": 0.5}', headers={"Authorization": f"Bearer {sys.argv[2]}",
-                                                                 "Content-Type": "application/json"})
-urllib.request.urlopen(req, timeout=10)
+for tier, gb in (("l1", b"0.5"), ("l2", b"2")):
+    req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/quota/tenant-a?tier={tier}", method="PUT",
+                                 data=b'{"limit_gb": ' + gb + b'}',
+                                 headers={"Authorization": f"Bearer {sys.argv[2]}", "Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=10)
 PY
 # LMCache's bench, 16 sequences, a pause between each cold and warm request: ~20 s of load.
 timeout 240 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \

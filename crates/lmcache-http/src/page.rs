@@ -39,6 +39,41 @@ pub fn assemble(title: &str, body: &str, script: &str) -> String {
     )
 }
 
+/// A service's page: its title, body and script, assembled once on first use.
+#[derive(Debug)]
+pub struct Page {
+    title: &'static str,
+    body: &'static str,
+    script: &'static str,
+    html: std::sync::OnceLock<String>,
+}
+
+impl Page {
+    /// A page (for a `static`): nothing is assembled until it is first served.
+    pub const fn new(title: &'static str, body: &'static str, script: &'static str) -> Self {
+        Self { title, body, script, html: std::sync::OnceLock::new() }
+    }
+
+    /// The whole document.
+    pub fn html(&self) -> &str {
+        self.html.get_or_init(|| assemble(self.title, self.body, self.script))
+    }
+
+    /// `GET /` of a service with a page: the page for a browser, `json` for anything else.
+    pub fn answer(&self, headers: &HeaderMap, json: serde_json::Value) -> Response {
+        if wants_html(headers) { respond(self.html()) } else { axum::Json(json).into_response() }
+    }
+}
+
+/// What in `page` would load from elsewhere (empty for a self-contained page). The one link
+/// allowed is the empty icon, so the browser asks for no favicon.
+pub fn outside_refs(page: &str) -> Vec<&'static str> {
+    ["http://", "https://", "//cdn", "@import", "src=\"", "url(", "href=\"/"]
+        .into_iter()
+        .filter(|needle| page.contains(needle))
+        .collect()
+}
+
 /// A page as the answer: HTML under [`CSP`], never cached.
 pub fn respond(page: &str) -> Response {
     let mut r = Html(page.to_owned()).into_response();
@@ -69,10 +104,11 @@ mod tests {
     #[test]
     fn the_kit_refers_to_nothing_outside_the_page() {
         let page = assemble("t", "<main></main>", "startPolling(() => {});");
-        // (The one link is the empty icon, so the browser asks for no favicon.)
-        for needle in ["http://", "https://", "//cdn", "@import", "src=\"", "url(", "href=\"/"] {
-            assert!(!page.contains(needle), "the page refers outside itself: {needle}");
-        }
+        assert_eq!(outside_refs(&page), Vec::<&str>::new());
+        assert_eq!(
+            outside_refs("<script src=\"https://cdn.x/y.js\">"),
+            ["https://", "//cdn", "src=\""]
+        );
         assert!(page.starts_with("<!doctype html>") && page.contains("function startPolling"));
     }
 }

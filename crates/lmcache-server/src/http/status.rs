@@ -61,6 +61,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
             json!({"cache_salt": quota::salt_name(salt), "used_bytes": used, "quota_bytes": limit})
         })
         .collect();
+    let l2_tenants = l2_tenants(&s);
     Json(json!({
         "cache_context_meta": meta,
         "is_healthy": true,
@@ -86,6 +87,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
             },
             "eviction_controller": {"eviction_policy": s.l1().config().eviction_policy.as_str()},
             "l2_adapters": l2_status(&s),
+            "l2_tenants": l2_tenants,
             "l2_write_behind": s.storage.l2_stats().map(|t| json!({
                 "unwritten_objects": s.l1().unwritten(),
                 "enqueued_keys": t.store_enqueued.load(std::sync::atomic::Ordering::Relaxed),
@@ -109,6 +111,35 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
             }
         }
     }))
+}
+
+/// Every tenant with bytes in L2 (any adapter) or an L2 quota: its usage and its limit (`null`
+/// without L2).
+fn l2_tenants(s: &Shared) -> Value {
+    use lmcache_storage::TierName;
+    if !s.storage.has_l2() {
+        return Value::Null;
+    }
+    let mut salts: Vec<lmcache_core::CacheSalt> = s
+        .storage
+        .describe_l2()
+        .iter()
+        .flat_map(|a| a.usage.by_salt.iter().map(|(salt, _)| salt.clone()))
+        .chain(s.storage.quotas(TierName::L2).unwrap_or_default().into_iter().map(|(salt, _)| salt))
+        .collect();
+    salts.sort();
+    salts.dedup();
+    let rows: Vec<Value> = salts
+        .iter()
+        .map(|salt| {
+            json!({
+                "cache_salt": quota::salt_name(salt),
+                "used_bytes": s.storage.usage_of(TierName::L2, salt).unwrap_or(0),
+                "quota_bytes": s.storage.quota(TierName::L2, salt).unwrap_or(None),
+            })
+        })
+        .collect();
+    json!(rows)
 }
 
 /// An L1 file's sealing and what the last start adopted (`null` for other arenas).

@@ -91,12 +91,21 @@ function render(st, m, recent, now) {
   document.getElementById("refused").innerHTML = (st.refused_instances || []).map(r =>
     `<div class="sub err">refused ${esc(r.model_name)} (instance ${esc(r.instance_id)}): ${esc(r.reason)}</div>`).join("");
 
-  document.getElementById("tenants").innerHTML = (l1.tenants || []).map(t => {
-    const share = t.quota_bytes ? t.used_bytes / t.quota_bytes : null;
-    return `<tr><td>${esc(t.cache_salt)}</td><td class="n" data-k="tenant:${esc(t.cache_salt)}" data-v="${t.used_bytes}">${fmt(t.used_bytes, "bytes")}</td>` +
-      `<td class="n">${t.quota_bytes === null ? "none" : fmt(t.quota_bytes, "bytes")}</td>` +
-      `<td>${share === null ? "" : `<div class="bar"><div style="width:${Math.min(100, 100 * share).toFixed(1)}%"></div></div>`}</td></tr>`;
-  }).join("") || `<tr><td colspan="4" class="empty">L1 is empty.</td></tr>`;
+  // One row per salt with bytes or a quota in either tier.
+  const tenants = new Map();
+  for (const t of l1.tenants || []) tenants.set(t.cache_salt, { l1: t });
+  for (const t of st.storage_manager.l2_tenants || []) {
+    tenants.set(t.cache_salt, Object.assign(tenants.get(t.cache_salt) || {}, { l2: t }));
+  }
+  const share = (t) => t && t.quota_bytes ? `<div class="bar"><div style="width:${Math.min(100, 100 * t.used_bytes / t.quota_bytes).toFixed(1)}%"></div></div>` : "";
+  const quota = (t) => !t ? "–" : (t.quota_bytes === null ? "none" : fmt(t.quota_bytes, "bytes"));
+  document.getElementById("tenants").innerHTML = [...tenants].map(([salt, t]) =>
+    `<tr><td>${esc(salt)}</td>` +
+    `<td class="n" data-k="tenant:${esc(salt)}" data-v="${t.l1 ? t.l1.used_bytes : 0}">${fmt(t.l1 ? t.l1.used_bytes : 0, "bytes")}</td>` +
+    `<td class="n">${quota(t.l1)}</td><td>${share(t.l1)}</td>` +
+    `<td class="n" data-k="tenant-l2:${esc(salt)}" data-v="${t.l2 ? t.l2.used_bytes : ""}">${t.l2 ? fmt(t.l2.used_bytes, "bytes") : "–"}</td>` +
+    `<td class="n">${quota(t.l2)}</td><td>${share(t.l2)}</td></tr>`).join("") ||
+    `<tr><td colspan="7" class="empty">No tenant holds anything.</td></tr>`;
 
   document.getElementById("l2").innerHTML = st.storage_manager.l2_adapters.map(a =>
     `<tr><td>${esc(a.type)}#${a.id}</td><td><span class="dot ${a.healthy ? "ok" : "bad"}"></span> ${a.healthy ? "up" : "down"}</td>` +
