@@ -415,11 +415,17 @@ impl<K: Hash + Eq + Clone, V> Bounded<K, V> {
         self.map.remove(k);
     }
 
-    fn get(&self, k: &K) -> Option<&V> {
+    fn get<Q: Hash + Eq + ?Sized>(&self, k: &Q) -> Option<&V>
+    where
+        K: std::borrow::Borrow<Q>,
+    {
         self.map.get(k).map(|(v, _)| v)
     }
 
-    fn get_mut(&mut self, k: &K) -> Option<&mut V> {
+    fn get_mut<Q: Hash + Eq + ?Sized>(&mut self, k: &Q) -> Option<&mut V>
+    where
+        K: std::borrow::Borrow<Q>,
+    {
         self.map.get_mut(k).map(|(v, _)| v)
     }
 }
@@ -455,6 +461,8 @@ impl Inner {
 /// Remembers why keys are absent and explains each request's last lookup.
 #[derive(Debug)]
 pub struct Explainer {
+    /// False with `--explain-requests 0`: every hook returns at once, without the lock.
+    enabled: bool,
     inner: Mutex<Inner>,
     l1: L1Cache,
     chunk_size: usize,
@@ -495,6 +503,7 @@ impl Explainer {
                 variant_ids: HashMap::new(),
                 requests: Bounded::new(requests),
             }),
+            enabled: requests > 0,
             l1,
             chunk_size,
             l1_policy,
@@ -505,7 +514,7 @@ impl Explainer {
 
     /// Whether it remembers anything (`--explain-requests 0` turns it off).
     pub fn enabled(&self) -> bool {
-        self.inner.lock().requests.cap > 0
+        self.enabled
     }
 
     /// Names L2 adapter `id` (`type#id`) and its eviction policy in explanations.
@@ -530,23 +539,31 @@ impl Explainer {
 
     /// The explanation of `request_id`'s last lookup, if it is still remembered.
     pub fn explain(&self, request_id: &str) -> Option<Explanation> {
-        self.inner.lock().requests.get(&request_id.to_owned()).map(|r| r.explanation.clone())
+        self.inner.lock().requests.get(request_id).map(|r| r.explanation.clone())
     }
 
-    fn fate(&self, key: &ObjectKey, fate: Fate) {
-        let fp = fingerprint(key);
-        let mut inner = self.inner.lock();
+    /// Records `fate` for every key of `keys`: fingerprints first, then one lock.
+    fn fate(&self, keys: &[ObjectKey], fate: Fate) {
+        if !self.enabled {
+            return;
+        }
+        let fps: Vec<u64> = keys.iter().map(fingerprint).collect();
         let at = now_ms();
-        match fate {
-            Fate::L2Evicted(_) | Fate::L2Deleted(_) | Fate::BlobRefused(_) => {
-                inner.l2_fates.put(fp, (at, fate))
-            }
-            _ => inner.l1_fates.put(fp, (at, fate)),
+        let mut inner = self.inner.lock();
+        let fates = match fate {
+            Fate::L2Evicted(_) | Fate::L2Deleted(_) | Fate::BlobRefused(_) => &mut inner.l2_fates,
+            _ => &mut inner.l1_fates,
+        };
+        for fp in fps {
+            fates.put(fp, (at, fate));
         }
     }
 
     /// An L2 adapter stored `keys`: what L2 did with them before no longer explains a miss.
     pub fn l2_stored(&self, keys: &[(ObjectKey, u64)]) {
+        if !self.enabled {
+            return;
+        }
         let fps: Vec<u64> = keys.iter().map(|(k, _)| fingerprint(k)).collect();
         let mut inner = self.inner.lock();
         for fp in fps {
@@ -556,16 +573,16 @@ impl Explainer {
 
     /// L1 let `key` go.
     pub fn l1_removed(&self, key: &ObjectKey, cause: RemovalCause) {
-        self.fate(key, Fate::L1(cause));
+        self.fate(std::slice::from_ref(key), Fate::L1(cause));
     }
 
     /// `key` became resident in L1: its chunk's variants learn its.
     pub fn committed(&self, key: &ObjectKey) {
-        let chunk = fingerprint(&key.chunk_hash);
-        let mut inner = self.inner.lock();
-        if inner.chunks.cap == 0 {
+        if !self.enabled {
             return;
         }
+        let chunk = fingerprint(&key.chunk_hash);
+        let mut inner = self.inner.lock();
         let Some(id) = inner.variant_id(Variant::of(key)) else { return };
         match inner.chunks.get_mut(&chunk) {
             Some(ids) if ids.contains(&id) => {}
@@ -581,21 +598,17 @@ impl Explainer {
 
     /// L2 adapter `adapter` evicted `keys`.
     pub fn l2_evicted(&self, adapter: u64, keys: &[ObjectKey]) {
-        for k in keys {
-            self.fate(k, Fate::L2Evicted(adapter));
-        }
+        self.fate(keys, Fate::L2Evicted(adapter));
     }
 
     /// L2 adapter `adapter` deleted `keys` on request.
     pub fn l2_deleted(&self, adapter: u64, keys: &[ObjectKey]) {
-        for k in keys {
-            self.fate(k, Fate::L2Deleted(adapter));
-        }
+        self.fate(keys, Fate::L2Deleted(adapter));
     }
 
     /// L2 adapter `adapter` refused the blob of `key`.
     pub fn blob_refused(&self, adapter: u64, key: &ObjectKey) {
-        self.fate(key, Fate::BlobRefused(adapter));
+        self.fate(std::slice::from_ref(key), Fate::BlobRefused(adapter));
     }
 
     fn adapter(&self, id: u64) -> (String, String) {
@@ -603,8 +616,7 @@ impl Explainer {
     }
 
     fn asked(&self, request_id: &str, chunks: usize) {
-        let mut inner = self.inner.lock();
-        if inner.requests.cap == 0 {
+        if !self.enabled {
             return;
         }
         let runs = if chunks == 0 {
@@ -625,7 +637,7 @@ impl Explainer {
             pending: false,
             runs,
         };
-        inner.requests.put(request_id.to_owned(), Record { explanation, draft: None });
+        self.inner.lock().requests.put(request_id.to_owned(), Record { explanation, draft: None });
     }
 
     fn started(
@@ -646,7 +658,7 @@ impl Explainer {
             first.kv_rank.world_size(),
         );
         let mut inner = self.inner.lock();
-        let Some(r) = inner.requests.get_mut(&request_id.to_owned()) else { return };
+        let Some(r) = inner.requests.get_mut(request_id) else { return };
         r.explanation.model = model;
         r.explanation.cache_salt = salt;
         r.explanation.world_size = ws;
@@ -657,7 +669,7 @@ impl Explainer {
 
     fn looked_up(&self, request_id: &str, l1_hits: usize, pending: bool) {
         if pending {
-            if let Some(r) = self.inner.lock().requests.get_mut(&request_id.to_owned())
+            if let Some(r) = self.inner.lock().requests.get_mut(request_id)
                 && let Some(d) = &mut r.draft
             {
                 d.l1_hits = l1_hits;
@@ -675,8 +687,8 @@ impl Explainer {
         loaded: usize,
         trouble: Option<&PrefetchTrouble>,
     ) {
-        let id = request_id.to_owned();
-        let Some(draft) = self.inner.lock().requests.get_mut(&id).and_then(|r| r.draft.take())
+        let Some(draft) =
+            self.inner.lock().requests.get_mut(request_id).and_then(|r| r.draft.take())
         else {
             return;
         };
@@ -777,7 +789,7 @@ impl Explainer {
             push(hits + m, Verdict::Miss(r));
         }
         let mut inner = self.inner.lock();
-        if let Some(r) = inner.requests.get_mut(&id) {
+        if let Some(r) = inner.requests.get_mut(request_id) {
             r.explanation.hits = hits;
             r.explanation.loaded = loaded.min(hits);
             r.explanation.pending = false;
@@ -836,8 +848,10 @@ impl StorageSubscriber for ExplainSubscriber {
                 x.judge(ctx.request_id, settled.hits, settled.l2_hits, settled.trouble.as_ref())
             }
             StorageEvent::WriteRefused { key, error, .. } => match error {
-                L1Error::QuotaExceeded { .. } => x.fate(key, Fate::QuotaRefused),
-                L1Error::OutOfMemory { .. } => x.fate(key, Fate::NoMemory),
+                L1Error::QuotaExceeded { .. } => {
+                    x.fate(std::slice::from_ref(*key), Fate::QuotaRefused)
+                }
+                L1Error::OutOfMemory { .. } => x.fate(std::slice::from_ref(*key), Fate::NoMemory),
                 _ => {}
             },
             _ => {}
