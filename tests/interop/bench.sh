@@ -56,29 +56,7 @@ for case in "${CASES[@]}"; do
         --output "$WORK/$name.json" > "$WORK/$name.bench.log" 2>&1 || rc=$?
     kill -TERM "$pid"
     srv_rc=0; wait "$pid" || srv_rc=$?
-    if python3 - "$WORK/$name.json" "$WORK/$name.bench.log" "$N" "$rc" "$srv_rc" <<'PY'
-import json, re, sys
-path, log, n, rc, srv_rc = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-problems = []
-if rc != 0: problems.append(f"bench exited {rc}")
-if srv_rc != 0: problems.append(f"server exited {srv_rc} on SIGTERM")
-text = open(log).read()
-try:
-    r = json.load(open(path))["metrics"]["results"]
-    if r.get("total_requests") != n: problems.append(f"total_requests {r.get('total_requests')} != {n}")
-    if r.get("checksum_ok") != n: problems.append(f"checksum_ok {r.get('checksum_ok')} != {n}")
-    if r.get("checksum_fail") != 0: problems.append(f"checksum_fail {r.get('checksum_fail')}")
-except Exception as e:
-    problems.append(f"no result JSON: {e}")
-cold = len(re.findall(r"/cold\] LOOKUP: 0/(\d+) chunks hit", text))
-warm = [m for m in re.findall(r"/warm\] LOOKUP: (\d+)/(\d+) chunks hit", text)]
-full = sum(1 for a, b in warm if a == b and a != "0")
-if cold != n: problems.append(f"{cold} of {n} cold lookups missed fully")
-if full != n: problems.append(f"{full} of {n} warm lookups were full hits")
-if problems:
-    print("  " + "\n  ".join(problems))
-    sys.exit(1)
-PY
+    if python3 tests/interop/bench_check.py "$WORK/$name.json" "$WORK/$name.bench.log" "$N" "$rc" "$srv_rc"
     then
       echo "interop bench $name: ok ($N sequences: cold misses, warm full hits, checksums match)"
       passed=$((passed + 1))

@@ -8,6 +8,7 @@ use lmcache_core::units::gib_to_bytes;
 use lmcache_l1::{EvictionPolicyKind, L1Config};
 use lmcache_memory::shm::default_shm_name;
 use lmcache_memory::{ArenaBacking, ArenaConfig};
+use lmcache_server::config::TransportKind;
 use lmcache_server::{Server, ServerConfig};
 use nix::sys::signal::{SigSet, Signal};
 
@@ -18,12 +19,21 @@ pub struct ServerArgs {
     /// adapters); flags on the command line win.
     #[arg(long, value_name = "FILE")]
     pub config: Option<std::path::PathBuf>,
-    /// Host of the ZMQ endpoint engines connect to (or a full tcp:// or ipc:// URL).
+    /// Host engines connect to (or, with --transport zmq, a full tcp:// or ipc:// URL).
     #[arg(long, default_value = "localhost")]
     pub host: String,
-    /// Port of the ZMQ endpoint.
+    /// Port engines connect to.
     #[arg(long, default_value_t = 5555)]
     pub port: u16,
+    /// How engines reach the server, as LMCache's: `zmq` (clients use tcp://HOST:PORT, what
+    /// vLLM does by default) or `grpc` (LMCache's gRPC services; clients use
+    /// grpc://HOST:PORT).
+    #[arg(long, default_value = "zmq", value_parser = ["zmq", "grpc"])]
+    pub transport: String,
+    /// --transport grpc: threads of the runtime that holds the gRPC connections (lookups
+    /// and transfers still run on --max-cpu-workers and --max-gpu-workers).
+    #[arg(long, default_value_t = lmcache_server::transport::grpc::DEFAULT_SERVER_WORKERS)]
+    pub grpc_server_workers: usize,
     /// Host of the HTTP API.
     #[arg(long, default_value = "127.0.0.1")]
     pub http_host: String,
@@ -474,7 +484,6 @@ fn default_instance_id() -> String {
 /// LMCache `server` flags that lmcache-rs does not implement yet: refused by name.
 pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
     "--gds-l1-path",
-    "--transport",
     "--isolated-ipc",
     "--runtime-plugin-locations",
     "--server-module",
@@ -698,6 +707,10 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         l2,
         host: args.host.clone(),
         port: args.port,
+        transport: match args.transport.as_str() {
+            "grpc" => TransportKind::Grpc { server_workers: args.grpc_server_workers.max(1) },
+            _ => TransportKind::Zmq,
+        },
         http_host: args.http_host.clone(),
         http_port: Some(args.http_port),
         p2p_channel: p2p_channel(args)?,
@@ -839,7 +852,7 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     let took_over = if args.take_over { take_over(&args, &config)? } else { None };
     let server = Server::start(config).context("starting the server")?;
     tracing::info!(
-        zmq = server.endpoint(),
+        endpoint = server.endpoint(),
         http = ?server.http_addr(),
         policy = %args.eviction_policy,
         l1_gb = args.l1_size_gb,

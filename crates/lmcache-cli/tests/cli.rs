@@ -56,12 +56,19 @@ fn bad_flags_are_refused_with_their_name() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("base_path: missing"), "{err}");
     let _ = std::fs::remove_file(&cfg);
-    let out = bin().args(["server", "--transport", "grpc"]).output().unwrap();
+    let out = bin().args(["server", "--isolated-ipc"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("--transport") && err.contains("not support"),
+        !out.status.success() && err.contains("--isolated-ipc") && err.contains("not support"),
         "{err}"
     );
+    // gRPC serves TCP only: a ZMQ endpoint as its host is refused by name.
+    let out = bin()
+        .args(["server", "--transport", "grpc", "--host", "ipc:///tmp/x", "--http-port", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("not a ipc:// endpoint"), "{err}");
     // The L1 file: combinations LMCache also refuses, flags that need it, and a file that
     // is not ours, left as it was.
     let dir = std::env::temp_dir().join(format!("lmcache-rs-devdax-{}", std::process::id()));

@@ -22,6 +22,14 @@ pub enum ProtocolError {
         /// Decoder message.
         reason: String,
     },
+    /// A gRPC message that is not the protobuf its method takes.
+    #[error("{message}: not a valid protobuf message: {reason}")]
+    BadProtobuf {
+        /// The protobuf message expected.
+        message: &'static str,
+        /// The decoder's message.
+        reason: String,
+    },
     /// The operation frame names no known operation.
     #[error("unknown operation {0}")]
     UnknownOp(String),
@@ -87,6 +95,7 @@ impl ProtocolError {
         match self {
             Self::TooFewFrames { .. } => "too_few_frames",
             Self::BadMsgpack { .. } => "bad_msgpack",
+            Self::BadProtobuf { .. } => "bad_protobuf",
             Self::UnknownOp(_) => "unknown_op",
             Self::UnsupportedOp(_) => "unsupported_op",
             Self::ParamCount { .. } => "param_count",

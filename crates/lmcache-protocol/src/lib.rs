@@ -23,6 +23,9 @@
 //!   bytes serde writes, faster).
 //! - [`coordinator_binary`]: cache-event batches in a binary layout, for the JetStream feed
 //!   between lmcache-rs's own servers and coordinator.
+//! - [`grpc`]: the same operations as LMCache's gRPC services (`--transport grpc`): the
+//!   method table, the protobuf messages, and their conversion to and from the msgpack
+//!   parameters and replies above.
 //! - [`error`]: [`ProtocolError`], each naming the field and what was wrong, and its kind
 //!   for metrics.
 #![forbid(unsafe_code)]
@@ -33,6 +36,7 @@ pub mod coordinator_borrowed;
 pub mod coordinator_write;
 pub mod error;
 pub mod frame;
+pub mod grpc;
 pub mod op;
 pub mod request;
 pub mod types;

@@ -8,10 +8,14 @@ use lmcache_memory::ArenaConfig;
 /// Everything `lmcache-rs server` is configured with.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// ZMQ bind host (`localhost` binds 127.0.0.1), or a full `tcp://`/`ipc://` endpoint.
+    /// Bind host of the request transport (`localhost` binds 127.0.0.1), or a full
+    /// `tcp://`/`ipc://` endpoint (ZMQ) or `grpc://host:port` (gRPC).
     pub host: String,
-    /// ZMQ port (ignored for a full endpoint in `host`; 0 picks a free port).
+    /// Port of the request transport (ignored for a full endpoint in `host`; 0 picks a free
+    /// port).
     pub port: u16,
+    /// `--transport`: ZMQ (LMCache's default) or gRPC.
+    pub transport: TransportKind,
     /// HTTP bind host.
     pub http_host: String,
     /// HTTP port (0: any free port); `None` disables the HTTP server.
@@ -92,6 +96,7 @@ impl ServerConfig {
         Self {
             host: "127.0.0.1".into(),
             port: 0,
+            transport: TransportKind::Zmq,
             http_host: "127.0.0.1".into(),
             http_port: None,
             p2p_channel: None,
@@ -149,6 +154,19 @@ impl ServerConfig {
             format!("tcp://{host}:{}", self.port)
         }
     }
+}
+
+/// `--transport`: how clients reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportKind {
+    /// LMCache's ZMQ ROUTER socket (`tcp://host:port`), the default and vLLM's.
+    #[default]
+    Zmq,
+    /// LMCache's gRPC services (`grpc://host:port`).
+    Grpc {
+        /// `--grpc-server-workers`: threads of the runtime holding the connections.
+        server_workers: usize,
+    },
 }
 
 /// `--p2p-transfer-engine`: the P2P transfer channel.

@@ -1,8 +1,9 @@
-//! The lmcache-rs MP cache server: LMCache 0.5.6's multiprocess protocol over ZMQ, on top of
+//! The lmcache-rs MP cache server: LMCache 0.5.6's multiprocess protocol over ZMQ or gRPC, on
 //! the L1 tier.
 //!
 //! # Components
-//! - [`transport`]: the ZMQ ROUTER thread and the worker pools.
+//! - [`transport`]: how requests arrive: the ZMQ ROUTER thread ([`transport::zmq`]) or
+//!   LMCache's gRPC services ([`transport::grpc`]), each with the same worker pools.
 //! - [`handlers`]: one module per operation family; every request gets exactly one reply.
 //! - [`session`]: request sessions (hash chains, lookup locks).
 //! - [`registry`]: registered workers, their layouts and KV memory, liveness.

@@ -80,7 +80,7 @@ impl Server {
             }
         }
         let storage = lmcache_storage::Storage::build(&config.storage_config())?;
-        let transport = Transport::bind(&config.endpoint())?;
+        let transport = Transport::bind(&config)?;
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
         #[cfg(feature = "testing")]

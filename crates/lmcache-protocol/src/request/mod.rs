@@ -240,7 +240,7 @@ impl Command {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::types::{CacheKey, EngineGroupInfo, IpcDescriptor, TensorMeta};
     use lmcache_core::{Dtype, ModelName};
@@ -249,8 +249,8 @@ mod tests {
         CacheKey::whole(ModelName::new("m").unwrap(), "r", (0..512).collect(), 256)
     }
 
-    #[test]
-    fn every_command_decodes_what_it_encodes() {
+    /// One command of every served operation, every optional field set somewhere.
+    pub(crate) fn samples() -> Vec<Command> {
         let k = key();
         let desc = IpcDescriptor::CpuShm {
             shm_name: "seg".into(),
@@ -273,7 +273,11 @@ mod tests {
             Command::ReportBlockAllocation(ReportBlockAllocation {
                 instance_id: 1,
                 model_name: "m".into(),
-                records: vec![Value::from(1)],
+                records: vec![crate::value::map(vec![
+                    ("req_id", Value::from("r")),
+                    ("new_block_ids", Value::Array(vec![Value::from(3)])),
+                    ("new_token_ids", Value::Array(vec![Value::from(7), Value::from(8)])),
+                ])],
             }),
             Command::Lookup(Lookup { key: k.clone(), tp_size: Value::from(1) }),
             Command::QueryPrefetchStatus("r".into()),
@@ -367,7 +371,12 @@ mod tests {
                 event_ipc_handle: Vec::new(),
             }),
         ];
-        for c in commands {
+        commands
+    }
+
+    #[test]
+    fn every_command_decodes_what_it_encodes() {
+        for c in samples() {
             let (op, params) = c.encode();
             assert_eq!(Command::decode(op, &params).unwrap(), c, "{op:?}");
             // One parameter too many is named.

@@ -80,17 +80,28 @@ pub fn lane(op: Op) -> Lane {
 /// Handles one request and returns its reply: always one, even when something panics
 /// outside the handler proper (metrics, spans, building the reply), since the uid is known.
 pub fn handle(state: &ServerState, req: Request) -> Reply {
+    let (header, value) = answer(state, req);
+    match value {
+        Some(v) => Reply::value(header, &v),
+        None => Reply::void(header),
+    }
+}
+
+/// Handles one request and returns its reply value (`None`: a void reply), whatever the
+/// transport: the ZMQ one frames it ([`handle`]), the gRPC one writes it as the method's
+/// response message. A failure is the operation's typed failure value, as in [`handle`].
+pub fn answer(state: &ServerState, req: Request) -> (Header, Option<Value>) {
     let (op, header) = (req.op, req.header.clone());
     catch_unwind(AssertUnwindSafe(|| handle_inner(state, req))).unwrap_or_else(|payload| {
         let reason = panic_message(payload.as_ref());
         tracing::error!(op = op.name(), error = %reason, "request failed outside its handler");
         state.metrics.handler_panics.inc();
         state.metrics.error(op.name(), "panic");
-        failure_reply(state, header, Some(op))
+        (header, failure_value(state, Some(op)))
     })
 }
 
-fn handle_inner(state: &ServerState, req: Request) -> Reply {
+fn handle_inner(state: &ServerState, req: Request) -> (Header, Option<Value>) {
     let op = req.op;
     state.metrics.request(op.name());
     let header = req.header.clone();
@@ -119,8 +130,7 @@ fn handle_inner(state: &ServerState, req: Request) -> Reply {
         panic!("fault injected after the {} handler", op.name());
     }
     match result {
-        Ok(Some(v)) => Reply::value(header, &v),
-        Ok(None) => Reply::void(header),
+        Ok(v) => (header, v),
         Err(e) => {
             if matches!(e, ProtocolError::Internal { .. }) {
                 tracing::error!(op = op.name(), error = %e, "handler failed");
@@ -129,7 +139,7 @@ fn handle_inner(state: &ServerState, req: Request) -> Reply {
             }
             state.metrics.error(op.name(), e.kind());
             state.bus.publish(crate::event_bus::Event::Refused { op: op.name(), kind: e.kind() });
-            failure_reply(state, header, Some(op))
+            (header, failure_value(state, Some(op)))
         }
     }
 }
@@ -186,7 +196,10 @@ pub fn handle_parse_failure(state: &ServerState, failure: ParseFailure) -> Optio
     tracing::warn!(op = op_name, error = %failure.error, "malformed message");
     state.metrics.error(op_name, failure.error.kind());
     let (header, op) = *failure.header?;
-    Some(failure_reply(state, header, op))
+    Some(match failure_value(state, op) {
+        Some(v) => Reply::value(header, &v),
+        None => Reply::void(header),
+    })
 }
 
 /// A field whose value a handler refuses, and why.
@@ -196,9 +209,9 @@ pub(super) fn bad(field: &str, reason: impl Into<String>) -> ProtocolError {
 
 /// The typed failure of `op`: a value of its response type that tells the client the
 /// request did nothing (LMCache's clients drop a reply of the wrong type, then time out).
-fn failure_reply(state: &ServerState, header: Header, op: Option<Op>) -> Reply {
+pub(crate) fn failure_value(state: &ServerState, op: Option<Op>) -> Option<Value> {
     let list = |v: Vec<Value>| Some(Value::Array(v));
-    let v = match op {
+    match op {
         Some(Op::Store | Op::Retrieve | Op::StoreQ | Op::CbRetrievePreComputed) => {
             Some(types::transfer_result(false))
         }
@@ -234,10 +247,6 @@ fn failure_reply(state: &ServerState, header: Header, op: Option<Op>) -> Reply {
             ("error", Value::from("server modules are not supported by lmcache-rs")),
         ])),
         _ => None,
-    };
-    match v {
-        Some(v) => Reply::value(header, &v),
-        None => Reply::void(header),
     }
 }
 

@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 
 use lmcache_protocol::frame::{self, Control, Header, Incoming, Reply, Request};
 use lmcache_protocol::{Op, ProtocolError};
-use thiserror::Error;
 
+use super::TransportError;
 use crate::handlers::{self, Lane};
 use crate::state::ServerState;
 
@@ -39,7 +39,9 @@ struct Stream {
     was_registered: bool,
 }
 
-fn parse_subscription(req: &Request) -> Result<(u64, String, u64, usize), ProtocolError> {
+pub(super) fn parse_subscription(
+    req: &Request,
+) -> Result<(u64, String, u64, usize), ProtocolError> {
     let s = lmcache_protocol::request::SubscribeKvEvents::decode(&req.params)?;
     if !(1..=1024).contains(&s.max_events) {
         return Err(ProtocolError::OutOfRange {
@@ -69,30 +71,7 @@ impl Pools {
 }
 
 /// How long shutdown waits for in-flight replies.
-const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
-
-/// Why the transport could not start or stopped.
-#[derive(Debug, Error)]
-pub enum TransportError {
-    /// A ZMQ call failed.
-    #[error("zmq {op} failed: {source}")]
-    Zmq {
-        /// What was being done.
-        op: &'static str,
-        /// The ZMQ error.
-        #[source]
-        source: zmq::Error,
-    },
-    /// A worker thread could not start.
-    #[error("could not start thread {name}: {source}")]
-    Spawn {
-        /// Thread name.
-        name: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-}
+pub(super) const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
 
 fn zerr(op: &'static str) -> impl FnOnce(zmq::Error) -> TransportError {
     move |source| TransportError::Zmq { op, source }
@@ -101,7 +80,7 @@ fn zerr(op: &'static str) -> impl FnOnce(zmq::Error) -> TransportError {
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 /// A bound ROUTER socket, ready to serve.
-pub struct Transport {
+pub struct ZmqTransport {
     ctx: zmq::Context,
     router: zmq::Socket,
     replies: zmq::Socket,
@@ -109,13 +88,13 @@ pub struct Transport {
     endpoint: String,
 }
 
-impl std::fmt::Debug for Transport {
+impl std::fmt::Debug for ZmqTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transport").field("endpoint", &self.endpoint).finish()
+        f.debug_struct("ZmqTransport").field("endpoint", &self.endpoint).finish()
     }
 }
 
-impl Transport {
+impl ZmqTransport {
     /// Binds the ROUTER to `endpoint` (`tcp://` or `ipc://`).
     pub fn bind(endpoint: &str) -> Result<Self, TransportError> {
         let ctx = zmq::Context::new();
