@@ -130,6 +130,36 @@ fn status_has_the_fields_lmcache_describe_reads() {
     }
 }
 
+/// `cache_size_per_token` is bytes per logical token (what `lmcache bench engine` sizes its
+/// workloads by): an engine-driven worker that packs a chunk's 256 tokens into 32 physical
+/// slots (vLLM's adapter does, for blocks of 16) still has 2 x 2 layers x 32 x 2 bytes of KV
+/// per token, not eight times that.
+#[test]
+fn status_counts_kv_bytes_per_logical_token() {
+    let arena = ArenaConfig {
+        size: 8 << 20,
+        backing: ArenaBacking::SharedMemory {
+            name: format!("lmcache_rs_http_per_token_{}", std::process::id()),
+        },
+        mlock: false,
+    };
+    let s =
+        Server::start(ServerConfig { http_port: Some(0), ..ServerConfig::local(arena) }).unwrap();
+    let mut c = lmcache_client::Client::connect(s.endpoint(), Duration::from_secs(5)).unwrap();
+    let mut packed = common::small_registration(7, "m", lmcache_core::Dtype::Float16);
+    packed.num_physical_slots = Some(32);
+    packed.hidden_dim_size = 32 * 256 / 32; // each slot holds 8 tokens' 32 elements
+    c.register_engine_driven(&packed).unwrap();
+    let plain = common::small_registration(8, "m2", lmcache_core::Dtype::Float16);
+    c.register_engine_driven(&plain).unwrap();
+    let (_, body) = http(&s, "GET", "/status", None);
+    let st: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let per_token =
+        |id: &str| st["cache_context_meta"][id]["kv_cache_layout"]["cache_size_per_token"].clone();
+    assert_eq!(per_token("7"), serde_json::json!(2 * 2 * 32 * 2), "{body}");
+    assert_eq!(per_token("8"), serde_json::json!(2 * 2 * 32 * 2), "{body}");
+}
+
 /// LMCache 0.5.6 metric names (from its /metrics) that lmcache-rs serves with the same
 /// meaning. Dashboards built on LMCache keep working for these.
 const LMCACHE_METRICS: &[&str] = &[

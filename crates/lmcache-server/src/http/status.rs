@@ -38,7 +38,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
     // prints per model.
     let mut meta = serde_json::Map::new();
     for (_, id, inst) in s.registry.snapshot() {
-        let layout = kv_cache_layout(&inst);
+        let layout = kv_cache_layout(&inst, s.chunk_size() as u64);
         meta.insert(
             id.to_string(),
             json!({"model_name": inst.model.as_str(), "world_size": inst.world_size, "kv_cache_layout": layout}),
@@ -365,7 +365,10 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
 
 /// A worker's KV cache layout as LMCache's `report_status` shows it: one entry per kernel
 /// group, plus (ours) each object group with its window and object size.
-fn kv_cache_layout(inst: &crate::registry::Instance) -> serde_json::Value {
+/// `cache_size_per_token` is bytes per *logical* token (LMCache's definition): an
+/// engine-driven object of `num_physical_slots` slots holds `chunk_size` tokens, so it is the
+/// object's bytes over the chunk's tokens, not a slot's bytes.
+fn kv_cache_layout(inst: &crate::registry::Instance, chunk_size: u64) -> serde_json::Value {
     use crate::registry::Registration;
     let objects: Vec<serde_json::Value> = inst
         .objects
@@ -425,7 +428,7 @@ fn kv_cache_layout(inst: &crate::registry::Instance) -> serde_json::Value {
             let Some(l) = inst.single_layout() else { return json!({"object_groups": objects}) };
             json!({
                 "num_layers": l.layers,
-                "cache_size_per_token": l.kv * l.layers * l.hidden * l.dtype.itemsize(),
+                "cache_size_per_token": l.bytes().unwrap_or(0) / chunk_size.max(1),
                 "kernel_groups": [{
                     "kernel_group_idx": 0, "engine_group_idx": 0, "object_group_idx": 0,
                     "num_layers": l.layers, "dtype": l.dtype.as_str(), "is_mla": l.kv == 1,
