@@ -100,6 +100,9 @@ enum BenchCommand {
     Server(bench::BenchArgs),
     /// Store, lookup and load throughput of one L2 adapter (as `lmcache bench l2`).
     L2(bench_l2::BenchL2Args),
+    /// Drive an inference engine over its OpenAI API with LMCache's workloads (as `lmcache
+    /// bench engine`): TTFT, decode speed, throughput, and how much the cache served.
+    Engine(bench::engine::EngineArgs),
 }
 
 fn main() {
@@ -155,6 +158,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Coordinator(args) => coordinator::run(*args),
         Command::Bench(BenchCommand::Server(args)) => bench::run(args),
         Command::Bench(BenchCommand::L2(args)) => bench_l2::run(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench::engine::run(args),
         Command::Ping { target, common } => ops::ping(target, &common),
         Command::Describe { target, common } => ops::describe(target, &common),
         Command::Explain { request_id, common } => ops::explain(&request_id, &common),

@@ -235,6 +235,12 @@ impl Live {
     /// Starts redrawing `tracker` under `title` every second on stderr, when `on` and stderr
     /// is a terminal; otherwise nothing is drawn.
     pub fn start(tracker: Arc<Tracker>, title: String, on: bool) -> Self {
+        Self::start_screen(move || tracker.screen(&title), on)
+    }
+
+    /// Starts redrawing whatever `screen` gives every second on stderr, when `on` and stderr
+    /// is a terminal; otherwise nothing is drawn.
+    pub fn start_screen(screen: impl Fn() -> Vec<String> + Send + 'static, on: bool) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         if !(on && std::io::stderr().is_terminal()) {
             return Self { stop, join: None };
@@ -248,7 +254,7 @@ impl Live {
                 loop {
                     let last = flag.load(Ordering::Acquire);
                     if last || Instant::now() >= next {
-                        let lines = tracker.screen(&title);
+                        let lines = screen();
                         draw(&mut std::io::stderr().lock(), &lines, shown);
                         shown = lines.len();
                         next = Instant::now() + Duration::from_secs(1);

@@ -17,6 +17,7 @@
 //! throughput over time; `--csv` writes every timed operation; `--format json` / `--output`
 //! give LMCache's metrics document (with our extra fields).
 
+pub mod engine;
 pub mod live;
 pub mod shape;
 
