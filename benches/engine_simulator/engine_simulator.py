@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -322,6 +323,9 @@ def main():
     Handler.args = args
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
+    # SIGTERM ends the process at once: a normal exit would wait on the adapters' threads,
+    # which retry forever once the cache server is gone (and it may be stopped first).
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     print(f"engine simulator (not an engine) serving {args.served_model_name} on "
           f"http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
