@@ -81,6 +81,11 @@ pub fn lane(op: Op) -> Lane {
 /// outside the handler proper (metrics, spans, building the reply), since the uid is known.
 pub fn handle(state: &ServerState, req: Request) -> Reply {
     let (header, value) = answer(state, req);
+    framed(header, value)
+}
+
+/// A reply value in ZMQ frames (`None`: the void reply).
+fn framed(header: Header, value: Option<Value>) -> Reply {
     match value {
         Some(v) => Reply::value(header, &v),
         None => Reply::void(header),
@@ -196,10 +201,7 @@ pub fn handle_parse_failure(state: &ServerState, failure: ParseFailure) -> Optio
     tracing::warn!(op = op_name, error = %failure.error, "malformed message");
     state.metrics.error(op_name, failure.error.kind());
     let (header, op) = *failure.header?;
-    Some(match failure_value(state, op) {
-        Some(v) => Reply::value(header, &v),
-        None => Reply::void(header),
-    })
+    Some(framed(header, failure_value(state, op)))
 }
 
 /// A field whose value a handler refuses, and why.

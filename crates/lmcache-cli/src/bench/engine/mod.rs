@@ -153,11 +153,16 @@ pub struct EngineArgs {
     pub rp_num_requests: usize,
 }
 
-fn http_json(url: &str) -> anyhow::Result<Value> {
+/// The body of `GET url` (10 s at most; a non-2xx status is an error).
+fn http_get(url: &str) -> anyhow::Result<String> {
     let agent: ureq::Agent =
         ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
     let mut resp = agent.get(url).call().with_context(|| format!("cannot reach {url}"))?;
-    let text = resp.body_mut().read_to_string().with_context(|| format!("reading {url}"))?;
+    resp.body_mut().read_to_string().with_context(|| format!("reading {url}"))
+}
+
+fn http_json(url: &str) -> anyhow::Result<Value> {
+    let text = http_get(url)?;
     serde_json::from_str(&text).with_context(|| format!("{url} did not answer JSON"))
 }
 
@@ -199,15 +204,7 @@ pub fn tokens_per_gb(status: &Value, model: &str) -> anyhow::Result<u64> {
 
 /// (hit tokens, requested tokens) of the cache server's lookups so far, from its /metrics.
 fn server_lookups(lmcache_url: &str) -> anyhow::Result<(f64, f64)> {
-    let url = format!("{}/metrics", http_base(lmcache_url));
-    let agent: ureq::Agent =
-        ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
-    let text = agent
-        .get(&url)
-        .call()
-        .with_context(|| format!("cannot reach {url}"))?
-        .body_mut()
-        .read_to_string()?;
+    let text = http_get(&format!("{}/metrics", http_base(lmcache_url)))?;
     let sum = |name: &str| -> f64 {
         text.lines()
             .filter(|l| l.starts_with(name) && !l.starts_with('#'))
