@@ -5,8 +5,10 @@ engine --model DIR` and the simulator both tokenize with, so prompts have the sa
 counts on both sides.
 
 It is a stand-in for a model's tokenizer, not one: deterministic (the same corpus and
-settings give the same vocabulary), about 8,000 entries, words spelled with GPT-2's `Ġ`
-word-start marker (what LMCache's single-token word pools look for).
+settings give the same vocabulary), GPT-2's size (50,257 entries: prefix-suffix-tuner draws
+random token ids up to 50,000), words spelled with GPT-2's `Ġ` word-start marker, and at
+least 9,000 lowercase words that are one token each (long-doc-permutator's single-token word
+pool takes 8,000; the script checks).
 
 Usage: python make_tokenizer.py OUT_DIR
 """
@@ -18,7 +20,9 @@ import sys
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-VOCAB_SIZE = 8192
+VOCAB_SIZE = 50257
+PSEUDO_WORDS = 30000
+MIN_ONE_TOKEN_WORDS = 9000
 
 
 def corpus():
@@ -29,8 +33,8 @@ def corpus():
               "discussed provide brief overview user assistant system context hi hello you "
               "are helpful please read following tell me about").split()
     pseudo = set()
-    while len(pseudo) < 3000:
-        n = rng.randint(3, 8)
+    while len(pseudo) < PSEUDO_WORDS:
+        n = rng.randint(3, 7)
         pseudo.add("".join(rng.choice(string.ascii_lowercase) for _ in range(n)))
     words = common + sorted(pseudo)
     lines = []
@@ -43,6 +47,14 @@ def corpus():
     lines += [" ".join(common)] * 400
     lines += [" ".join(words)] * 50
     return lines
+
+
+def one_token_words(tok):
+    """Lowercase vocabulary words that encode to one token after a space."""
+    words = sorted({k[1:] for k in tok.get_vocab() if k.startswith("Ġ") and k[1:].isascii()
+                    and k[1:].isalpha() and k[1:].islower()})
+    encoded = tok.encode_batch([" " + w for w in words], add_special_tokens=False)
+    return [w for w, e in zip(words, encoded) if len(e.ids) == 1]
 
 
 def main():
@@ -59,6 +71,10 @@ def main():
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    n = len(one_token_words(tok))
+    if n < MIN_ONE_TOKEN_WORDS or tok.get_vocab_size() < 50000:
+        sys.exit(f"make_tokenizer: {n} one-token words and {tok.get_vocab_size()} entries; "
+                 f"need {MIN_ONE_TOKEN_WORDS} and 50,000")
     tok.save(os.path.join(out, "tokenizer.json"))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump({

@@ -102,7 +102,7 @@ enum BenchCommand {
     L2(bench_l2::BenchL2Args),
     /// Drive an inference engine over its OpenAI API with LMCache's workloads (as `lmcache
     /// bench engine`): TTFT, decode speed, throughput, and how much the cache served.
-    Engine(bench::engine::EngineArgs),
+    Engine(Box<bench::engine::EngineArgs>),
 }
 
 fn main() {
@@ -118,6 +118,11 @@ fn run() -> anyhow::Result<()> {
         let rest = config_file::expand(args.split_off(2))?;
         args.extend(rest);
         server::refuse_unsupported(&args[2..])?;
+    } else if args.get(1).map(String::as_str) == Some("bench")
+        && args.get(2).map(String::as_str) == Some("engine")
+    {
+        let rest = bench::engine::config::expand(args.split_off(3))?;
+        args.extend(rest);
     }
     let cli = Cli::parse_from(args);
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -158,7 +163,7 @@ fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Coordinator(args) => coordinator::run(*args),
         Command::Bench(BenchCommand::Server(args)) => bench::run(args),
         Command::Bench(BenchCommand::L2(args)) => bench_l2::run(args),
-        Command::Bench(BenchCommand::Engine(args)) => bench::engine::run(args),
+        Command::Bench(BenchCommand::Engine(args)) => bench::engine::run(*args),
         Command::Ping { target, common } => ops::ping(target, &common),
         Command::Describe { target, common } => ops::describe(target, &common),
         Command::Explain { request_id, common } => ops::explain(&request_id, &common),

@@ -7,18 +7,23 @@
 //! measured run).
 //!
 //! - [`openai`]: one streaming request, timed.
-//! - [`workloads`]: long-doc-qa, multi-round-chat, random-prefill (LMCache's prompts and
-//!   pacing); long-doc-permutator, prefix-suffix-tuner and rag-qa-quality are refused by
-//!   name (they need the model's tokenizer, not here yet).
+//! - [`workloads`]: LMCache's six: long-doc-qa, multi-round-chat, random-prefill (its prompts
+//!   and pacing), and long-doc-permutator, prefix-suffix-tuner, rag-qa-quality, which size
+//!   their prompts in exact tokens with the model's tokenizer ([`tokenizer`]).
 //! - [`stats`]: LMCache's summary figures, field for field, and its CSV.
+//! - [`config`]: `--config FILE` (a JSON file of flags, as LMCache's `--export-config`
+//!   writes it) and `--export-config FILE`; the questions asked for missing flags on a
+//!   terminal (LMCache's interactive mode, as plain prompts).
 //!
 //! Warmup requests go one after the other and are not measured. A live display redraws on
 //! stderr every second (off with `-q`); `--json` writes `bench_summary.json` and the CSV
 //! `bench_results.csv` (unless `--no-csv`) into `--output-dir`, as LMCache's; `--format json`
 //! prints the summary document; `--plot` draws TTFT and latency histograms and throughput.
 
+pub mod config;
 pub mod openai;
 pub mod stats;
+pub mod tokenizer;
 pub mod workloads;
 
 use std::path::PathBuf;
@@ -35,7 +40,7 @@ use super::Format;
 use super::live::Live;
 use openai::{RequestResult, Sender};
 use stats::Summary;
-use workloads::{Job, Next, Wake, Workload};
+use workloads::{Job, Next, Section, Wake, Workload};
 
 /// `--workload`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -46,11 +51,12 @@ pub enum WorkloadKind {
     MultiRoundChat,
     /// Long distinct prompts all at once, one output token each.
     RandomPrefill,
-    /// Permutations of shared contexts (needs the model's tokenizer: not in lmcache-rs yet).
+    /// Permutations of shared contexts, exact token lengths (needs the model's tokenizer).
     LongDocPermutator,
-    /// Prefix/suffix reuse sweeps (needs the model's tokenizer: not in lmcache-rs yet).
+    /// A prefix pool just over one cache tier, sent twice; prefix + breaker + shared suffix.
     PrefixSuffixTuner,
-    /// RAG answer quality (needs a dataset and the tokenizer: not in lmcache-rs yet).
+    /// RAG answer quality over a QA dataset: passages prefilled alone, then composed
+    /// (needs the model's tokenizer and --rag-dataset).
     RagQaQuality,
 }
 
@@ -58,19 +64,28 @@ pub enum WorkloadKind {
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
     /// The engine's OpenAI-compatible URL (e.g. http://localhost:8000). Set OPENAI_API_KEY
-    /// if it needs one.
+    /// if it needs one. Asked for on a terminal when missing.
     #[arg(long)]
-    pub engine_url: String,
+    pub engine_url: Option<String>,
     /// The LMCache (or lmcache-rs) server's HTTP URL: tokens per GB come from its /status,
     /// and its lookup counters give the run's cache hit rate.
     #[arg(long)]
     pub lmcache_url: Option<String>,
-    /// Model name (default: the engine's first, from /v1/models).
+    /// Model name (default: the engine's first, from /v1/models). The tokenizer workloads
+    /// load its tokenizer from it: a local path, or a Hugging Face repo in the local hub
+    /// cache.
     #[arg(long)]
     pub model: Option<String>,
-    /// The workload.
+    /// The workload. Asked for on a terminal when missing.
     #[arg(long, value_enum)]
-    pub workload: WorkloadKind,
+    pub workload: Option<WorkloadKind>,
+    /// Flags from a JSON file (as --export-config writes it, ours or LMCache's); flags on
+    /// the command line win.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Write the resolved configuration to a JSON file and exit, without running.
+    #[arg(long, value_name = "FILE")]
+    pub export_config: Option<PathBuf>,
     /// Target active KV cache in GB: sizes long-doc-qa's documents and multi-round-chat's
     /// users.
     #[arg(long, default_value_t = 100.0)]
@@ -100,7 +115,7 @@ pub struct EngineArgs {
     /// Skip the warmup: measure a cold start.
     #[arg(long)]
     pub no_warmup: bool,
-    /// Accepted for LMCache's scripts: lmcache-rs has no interactive mode.
+    /// Never ask for missing flags: fail naming them.
     #[arg(long)]
     pub no_interactive: bool,
     /// Send /v1/completions instead of /v1/chat/completions.
@@ -145,6 +160,54 @@ pub struct EngineArgs {
     /// multi-round-chat: seconds of the measured run.
     #[arg(long, default_value_t = 60.0)]
     pub mrc_duration: f64,
+    /// long-doc-permutator: distinct context documents.
+    #[arg(long, default_value_t = 5)]
+    pub ldp_num_contexts: usize,
+    /// long-doc-permutator: exact tokens per context.
+    #[arg(long, default_value_t = 5000)]
+    pub ldp_context_length: usize,
+    /// long-doc-permutator: exact tokens of the shared system prompt (0: none).
+    #[arg(long, default_value_t = 1000)]
+    pub ldp_system_prompt_length: usize,
+    /// long-doc-permutator: distinct permutations to send (at most N!).
+    #[arg(long, default_value_t = 10)]
+    pub ldp_num_permutations: usize,
+    /// long-doc-permutator: requests in flight at most.
+    #[arg(long, default_value_t = 1)]
+    pub ldp_num_inflight_requests: usize,
+    /// long-doc-permutator: tokens to generate per request (1: prefill only).
+    #[arg(long, default_value_t = 128)]
+    pub ldp_max_output_length: u32,
+    /// prefix-suffix-tuner: tokens per request (prefix + 32-token breaker + suffix).
+    #[arg(long, default_value_t = 8000)]
+    pub psf_context_length: usize,
+    /// prefix-suffix-tuner: the prefix's share of the request, in (0, 1).
+    #[arg(long, default_value_t = 0.8)]
+    pub psf_prefix_ratio: f64,
+    /// prefix-suffix-tuner: GB of the cache tier to overflow (the pool is 5% more).
+    #[arg(long, default_value_t = 20.0)]
+    pub psf_thrash: f64,
+    /// rag-qa-quality: a local .json/.jsonl QA file, or musique/hotpotqa from the local hub
+    /// cache.
+    #[arg(long)]
+    pub rag_dataset: Option<String>,
+    /// rag-qa-quality: questions to measure, in dataset order.
+    #[arg(long, default_value_t = 50)]
+    pub rag_num_samples: usize,
+    /// rag-qa-quality: tokens per answer (room for a reasoning block and the tags).
+    #[arg(long, default_value_t = 1024)]
+    pub rag_max_output_length: u32,
+    /// rag-qa-quality: pad passages to multiples of this many tokens (the cache's chunk
+    /// size).
+    #[arg(long, default_value_t = workloads::rag_qa_quality::DEFAULT_DOC_ALIGN_TOKENS)]
+    pub rag_doc_align_tokens: usize,
+    /// rag-qa-quality: a chat-template variable KEY=VALUE (repeatable), sent as
+    /// chat_template_kwargs.
+    #[arg(long, value_name = "KEY=VALUE")]
+    pub rag_template_kwargs: Vec<String>,
+    /// rag-qa-quality: the per-sample results file (default: OUTPUT_DIR/rag_qa_quality.json).
+    #[arg(long, value_name = "FILE")]
+    pub rag_output: Option<PathBuf>,
     /// random-prefill: tokens per request.
     #[arg(long, default_value_t = 10000)]
     pub rp_request_length: u64,
@@ -153,16 +216,21 @@ pub struct EngineArgs {
     pub rp_num_requests: usize,
 }
 
-/// The body of `GET url` (10 s at most; a non-2xx status is an error).
-fn http_get(url: &str) -> anyhow::Result<String> {
+/// The body of `GET url` (10 s at most; a non-2xx status is an error), with a bearer token
+/// when given.
+fn http_get(url: &str, bearer: Option<&str>) -> anyhow::Result<String> {
     let agent: ureq::Agent =
         ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(10))).build().into();
-    let mut resp = agent.get(url).call().with_context(|| format!("cannot reach {url}"))?;
+    let mut req = agent.get(url);
+    if let Some(token) = bearer {
+        req = req.header("Authorization", &format!("Bearer {token}"));
+    }
+    let mut resp = req.call().with_context(|| format!("cannot reach {url}"))?;
     resp.body_mut().read_to_string().with_context(|| format!("reading {url}"))
 }
 
-fn http_json(url: &str) -> anyhow::Result<Value> {
-    let text = http_get(url)?;
+fn http_json(url: &str, bearer: Option<&str>) -> anyhow::Result<Value> {
+    let text = http_get(url, bearer)?;
     serde_json::from_str(&text).with_context(|| format!("{url} did not answer JSON"))
 }
 
@@ -204,7 +272,7 @@ pub fn tokens_per_gb(status: &Value, model: &str) -> anyhow::Result<u64> {
 
 /// (hit tokens, requested tokens) of the cache server's lookups so far, from its /metrics.
 fn server_lookups(lmcache_url: &str) -> anyhow::Result<(f64, f64)> {
-    let text = http_get(&format!("{}/metrics", http_base(lmcache_url)))?;
+    let text = http_get(&format!("{}/metrics", http_base(lmcache_url)), None)?;
     let sum = |name: &str| -> f64 {
         text.lines()
             .filter(|l| l.starts_with(name) && !l.starts_with('#'))
@@ -245,11 +313,24 @@ fn screen(p: &Progress, workload: &str) -> Vec<String> {
     ]
 }
 
-fn build(args: &EngineArgs, tokens_per_gb: Option<u64>) -> anyhow::Result<Box<dyn Workload>> {
+/// The model's tokenizer, for the workloads that need one.
+fn load_tokenizer(model: &str, workload: &str) -> anyhow::Result<Arc<tokenizer::ModelTokenizer>> {
+    let t = tokenizer::ModelTokenizer::load(model)
+        .with_context(|| format!("{workload} sizes its prompts in the model's tokens"))?;
+    tracing::info!(path = %t.path.display(), "loaded the model's tokenizer");
+    Ok(Arc::new(t))
+}
+
+fn build(
+    args: &EngineArgs,
+    kind: WorkloadKind,
+    model: &str,
+    tokens_per_gb: Option<u64>,
+) -> anyhow::Result<Box<dyn Workload>> {
     let need = || {
         tokens_per_gb.context("--tokens-per-gb-kvcache is required when --lmcache-url is not set")
     };
-    Ok(match args.workload {
+    Ok(match kind {
         WorkloadKind::LongDocQa => {
             if args.ldqa_document_length == 0 || args.ldqa_query_per_document == 0 {
                 bail!("--ldqa-document-length and --ldqa-query-per-document must be positive");
@@ -285,12 +366,82 @@ fn build(args: &EngineArgs, tokens_per_gb: Option<u64>) -> anyhow::Result<Box<dy
             args.rp_request_length.max(1),
             args.rp_num_requests,
         )),
-        other => bail!(
-            "--workload {}: not in lmcache-rs yet (it needs the model's tokenizer); LMCache's \
-             `lmcache bench engine` runs it",
-            other.to_possible_value().map_or("?".into(), |v| v.get_name().to_owned())
-        ),
+        WorkloadKind::LongDocPermutator => {
+            use workloads::long_doc_permutator::{LongDocPermutator, LongDocPermutatorConfig};
+            if args.ldp_num_contexts == 0
+                || args.ldp_context_length == 0
+                || args.ldp_num_permutations == 0
+                || args.ldp_num_inflight_requests == 0
+                || args.ldp_max_output_length == 0
+            {
+                bail!(
+                    "--ldp-num-contexts, --ldp-context-length, --ldp-num-permutations, \
+                     --ldp-num-inflight-requests and --ldp-max-output-length must be positive"
+                );
+            }
+            let t = load_tokenizer(model, "long-doc-permutator")?;
+            let config = LongDocPermutatorConfig {
+                num_contexts: args.ldp_num_contexts,
+                context_length: args.ldp_context_length,
+                system_prompt_length: args.ldp_system_prompt_length,
+                num_permutations: args.ldp_num_permutations,
+                inflight: args.ldp_num_inflight_requests,
+                max_output: args.ldp_max_output_length,
+            };
+            Box::new(LongDocPermutator::new(&t, config, args.seed)?)
+        }
+        WorkloadKind::PrefixSuffixTuner => {
+            use workloads::prefix_suffix_tuner::{PrefixSuffixTuner, PrefixSuffixTunerConfig};
+            let config = PrefixSuffixTunerConfig::resolve(
+                need()?,
+                args.psf_context_length,
+                args.psf_prefix_ratio,
+                args.psf_thrash,
+            )?;
+            // Best effort, as LMCache: without the tokenizer the text is "hi" filler.
+            let t = match tokenizer::ModelTokenizer::load(model) {
+                Ok(t) => Some(Arc::new(t)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "prefix-suffix-tuner falls back to filler text");
+                    None
+                }
+            };
+            Box::new(PrefixSuffixTuner::new(config, t, args.seed)?)
+        }
+        WorkloadKind::RagQaQuality => {
+            use workloads::rag_qa_quality::{RagQaQuality, RagQaQualityConfig, dataset};
+            let name = args.rag_dataset.as_deref().context("rag-qa-quality needs --rag-dataset")?;
+            if args.rag_num_samples == 0
+                || args.rag_max_output_length == 0
+                || args.rag_doc_align_tokens == 0
+            {
+                bail!(
+                    "--rag-num-samples, --rag-max-output-length and --rag-doc-align-tokens must \
+                     be positive"
+                );
+            }
+            let t = load_tokenizer(model, "rag-qa-quality")?;
+            let path = dataset::resolve(name, &tokenizer::hub_cache())?;
+            let samples = dataset::load(&path)?;
+            let config = RagQaQualityConfig {
+                dataset: name.to_owned(),
+                num_samples: args.rag_num_samples,
+                max_output: args.rag_max_output_length,
+                doc_align_tokens: args.rag_doc_align_tokens,
+                template_kwargs: template_kwargs(args)?,
+                output: args
+                    .rag_output
+                    .clone()
+                    .unwrap_or_else(|| args.output_dir.join("rag_qa_quality.json")),
+            };
+            Box::new(RagQaQuality::new(config, samples, t, model, args.seed)?)
+        }
     })
+}
+
+fn template_kwargs(args: &EngineArgs) -> anyhow::Result<serde_json::Map<String, Value>> {
+    workloads::rag_qa_quality::parse_template_kwargs(&args.rag_template_kwargs)
+        .map_err(|e| anyhow::anyhow!("--rag-template-kwargs: {e}"))
 }
 
 /// Runs the measured part: asks the workload, sends (a thread per request), takes results.
@@ -311,7 +462,7 @@ fn measure(
     let mut results = Vec::new();
     let mut take = |r: (RequestResult, String), in_flight: &mut usize, w: &mut dyn Workload| {
         *in_flight -= 1;
-        w.finished(&r.0.request_id, &r.1);
+        w.finished(&r.0, &r.1);
         let mut p = progress.lock();
         p.in_flight = *in_flight;
         p.results.push(r.0.clone());
@@ -364,7 +515,7 @@ fn measure(
     (results, started.elapsed().as_secs_f64())
 }
 
-fn table(config: &Value, s: &Summary, server_hit: Option<f64>) -> String {
+fn table(config: &Value, s: &Summary, server_hit: Option<f64>, sections: &[Section]) -> String {
     let line = |k: &str, v: String| format!("{k:<34}{v:>22}\n");
     let head = |t: &str| format!("{:-^56}\n", format!(" {t} "));
     let mut out = format!(
@@ -400,6 +551,13 @@ fn table(config: &Value, s: &Summary, server_hit: Option<f64>) -> String {
         "Cache server lookup hits:",
         server_hit.map_or("-".into(), |h| format!("{:.1} %", h * 100.0)),
     );
+    for section in sections {
+        out += &head(section.label);
+        for (_, label, value) in &section.entries {
+            let v = value.as_str().map_or_else(|| value.to_string(), str::to_owned);
+            out += &line(&format!("{label}:"), v);
+        }
+    }
     out += &"=".repeat(56);
     out.push('\n');
     out
@@ -457,14 +615,19 @@ fn plot(results: &[RequestResult], title: &str, path: &std::path::Path) -> anyho
 
 /// Runs `lmcache-rs bench engine`.
 pub fn run(args: EngineArgs) -> anyhow::Result<()> {
+    let args = config::complete(args)?;
+    let (Some(engine_url), Some(kind)) = (args.engine_url.clone(), args.workload) else {
+        bail!("--engine-url and --workload are required");
+    };
     if args.kv_cache_volume.is_nan() || args.kv_cache_volume <= 0.0 {
         bail!("--kv-cache-volume must be positive");
     }
     let model = match &args.model {
         Some(m) => m.clone(),
         None => {
-            let url = format!("{}/models", openai::normalize_url(&args.engine_url));
-            let v = http_json(&url)?;
+            let url = format!("{}/models", openai::normalize_url(&engine_url));
+            let key = openai::api_key();
+            let v = http_json(&url, Some(&key))?;
             v.pointer("/data/0/id")
                 .and_then(Value::as_str)
                 .map(str::to_owned)
@@ -474,18 +637,34 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     let tokens_per_gb = match (args.tokens_per_gb_kvcache, &args.lmcache_url) {
         (Some(t), _) => Some(t),
         (None, Some(url)) => {
-            let status = http_json(&format!("{}/status", http_base(url)))?;
+            let status = http_json(&format!("{}/status", http_base(url)), None)?;
             Some(tokens_per_gb(&status, &model)?)
         }
         (None, None) => None,
     };
-    let mut workload = build(&args, tokens_per_gb)?;
-    let sender = Sender::new(&args.engine_url, &model, args.completions, args.ignore_eos);
+    if let Some(path) = &args.export_config {
+        let doc = config::export(&args, kind, &model, tokens_per_gb);
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("Configuration exported to {}", path.display());
+        println!(
+            "Replay with: lmcache-rs bench engine --engine-url <URL> --config {}",
+            path.display()
+        );
+        return Ok(());
+    }
+    let mut workload = build(&args, kind, &model, tokens_per_gb)?;
+    let extra_body = match template_kwargs(&args)? {
+        k if k.is_empty() => serde_json::Map::new(),
+        k => serde_json::Map::from_iter([("chat_template_kwargs".to_owned(), Value::Object(k))]),
+    };
+    let sender = Sender::new(&engine_url, &model, args.completions, args.ignore_eos)
+        .with_extra_body(extra_body);
     let name = workload.name();
     if matches!(args.format, Format::Terminal) {
         println!("Workload: {name}");
         for (k, v) in workload.settings() {
-            println!("  {:<18}{v}", format!("{k}:"));
+            println!("  {:<20}{v}", format!("{k}:"));
         }
     }
     let progress = Arc::new(Mutex::new(Progress { phase: "warmup", ..Progress::default() }));
@@ -502,6 +681,11 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
             }
             progress.lock().results.push(r);
         }
+        let settle = workload.settle();
+        if !settle.is_zero() {
+            progress.lock().phase = "settling";
+            std::thread::sleep(settle);
+        }
     }
     let before = args.lmcache_url.as_deref().map(server_lookups).transpose()?;
     let (results, elapsed) = measure(workload.as_mut(), &sender, &progress);
@@ -516,7 +700,7 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     let settings: serde_json::Map<String, Value> =
         workload.settings().into_iter().map(|(k, v)| (k.to_owned(), json!(v))).collect();
     let config = json!({
-        "engine_url": args.engine_url,
+        "engine_url": engine_url,
         "model": model,
         "workload": name,
         "kv_cache_volume_gb": args.kv_cache_volume,
@@ -532,6 +716,12 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
     });
     let mut doc = json!({"config": config, "results": summary});
     doc["results"]["cache_server_hit_rate"] = json!(server_hit);
+    let sections = workload.sections();
+    for section in &sections {
+        let entries: serde_json::Map<String, Value> =
+            section.entries.iter().map(|(k, _, v)| ((*k).to_owned(), v.clone())).collect();
+        doc[section.key] = Value::Object(entries);
+    }
     if !args.no_csv || args.json {
         std::fs::create_dir_all(&args.output_dir)
             .with_context(|| format!("creating {}", args.output_dir.display()))?;
@@ -546,12 +736,22 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         std::fs::write(&path, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    if let Some((path, body)) = workload.results_file() {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        std::fs::write(&path, serde_json::to_string_pretty(&body)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        if matches!(args.format, Format::Terminal) {
+            println!("Quality results written to {}", path.display());
+        }
+    }
     if let Some(path) = &args.plot {
         plot(&results, &format!("lmcache-rs bench engine: {name}"), path)?;
     }
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&doc)?),
-        Format::Terminal => print!("{}", table(&doc["config"], &summary, server_hit)),
+        Format::Terminal => print!("{}", table(&doc["config"], &summary, server_hit, &sections)),
     }
     if summary.successful_requests == 0 && summary.total_requests > 0 {
         bail!("every request failed; the first: {}", results[0].error);

@@ -80,6 +80,15 @@ pub struct Sender {
     completions: bool,
     ignore_eos: bool,
     api_key: String,
+    extra_body: serde_json::Map<String, Value>,
+}
+
+/// The API key: `OPENAI_API_KEY`, else a dummy one (as LMCache's).
+pub fn api_key() -> String {
+    std::env::var("OPENAI_API_KEY")
+        .ok()
+        .filter(|k| !k.is_empty())
+        .unwrap_or_else(|| "sk-dummy".into())
 }
 
 impl std::fmt::Debug for Sender {
@@ -111,18 +120,21 @@ impl Sender {
             .http_status_as_error(false)
             .build()
             .into();
-        let api_key = std::env::var("OPENAI_API_KEY")
-            .ok()
-            .filter(|k| !k.is_empty())
-            .unwrap_or_else(|| "sk-dummy".into());
         Self {
             agent,
             base: normalize_url(engine_url),
             model: model.to_owned(),
             completions,
             ignore_eos,
-            api_key,
+            api_key: api_key(),
+            extra_body: serde_json::Map::new(),
         }
+    }
+
+    /// Fields merged into every request body (rag-qa-quality's `chat_template_kwargs`).
+    pub fn with_extra_body(mut self, extra: serde_json::Map<String, Value>) -> Self {
+        self.extra_body = extra;
+        self
     }
 
     fn body(&self, messages: &[Message], max_tokens: u32) -> Value {
@@ -138,6 +150,9 @@ impl Sender {
         body["stream_options"] = json!({"include_usage": true});
         if self.ignore_eos {
             body["ignore_eos"] = json!(true);
+        }
+        for (k, v) in &self.extra_body {
+            body[k] = v.clone();
         }
         body
     }

@@ -11,13 +11,25 @@
 //! - `random-prefill`: `--rp-num-requests` prompts of `--rp-request-length` tokens, all at
 //!   once, one output token each, no warmup.
 //!
+//! The three that promise exact token lengths use the model's tokenizer
+//! ([`super::tokenizer`]), each in its own module: [`long_doc_permutator`],
+//! [`prefix_suffix_tuner`], [`rag_qa_quality`].
+//!
 //! A workload answers "what next?" ([`Workload::next`]); the runner sends, waits and reports
 //! each finished request back ([`Workload::finished`]).
 
+pub mod long_doc_permutator;
+pub mod prefix_suffix_tuner;
+pub mod rag_qa_quality;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
+use serde_json::Value;
 
-use super::openai::Message;
+use super::openai::{Message, RequestResult};
 
 /// One request to send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +65,18 @@ pub enum Next {
     Done,
 }
 
+/// A section a workload adds to the summary (LMCache's `MetricSection`): a key, a label,
+/// and (key, label, value) entries.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Section {
+    /// Its key in the JSON document.
+    pub key: &'static str,
+    /// Its title in the table.
+    pub label: &'static str,
+    /// Its figures.
+    pub entries: Vec<(&'static str, &'static str, Value)>,
+}
+
 /// A workload.
 pub trait Workload: Send {
     /// Its name (`--workload`).
@@ -60,11 +84,24 @@ pub trait Workload: Send {
     /// Its settings, for the header and the JSON document.
     fn settings(&self) -> Vec<(&'static str, String)>;
     /// Warmup requests, sent one after the other before the measured run.
-    fn warmup(&self) -> Vec<Job>;
+    fn warmup(&mut self) -> Vec<Job>;
+    /// How long to wait after the warmup before measuring (prefix-suffix-tuner lets the
+    /// cache's eviction catch up).
+    fn settle(&self) -> Duration {
+        Duration::ZERO
+    }
     /// What to do at `elapsed` seconds into the run with `in_flight` requests out.
     fn next(&mut self, elapsed: f64, in_flight: usize) -> Next;
-    /// A request finished with this output text.
-    fn finished(&mut self, _id: &str, _output: &str) {}
+    /// A measured request finished with this output text.
+    fn finished(&mut self, _result: &RequestResult, _output: &str) {}
+    /// Sections of its own for the summary (rag-qa-quality's answer quality).
+    fn sections(&self) -> Vec<Section> {
+        Vec::new()
+    }
+    /// A results file of its own, written after the run: where, and what.
+    fn results_file(&self) -> Option<(PathBuf, Value)> {
+        None
+    }
 }
 
 fn hi_words(n: u64) -> String {
@@ -151,7 +188,7 @@ impl Workload for LongDocQa {
         ]
     }
 
-    fn warmup(&self) -> Vec<Job> {
+    fn warmup(&mut self) -> Vec<Job> {
         self.documents
             .iter()
             .enumerate()
@@ -290,7 +327,7 @@ impl Workload for MultiRoundChat {
         ]
     }
 
-    fn warmup(&self) -> Vec<Job> {
+    fn warmup(&mut self) -> Vec<Job> {
         self.sessions
             .iter()
             .enumerate()
@@ -323,8 +360,9 @@ impl Workload for MultiRoundChat {
         Next::Send(vec![job], Wake::At(self.index as f64 * self.interval))
     }
 
-    fn finished(&mut self, id: &str, output: &str) {
+    fn finished(&mut self, result: &RequestResult, output: &str) {
         let query = self.query.clone();
+        let id = result.request_id.as_str();
         if let Some(s) = self.sessions.iter_mut().find(|s| s.in_flight.as_deref() == Some(id)) {
             s.exchanges.push((query, output.to_owned()));
             s.in_flight = None;
@@ -363,7 +401,7 @@ impl Workload for RandomPrefill {
         ]
     }
 
-    fn warmup(&self) -> Vec<Job> {
+    fn warmup(&mut self) -> Vec<Job> {
         Vec::new()
     }
 
@@ -452,7 +490,8 @@ mod tests {
         // User 0 is still out: wait.
         let Next::Wait(Wake::At(t)) = w.next(0.2, 2) else { panic!("user 0 is busy") };
         assert!((t - 0.21).abs() < 1e-9);
-        w.finished("s0_r0", " hi hi");
+        let done = RequestResult { request_id: "s0_r0".into(), ..RequestResult::default() };
+        w.finished(&done, " hi hi");
         let Next::Send(c, _) = w.next(0.2, 1) else { panic!() };
         assert_eq!(c[0].id, "s0_r2");
         assert_eq!(c[0].messages.len(), 6, "the first exchange is part of the history");
