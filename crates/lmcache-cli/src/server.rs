@@ -158,7 +158,9 @@ pub struct ServerArgs {
     /// recorded yet: it is dropped, never served half-written). What does not: chunks still
     /// being written, read locks, sessions, quotas set over HTTP, and the file itself across
     /// a reboot unless it is on persistent media (a DAX device, pmem or a disk; tmpfs is RAM).
-    /// The same --l1-size-gb is required; without this flag the file is reset at start.
+    /// Adopted chunks go through the L2 write-behind again: what the previous server had not
+    /// yet written to an adapter is written (what it holds is skipped). The same
+    /// --l1-size-gb is required; without this flag the file is reset at start.
     #[arg(long)]
     pub l1_warm_restart: bool,
     /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (run

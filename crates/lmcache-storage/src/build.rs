@@ -102,6 +102,11 @@ impl Storage {
             for a in tier.describe() {
                 tracing::info!(id = a.id, kind = %a.kind, "L2 adapter ready");
             }
+            if adopted > 0 {
+                // What the last process held may not all have reached L2 before it stopped.
+                tier.replay_store(l1.resident_keys().into_iter().map(|(k, _)| k).collect());
+                tracing::info!(objects = adopted, "adopted L1 objects queued for the write-behind");
+            }
             Some(tier)
         };
         Ok(Self {
@@ -208,5 +213,61 @@ mod tests {
         drop(s);
         let s = Storage::build(&config(true)).unwrap();
         assert_eq!(s.l1().persist_stats().adopted, 0);
+    }
+
+    #[test]
+    fn adopted_objects_reach_an_l2_the_last_process_never_wrote_them_to() {
+        let dir = tempfile::tempdir().unwrap();
+        let l2_dir = dir.path().join("l2");
+        let config = |l2_adapters| StorageConfig {
+            arena: ArenaConfig {
+                size: 16 << 20,
+                backing: ArenaBacking::File(lmcache_memory::FileBacking {
+                    path: dir.path().join("l1"),
+                    format: false,
+                    adopt: true,
+                }),
+                mlock: false,
+            },
+            align: lmcache_memory::DEFAULT_ALIGN,
+            l1: L1Config::default(),
+            l2_adapters,
+            l2: TierConfig::default(),
+        };
+        let key = |i: u8| lmcache_core::ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap();
+        // The first process stores four objects and stops before any reached L2 (here: it
+        // had none; a SIGKILL before the write-behind leaves the same state).
+        let s = Storage::build(&config(vec![])).unwrap();
+        let reqs: Vec<_> = (0..4).map(|i| lmcache_l1::WriteRequest::new(key(i), 5000)).collect();
+        for (i, r) in s.l1().reserve_write(&reqs).into_iter().enumerate() {
+            let mut w = r.unwrap();
+            w.as_mut_slice().fill(i as u8 + 1);
+            w.commit().unwrap();
+        }
+        s.shutdown();
+        drop(s);
+        let s =
+            Storage::build(&config(vec![serde_json::json!({"type": "fs", "base_path": l2_dir})]))
+                .unwrap();
+        assert_eq!(s.l1().persist_stats().adopted, 4);
+        // Every adopted object is written behind.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while s.l2_stats().unwrap().store_enqueued.load(std::sync::atomic::Ordering::Relaxed) < 4 {
+            assert!(std::time::Instant::now() < deadline, "adopted objects never queued");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(s.flush(std::time::Duration::from_secs(20)), 0);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let listed = rt.block_on(s.list_l2(None, lmcache_l2::KeyFilter::ALL, None, 100)).unwrap();
+        assert_eq!(listed.page.keys.len(), 4, "{listed:?}");
+        // Restarted again over an L2 that holds them: the replay is checked against it.
+        s.shutdown();
+        drop(s);
+        let s =
+            Storage::build(&config(vec![serde_json::json!({"type": "fs", "base_path": l2_dir})]))
+                .unwrap();
+        assert_eq!(s.l1().persist_stats().adopted, 4);
+        assert_eq!(s.flush(std::time::Duration::from_secs(20)), 0);
+        s.shutdown();
     }
 }

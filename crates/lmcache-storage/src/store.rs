@@ -54,6 +54,28 @@ impl L2Tier {
     }
 }
 
+impl L2Tier {
+    /// Queues `keys` for writing behind without dropping any: a task feeds them to the
+    /// controller as the queue drains. For what a restarted L1 adopted: the previous process
+    /// may have been stopped before its write-behind reached them, and the controller skips
+    /// whatever an adapter already holds. They stay ordinary eviction candidates meanwhile
+    /// (an object evicted before its turn is skipped, counted as vanished).
+    pub(crate) fn replay_store(&self, keys: Vec<ObjectKey>) {
+        if self.is_empty() || keys.is_empty() {
+            return;
+        }
+        let (tx, stats) = (self.store_tx.clone(), Arc::clone(&self.shared));
+        self.rt.spawn(async move {
+            for k in keys {
+                if tx.send(k).await.is_err() {
+                    return; // the tier stopped
+                }
+                stats.stats.store_enqueued.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    }
+}
+
 pub(crate) async fn run(shared: Arc<Shared>, mut rx: mpsc::Receiver<ObjectKey>) {
     let batch = shared.config.store_batch.max(1);
     let mut buf = Vec::with_capacity(batch);
