@@ -22,8 +22,31 @@ use crate::codec::Codec;
 use crate::error::ConfigError;
 
 /// The adapter types this build knows.
-pub const ADAPTER_TYPES: &[&str] =
-    &["fs", "fs_native", "raw_block", "redis", "resp", "valkey", "s3", "mock", "fault_inject"];
+pub const ADAPTER_TYPES: &[&str] = &[
+    "fs",
+    "fs_native",
+    "raw_block",
+    "redis",
+    "resp",
+    "valkey",
+    "s3",
+    "native_plugin",
+    "mock",
+    "fault_inject",
+];
+
+/// Whether `spec` (or a spec nested in it) loads a native plugin: running a library's code,
+/// which only the operator may ask for at start, never a caller at run time.
+pub fn loads_native_code(spec: &Value) -> bool {
+    match spec {
+        Value::Object(o) => {
+            o.get("type").and_then(Value::as_str) == Some("native_plugin")
+                || o.values().any(loads_native_code)
+        }
+        Value::Array(a) => a.iter().any(loads_native_code),
+        _ => false,
+    }
+}
 
 const COMMON: &[&str] =
     &["type", "serde", "affinity_tag", "shared", "persist_enabled", "eviction", "max_capacity_gb"];
@@ -472,6 +495,29 @@ fn build_inner(
                 })?;
                 Arc::new(a)
             }
+            "native_plugin" => {
+                f.check_known(&["path", "config", "timeout_secs"])?;
+                let path = PathBuf::from(f.str_req("path")?);
+                if !path.is_absolute() {
+                    return Err(ConfigError::field("path", "must be an absolute path"));
+                }
+                let config = match obj.get("config") {
+                    None | Some(Value::Null) => "{}".to_owned(),
+                    Some(v @ Value::Object(_)) => v.to_string(),
+                    Some(_) => return Err(ConfigError::field("config", "must be a JSON object")),
+                };
+                let timeout = f.f64_opt("timeout_secs")?.unwrap_or(10.0);
+                if !(timeout.is_finite() && timeout > 0.0) {
+                    return Err(ConfigError::field("timeout_secs", "must be > 0"));
+                }
+                let a = crate::adapters::native_plugin::NativePluginAdapter::load(
+                    &path,
+                    &config,
+                    Duration::from_secs_f64(timeout),
+                )
+                .map_err(|e| ConfigError::field("path", e.to_string()))?;
+                Arc::new(a)
+            }
             "mock" => {
                 f.check_known(&["max_size_gb", "mock_bandwidth_gb", "latency_ms"])?;
                 let size = f
@@ -684,5 +730,14 @@ mod tests {
         assert_eq!(check_allowed_paths(0, &rb, &roots).unwrap_err().field, "device_path");
         let nested = serde_json::json!({"type": "fault_inject", "inner": fs(outside.path())});
         assert!(check_allowed_paths(0, &nested, &roots).is_err());
+    }
+
+    #[test]
+    fn native_code_is_found_nested() {
+        let plugin = serde_json::json!({"type": "native_plugin", "path": "/x.so"});
+        assert!(loads_native_code(&plugin));
+        let nested = serde_json::json!({"type": "fault_inject", "inner": plugin});
+        assert!(loads_native_code(&nested));
+        assert!(!loads_native_code(&serde_json::json!({"type": "fs", "base_path": "/x"})));
     }
 }

@@ -5,12 +5,15 @@
 //!   lengths, xxh3 checksums); a blob that fails any check is a miss.
 //! - [`codec`]: none, lz4, zstd, AES-256-GCM (per-salt keys, key as associated data), fp8.
 //! - [`adapters`]: `fs`, `raw_block`, `redis` (Redis/Valkey, single node or cluster), `s3`,
-//!   `mock` and `fault_inject`, one file each.
+//!   `native_plugin` (a shared library through our C ABI), `mock` and `fault_inject`, one
+//!   file each.
+//! - `plugin_ffi`: the native plugin ABI (`include/lmcache_rs_l2_plugin.h`): loading, the
+//!   version handshake, the calls; the crate's only unsafe code.
 //! - [`config`]: LMCache's `--l2-adapter` JSON (and TOML) to built adapters, field by field.
 //! - [`wire_key`]: LMCache's string form of an object key.
 //! - [`error`]: [`L2Error`] (transient or permanent, so the store controller knows whether to
 //!   retry) and [`ConfigError`].
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod adapter;
 pub mod adapters;
@@ -18,6 +21,8 @@ pub mod blob;
 pub mod codec;
 pub mod config;
 pub mod error;
+#[expect(unsafe_code, reason = "the native plugin ABI: dlopen and calls through its table")]
+mod plugin_ffi;
 pub mod wire_key;
 
 pub use adapter::{

@@ -571,3 +571,109 @@ fn redis_with_a_password() {
         }
     });
 }
+
+/// Builds `plugin-example/memory_plugin.c` with gcc (a fresh machine has it) into `dir`.
+fn build_plugin(dir: &std::path::Path, name: &str, extra: &[&str]) -> std::path::PathBuf {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = dir.join(format!("lib{name}.so"));
+    let status = std::process::Command::new("gcc")
+        .args(["-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Wextra", "-Werror", "-I"])
+        .arg(root.join("include"))
+        .args(extra)
+        .arg("-o")
+        .arg(&out)
+        .arg(root.join("plugin-example/memory_plugin.c"))
+        .status()
+        .expect("gcc must be installed to build the example plugin");
+    assert!(status.success(), "gcc failed on the example plugin");
+    out
+}
+
+fn plugin_spec(path: &std::path::Path, config: Value) -> Value {
+    json!({"type": "native_plugin", "path": path, "config": config})
+}
+
+#[test]
+fn native_plugin_conforms_at_realistic_sizes_and_under_concurrency() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = build_plugin(dir.path(), "memory_plugin", &[]);
+    rt().block_on(async {
+        let b = build(plugin_spec(&lib, json!({}))).await;
+        assert_eq!(b.adapter.describe()["plugin"], "example-memory");
+        conformance(&b, &[0, 1, 4096, 1 << 20, 300_001, 32 << 20]).await;
+        // Eight clients store and load the same keys at once: every store lands once, every
+        // load verifies.
+        let keys: Vec<ObjectKey> = (0..6).map(|i| key(100 + i, "")).collect();
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let (a, codec, keys) = (b.adapter.clone(), b.codec.clone(), keys.clone());
+                tokio::spawn(async move {
+                    let items = keys
+                        .iter()
+                        .enumerate()
+                        .map(|(i, k)| {
+                            (
+                                k.clone(),
+                                codec.encode(k, Bytes::from(payload(i as u32, 70_000))).unwrap(),
+                            )
+                        })
+                        .collect();
+                    for r in a.store(items).await {
+                        assert!(r.is_ok(), "{r:?}");
+                    }
+                    for (i, (k, r)) in keys.iter().zip(a.load(&keys).await).enumerate() {
+                        let bytes = r.unwrap().expect("stored by some client");
+                        assert_eq!(codec.decode(k, &bytes).unwrap(), payload(i as u32, 70_000));
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(b.adapter.delete(&keys).await.unwrap(), 6);
+    });
+}
+
+#[test]
+fn a_native_plugin_of_another_abi_or_config_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = build_plugin(dir.path(), "abi2", &["-DEXAMPLE_ABI_VERSION=2"]);
+    let good = build_plugin(dir.path(), "memory_plugin", &[]);
+    rt().block_on(async {
+        let e = config::build(0, &plugin_spec(&old, json!({}))).await.unwrap_err().to_string();
+        assert!(e.contains("\"example-memory\"") && e.contains("ABI version 2"), "{e}");
+        let e =
+            config::build(0, &plugin_spec(&good, json!({"bad": 1}))).await.unwrap_err().to_string();
+        assert!(e.contains("bad: not a setting"), "{e}");
+        let e = config::build(0, &plugin_spec(std::path::Path::new("/no/such/lib.so"), json!({})))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/no/such/lib.so"), "{e}");
+        let e = config::build(0, &json!({"type": "native_plugin", "path": "rel/lib.so"}))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("absolute"), "{e}");
+    });
+}
+
+#[test]
+fn a_lying_or_refusing_native_plugin_never_serves_wrong_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = build_plugin(dir.path(), "memory_plugin", &[]);
+    rt().block_on(async {
+        let b = build(plugin_spec(&lib, json!({"corrupt": true}))).await;
+        let k = key(1, "");
+        let blob = b.codec.encode(&k, Bytes::from(payload(1, 4096))).unwrap();
+        assert!(b.adapter.store(vec![(k.clone(), blob)]).await[0].is_ok());
+        let bytes = b.adapter.load(std::slice::from_ref(&k)).await.pop().unwrap().unwrap().unwrap();
+        assert!(b.codec.decode(&k, &bytes).is_err(), "a flipped byte must fail the blob checks");
+        let r = build(plugin_spec(&lib, json!({"refuse": true}))).await;
+        let blob = r.codec.encode(&k, Bytes::from(payload(1, 16))).unwrap();
+        let e = r.adapter.store(vec![(k.clone(), blob)]).await.pop().unwrap().unwrap_err();
+        assert!(e.to_string().contains("refused"), "{e}");
+        assert!(r.adapter.lookup(std::slice::from_ref(&k)).await.is_err());
+    });
+}

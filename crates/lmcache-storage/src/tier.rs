@@ -555,6 +555,22 @@ impl Drop for Rt {
     }
 }
 
+/// Adapters added at run time (over HTTP) never load a native plugin: that runs a library's
+/// code, which only `--l2-adapter` at start may ask for.
+fn refuse_native_code(index: usize, spec: &Value) -> Result<(), ConfigError> {
+    if config::loads_native_code(spec) {
+        let mut e = ConfigError::field(
+            "type",
+            "native_plugin adapters are loaded only at start (--l2-adapter): loading a library \
+             runs its code",
+        );
+        e.index = index;
+        e.kind = "native_plugin".into();
+        return Err(e);
+    }
+    Ok(())
+}
+
 /// The L2 tier under one L1. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct L2Tier {
@@ -644,6 +660,7 @@ impl L2Tier {
     /// calling thread (call it off any async runtime, or use [`Self::add_adapter_async`]).
     pub fn add_adapter(&self, spec: &Value) -> Result<u64, ConfigError> {
         let index = self.len();
+        refuse_native_code(index, spec)?;
         config::check_allowed_paths(index, spec, &self.shared.config.allowed_roots)?;
         let built =
             std::thread::scope(|s| s.spawn(|| self.rt.block_on(config::build(index, spec))).join())
@@ -655,6 +672,7 @@ impl L2Tier {
     /// the tier's own runtime.
     pub async fn add_adapter_async(&self, spec: Value) -> Result<u64, ConfigError> {
         let index = self.len();
+        refuse_native_code(index, &spec)?;
         config::check_allowed_paths(index, &spec, &self.shared.config.allowed_roots)?;
         let built = self
             .on_tier(async move { config::build(index, &spec).await })

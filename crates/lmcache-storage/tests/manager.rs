@@ -189,6 +189,16 @@ fn deletes_listings_and_quotas_go_through_the_manager() {
             m.add_adapter(json!({"type": "nope"})).await,
             Err(StorageError::Config(_))
         ));
+        // A native plugin runs a library's code: never added at run time (over HTTP), even
+        // nested, and refused before anything is loaded.
+        for spec in [
+            json!({"type": "native_plugin", "path": "/tmp/libx.so"}),
+            json!({"type": "fault_inject", "inner": {"type": "native_plugin", "path": "/tmp/libx.so"}}),
+        ] {
+            let e = m.add_adapter(spec).await.unwrap_err().to_string();
+            assert!(e.contains("loaded only at start"), "{e}");
+        }
+        assert_eq!(m.describe_l2().len(), 1);
     });
     let salt = CacheSalt::new("tenant").unwrap();
     m.set_quota(TierName::L2, &salt, Some(1 << 20)).unwrap();

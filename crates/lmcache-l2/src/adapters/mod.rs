@@ -4,6 +4,7 @@ mod aligned;
 pub mod fault_inject;
 pub mod fs;
 pub mod mock;
+pub mod native_plugin;
 pub mod raw_block;
 pub mod redis;
 mod resp_direct;
