@@ -10,6 +10,7 @@
  *   "corrupt": true         flip one byte of every object it returns (a lying plugin: the
  *                           blob checks must turn that into a miss)
  *   "refuse": true          refuse every submission (-EBUSY)
+ *   "stall_ms": N           wait N ms before running each op (a slow backend)
  * The tests also build it with -DEXAMPLE_ABI_VERSION=N to check the version handshake.
  */
 #include "lmcache_rs_l2_plugin.h"
@@ -20,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef EXAMPLE_ABI_VERSION
@@ -58,6 +60,7 @@ typedef struct plugin {
     entry *buckets[BUCKETS];
     size_t used, capacity;
     int corrupt, refuse, stop;
+    long stall_ms;
     int efd;
     pthread_t worker;
 } plugin;
@@ -133,6 +136,10 @@ static void *work(void *arg) {
         if (!p->head) p->tail = NULL;
         pthread_mutex_unlock(&p->mu);
 
+        if (p->stall_ms > 0) {
+            struct timespec t = {p->stall_ms / 1000, (p->stall_ms % 1000) * 1000000L};
+            nanosleep(&t, NULL);
+        }
         run(p, o); /* only this thread touches the table */
 
         pthread_mutex_lock(&p->mu);
@@ -170,6 +177,8 @@ static void *create(const char *config, char *error, size_t error_len) {
     const char *cap = strstr(config, "\"capacity_bytes\"");
     if (cap && (cap = strchr(cap, ':'))) p->capacity = strtoull(cap + 1, NULL, 10);
     if (strstr(config, "\"bad\"")) { snprintf(error, error_len, "bad: not a setting of this plugin"); free(p); return NULL; }
+    const char *stall = strstr(config, "\"stall_ms\"");
+    if (stall && (stall = strchr(stall, ':'))) p->stall_ms = strtol(stall + 1, NULL, 10);
     p->corrupt = has_true(config, "\"corrupt\"");
     p->refuse = has_true(config, "\"refuse\"");
     p->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);

@@ -675,5 +675,16 @@ fn a_lying_or_refusing_native_plugin_never_serves_wrong_bytes() {
         let e = r.adapter.store(vec![(k.clone(), blob)]).await.pop().unwrap().unwrap_err();
         assert!(e.to_string().contains("refused"), "{e}");
         assert!(r.adapter.lookup(std::slice::from_ref(&k)).await.is_err());
+        // A batch the plugin has not finished when the time runs out fails (transient);
+        // the plugin completes it later, into memory the adapter kept for it, and the next
+        // batch is served.
+        let spec = json!({"type": "native_plugin", "path": lib, "config": {"stall_ms": 400},
+                          "timeout_secs": 0.1});
+        let slow = build(spec).await;
+        let blob = slow.codec.encode(&k, Bytes::from(payload(1, 1 << 20))).unwrap();
+        let e = slow.adapter.store(vec![(k.clone(), blob)]).await.pop().unwrap().unwrap_err();
+        assert!(e.to_string().contains("did not complete in time"), "{e}");
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        drop(slow); // destroy waits for what is queued
     });
 }
