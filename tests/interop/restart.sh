@@ -12,7 +12,11 @@
 #     never served) and what was not is stored again;
 #  6. vLLM's own adapters keep running across a SIGKILL and restart, and hit again;
 #  7. a hot upgrade (--take-over) under those adapters: the old server exits 0, the new one
-#     serves its L1 on its ports, the adapters hit.
+#     serves its L1 on its ports, the adapters hit;
+#  8. the same in shared memory (--shm-name NAME --l1-warm-restart, the L1 file is the segment
+#     /dev/shm/NAME) with vLLM's adapters in engine-driven mode (they copy into the segment
+#     themselves): across a SIGKILL and restart, and across a hot upgrade, they hit and
+#     retrieve byte-exact KV.
 # A coordinator hears the adopted chunks (they are announced after the restart).
 # Usage: tests/interop/restart.sh PATH/TO/lmcache-rs
 set -euo pipefail
@@ -233,4 +237,59 @@ wait "$srv" 2>/dev/null && old_rc=0 || old_rc=$?
 pause=$(sed 's/\x1b\[[0-9;]*m//g' "$WORK/upgraded.server.log" | grep -o 'pause_ms=[0-9]*' | head -1)
 stop_pid "$new"
 echo "restart: hot upgrade ($pause from SIGTERM to the new server serving): $(grep -o 'vllm restart:.*' "$WORK/upgrade.log")"
+
+# 8. Warm restart in shared memory, engine-driven: the segment outlives each server.
+export SHM="lmcache_rs_restart_$$" BIN port http WORK
+trap 'rm -f "/dev/shm/$SHM"; cleanup' EXIT
+cat > "$WORK/shm-server" <<'EOF'
+#!/usr/bin/env bash
+# shm-server LOG [extra flags...]: one server on the segment, its pid in $WORK/srv.pid.
+log=$1; shift
+"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
+    --shm-name "$SHM" --l1-warm-restart --log-level info "$@" >> "$WORK/$log.server.log" 2>&1 &
+echo $! > "$WORK/srv.pid"
+EOF
+cat > "$WORK/shm-restart" <<'EOF'
+#!/usr/bin/env bash
+kill -KILL "$(cat "$WORK/srv.pid")"; sleep 0.2
+"$WORK/shm-server" shm-restarted
+for _ in $(seq 300); do
+  python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && exit 0
+  sleep 0.1
+done
+exit 1
+EOF
+cat > "$WORK/shm-take-over" <<'EOF'
+#!/usr/bin/env bash
+"$WORK/shm-server" shm-upgraded --take-over
+for _ in $(seq 600); do
+  grep -q "took over" "$WORK/shm-upgraded.server.log" 2>/dev/null && exit 0
+  sleep 0.05
+done
+exit 1
+EOF
+chmod +x "$WORK/shm-server" "$WORK/shm-restart" "$WORK/shm-take-over"
+for step in shm-restart shm-take-over; do
+  . "$WORK/shm-server" "first-$step"  # sourced: the first server is this shell's child
+  first=$(cat "$WORK/srv.pid")
+  pids+=("$first")
+  wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/first-$step.server.log"
+  rc=0
+  LMCACHE_MP_TRANSFER_MODE=engine_driven timeout 300 "$VENV/bin/python" tests/interop/vllm_restart.py \
+      "tcp://127.0.0.1:$port" "$WORK/$step" > "$WORK/$step.log" 2>&1 || rc=$?
+  pids+=("$(cat "$WORK/srv.pid")")
+  if [ "$rc" -ne 0 ] || ! grep -q "retrieve bytes equal" "$WORK/$step.log"; then
+    echo "FAILED: engine-driven adapters across $step"; grep -v INFO "$WORK/$step.log" | tail -20
+    tail -5 "$WORK"/*shm*.server.log; exit 1
+  fi
+  grep -q "engine-driven worker registered" "$WORK/first-$step.server.log" \
+    || { echo "FAILED: the adapters did not run engine-driven"; exit 1; }
+  if [ "$step" = shm-take-over ]; then
+    wait "$first" 2>/dev/null && old_rc=0 || old_rc=$?
+    [ "$old_rc" -eq 0 ] || { echo "FAILED: the old server exited $old_rc"; exit 1; }
+  fi
+  stop_pid "$(cat "$WORK/srv.pid")"
+  [ -e "/dev/shm/$SHM" ] || { echo "FAILED: the segment did not outlive the server"; exit 1; }
+  echo "restart: shared memory, engine-driven, $step: $(grep -o 'vllm restart:.*' "$WORK/$step.log")"
+done
 echo "restart: ok"

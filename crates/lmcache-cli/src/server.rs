@@ -150,7 +150,10 @@ pub struct ServerArgs {
     /// Format the --l1-devdax-path device or file even if it holds something else (lost).
     #[arg(long)]
     pub l1_devdax_format: bool,
-    /// Restart warm from the --l1-devdax-path file: serve what the previous server held. Each
+    /// Restart warm from the --l1-devdax-path file, or, without it, from the shared-memory
+    /// segment --shm-name NAME (kept in /dev/shm across restarts, holding its memory until
+    /// removed; engine-driven clients map it as any shared-memory pool): serve what the
+    /// previous server held. Each
     /// stored chunk is checksummed in the background and recorded in the file; at start the
     /// new server adopts every recorded chunk whose bytes still match their checksum. What
     /// survives: chunks stored and recorded before a SIGTERM (the stop waits for the
@@ -167,7 +170,8 @@ pub struct ServerArgs {
     /// this binary, the new version, with the same flags). The old one is sent SIGTERM: it
     /// answers what is in flight, records its last chunks and lets the file go; this one then
     /// adopts its L1 and binds the same ports. Engines see one pause; LMCache's vLLM adapter
-    /// registers again on its own. Needs --l1-devdax-path and --l1-warm-restart.
+    /// registers again on its own. Needs --l1-warm-restart (with --l1-devdax-path or
+    /// --shm-name).
     #[arg(long)]
     pub take_over: bool,
     /// How long --take-over waits for the old server to let its L1 file go.
@@ -641,13 +645,33 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     if t != 0 && t < 30 {
         bail!("--worker-reap-timeout-seconds must be 0 (disabled) or at least 30, got {t}");
     }
-    if args.l1_devdax_path.is_none() && (args.l1_warm_restart || args.l1_devdax_format) {
+    if args.l1_devdax_path.is_none()
+        && (args.l1_warm_restart || args.l1_devdax_format)
+        && args.shm_name.is_empty()
+    {
         bail!(
-            "--l1-warm-restart and --l1-devdax-format need --l1-devdax-path (an L1 in shared or \
-             private memory does not outlive the process)"
+            "--l1-warm-restart and --l1-devdax-format need --l1-devdax-path or a stable \
+             --shm-name (private memory, or a segment named after the process id, does not \
+             outlive the process)"
         );
     }
-    let backing = if let Some(path) = &args.l1_devdax_path {
+    if args.l1_devdax_path.is_none() && args.l1_devdax_format && !args.l1_warm_restart {
+        bail!("--l1-devdax-format needs --l1-devdax-path or --l1-warm-restart");
+    }
+    let backing = if args.l1_devdax_path.is_none() && args.l1_warm_restart {
+        // A warm restart in shared memory: the L1 file is the segment /dev/shm/NAME, which
+        // engines map by name as any shared-memory pool; it stays when the server stops.
+        if args.l1_use_hugepages {
+            bail!("--l1-warm-restart and --l1-use-hugepages exclude each other");
+        }
+        lmcache_memory::shm::validate_name(&args.shm_name)
+            .map_err(|e| anyhow::anyhow!("--shm-name: {e}"))?;
+        ArenaBacking::File(lmcache_memory::FileBacking {
+            path: std::path::Path::new(lmcache_memory::shm::SHM_DIR).join(&args.shm_name),
+            format: args.l1_devdax_format,
+            adopt: true,
+        })
+    } else if let Some(path) = &args.l1_devdax_path {
         if !args.shm_name.is_empty() {
             bail!("--l1-devdax-path and --shm-name exclude each other (L1 lives in the file)");
         }
@@ -804,8 +828,8 @@ fn take_over(args: &ServerArgs, config: &ServerConfig) -> anyhow::Result<Option<
     let path = match &config.arena.backing {
         ArenaBacking::File(f) if f.adopt => f.path.clone(),
         _ => bail!(
-            "--take-over needs --l1-devdax-path and --l1-warm-restart (the new server adopts \
-             the old one's L1)"
+            "--take-over needs --l1-warm-restart, with --l1-devdax-path or --shm-name (the new \
+             server adopts the old one's L1)"
         ),
     };
     let timeout = Duration::try_from_secs_f64(args.take_over_timeout_seconds)

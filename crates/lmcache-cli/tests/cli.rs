@@ -80,6 +80,10 @@ fn bad_flags_are_refused_with_their_name() {
         (vec!["--l1-devdax-path", f, "--l1-use-hugepages"], "--l1-use-hugepages"),
         (vec!["--l1-warm-restart"], "--l1-devdax-path"),
         (vec!["--l1-devdax-format"], "--l1-devdax-path"),
+        // A warm restart in shared memory: a valid name, no huge pages.
+        (vec!["--l1-warm-restart", "--shm-name", "a/b"], "--shm-name"),
+        (vec!["--l1-warm-restart", "--shm-name", "x", "--l1-use-hugepages"], "--l1-use-hugepages"),
+        (vec!["--l1-devdax-format", "--shm-name", "x"], "--l1-warm-restart"),
     ] {
         let out = bin().arg("server").args(&args).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);

@@ -74,6 +74,17 @@ pub struct ArenaConfig {
     pub mlock: bool,
 }
 
+/// A pool as an engine maps it ([`Arena::engine_segment`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSegment<'a> {
+    /// The POSIX shared-memory name.
+    pub name: &'a str,
+    /// Offset of the pool's first byte in the segment: add it to a pool offset.
+    pub base: u64,
+    /// The segment's length.
+    pub len: u64,
+}
+
 /// One mapped region of memory.
 #[derive(Debug)]
 pub struct Arena {
@@ -260,6 +271,25 @@ impl Arena {
         self.file.as_ref().map(|f| f.path.as_path())
     }
 
+    /// How an engine maps this pool by POSIX shared-memory name: the segment's name, where
+    /// the pool's first byte sits in it, and the segment's length. A shared-memory arena is
+    /// its own segment (offset 0); a file arena whose file is a segment (directly in
+    /// `/dev/shm`: a warm-restart L1 named by `--shm-name`) starts its pool after its
+    /// superblock and catalog. `None` for memory no other process can map by name.
+    pub fn engine_segment(&self) -> Option<EngineSegment<'_>> {
+        if let Some(name) = self.shm_name() {
+            return Some(EngineSegment { name, base: 0, len: self.len() });
+        }
+        let f = self.file.as_ref()?;
+        let name = f.path.file_name()?.to_str()?;
+        let in_shm = f.path.parent() == Some(std::path::Path::new(crate::shm::SHM_DIR));
+        (f.regular && in_shm && crate::shm::validate_name(name).is_ok()).then_some(EngineSegment {
+            name,
+            base: f.data_offset,
+            len: f.data_offset + self.len(),
+        })
+    }
+
     /// The file arena's catalog and whether it asked to adopt, for file arenas.
     pub(crate) fn file(&self) -> Option<&FileArena> {
         self.file.as_ref()
@@ -320,6 +350,43 @@ fn rss_of_mapping(smaps: &str, start: usize) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::shm::SHM_DIR;
+
+    #[test]
+    fn an_engine_maps_shm_pools_and_l1_files_that_are_segments_by_name() {
+        let size = 8 << 20;
+        let name = format!("lmcache_rs_test_engseg_{}", std::process::id());
+        let shm = Arena::create(&ArenaConfig {
+            size,
+            backing: ArenaBacking::SharedMemory { name: name.clone() },
+            mlock: false,
+        })
+        .unwrap();
+        assert_eq!(shm.engine_segment(), Some(EngineSegment { name: &name, base: 0, len: size }));
+        drop(shm);
+        // An L1 file directly in /dev/shm is a segment: its pool starts after the catalog.
+        let path = std::path::Path::new(SHM_DIR).join(&name);
+        let file = |path: &std::path::Path| ArenaConfig {
+            size,
+            backing: ArenaBacking::File(FileBacking {
+                path: path.to_path_buf(),
+                format: false,
+                adopt: true,
+            }),
+            mlock: false,
+        };
+        let a = Arena::create(&file(&path)).unwrap();
+        let seg = a.engine_segment().unwrap();
+        assert_eq!(seg.name, name);
+        assert!(seg.base > 0 && seg.base % (2 << 20) == 0, "{seg:?}");
+        assert_eq!(seg.len, seg.base + size);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), seg.len);
+        drop(a);
+        std::fs::remove_file(&path).unwrap();
+        // Elsewhere it is not one.
+        let dir = tempfile::tempdir().unwrap();
+        let a = Arena::create(&file(&dir.path().join("l1"))).unwrap();
+        assert_eq!(a.engine_segment(), None);
+    }
 
     #[test]
     fn zero_size_is_refused() {

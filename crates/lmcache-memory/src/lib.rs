@@ -41,7 +41,7 @@ pub mod stream_copy;
 
 pub use allocation::{AdoptReport, Adopted, Allocation, ArenaAllocator, MemoryUsage, Prefaulter};
 pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
-pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind};
+pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind, EngineSegment};
 pub use error::MemoryError;
 pub use file_arena::{FileBacking, PersistError};
 pub use file_region::FileRegion;

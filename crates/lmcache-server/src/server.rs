@@ -73,7 +73,15 @@ impl Server {
         let started = Instant::now();
         let hasher = TokenHasher::new(config.chunk_size)
             .map_err(|e| ServerError::Config(format!("--chunk-size: {e}")))?;
-        if matches!(config.arena.backing, ArenaBacking::SharedMemory { .. }) {
+        // Stale segments of crashed runs (ours by their owner marker, locked by nobody) go
+        // first: also before a warm restart in /dev/shm, whose name a crashed cold run may
+        // have left behind (a warm-restart file carries no marker and is never removed).
+        let in_shm = match &config.arena.backing {
+            ArenaBacking::SharedMemory { .. } => true,
+            ArenaBacking::File(f) => f.path.parent() == Some(std::path::Path::new(SHM_DIR)),
+            _ => false,
+        };
+        if in_shm {
             let removed = clean_stale_segments(std::path::Path::new(SHM_DIR));
             if !removed.is_empty() {
                 tracing::info!(segments = ?removed, "removed stale L1 segments of crashed runs");

@@ -658,3 +658,54 @@ fn a_panic_in_or_around_a_handler_answers_the_typed_failure() {
     assert_eq!(store(&mut c, &pool, &key.for_worker(0), 9, |i| i as u8 + 1), 2);
     assert_eq!(c.lookup(&key).unwrap(), 2);
 }
+
+#[test]
+fn engine_driven_stores_land_in_the_objects_of_a_warm_restart_segment() {
+    // L1 as a warm-restart file in /dev/shm: engines map it by name, and the pool starts
+    // after the file's catalog, so every offset the server hands out is shifted by it.
+    let name = format!("lmcache_rs_mp_test_warmshm_{}", std::process::id());
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    let _ = std::fs::remove_file(&path);
+    let s = server_with("warmshm", |c| {
+        c.arena.backing = ArenaBacking::File(lmcache_memory::FileBacking {
+            path: path.clone(),
+            format: false,
+            adopt: true,
+        });
+    });
+    let mut c = client(&s);
+    let reg = c.register_engine_driven(&registration(3, 1, 16, LAYERS, HIDDEN)).unwrap();
+    assert_eq!(reg.shm_name, name);
+    let base = s.state().l1().memory().arena().engine_segment().unwrap().base;
+    assert!(base > 0);
+    assert_eq!(reg.pool_size, std::fs::metadata(&path).unwrap().len());
+    let pool = ForeignSegment::open(&reg.shm_name, reg.pool_size).unwrap();
+    let key = CacheKey::whole(model_m(), "r", tokens(11, 64), CHUNK);
+    assert_eq!(store(&mut c, &pool, &key.for_worker(0), 3, |i| 0x60 + i as u8), 4);
+    // The server's own objects hold what the engine wrote (read through L1, not the pool).
+    let l1 = s.state().l1();
+    let mut seen: Vec<u8> = l1
+        .resident_keys()
+        .into_iter()
+        .map(|(k, _)| {
+            let lease = l1.read_lock(&[k], 1).pop().unwrap().unwrap();
+            let b = lease.bytes();
+            assert!(b.iter().all(|&x| x == b[0]), "an object mixes bytes");
+            b[0]
+        })
+        .collect();
+    seen.sort_unstable();
+    assert_eq!(seen, vec![0x60, 0x61, 0x62, 0x63]);
+    let slots = c.prepare_retrieve(&key.for_worker(0), 3).unwrap().expect("all chunks present");
+    for (i, slot) in slots.iter().enumerate() {
+        assert!(slot.offset >= base, "an offset inside the catalog");
+        let mut buf = vec![0u8; slot.length as usize];
+        pool.read(slot.offset, &mut buf).unwrap();
+        assert!(buf.iter().all(|&b| b == 0x60 + i as u8), "chunk {i} came back wrong");
+    }
+    assert!(c.commit_retrieve(&key.for_worker(0), 3).unwrap());
+    drop(c);
+    drop(pool);
+    drop(s);
+    let _ = std::fs::remove_file(&path);
+}

@@ -51,13 +51,14 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
             }
             // Without a shared pool the client would fall back to pickle mode, which this
             // server does not serve: every store would fail. Say so now.
-            let Some(name) = arena.shm_name() else {
+            let Some(segment) = arena.engine_segment() else {
                 return Err(refuse(ProtocolError::OutOfRange {
                     field: "payload".into(),
                     reason: if arena.file_path().is_some() {
                         "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
-                         this server's is a file (--l1-devdax-path, as LMCache's): use the \
-                         lmcache_driven transfer mode, or restart without that flag"
+                         this server's is a file outside /dev/shm (--l1-devdax-path, as \
+                         LMCache's): use the lmcache_driven transfer mode, or restart warm in \
+                         shared memory (--shm-name NAME --l1-warm-restart)"
                     } else {
                         "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
                          this server's is private (--l1-use-hugepages); restart it without that \
@@ -66,6 +67,7 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
                     .into(),
                 }));
             };
+            let (name, size) = (segment.name.to_owned(), segment.len);
             if let Err(e) = state.storage.bind_layout_dtype(layout.dtype) {
                 return Err(refuse(ProtocolError::OutOfRange {
                     field: "payload.dtype_str".into(),
@@ -86,7 +88,6 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
                     ping_proven: false,
                 },
             );
-            let size = arena.len();
             tracing::info!(
                 instance_id = r.instance_id,
                 model = %r.model_name,
@@ -95,10 +96,7 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
                 dtype = %layout.dtype,
                 "engine-driven worker registered"
             );
-            Ok(Some(
-                types::EngineDrivenRegistered { shm_name: name.to_owned(), pool_size: size }
-                    .encode(),
-            ))
+            Ok(Some(types::EngineDrivenRegistered { shm_name: name, pool_size: size }.encode()))
         }
         Command::UnregisterEngineDriven(id) => {
             state.registry.unregister(Family::EngineDriven, id);
@@ -141,6 +139,12 @@ fn slot(layout: &ObjectLayout, offset: u64, length: u64) -> SlotDesc {
     SlotDesc { offset, length, shape: layout.shape(), dtype: layout.dtype }
 }
 
+/// Where the pool starts in the segment the engine maps (0 unless L1 is a warm-restart file
+/// in /dev/shm, whose catalog comes first): added to every pool offset sent to the client.
+fn pool_base(state: &RequestState) -> u64 {
+    state.l1().memory().arena().engine_segment().map_or(0, |s| s.base)
+}
+
 /// An engine-driven instance's object layout (always one single-part group).
 fn layout_of(inst: &Instance) -> Result<ObjectLayout, ProtocolError> {
     inst.single_layout().copied().ok_or_else(|| ProtocolError::OutOfRange {
@@ -162,6 +166,7 @@ fn prepare_store(state: &RequestState, key: &CacheKey, id: u64) -> Result<Value,
     let mut slots = Vec::new();
     let mut indices = Vec::new();
     let mut leases = Vec::new();
+    let base = pool_base(state);
     // A chunk another writer is still staging gets a slot of this store's own: the client's
     // commit never counts on that writer finishing.
     for (i, r) in state.storage.scope(&ctx).reserve_for_store(0, &reqs).into_iter().enumerate() {
@@ -169,7 +174,7 @@ fn prepare_store(state: &RequestState, key: &CacheKey, id: u64) -> Result<Value,
             StoreSlot::Write(w) => {
                 // Allocate the tmpfs pages here, so the client's copy only maps them.
                 w.prefault();
-                slots.push(slot(&layout, w.offset(), w.len()));
+                slots.push(slot(&layout, base + w.offset(), w.len()));
                 indices.push(i as u64);
                 leases.push(state.l1().park_write(w));
             }
@@ -252,7 +257,9 @@ fn prepare_retrieve(state: &RequestState, key: &CacheKey, id: u64) -> Result<Val
             return Ok(types::PrepareRetrieveResponse::FAILED.encode());
         }
     };
-    let slots: Vec<SlotDesc> = leases.iter().map(|l| slot(&layout, l.offset(), l.len())).collect();
+    let base = pool_base(state);
+    let slots: Vec<SlotDesc> =
+        leases.iter().map(|l| slot(&layout, base + l.offset(), l.len())).collect();
     let parked: Vec<_> = leases.into_iter().map(|l| state.l1().park_read(l)).collect();
     park_retrieve(state, pk, Some(parked));
     Ok(types::PrepareRetrieveResponse { success: true, slots }.encode())
