@@ -207,6 +207,7 @@ pub struct ServerArgs {
     pub l1_write_ttl_seconds: u64,
     /// An L2 adapter as LMCache's JSON, e.g. '{"type": "fs", "base_path": "/var/cache/kv"}'.
     /// Repeatable; the order is the priority. Types: fs, raw_block, redis (resp, valkey), s3,
+    /// dax (slots in a mapped /dev/dax device or file, a volatile index, as LMCache's),
     /// native_plugin (a shared library of yours through lmcache_rs_l2_plugin.h: "path",
     /// "config"), mock, fault_inject; `"serde": {"type": "lz4"|"zstd"|"aesgcm"|"fp8"}` adds a
     /// codec.

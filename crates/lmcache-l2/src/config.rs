@@ -30,6 +30,7 @@ pub const ADAPTER_TYPES: &[&str] = &[
     "resp",
     "valkey",
     "s3",
+    "dax",
     "native_plugin",
     "mock",
     "fault_inject",
@@ -495,6 +496,39 @@ fn build_inner(
                 })?;
                 Arc::new(a)
             }
+            "dax" => {
+                f.check_known(&[
+                    "device_path",
+                    "max_dax_size_gb",
+                    "slot_bytes",
+                    "format",
+                    "devices",
+                    "hotplug_enabled",
+                ])?;
+                if obj.get("devices").is_some() || f.bool_or("hotplug_enabled", false)? {
+                    return Err(ConfigError::field(
+                        "devices",
+                        "one device per dax adapter in lmcache-rs (no hot-plug): give each \
+                         device its own --l2-adapter",
+                    ));
+                }
+                let size = f
+                    .f64_opt("max_dax_size_gb")?
+                    .filter(|&x| x > 0.0)
+                    .ok_or_else(|| ConfigError::field("max_dax_size_gb", "missing or not > 0"))?;
+                let slot_bytes = f
+                    .u64_opt("slot_bytes")?
+                    .ok_or_else(|| ConfigError::field("slot_bytes", "missing"))?;
+                let cfg = crate::adapters::dax::DaxConfig {
+                    device_path: PathBuf::from(f.str_req("device_path")?),
+                    size: gib(size),
+                    slot_bytes,
+                    format: f.bool_or("format", false)?,
+                };
+                let a = crate::adapters::dax::DaxAdapter::open(cfg)
+                    .map_err(|e| ConfigError::field("device_path", e.to_string()))?;
+                Arc::new(a)
+            }
             "native_plugin" => {
                 f.check_known(&["path", "config", "timeout_secs"])?;
                 let path = PathBuf::from(f.str_req("path")?);
@@ -623,7 +657,7 @@ fn check_paths_in(spec: &Value, roots: &[PathBuf]) -> Result<(), ConfigError> {
     let Some(obj) = spec.as_object() else { return Ok(()) };
     let field = match obj.get("type").and_then(Value::as_str) {
         Some("fs" | "fs_native") => Some("base_path"),
-        Some("raw_block") => Some("device_path"),
+        Some("raw_block" | "dax") => Some("device_path"),
         _ => None,
     };
     if let Some(field) = field

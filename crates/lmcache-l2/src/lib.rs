@@ -5,7 +5,7 @@
 //!   lengths, xxh3 checksums); a blob that fails any check is a miss.
 //! - [`codec`]: none, lz4, zstd, AES-256-GCM (per-salt keys, key as associated data), fp8.
 //! - [`adapters`]: `fs`, `raw_block`, `redis` (Redis/Valkey, single node or cluster), `s3`,
-//!   `native_plugin` (a shared library through our C ABI), `mock` and `fault_inject`, one
+//!   `dax` (LMCache's: slots in a mapped device or file, a volatile index), `native_plugin` (a shared library through our C ABI), `mock` and `fault_inject`, one
 //!   file each.
 //! - `plugin_ffi`: the native plugin ABI (`include/lmcache_rs_l2_plugin.h`): loading, the
 //!   version handshake, the calls; the crate's only unsafe code.

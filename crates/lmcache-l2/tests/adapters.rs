@@ -688,3 +688,49 @@ fn a_lying_or_refusing_native_plugin_never_serves_wrong_bytes() {
         drop(slow); // destroy waits for what is queued
     });
 }
+
+#[test]
+fn dax_conforms_on_a_file_and_never_takes_what_is_not_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let dev = dir.path().join("dax0");
+    let spec = |path: &std::path::Path, extra: Value| {
+        let mut s = json!({"type": "dax", "device_path": path, "max_dax_size_gb": 0.25,
+                           "slot_bytes": 33 << 20});
+        if let (Some(o), Value::Object(e)) = (s.as_object_mut(), extra) {
+            o.extend(e);
+        }
+        s
+    };
+    rt().block_on(async {
+        {
+            let b = build(spec(&dev, json!({}))).await;
+            conformance(&b, &[0, 1, 4096, 1 << 20, 300_001, 32 << 20]).await;
+            // Seven 33 MiB slots in 256 MiB after the header: the eighth store is refused.
+            let keys: Vec<ObjectKey> = (0..8).map(|i| key(500 + i, "")).collect();
+            let items: Vec<_> = keys
+                .iter()
+                .map(|k| (k.clone(), b.codec.encode(k, Bytes::from(vec![7u8; 1 << 20])).unwrap()))
+                .collect();
+            let results = b.adapter.store(items).await;
+            assert_eq!(results.iter().filter(|r| r.is_ok()).count(), 7, "{results:?}");
+            assert!(matches!(results[7], Err(lmcache_l2::L2Error::Full { .. })));
+            // While it is open, nobody else (an L1 on the file, another L2) gets the device.
+            let e = config::build(0, &spec(&dev, json!({}))).await.unwrap_err().to_string();
+            assert!(e.contains("in use"), "{e}");
+        }
+        // Reopened: ours, so taken (empty: the index is volatile, as LMCache's).
+        let b = build(spec(&dev, json!({}))).await;
+        assert_eq!(b.adapter.lookup(&[key(500, "")]).await.unwrap(), vec![false]);
+        drop(b);
+        // Someone else's file is refused and left as it was, unless formatting is asked.
+        let foreign = dir.path().join("foreign");
+        std::fs::write(&foreign, b"not ours").unwrap();
+        let e = config::build(0, &spec(&foreign, json!({}))).await.unwrap_err().to_string();
+        assert!(e.contains("left as it was"), "{e}");
+        assert_eq!(std::fs::read(&foreign).unwrap(), b"not ours");
+        assert!(config::build(0, &spec(&foreign, json!({"format": true}))).await.is_ok());
+        let e =
+            config::build(0, &spec(&dev, json!({"devices": []}))).await.unwrap_err().to_string();
+        assert!(e.contains("one device per dax adapter"), "{e}");
+    });
+}

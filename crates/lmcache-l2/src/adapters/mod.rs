@@ -1,6 +1,7 @@
 //! The adapters, one file each.
 
 mod aligned;
+pub mod dax;
 pub mod fault_inject;
 pub mod fs;
 pub mod mock;
