@@ -328,6 +328,20 @@ mod tests {
     }
 
     #[test]
+    fn bytes_per_token_divide_a_compressed_slot_by_the_tokens_it_holds() {
+        let s = seg("bpt", 1 << 20);
+        // Two layers of 16-slot blocks, 2 heads x 8 dims, float16: 2 x 2 x 16 x 2 = 128 bytes
+        // per slot for the group.
+        let layers = vec![kv(&s, 4, 16, 2, 8, Dtype::Float16), kv(&s, 4, 16, 2, 8, Dtype::Float16)];
+        let plain = build(&layers, &[EngineGroupInfo::full(0, vec![0, 1], 16)], 64, false).unwrap();
+        assert_eq!(plain.kernel_groups[0].bytes_per_token(), 128);
+        // 64 tokens per 16-slot block: each slot holds 4 tokens (LMCache's compress ratio).
+        let packed =
+            build(&layers, &[EngineGroupInfo::full(0, vec![0, 1], 64)], 64, false).unwrap();
+        assert_eq!(packed.kernel_groups[0].bytes_per_token(), 32);
+    }
+
+    #[test]
     fn groups_that_disagree_with_the_tensors_are_refused_by_name() {
         let s = seg("c", 1 << 20);
         let layers = vec![kv(&s, 4, 16, 2, 8, Dtype::Float16), kv(&s, 4, 16, 2, 8, Dtype::Float16)];

@@ -43,6 +43,18 @@ pub struct KernelGroup {
     pub extra_tag: i64,
 }
 
+impl KernelGroup {
+    /// KV bytes per logical token (LMCache's `cache_size_per_token` for one group): a slot's
+    /// bytes over the tokens it holds (more than one in a compressed group, whose blocks have
+    /// fewer slots than tokens).
+    pub fn bytes_per_token(&self) -> u64 {
+        let g = &self.geometry;
+        let slot = g.kv * self.layers.len() as u64 * g.hidden * g.dtype.itemsize();
+        let ratio = (self.tokens_per_block / g.block_size.max(1)).max(1);
+        slot / ratio
+    }
+}
+
 /// An object group of an lmcache-driven registration.
 #[derive(Debug, Clone)]
 pub struct ObjectGroup {

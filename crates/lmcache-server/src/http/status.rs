@@ -367,7 +367,8 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
 /// group, plus (ours) each object group with its window and object size.
 /// `cache_size_per_token` is bytes per *logical* token (LMCache's definition): an
 /// engine-driven object of `num_physical_slots` slots holds `chunk_size` tokens, so it is the
-/// object's bytes over the chunk's tokens, not a slot's bytes.
+/// object's bytes over the chunk's tokens, not a slot's bytes; an lmcache-driven compressed
+/// group's slot holds several tokens ([`crate::registry::KernelGroup::bytes_per_token`]).
 fn kv_cache_layout(inst: &crate::registry::Instance, chunk_size: u64) -> serde_json::Value {
     use crate::registry::Registration;
     let objects: Vec<serde_json::Value> = inst
@@ -407,15 +408,7 @@ fn kv_cache_layout(inst: &crate::registry::Instance, chunk_size: u64) -> serde_j
                     })
                 })
                 .collect();
-            let per_token: u64 = kernel_groups
-                .iter()
-                .map(|k| {
-                    k.geometry.kv
-                        * k.layers.len() as u64
-                        * k.geometry.hidden
-                        * k.geometry.dtype.itemsize()
-                })
-                .sum();
+            let per_token: u64 = kernel_groups.iter().map(|k| k.bytes_per_token()).sum();
             json!({
                 "num_layers": num_layers,
                 "num_blocks": kernel_groups.first().map_or(0, |k| k.geometry.num_blocks),
