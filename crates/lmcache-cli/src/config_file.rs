@@ -24,11 +24,7 @@ pub fn expand(args: Vec<String>) -> anyhow::Result<Vec<String>> {
     let Some(path) = path else { return Ok(rest) };
     let text = std::fs::read_to_string(&path).with_context(|| format!("--config {path}"))?;
     let table: toml::Table = toml::from_str(&text).with_context(|| format!("--config {path}"))?;
-    let given: Vec<String> = rest
-        .iter()
-        .filter_map(|a| a.strip_prefix("--"))
-        .map(|a| a.split('=').next().unwrap_or(a).to_owned())
-        .collect();
+    let given = given_flags(&rest);
     let mut out = Vec::new();
     for (key, value) in table {
         let flag = key.replace('_', "-");
@@ -52,6 +48,15 @@ pub fn expand(args: Vec<String>) -> anyhow::Result<Vec<String>> {
     }
     out.extend(rest);
     Ok(out)
+}
+
+/// The long flags on a command line, without `--` and any `=value`: what a config file
+/// must not override.
+pub fn given_flags(args: &[String]) -> Vec<String> {
+    args.iter()
+        .filter_map(|a| a.strip_prefix("--"))
+        .map(|a| a.split('=').next().unwrap_or(a).to_owned())
+        .collect()
 }
 
 fn scalar_or_json(key: &str, v: toml::Value) -> anyhow::Result<String> {

@@ -172,14 +172,13 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    #[test]
-    fn a_shutdown_keeps_an_l1_file_for_the_next_build() {
-        let dir = tempfile::tempdir().unwrap();
-        let config = |adopt| StorageConfig {
+    /// Storage over a 16 MiB L1 file in `dir`.
+    fn file_config(dir: &std::path::Path, adopt: bool, l2_adapters: Vec<Value>) -> StorageConfig {
+        StorageConfig {
             arena: ArenaConfig {
                 size: 16 << 20,
                 backing: ArenaBacking::File(lmcache_memory::FileBacking {
-                    path: dir.path().join("l1"),
+                    path: dir.join("l1"),
                     format: false,
                     adopt,
                 }),
@@ -187,10 +186,19 @@ mod tests {
             },
             align: lmcache_memory::DEFAULT_ALIGN,
             l1: L1Config::default(),
-            l2_adapters: vec![],
+            l2_adapters,
             l2: TierConfig::default(),
-        };
-        let key = |i: u8| lmcache_core::ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap();
+        }
+    }
+
+    fn key(i: u8) -> lmcache_core::ObjectKey {
+        lmcache_core::ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap()
+    }
+
+    #[test]
+    fn a_shutdown_keeps_an_l1_file_for_the_next_build() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |adopt| file_config(dir.path(), adopt, vec![]);
         let s = Storage::build(&config(true)).unwrap();
         let reqs: Vec<_> = (0..4).map(|i| lmcache_l1::WriteRequest::new(key(i), 5000)).collect();
         for (i, r) in s.l1().reserve_write(&reqs).into_iter().enumerate() {
@@ -219,22 +227,7 @@ mod tests {
     fn adopted_objects_reach_an_l2_the_last_process_never_wrote_them_to() {
         let dir = tempfile::tempdir().unwrap();
         let l2_dir = dir.path().join("l2");
-        let config = |l2_adapters| StorageConfig {
-            arena: ArenaConfig {
-                size: 16 << 20,
-                backing: ArenaBacking::File(lmcache_memory::FileBacking {
-                    path: dir.path().join("l1"),
-                    format: false,
-                    adopt: true,
-                }),
-                mlock: false,
-            },
-            align: lmcache_memory::DEFAULT_ALIGN,
-            l1: L1Config::default(),
-            l2_adapters,
-            l2: TierConfig::default(),
-        };
-        let key = |i: u8| lmcache_core::ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap();
+        let config = |l2_adapters| file_config(dir.path(), true, l2_adapters);
         // The first process stores four objects and stops before any reached L2 (here: it
         // had none; a SIGKILL before the write-behind leaves the same state).
         let s = Storage::build(&config(vec![])).unwrap();

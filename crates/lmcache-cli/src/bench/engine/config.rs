@@ -45,11 +45,7 @@ pub fn expand(args: Vec<String>) -> anyhow::Result<Vec<String>> {
     let text = std::fs::read_to_string(&path).with_context(|| format!("--config {path}"))?;
     let doc: Value = serde_json::from_str(&text).with_context(|| format!("--config {path}"))?;
     let Value::Object(map) = doc else { bail!("--config {path}: expected a JSON object of flags") };
-    let given: Vec<String> = rest
-        .iter()
-        .filter_map(|a| a.strip_prefix("--"))
-        .map(|a| a.split('=').next().unwrap_or(a).to_owned())
-        .collect();
+    let given = crate::config_file::given_flags(&rest);
     let mut out = Vec::new();
     for (key, value) in map {
         let flag = key.replace('_', "-");
