@@ -26,11 +26,10 @@
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
-use std::hash::{BuildHasher, Hasher};
 use std::net::TcpListener;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, mpsc};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -48,6 +47,7 @@ use tonic::server::{Grpc, ServerStreamingService, UnaryService};
 use tonic::transport::server::{TcpConnectInfo, TcpIncoming};
 
 use super::TransportError;
+use super::lanes::Lanes;
 use super::zmq::{DRAIN_DEADLINE, parse_subscription};
 use crate::handlers::{self, Lane};
 use crate::state::ServerState;
@@ -110,7 +110,7 @@ impl GrpcTransport {
         state: Arc<ServerState>,
         stop: Arc<AtomicBool>,
     ) -> Result<(), TransportError> {
-        let (pools, workers) = Pools::start(&state)?;
+        let (pools, workers) = start_lanes(&state)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(self.server_workers.max(1))
             .thread_name("grpc-server")
@@ -214,57 +214,21 @@ struct Job {
     reply: tokio::sync::oneshot::Sender<Answer>,
 }
 
-/// The worker queues (the ZMQ transport's lanes).
-struct Pools {
-    normal: mpsc::Sender<Job>,
-    transfer: Vec<mpsc::Sender<Job>>,
-    /// Picks a client's transfer thread.
-    hasher: std::collections::hash_map::RandomState,
-}
-
-impl Pools {
-    fn start(state: &Arc<ServerState>) -> Result<(Self, Vec<JoinHandle<()>>), TransportError> {
-        let mut workers = Vec::new();
-        let (normal, normal_rx) = mpsc::channel::<Job>();
-        let normal_rx = Arc::new(std::sync::Mutex::new(normal_rx));
-        for i in 0..state.config.max_cpu_workers.max(1) {
-            let rx = Arc::clone(&normal_rx);
-            let next = move || rx.lock().ok().and_then(|r| r.recv().ok());
-            workers.push(spawn_worker(format!("grpc-worker-{i}"), state, next)?);
-        }
-        let mut transfer = Vec::new();
-        for i in 0..state.config.max_gpu_workers.max(1) {
-            let (tx, rx) = mpsc::channel::<Job>();
-            transfer.push(tx);
-            workers
-                .push(spawn_worker(format!("grpc-transfer-{i}"), state, move || rx.recv().ok())?);
-        }
-        let hasher = std::collections::hash_map::RandomState::new();
-        Ok((Self { normal, transfer, hasher }, workers))
-    }
-}
-
-fn spawn_worker(
-    name: String,
+fn start_lanes(
     state: &Arc<ServerState>,
-    mut next: impl FnMut() -> Option<Job> + Send + 'static,
-) -> Result<JoinHandle<()>, TransportError> {
-    let state = Arc::clone(state);
-    std::thread::Builder::new()
-        .name(name.clone())
-        .spawn(move || {
-            while let Some(job) = next() {
-                // A client that went away does not want its answer; the work is done anyway.
-                let _ = job.reply.send(handlers::answer(&state, job.req));
-            }
-        })
-        .map_err(|source| TransportError::Spawn { name, source })
+) -> Result<(Lanes<Job>, Vec<JoinHandle<()>>), TransportError> {
+    let c = &state.config;
+    Lanes::start("grpc", c.max_cpu_workers, c.max_gpu_workers, || {
+        let state = Arc::clone(state);
+        // A client that went away does not want its answer; the work is done anyway.
+        Ok(move |job: Job| drop(job.reply.send(handlers::answer(&state, job.req))))
+    })
 }
 
 /// What every call of the service shares.
 struct Inner {
     state: Arc<ServerState>,
-    pools: Pools,
+    pools: Lanes<Job>,
     next_uid: AtomicU64,
     /// The live event stream of each worker (instance id → stream number).
     streams: Mutex<HashMap<u64, u64>>,
@@ -277,12 +241,8 @@ impl Inner {
     async fn run(&self, req: Request) -> Result<Answer, Status> {
         let queue = match handlers::lane(req.op) {
             Lane::Inline => return Ok(handlers::answer(&self.state, req)),
-            Lane::Normal => &self.pools.normal,
-            Lane::Transfer => {
-                let mut h = self.pools.hasher.build_hasher();
-                h.write(&req.header.identity);
-                &self.pools.transfer[(h.finish() % self.pools.transfer.len() as u64) as usize]
-            }
+            Lane::Normal => self.pools.normal(),
+            Lane::Transfer => self.pools.transfer_for(&req.header.identity),
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         queue

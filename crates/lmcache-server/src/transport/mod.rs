@@ -6,9 +6,10 @@
 //!
 //! Both hand every request to [`crate::handlers`] on the same lanes (cheap operations
 //! inline, lookups and management on a shared pool, transfers on a pool where one client
-//! always lands on the same thread), and both drain in-flight requests on shutdown.
+//! always lands on the same thread: [`lanes`]), and both drain in-flight requests on shutdown.
 
 pub mod grpc;
+mod lanes;
 pub mod zmq;
 
 use std::sync::Arc;

@@ -8,18 +8,17 @@
 //! replies of requests already in flight (up to a deadline), then closes the worker queues and
 //! joins the workers.
 
-use std::hash::{BuildHasher, Hasher};
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::mpsc::Sender;
 use std::time::{Duration, Instant};
 
 use lmcache_protocol::frame::{self, Control, Header, Incoming, Reply, Request};
 use lmcache_protocol::{Op, ProtocolError};
 
 use super::TransportError;
+use super::lanes::Lanes;
 use crate::handlers::{self, Lane};
 use crate::state::ServerState;
 
@@ -52,12 +51,9 @@ pub(super) fn parse_subscription(
     Ok((s.instance_id, s.model_name, s.cursor, s.max_events as usize))
 }
 
-/// The worker queues, and the count of requests handed to them and not yet answered.
+/// The worker lanes, and the count of requests handed to them and not yet answered.
 struct Pools {
-    normal: Sender<Request>,
-    transfer: Vec<Sender<Request>>,
-    /// Picks a client identity's transfer thread.
-    hasher: std::collections::hash_map::RandomState,
+    lanes: Lanes<Request>,
     in_flight: AtomicU64,
 }
 
@@ -129,32 +125,10 @@ impl ZmqTransport {
         state: Arc<ServerState>,
         stop: Arc<AtomicBool>,
     ) -> Result<(), TransportError> {
-        let normal_threads = state.config.max_cpu_workers.max(1);
-        let transfer_threads = state.config.max_gpu_workers.max(1);
-        let mut workers = Vec::new();
-
-        let (normal_tx, normal_rx) = mpsc::channel::<Request>();
-        let normal_rx = Arc::new(Mutex::new(normal_rx));
-        for i in 0..normal_threads {
-            let rx = Arc::clone(&normal_rx);
-            let next = move || rx.lock().ok().and_then(|r| r.recv().ok());
-            workers.push(self.spawn_worker(format!("mp-worker-{i}"), &state, next)?);
-        }
-        let mut transfer_tx: Vec<Sender<Request>> = Vec::new();
-        for i in 0..transfer_threads {
-            let (tx, rx): (Sender<Request>, Receiver<Request>) = mpsc::channel();
-            transfer_tx.push(tx);
-            workers.push(
-                self.spawn_worker(format!("mp-transfer-{i}"), &state, move || rx.recv().ok())?,
-            );
-        }
-
-        let pools = Pools {
-            normal: normal_tx,
-            transfer: transfer_tx,
-            hasher: std::collections::hash_map::RandomState::new(),
-            in_flight: AtomicU64::new(0),
-        };
+        let c = &state.config;
+        let (lanes, workers) =
+            Lanes::start("mp", c.max_cpu_workers, c.max_gpu_workers, || self.worker(&state))?;
+        let pools = Pools { lanes, in_flight: AtomicU64::new(0) };
         let in_flight = &pools.in_flight;
         let mut stopping: Option<Instant> = None;
         let mut streams: Vec<Stream> = Vec::new();
@@ -240,12 +214,9 @@ impl ZmqTransport {
                     let reply = handlers::handle(state, req);
                     self.send(reply.into_frames());
                 }
-                Lane::Normal => pools.submit(&pools.normal, req),
+                Lane::Normal => pools.submit(pools.lanes.normal(), req),
                 Lane::Transfer => {
-                    let mut h = pools.hasher.build_hasher();
-                    h.write(&req.header.identity);
-                    let idx = (h.finish() % pools.transfer.len() as u64) as usize;
-                    pools.submit(&pools.transfer[idx], req);
+                    pools.submit(pools.lanes.transfer_for(&req.header.identity), req);
                 }
             },
             Ok(Incoming::Control { identity, uid_frame, control }) => {
@@ -344,26 +315,21 @@ impl ZmqTransport {
         }
     }
 
-    fn spawn_worker(
+    /// A worker thread's handler: it hands each reply to the socket thread over its own
+    /// PUSH socket.
+    fn worker(
         &self,
-        name: String,
         state: &Arc<ServerState>,
-        mut next: impl FnMut() -> Option<Request> + Send + 'static,
-    ) -> Result<JoinHandle<()>, TransportError> {
+    ) -> Result<impl FnMut(Request) + Send + 'static, TransportError> {
         let push = self.ctx.socket(zmq::PUSH).map_err(zerr("socket"))?;
         push.set_sndhwm(0).map_err(zerr("setsockopt SNDHWM"))?;
         push.connect(&self.reply_endpoint).map_err(zerr("connect inproc"))?;
         let state = Arc::clone(state);
-        std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                while let Some(req) = next() {
-                    let reply = handlers::handle(&state, req);
-                    if let Err(e) = push.send_multipart(reply.into_frames(), 0) {
-                        tracing::error!(error = %e, "could not hand a reply to the socket thread");
-                    }
-                }
-            })
-            .map_err(|source| TransportError::Spawn { name, source })
+        Ok(move |req: Request| {
+            let reply = handlers::handle(&state, req);
+            if let Err(e) = push.send_multipart(reply.into_frames(), 0) {
+                tracing::error!(error = %e, "could not hand a reply to the socket thread");
+            }
+        })
     }
 }
