@@ -1,7 +1,10 @@
-//! `dax`: LMCache's DAX L2 adapter: fixed-size slots in a mapped `/dev/dax` device, pmem, or
-//! any file, and an index in memory. As LMCache's, nothing survives a restart (the index is
-//! volatile; the device starts empty each time), and objects are copied in and out of the
-//! mapping (bounds-checked, through [`FileRegion`]).
+//! `dax`: LMCache's DAX L2 adapter: fixed-size slots in a `/dev/dax` device, pmem, or any
+//! file, and an index in memory. As LMCache's, nothing survives a restart (the index is
+//! volatile; the device starts empty each time). A device (`/dev/dax` takes only `mmap`) is
+//! mapped and objects are copied in and out (bounds-checked, through [`FileRegion`]); a
+//! regular file (a DAX or pmem file system, tmpfs) takes positional reads and writes, which
+//! run in parallel and spare the page zeroing that first touches of a shared mapping cost on
+//! a page-cache file system (BENCHMARKS.md, nineteenth session).
 //!
 //! ```text
 //! [0, 2 MiB)            superblock: magic, slot_bytes, slots, checksum
@@ -28,8 +31,8 @@ use lmcache_memory::FileRegion;
 use nix::fcntl::{Flock, FlockArg};
 use parking_lot::{Mutex, RwLock};
 
-use super::blocking_each;
-use crate::adapter::{KeyFilter, KeyPage, L2Adapter, Stored};
+use super::{blocking, blocking_each};
+use crate::adapter::{DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::{Blob, xxh3_64};
 use crate::error::L2Error;
 
@@ -57,11 +60,55 @@ struct Index {
     free: Vec<u32>,
 }
 
+/// How the slots are reached.
+#[derive(Debug)]
+enum Media {
+    /// A device: mapped (a write excludes other copies).
+    Mapped(RwLock<FileRegion>),
+    /// A regular file: `pread`/`pwrite`, in parallel.
+    File(File),
+}
+
+impl Media {
+    fn write(&self, at: u64, parts: [&[u8]; 2]) -> Result<(), L2Error> {
+        match self {
+            Media::Mapped(r) => {
+                let mut r = r.write();
+                let mut off = at as usize;
+                for p in parts {
+                    r.write(off, p)
+                        .map_err(|e| L2Error::Invalid { reason: format!("dax write: {e}") })?;
+                    off += p.len();
+                }
+                Ok(())
+            }
+            Media::File(f) => {
+                let mut off = at;
+                for p in parts {
+                    std::os::unix::fs::FileExt::write_all_at(f, p, off)?;
+                    off += p.len() as u64;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), L2Error> {
+        match self {
+            Media::Mapped(r) => r
+                .read()
+                .read(at as usize, dst)
+                .map_err(|e| L2Error::Invalid { reason: format!("dax read: {e}") }),
+            Media::File(f) => Ok(std::os::unix::fs::FileExt::read_exact_at(f, dst, at)?),
+        }
+    }
+}
+
 /// The dax adapter.
 #[derive(Debug)]
 pub struct DaxAdapter {
     config: DaxConfig,
-    region: Arc<RwLock<FileRegion>>,
+    media: Arc<Media>,
     index: Arc<Mutex<Index>>,
     slots: u32,
     // Last: unlocks the device once the mapping is gone.
@@ -128,34 +175,45 @@ impl DaxAdapter {
         }
         let len =
             usize::try_from(total).map_err(|_| invalid("larger than the address space".into()))?;
-        let mut region = FileRegion::map(&lock, 0, len)
-            .map_err(|e| invalid(format!("cannot map {}: {e}", path.display())))?;
-        if !meta.is_file() && !config.format {
-            let mut sb = vec![0u8; SUPER_LEN];
-            region.read(0, &mut sb).map_err(|e| invalid(e.to_string()))?;
-            if !is_ours(&sb) && sb.iter().any(|&b| b != 0) {
-                return Err(invalid(format!(
-                    "{} holds something other than an lmcache-rs dax L2; left as it was \
-                     (\"format\": true takes it)",
-                    path.display()
-                )));
+        let media = if meta.is_file() {
+            let f = lock.try_clone()?;
+            std::os::unix::fs::FileExt::write_all_at(
+                &f,
+                &superblock(config.slot_bytes, slots as u32),
+                0,
+            )?;
+            Media::File(f)
+        } else {
+            let mut region = FileRegion::map(&lock, 0, len)
+                .map_err(|e| invalid(format!("cannot map {}: {e}", path.display())))?;
+            if !config.format {
+                let mut sb = vec![0u8; SUPER_LEN];
+                region.read(0, &mut sb).map_err(|e| invalid(e.to_string()))?;
+                if !is_ours(&sb) && sb.iter().any(|&b| b != 0) {
+                    return Err(invalid(format!(
+                        "{} holds something other than an lmcache-rs dax L2; left as it was \
+                         (\"format\": true takes it)",
+                        path.display()
+                    )));
+                }
             }
-        }
-        region
-            .write(0, &superblock(config.slot_bytes, slots as u32))
-            .map_err(|e| invalid(e.to_string()))?;
+            region
+                .write(0, &superblock(config.slot_bytes, slots as u32))
+                .map_err(|e| invalid(e.to_string()))?;
+            Media::Mapped(RwLock::new(region))
+        };
         let index = Index { objects: HashMap::new(), free: (0..slots as u32).rev().collect() };
         Ok(Self {
             config,
-            region: Arc::new(RwLock::new(region)),
+            media: Arc::new(media),
             index: Arc::new(Mutex::new(index)),
             slots: slots as u32,
             _lock: lock,
         })
     }
 
-    fn offset(&self, slot: u32) -> usize {
-        (HEADER + u64::from(slot) * self.config.slot_bytes) as usize
+    fn offset(&self, slot: u32) -> u64 {
+        HEADER + u64::from(slot) * self.config.slot_bytes
     }
 }
 
@@ -166,7 +224,7 @@ impl L2Adapter for DaxAdapter {
     }
 
     async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
-        let (region, index) = (Arc::clone(&self.region), Arc::clone(&self.index));
+        let (media, index) = (Arc::clone(&self.media), Arc::clone(&self.index));
         let (slot_bytes, base) = (self.config.slot_bytes, self.offset(0));
         blocking_each(items, move |(key, blob)| {
             let len = blob.len() as u64;
@@ -180,17 +238,13 @@ impl L2Adapter for DaxAdapter {
                 }
                 ix.free.pop().ok_or(L2Error::Full { what: "free slots", needed: 1, limit: 0 })?
             };
-            let at = base + slot as usize * slot_bytes as usize;
-            let written = {
-                let mut r = region.write();
-                r.write(at, &blob.header)
-                    .and_then(|()| r.write(at + blob.header.len(), &blob.payload))
-            };
+            let written =
+                media.write(base + u64::from(slot) * slot_bytes, [&blob.header, &blob.payload]);
             let mut ix = index.lock();
             match written {
                 Err(e) => {
                     ix.free.push(slot);
-                    Err(L2Error::Invalid { reason: format!("dax write: {e}") })
+                    Err(e)
                 }
                 Ok(()) => {
                     // Published once its bytes are in place; a racing store of the same key
@@ -222,18 +276,54 @@ impl L2Adapter for DaxAdapter {
             let ix = self.index.lock();
             keys.iter().map(|k| ix.objects.get(k).copied()).collect()
         };
-        let region = Arc::clone(&self.region);
+        let media = Arc::clone(&self.media);
         let (slot_bytes, base) = (self.config.slot_bytes, self.offset(0));
         blocking_each(found, move |f| {
             let Some((slot, len)) = *f else { return Ok(None) };
             let mut buf = vec![0u8; len as usize];
-            region
-                .read()
-                .read(base + slot as usize * slot_bytes as usize, &mut buf)
-                .map_err(|e| L2Error::Invalid { reason: format!("dax read: {e}") })?;
+            media.read(base + u64::from(slot) * slot_bytes, &mut buf)?;
             Ok(Some(Bytes::from(buf)))
         })
         .await
+    }
+
+    /// The header into a buffer and the payload straight into each sink (one copy); a
+    /// stored blob of another length is a miss.
+    async fn load_direct(&self, items: Vec<DirectItem>) -> Vec<DirectResult> {
+        let found: Vec<Option<(u32, u64)>> = {
+            let ix = self.index.lock();
+            items.iter().map(|(k, _, _)| ix.objects.get(k).copied()).collect()
+        };
+        let media = Arc::clone(&self.media);
+        let (slot_bytes, base) = (self.config.slot_bytes, self.offset(0));
+        let n = items.len();
+        let done = blocking(move || {
+            items
+                .into_iter()
+                .zip(found)
+                .map(|((_, hlen, mut sink), f)| {
+                    let r = (|| {
+                        let Some((slot, len)) = f else { return Ok(None) };
+                        let dest = sink.payload_mut();
+                        if len != (hlen + dest.len()) as u64 {
+                            return Ok(None);
+                        }
+                        let at = base + u64::from(slot) * slot_bytes;
+                        let mut header = vec![0u8; hlen];
+                        media.read(at, &mut header)?;
+                        media.read(at + hlen as u64, dest)?;
+                        Ok(Some(header))
+                    })();
+                    (sink, r)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await;
+        match done {
+            Ok(v) => v,
+            // The blocking task itself failed: the sinks went with it.
+            Err(_) => Vec::with_capacity(n),
+        }
     }
 
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
