@@ -9,18 +9,7 @@ use anyhow::{Context, bail};
 /// Expands `--config FILE` in `server` arguments into flags. `args` are the arguments after
 /// `server`.
 pub fn expand(args: Vec<String>) -> anyhow::Result<Vec<String>> {
-    let mut path = None;
-    let mut rest = Vec::with_capacity(args.len());
-    let mut it = args.into_iter();
-    while let Some(a) = it.next() {
-        if a == "--config" {
-            path = Some(it.next().context("--config needs a file")?);
-        } else if let Some(p) = a.strip_prefix("--config=") {
-            path = Some(p.to_owned());
-        } else {
-            rest.push(a);
-        }
-    }
+    let (path, rest) = take_config(args, false)?;
     let Some(path) = path else { return Ok(rest) };
     let text = std::fs::read_to_string(&path).with_context(|| format!("--config {path}"))?;
     let table: toml::Table = toml::from_str(&text).with_context(|| format!("--config {path}"))?;
@@ -48,6 +37,31 @@ pub fn expand(args: Vec<String>) -> anyhow::Result<Vec<String>> {
     }
     out.extend(rest);
     Ok(out)
+}
+
+/// The file `--config FILE` (or `--config=FILE`) names in `args`, and the other arguments
+/// (with the `--config` flag itself too when `keep`: a command that reads it again).
+pub fn take_config(args: Vec<String>, keep: bool) -> anyhow::Result<(Option<String>, Vec<String>)> {
+    let mut path = None;
+    let mut rest = Vec::with_capacity(args.len());
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        if a == "--config" {
+            let p = it.next().context("--config needs a file")?;
+            if keep {
+                rest.extend([a, p.clone()]);
+            }
+            path = Some(p);
+        } else if let Some(p) = a.strip_prefix("--config=") {
+            path = Some(p.to_owned());
+            if keep {
+                rest.push(a);
+            }
+        } else {
+            rest.push(a);
+        }
+    }
+    Ok((path, rest))
 }
 
 /// The long flags on a command line, without `--` and any `=value`: what a config file

@@ -18,8 +18,10 @@ use parking_lot::Mutex;
 
 /// The ABI version this build speaks.
 pub const ABI_VERSION: u32 = 1;
-/// `exists`/`get` result of an absent key (`-ENOENT`).
-pub const ABSENT: i64 = -2;
+/// `exists`/`get` result of an absent key (`LMRS_L2_ABSENT`, `-ENOENT`).
+pub const ABSENT: i64 = -(libc::ENOENT as i64);
+// The header spells it as a number.
+const _: () = assert!(ABSENT == -2);
 const SYMBOL: &[u8] = b"lmcache_rs_l2_plugin_v1\0";
 
 #[repr(C)]
@@ -321,7 +323,7 @@ impl Plugin {
         let keys = op.keys.as_ptr();
         let results = op.results.as_mut_ptr();
         if op.results.len() != n {
-            return Err(-22);
+            return Err(-libc::EINVAL);
         }
         // The op is pending before the call: its completion may be drained before the call
         // returns. Its arrays do not move when the box moves into the map (heap memory).
@@ -330,7 +332,7 @@ impl Plugin {
             Kind::Get { table, .. } if table.len() == n => (table.as_ptr().cast::<c_void>(), 1),
             Kind::Exists => (std::ptr::null(), 2),
             Kind::Delete => (std::ptr::null(), 3),
-            _ => return Err(-22),
+            _ => return Err(-libc::EINVAL),
         };
         self.pending.lock().insert(op_id, (op, done));
         let h = self.handle;

@@ -195,17 +195,22 @@ mod tests {
         lmcache_core::ObjectKey::new([i; 32], "m", 1, 0, 0, "").unwrap()
     }
 
-    #[test]
-    fn a_shutdown_keeps_an_l1_file_for_the_next_build() {
-        let dir = tempfile::tempdir().unwrap();
-        let config = |adopt| file_config(dir.path(), adopt, vec![]);
-        let s = Storage::build(&config(true)).unwrap();
+    /// Stores objects 0..4 in L1, object `i` filled with `i + 1`.
+    fn store_four(s: &Storage) {
         let reqs: Vec<_> = (0..4).map(|i| lmcache_l1::WriteRequest::new(key(i), 5000)).collect();
         for (i, r) in s.l1().reserve_write(&reqs).into_iter().enumerate() {
             let mut w = r.unwrap();
             w.as_mut_slice().fill(i as u8 + 1);
             w.commit().unwrap();
         }
+    }
+
+    #[test]
+    fn a_shutdown_keeps_an_l1_file_for_the_next_build() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |adopt| file_config(dir.path(), adopt, vec![]);
+        let s = Storage::build(&config(true)).unwrap();
+        store_four(&s);
         // The shutdown waits for the seals, keeps the records as the objects drop, and lets
         // the file go at once: a successor (a hot upgrade) adopts while this one still maps it.
         s.shutdown();
@@ -231,12 +236,7 @@ mod tests {
         // The first process stores four objects and stops before any reached L2 (here: it
         // had none; a SIGKILL before the write-behind leaves the same state).
         let s = Storage::build(&config(vec![])).unwrap();
-        let reqs: Vec<_> = (0..4).map(|i| lmcache_l1::WriteRequest::new(key(i), 5000)).collect();
-        for (i, r) in s.l1().reserve_write(&reqs).into_iter().enumerate() {
-            let mut w = r.unwrap();
-            w.as_mut_slice().fill(i as u8 + 1);
-            w.commit().unwrap();
-        }
+        store_four(&s);
         s.shutdown();
         drop(s);
         let s =

@@ -156,52 +156,42 @@ impl DaxAdapter {
         })?;
         let meta = lock.metadata()?;
         let total = HEADER + slots * config.slot_bytes;
-        if meta.is_file() {
+        let foreign = || {
+            invalid(format!(
+                "{} holds something other than an lmcache-rs dax L2; left as it was \
+                 (\"format\": true takes it)",
+                path.display()
+            ))
+        };
+        let media = if meta.is_file() {
+            // Checked before anything is written: a file of data that is not ours stays as
+            // it was, length included.
             if meta.len() > 0 && !config.format {
                 let mut sb = vec![0u8; SUPER_LEN];
                 let whole = meta.len() >= SUPER_LEN as u64
                     && std::os::unix::fs::FileExt::read_exact_at(&*lock, &mut sb, 0).is_ok();
                 if !whole || !is_ours(&sb) {
-                    return Err(invalid(format!(
-                        "{} holds something other than an lmcache-rs dax L2; left as it was \
-                         (\"format\": true takes it)",
-                        path.display()
-                    )));
+                    return Err(foreign());
                 }
             }
             if meta.len() < total {
                 lock.set_len(total)?;
             }
-        }
-        let len =
-            usize::try_from(total).map_err(|_| invalid("larger than the address space".into()))?;
-        let media = if meta.is_file() {
-            let f = lock.try_clone()?;
-            std::os::unix::fs::FileExt::write_all_at(
-                &f,
-                &superblock(config.slot_bytes, slots as u32),
-                0,
-            )?;
-            Media::File(f)
+            Media::File(lock.try_clone()?)
         } else {
-            let mut region = FileRegion::map(&lock, 0, len)
+            let len = usize::try_from(total)
+                .map_err(|_| invalid("larger than the address space".into()))?;
+            let region = FileRegion::map(&lock, 0, len)
                 .map_err(|e| invalid(format!("cannot map {}: {e}", path.display())))?;
-            if !config.format {
-                let mut sb = vec![0u8; SUPER_LEN];
-                region.read(0, &mut sb).map_err(|e| invalid(e.to_string()))?;
-                if !is_ours(&sb) && sb.iter().any(|&b| b != 0) {
-                    return Err(invalid(format!(
-                        "{} holds something other than an lmcache-rs dax L2; left as it was \
-                         (\"format\": true takes it)",
-                        path.display()
-                    )));
-                }
+            // A device has no length to go by: all zeros counts as empty.
+            let mut sb = vec![0u8; SUPER_LEN];
+            region.read(0, &mut sb).map_err(|e| invalid(e.to_string()))?;
+            if !config.format && !is_ours(&sb) && sb.iter().any(|&b| b != 0) {
+                return Err(foreign());
             }
-            region
-                .write(0, &superblock(config.slot_bytes, slots as u32))
-                .map_err(|e| invalid(e.to_string()))?;
             Media::Mapped(RwLock::new(region))
         };
+        media.write(0, [&superblock(config.slot_bytes, slots as u32), &[]])?;
         let index = Index { objects: HashMap::new(), free: (0..slots as u32).rev().collect() };
         Ok(Self {
             config,

@@ -30,7 +30,7 @@ use crate::error::L2Error;
 use crate::plugin_ffi::{ABSENT, Op, Plugin, PluginError};
 use crate::wire_key;
 
-const EMSGSIZE: i64 = 90;
+const EMSGSIZE: i64 = libc::EMSGSIZE as i64;
 
 /// A loaded plugin as an adapter.
 #[derive(Debug)]

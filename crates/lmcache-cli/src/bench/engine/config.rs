@@ -25,22 +25,8 @@ const NOT_FLAGS: [&str; 1] = ["has_lmcache"];
 
 /// Expands `--config FILE` in `bench engine`'s arguments (those after `engine`) into flags.
 pub fn expand(args: Vec<String>) -> anyhow::Result<Vec<String>> {
-    let mut path = None;
-    let mut rest = Vec::with_capacity(args.len());
-    let mut it = args.into_iter();
-    while let Some(a) = it.next() {
-        if a == "--config" {
-            let p = it.next().context("--config needs a file")?;
-            rest.push(a);
-            rest.push(p.clone());
-            path = Some(p);
-        } else {
-            if let Some(p) = a.strip_prefix("--config=") {
-                path = Some(p.to_owned());
-            }
-            rest.push(a);
-        }
-    }
+    // `--config` stays: `complete` knows from it that the flags came from a file.
+    let (path, rest) = crate::config_file::take_config(args, true)?;
     let Some(path) = path else { return Ok(rest) };
     let text = std::fs::read_to_string(&path).with_context(|| format!("--config {path}"))?;
     let doc: Value = serde_json::from_str(&text).with_context(|| format!("--config {path}"))?;

@@ -326,6 +326,7 @@ fn build(
     kind: WorkloadKind,
     model: &str,
     tokens_per_gb: Option<u64>,
+    template_kwargs: &serde_json::Map<String, Value>,
 ) -> anyhow::Result<Box<dyn Workload>> {
     let need = || {
         tokens_per_gb.context("--tokens-per-gb-kvcache is required when --lmcache-url is not set")
@@ -428,7 +429,7 @@ fn build(
                 num_samples: args.rag_num_samples,
                 max_output: args.rag_max_output_length,
                 doc_align_tokens: args.rag_doc_align_tokens,
-                template_kwargs: template_kwargs(args)?,
+                template_kwargs: template_kwargs.clone(),
                 output: args
                     .rag_output
                     .clone()
@@ -653,10 +654,12 @@ pub fn run(args: EngineArgs) -> anyhow::Result<()> {
         );
         return Ok(());
     }
-    let mut workload = build(&args, kind, &model, tokens_per_gb)?;
-    let extra_body = match template_kwargs(&args)? {
-        k if k.is_empty() => serde_json::Map::new(),
-        k => serde_json::Map::from_iter([("chat_template_kwargs".to_owned(), Value::Object(k))]),
+    let kwargs = template_kwargs(&args)?;
+    let mut workload = build(&args, kind, &model, tokens_per_gb, &kwargs)?;
+    let extra_body = if kwargs.is_empty() {
+        serde_json::Map::new()
+    } else {
+        serde_json::Map::from_iter([("chat_template_kwargs".to_owned(), Value::Object(kwargs))])
     };
     let sender = Sender::new(&engine_url, &model, args.completions, args.ignore_eos)
         .with_extra_body(extra_body);

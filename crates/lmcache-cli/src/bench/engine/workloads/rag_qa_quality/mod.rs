@@ -190,10 +190,11 @@ impl RagQaQuality {
         let system_block = aligner.system_block(QA_SYSTEM_PROMPT)?;
         let mut blocks = HashMap::new();
         let mut corpus = Vec::new();
+        let mut seen = std::collections::HashSet::new();
         for doc in samples.iter().flat_map(|s| &s.documents) {
             if !blocks.contains_key(doc) {
                 let block = aligner.passage_block(doc)?;
-                if !corpus.contains(&block) {
+                if seen.insert(block.clone()) {
                     corpus.push(block.clone());
                 }
                 blocks.insert(doc.clone(), block);
