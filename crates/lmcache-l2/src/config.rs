@@ -764,6 +764,10 @@ mod tests {
         assert_eq!(check_allowed_paths(0, &rb, &roots).unwrap_err().field, "device_path");
         let nested = serde_json::json!({"type": "fault_inject", "inner": fs(outside.path())});
         assert!(check_allowed_paths(0, &nested, &roots).is_err());
+        // dax: its device path too (an HTTP caller cannot point it at a device of its choice).
+        let dax = serde_json::json!({"type": "dax", "device_path": "/dev/dax0.0",
+                                     "max_dax_size_gb": 1, "slot_bytes": 4096});
+        assert_eq!(check_allowed_paths(0, &dax, &roots).unwrap_err().field, "device_path");
     }
 
     #[test]
