@@ -179,7 +179,7 @@ echo "restart: after 3 SIGKILLs mid-store, $(cold_hits final) of $N sequences hi
 stop TERM
 
 # 6. vLLM's own adapters (scheduler and worker, lmcache-driven) stay up across a SIGKILL and
-#    restart of the server: the worker registers again (told once by its ping) and hits.
+#    restart of the server: the new server takes back the worker's registration, and it hits.
 cat > "$WORK/restart-server" <<EOF
 #!/usr/bin/env bash
 kill -KILL \$(cat "$WORK/srv.pid"); sleep 0.2
@@ -207,7 +207,8 @@ echo "restart: $(grep -o 'vllm restart:.*' "$WORK/vllm.log")"
 
 # 7. Hot upgrade: a second server started with --take-over (the "new binary") stops the
 #    running one with SIGTERM, adopts its L1 file and takes its ports, while vLLM's adapters
-#    keep their connections: they register again and hit what the old server stored.
+#    keep their connections: their registrations are taken back and they hit what the old
+#    server stored.
 cat > "$WORK/take-over" <<EOF
 #!/usr/bin/env bash
 "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 3 \\
@@ -240,7 +241,7 @@ echo "restart: hot upgrade ($pause from SIGTERM to the new server serving): $(gr
 
 # 8. Warm restart in shared memory, engine-driven: the segment outlives each server.
 export SHM="lmcache_rs_restart_$$" BIN port http WORK
-trap 'rm -f "/dev/shm/$SHM"; cleanup' EXIT
+trap 'rm -f "/dev/shm/$SHM" "/dev/shm/$SHM.lmcache-rs-workers"; cleanup' EXIT
 cat > "$WORK/shm-server" <<'EOF'
 #!/usr/bin/env bash
 # shm-server LOG [extra flags...]: one server on the segment, its pid in $WORK/srv.pid.

@@ -162,16 +162,20 @@ pub struct ServerArgs {
     /// being written, read locks, sessions, quotas set over HTTP, and the file itself across
     /// a reboot unless it is on persistent media (a DAX device, pmem or a disk; tmpfs is RAM).
     /// Adopted chunks go through the L2 write-behind again: what the previous server had not
-    /// yet written to an adapter is written (what it holds is skipped). The same
-    /// --l1-size-gb is required; without this flag the file is reset at start.
+    /// yet written to an adapter is written (what it holds is skipped). Worker registrations
+    /// survive too (kept in FILE.lmcache-rs-workers beside the L1 file): engines go on
+    /// storing and retrieving without registering again, unless what they registered is gone
+    /// (a client's segment, or an engine-driven pool of another size); those are told by
+    /// their next ping and register again. The same --l1-size-gb is required; without this
+    /// flag the file is reset at start and the registrations are forgotten.
     #[arg(long)]
     pub l1_warm_restart: bool,
     /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (run
     /// this binary, the new version, with the same flags). The old one is sent SIGTERM: it
     /// answers what is in flight, records its last chunks and lets the file go; this one then
-    /// adopts its L1 and binds the same ports. Engines see one pause; LMCache's vLLM adapter
-    /// registers again on its own. Needs --l1-warm-restart (with --l1-devdax-path or
-    /// --shm-name).
+    /// adopts its L1 and its workers' registrations and binds the same ports. Engines see one
+    /// pause and go on without registering again. Needs
+    /// --l1-warm-restart (with --l1-devdax-path or --shm-name).
     #[arg(long)]
     pub take_over: bool,
     /// How long --take-over waits for the old server to let its L1 file go.

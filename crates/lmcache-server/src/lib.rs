@@ -7,6 +7,8 @@
 //! - [`handlers`]: one module per operation family; every request gets exactly one reply.
 //! - [`session`]: request sessions (hash chains, lookup locks).
 //! - [`registry`]: registered workers, their layouts and KV memory, liveness.
+//! - [`registry_file`]: the registrations a warm restart takes back, in a file beside the L1
+//!   file.
 //! - [`transfer`]: gather/scatter between paged KV and L1 objects (CPU backend).
 //! - [`event_bus`]: typed events to subscribers through a bounded, counted queue.
 //! - [`kv_events`]: the KV event log behind `subscribe_kv_events`.
@@ -56,6 +58,7 @@ pub mod p2p_reader;
 pub mod p2p_same_host;
 pub mod peer_locks;
 pub mod registry;
+pub mod registry_file;
 pub mod server;
 pub mod session;
 pub mod state;

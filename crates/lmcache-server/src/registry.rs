@@ -12,6 +12,8 @@ use lmcache_memory::ForeignSegment;
 use lmcache_protocol::types::TensorMeta;
 use parking_lot::RwLock;
 
+use crate::registry_file::{RegistryFile, Saved};
+
 /// A kernel group of an lmcache-driven registration: layers that share one geometry, dtype
 /// and engine block space, moved by one copy loop.
 #[derive(Debug, Clone)]
@@ -140,6 +142,8 @@ pub struct Registry {
     /// Instance ids that pinged while unknown and were answered `false` once (see
     /// [`Registry::ping`]); an id leaves when it registers.
     told_unknown: parking_lot::Mutex<std::collections::HashSet<u64>>,
+    /// Where registrations are kept for a warm restart (an L1 file that restarts warm).
+    file: Option<RegistryFile>,
 }
 
 /// How many unknown instance ids [`Registry::ping`] remembers having told (then it starts over).
@@ -181,6 +185,25 @@ impl Family {
 }
 
 impl Registry {
+    /// A registry that keeps its registrations in `file`, for the next warm restart.
+    pub fn persisted(file: RegistryFile) -> Self {
+        Self { file: Some(file), ..Self::default() }
+    }
+
+    /// Saves a registration that succeeded as the request that made it (only where the
+    /// registry is persisted).
+    pub fn remember(&self, saved: Saved) {
+        if let Some(f) = &self.file {
+            f.put(saved);
+        }
+    }
+
+    fn forget(&self, keys: &[(Family, u64)]) {
+        if let (Some(f), false) = (&self.file, keys.is_empty()) {
+            f.remove(keys);
+        }
+    }
+
     /// Adds or replaces a registration (and forgets an earlier refusal of it).
     pub fn register(&self, family: Family, id: u64, instance: Instance) {
         self.told_unknown.lock().remove(&id);
@@ -191,6 +214,7 @@ impl Registry {
     /// Removes a registration or a refusal; false if neither was known.
     pub fn unregister(&self, family: Family, id: u64) -> bool {
         let refused = self.refused.write().remove(&family.key(id)).is_some();
+        self.forget(&[(family, id)]);
         self.instances.write().remove(&family.key(id)).is_some() || refused
     }
 
@@ -198,6 +222,7 @@ impl Registry {
     /// dropped: the worker now believes its new one is in place.
     pub fn refuse(&self, family: Family, id: u64, refusal: Refusal) {
         self.instances.write().remove(&family.key(id));
+        self.forget(&[(family, id)]);
         let mut map = self.refused.write();
         if map.len() >= MAX_REFUSALS && !map.contains_key(&family.key(id)) {
             let oldest = map.iter().min_by_key(|(_, r)| r.at_unix).map(|(k, _)| *k);
@@ -308,13 +333,17 @@ impl Registry {
         if timeout.is_zero() {
             return 0;
         }
-        let mut map = self.instances.write();
-        let before = map.len();
-        map.retain(|_, i| {
+        let mut reaped = Vec::new();
+        self.instances.write().retain(|(ed, id), i| {
             let limit = if i.ping_proven { timeout } else { grace };
-            now.duration_since(i.last_seen) < limit
+            let keep = now.duration_since(i.last_seen) < limit;
+            if !keep {
+                reaped.push((Family::of_key(*ed), *id));
+            }
+            keep
         });
-        before - map.len()
+        self.forget(&reaped);
+        reaped.len()
     }
 
     /// Every registration, with its instance id and family.

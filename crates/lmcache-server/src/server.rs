@@ -88,6 +88,19 @@ impl Server {
             }
         }
         let storage = lmcache_storage::Storage::build(&config.storage_config())?;
+        // Registrations go with the L1: kept for an L1 file that restarts warm (and taken back
+        // below), forgotten with one that starts cold.
+        let (registry, saved) = match &config.arena.backing {
+            ArenaBacking::File(f) if f.adopt => {
+                let (file, saved) = crate::registry_file::RegistryFile::open(&f.path);
+                (Registry::persisted(file), saved)
+            }
+            ArenaBacking::File(f) => {
+                crate::registry_file::RegistryFile::remove_for(&f.path);
+                (Registry::default(), Vec::new())
+            }
+            _ => (Registry::default(), Vec::new()),
+        };
         let transport = Transport::bind(&config)?;
         let endpoint = transport.endpoint().to_owned();
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
@@ -252,7 +265,7 @@ impl Server {
                 storage,
                 sessions: Sessions::new(hasher, config.session_ttl),
                 hasher,
-                registry: Registry::default(),
+                registry,
                 pending: Pending::default(),
                 peers: Arc::default(),
                 blend: blend_engine(&config, &metrics, &bus)?,
@@ -272,6 +285,10 @@ impl Server {
             #[cfg(feature = "testing")]
             faults,
         });
+        if !saved.is_empty() {
+            let (taken, dropped) = crate::handlers::replay_registrations(&state, saved);
+            tracing::info!(taken, dropped, "warm restart: the previous process's registrations");
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let http = match state.config.http_port {
             None => None,

@@ -17,6 +17,7 @@ use lmcache_storage::{StorageEvent, StoreSlot};
 use rmpv::Value;
 
 use crate::registry::{Family, Instance, ObjectLayout, ObjectShape, Registration};
+use crate::registry_file::Saved;
 use crate::state::{PendingKey, PendingStore, RequestState};
 
 pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
@@ -96,6 +97,10 @@ pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>
                 dtype = %layout.dtype,
                 "engine-driven worker registered"
             );
+            let (op, params) = Command::RegisterEngineDriven(r.clone()).encode();
+            let segment = Some((name.clone(), size));
+            let (family, id) = (Family::EngineDriven, r.instance_id);
+            state.registry.remember(Saved { family, id, op, params, segment });
             Ok(Some(types::EngineDrivenRegistered { shm_name: name, pool_size: size }.encode()))
         }
         Command::UnregisterEngineDriven(id) => {

@@ -23,6 +23,7 @@ use rmpv::Value;
 
 use super::bad;
 use crate::registry::{Family, Instance, KernelGroup, LayerTensor, Registration};
+use crate::registry_file::Saved;
 use crate::state::RequestState;
 use crate::transfer::{CpuTransfer, KvTransfer};
 
@@ -110,10 +111,9 @@ fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), ProtocolErr
     let world_size = r.world_size;
     lmcache_core::KvRank::new(world_size, 0).map_err(|e| bad("world_size", e.to_string()))?;
     let groups = &r.engine_group_infos;
-    if state.registry.contains(Family::LmcacheDriven, id) {
-        state.registry.get(Family::LmcacheDriven, id);
-        return Ok(());
-    }
+    // A worker that registers again is served from what it registers now (it may be a new
+    // process under the same instance id: LMCache's bench always uses 1000 + rank, and a
+    // warm restart may have taken back the previous process's registration).
     let descs = &r.kv_cache;
     if descs.is_empty() {
         return Err(bad("kv_cache", "no layer tensors"));
@@ -203,6 +203,8 @@ fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), ProtocolErr
             ping_proven: false,
         },
     );
+    let (op, params) = Command::RegisterKvCache(r.clone()).encode();
+    state.registry.remember(Saved { family: Family::LmcacheDriven, id, op, params, segment: None });
     Ok(())
 }
 

@@ -35,6 +35,7 @@ use rmpv::Value;
 
 use crate::metrics::Metrics;
 use crate::registry::{Family, Refusal};
+use crate::registry_file::Saved;
 use crate::state::{RequestState, ServerState};
 
 /// Where an operation runs.
@@ -280,6 +281,58 @@ fn dispatch(state: &ServerState, req: &Request) -> Result<Option<Value>, Protoco
         state.metrics.refused_registrations.inc();
     }
     result
+}
+
+/// Takes back the registrations the previous process saved (a warm restart or a take-over;
+/// see [`crate::registry_file`]), each through its family's handler with every check a new
+/// registration gets. One that no longer applies is dropped and forgotten, refusal included,
+/// so the worker's next ping tells it to register again. Returns (taken back, dropped).
+pub fn replay_registrations(state: &ServerState, saved: Vec<Saved>) -> (usize, usize) {
+    let (mut taken, mut dropped) = (0, 0);
+    for s in saved {
+        let why_not = replay_one(state, &s).err();
+        match why_not {
+            None => {
+                tracing::info!(
+                    instance_id = s.id,
+                    transfer_mode = s.family.as_str(),
+                    "took back a registration of the previous process"
+                );
+                taken += 1;
+            }
+            Some(reason) => {
+                state.registry.unregister(s.family, s.id);
+                tracing::warn!(
+                    instance_id = s.id,
+                    transfer_mode = s.family.as_str(),
+                    %reason,
+                    "dropped a registration of the previous process; the worker registers again after its next ping"
+                );
+                dropped += 1;
+            }
+        }
+    }
+    (taken, dropped)
+}
+
+fn replay_one(state: &ServerState, s: &Saved) -> Result<(), String> {
+    if s.family == Family::EngineDriven {
+        let now = state.l1().memory().arena().engine_segment().map(|g| (g.name.to_owned(), g.len));
+        if now != s.segment {
+            return Err(format!(
+                "the worker mapped the pool {:?}; this server's is {now:?}",
+                s.segment
+            ));
+        }
+    }
+    let cmd = Command::decode(s.op, &s.params).map_err(|e| e.to_string())?;
+    if !matches!(cmd, Command::RegisterKvCache(_) | Command::RegisterEngineDriven(_)) {
+        return Err(format!("{} is not a registration", s.op.name()));
+    }
+    let requests: &RequestState = state;
+    guarded(&state.metrics, s.op.name(), || family_handler(requests, cmd))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 fn family_handler(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {

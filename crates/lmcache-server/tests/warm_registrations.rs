@@ -1,0 +1,219 @@
+//! A server that restarts warm takes back its workers' registrations, over real ZMQ: an
+//! lmcache-driven worker (LMCache's bench client registers once, never again) and an
+//! engine-driven one (vLLM's adapter) keep storing and retrieving without registering again.
+//! A registration that no longer applies (the client's segment is gone) is dropped and the
+//! worker is told by its next ping; a cold start forgets them all.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use lmcache_client::{
+    CacheKey, Client, EngineGroupInfo, IpcDescriptor, Retrieve, Store, TensorMeta,
+};
+use lmcache_core::{Dtype, ModelName};
+use lmcache_memory::shm::ShmSegment;
+use lmcache_memory::{ArenaBacking, ArenaConfig, FileBacking, ForeignSegment};
+use lmcache_protocol::Op;
+use lmcache_protocol::types::EngineDrivenRegistration;
+use lmcache_server::{Server, ServerConfig};
+
+const CHUNK: usize = 16;
+const BS: u64 = 4;
+const NB: u64 = 16;
+const CHUNKS: usize = 2;
+
+fn server(path: &Path, adopt: bool) -> Server {
+    Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        max_gpu_workers: 2,
+        ..ServerConfig::local(ArenaConfig {
+            size: 32 << 20,
+            backing: ArenaBacking::File(FileBacking {
+                path: path.to_path_buf(),
+                format: false,
+                adopt,
+            }),
+            mlock: false,
+        })
+    })
+    .unwrap()
+}
+
+fn client(s: &Server) -> Client {
+    Client::connect(s.endpoint(), Duration::from_secs(30)).unwrap()
+}
+
+fn key(request: &str, seed: u32) -> CacheKey {
+    let tokens: Vec<u32> = (0..(CHUNK * CHUNKS) as u32).map(|t| t * 13 + seed).collect();
+    CacheKey::whole(ModelName::new("m").unwrap(), request, tokens, CHUNK)
+}
+
+/// Lmcache-driven instance 1: one fp16 layer `[2, NB, BS, 2, 4]` in a segment of its own.
+fn register_lmcache_driven(c: &mut Client, name: &str) -> (ShmSegment, ForeignSegment) {
+    let shape = vec![2, NB, BS, 2, 4];
+    let mut stride = vec![1u64; shape.len()];
+    for d in (0..shape.len() - 1).rev() {
+        stride[d] = stride[d + 1] * shape[d + 1];
+    }
+    let bytes = shape.iter().product::<u64>() * 2;
+    let owner = ShmSegment::create(name, bytes).unwrap();
+    let seg = ForeignSegment::open(name, bytes).unwrap();
+    let desc = IpcDescriptor::CpuShm {
+        shm_name: name.to_owned(),
+        nbytes: bytes,
+        meta: TensorMeta {
+            dtype: Dtype::Float16,
+            shape,
+            stride,
+            storage_offset: 0,
+            device_uuid: "cpu".into(),
+        },
+    };
+    c.register_kv_cache(1, &[desc], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
+    (owner, seg)
+}
+
+/// The lmcache-driven store or retrieve of `k` over blocks 0..8: the reply's success flag.
+fn transfer(c: &mut Client, op: Op, k: &CacheKey) -> bool {
+    let (key, instance_id, event_ipc_handle) = (k.for_worker(0), 1, Vec::new());
+    let block_ids = vec![(0..(CHUNK * CHUNKS) as u64 / BS).collect()];
+    match op {
+        Op::Store => c.store(Store { key, instance_id, block_ids, event_ipc_handle }),
+        _ => c.retrieve(Retrieve {
+            key,
+            instance_id,
+            block_ids,
+            event_ipc_handle,
+            skip_first_n_tokens: 0,
+        }),
+    }
+    .unwrap()
+}
+
+fn register_engine_driven(c: &mut Client) -> String {
+    let reg = EngineDrivenRegistration {
+        instance_id: 7,
+        model_name: ModelName::new("m").unwrap(),
+        world_size: 1,
+        block_size: 16,
+        num_layers: 1,
+        hidden_dim_size: 8,
+        dtype: Dtype::Float16,
+        use_mla: false,
+        num_physical_slots: None,
+    };
+    c.register_engine_driven(&reg).unwrap().shm_name
+}
+
+struct Cleanup(Vec<PathBuf>);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+#[test]
+fn a_warm_restart_takes_back_its_workers_registrations() {
+    let pid = std::process::id();
+    let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}"));
+    let saved = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}.lmcache-rs-workers"));
+    let _cleanup = Cleanup(vec![l1.clone(), saved.clone()]);
+    let kv_name = format!("lmrs_warmreg_kv_{pid}");
+
+    // The first process: both workers register; the lmcache-driven one stores 0x5a.
+    let s = server(&l1, true);
+    let mut c = client(&s);
+    let (kv_owner, kv) = register_lmcache_driven(&mut c, &kv_name);
+    let pool_name = register_engine_driven(&mut c);
+    kv.write(0, &vec![0x5a; kv.len() as usize]).unwrap();
+    let stored = key("a", 5);
+    assert!(transfer(&mut c, Op::Store, &stored));
+    assert!(saved.exists(), "no registrations file beside the L1 file");
+    drop(c);
+    s.shutdown();
+
+    // Warm: neither worker registers again, and both are served.
+    let s = server(&l1, true);
+    let mut c = client(&s);
+    assert!(
+        c.ping(Some(1)).unwrap() && c.ping(Some(7)).unwrap(),
+        "a taken-back worker was told to register"
+    );
+    assert_eq!(c.lookup(&stored).unwrap(), CHUNKS as u64, "the adopted chunks are not served");
+    kv.write(0, &vec![0; kv.len() as usize]).unwrap();
+    assert!(transfer(&mut c, Op::Retrieve, &stored), "the lmcache-driven retrieve failed");
+    let mut back = vec![0u8; kv.len() as usize];
+    kv.read(0, &mut back).unwrap();
+    // Blocks 0..8 of both planes (a block is BS x 2 heads x 4 x 2 bytes).
+    let (block, plane) = (BS as usize * 16, NB as usize * BS as usize * 16);
+    for range in [0..8 * block, plane..plane + 8 * block] {
+        assert!(back[range].iter().all(|&b| b == 0x5a), "the retrieve did not land in the blocks");
+    }
+    kv.write(0, &vec![0x3c; kv.len() as usize]).unwrap();
+    assert!(transfer(&mut c, Op::Store, &key("b", 9)), "the lmcache-driven store failed");
+    let slots = c.prepare_store(&key("c", 11).for_worker(0), 7).unwrap();
+    assert_eq!(slots.len(), CHUNKS, "the engine-driven worker got no slots");
+    assert!(c.commit_store(&key("c", 11).for_worker(0), 7).unwrap());
+    drop(c);
+    s.shutdown();
+
+    // The lmcache-driven client went away: its registration is dropped, and its worker told
+    // once; the engine-driven one still maps the same pool, so it stays.
+    drop((kv, kv_owner));
+    let s = server(&l1, true);
+    let mut c = client(&s);
+    assert!(!c.ping(Some(1)).unwrap(), "a worker whose segment is gone was not told");
+    assert!(c.ping(Some(1)).unwrap());
+    assert!(!transfer(&mut c, Op::Store, &key("d", 13)));
+    assert!(c.ping(Some(7)).unwrap());
+    assert_eq!(s.state().l1().memory().arena().engine_segment().unwrap().name, pool_name);
+    drop(c);
+    s.shutdown();
+
+    // Cold: the registrations go with the L1.
+    let s = server(&l1, false);
+    assert!(!saved.exists(), "a cold start kept the registrations file");
+    let mut c = client(&s);
+    assert!(!c.ping(Some(7)).unwrap(), "a cold start kept a registration");
+    drop(c);
+    s.shutdown();
+}
+
+/// A worker that registers again under the same instance id (a new process: LMCache's bench
+/// always uses 1000 + rank) is served from its new tensors, also when a warm restart took
+/// back the previous process's registration and that process's segment is still there.
+#[test]
+fn a_worker_registering_again_is_served_from_its_new_tensors() {
+    let pid = std::process::id();
+    let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmreg2_l1_{pid}"));
+    let saved = PathBuf::from(format!("/dev/shm/lmrs_warmreg2_l1_{pid}.lmcache-rs-workers"));
+    let _cleanup = Cleanup(vec![l1.clone(), saved]);
+    let s = server(&l1, true);
+    let mut c = client(&s);
+    let (_old_owner, old) = register_lmcache_driven(&mut c, &format!("lmrs_warmreg2_a_{pid}"));
+    old.write(0, &vec![0x11; old.len() as usize]).unwrap();
+    drop(c);
+    s.shutdown();
+    let s = server(&l1, true);
+    let mut c = client(&s);
+    assert!(c.ping(Some(1)).unwrap(), "the registration was not taken back");
+    // The new process registers its own segment under the same id, and stores from it.
+    let (_new_owner, new) = register_lmcache_driven(&mut c, &format!("lmrs_warmreg2_b_{pid}"));
+    new.write(0, &vec![0x22; new.len() as usize]).unwrap();
+    let k = key("n", 3);
+    assert!(transfer(&mut c, Op::Store, &k));
+    new.write(0, &vec![0; new.len() as usize]).unwrap();
+    assert_eq!(c.lookup(&k).unwrap(), CHUNKS as u64);
+    assert!(transfer(&mut c, Op::Retrieve, &k));
+    let mut back = vec![0u8; new.len() as usize];
+    new.read(0, &mut back).unwrap();
+    assert_eq!(back[0], 0x22, "stored from, or retrieved into, the old process's segment");
+    let mut untouched = vec![0u8; old.len() as usize];
+    old.read(0, &mut untouched).unwrap();
+    assert!(untouched.iter().all(|&b| b == 0x11), "the old segment was written");
+    drop(c);
+    s.shutdown();
+}
