@@ -68,6 +68,8 @@ impl Pools {
 
 /// How long shutdown waits for in-flight replies.
 pub(super) const DRAIN_DEADLINE: Duration = Duration::from_secs(10);
+/// How long the socket's close may wait to send the replies of the drain.
+const REPLY_LINGER_MS: i32 = 2000;
 
 fn zerr(op: &'static str) -> impl FnOnce(zmq::Error) -> TransportError {
     move |source| TransportError::Zmq { op, source }
@@ -151,6 +153,12 @@ impl ZmqTransport {
             }
             if let Some(since) = stopping {
                 if in_flight.load(Ordering::Relaxed) == 0 || since.elapsed() > DRAIN_DEADLINE {
+                    // The last replies may still be queued for the I/O thread: closing with
+                    // no linger would drop them, and their clients would wait out their
+                    // timeouts (a hot upgrade's in-flight store). A bounded linger sends them.
+                    if let Err(e) = self.router.set_linger(REPLY_LINGER_MS) {
+                        tracing::warn!(error = %e, "setsockopt LINGER at shutdown");
+                    }
                     break;
                 }
                 continue;
