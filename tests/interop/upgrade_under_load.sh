@@ -11,6 +11,7 @@
 #    hits every cold lookup fully and retrieves the same digests.
 # Prints the pause of each upgrade (from the SIGTERM to the new server serving).
 # Usage: tests/interop/upgrade_under_load.sh PATH/TO/lmcache-rs
+# (env: UPGRADE_SEQUENCES=12, UPGRADES=3, UPGRADE_L1_GB=3, UPGRADE_INTERVAL=0.3 s)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${1:?usage: upgrade_under_load.sh PATH/TO/lmcache-rs}
@@ -18,13 +19,15 @@ BIN=${1:?usage: upgrade_under_load.sh PATH/TO/lmcache-rs}
 source tests/interop/common.sh
 N=${UPGRADE_SEQUENCES:-12}
 UPGRADES=${UPGRADES:-3}
+L1_GB=${UPGRADE_L1_GB:-3}
+INTERVAL=${UPGRADE_INTERVAL:-0.3}  # the bench's pause between a sequence's cold and warm pass
 TOKENS=1024  # 4 chunks of 256 tokens per sequence
 FILE="$WORK/l1.dax"
 port=$(free_port); http=$(free_port)
 
 server() { # log [extra flags...]: a server on the L1 file; its pid in $srv
   local log=$1; shift
-  "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 3 \
+  "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb "$L1_GB" \
       --l1-devdax-path "$FILE" --no-l1-use-lazy --l1-warm-restart --log-level info \
       "$@" > "$WORK/$log.server.log" 2>&1 &
   srv=$!
@@ -34,7 +37,7 @@ server() { # log [extra flags...]: a server on the L1 file; its pid in $srv
 bench() { # log
   timeout 900 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
       --url "http://127.0.0.1:$http" --mode cpu --transfer-mode lmcache_driven \
-      --num-tokens "$TOKENS" --start 0 --end "$N" --interval 0.3 > "$WORK/$1.bench.log" 2>&1
+      --num-tokens "$TOKENS" --start 0 --end "$N" --interval "$INTERVAL" > "$WORK/$1.bench.log" 2>&1
 }
 
 # digests LOG KIND: "seq digest" lines of the bench's per-sequence checksums of that pass.

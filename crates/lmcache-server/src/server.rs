@@ -385,7 +385,10 @@ impl Server {
     }
 
     fn stop_all(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        let started = Instant::now();
+        if self.stop.swap(true, Ordering::Relaxed) {
+            return; // stopped already (shutdown, then drop)
+        }
         if let Some(t) = self.transport.take() {
             match t.join() {
                 Ok(Err(e)) => tracing::error!(error = %e, "transport stopped with an error"),
@@ -393,10 +396,12 @@ impl Server {
                 Ok(Ok(())) => {}
             }
         }
+        let transport_ms = started.elapsed().as_millis() as u64;
         if let Some((tx, j)) = self.http.take() {
             let _ = tx.send(());
             let _ = j.join();
         }
+        let http_ms = started.elapsed().as_millis() as u64 - transport_ms;
         if let Some(r) = self.peer_reader.take() {
             r.stop();
         }
@@ -411,7 +416,9 @@ impl Server {
             drop(tx);
             let _ = j.join();
         }
+        let before_storage = started.elapsed();
         self.state.storage.shutdown();
+        let storage_ms = (started.elapsed() - before_storage).as_millis() as u64;
         // After the write-behind flushed, so its last L2 events are reported; then deregister.
         if let (Some(r), Some(j)) = (&self.state.channels.reporter, self.reporter.take()) {
             r.stop();
@@ -424,6 +431,14 @@ impl Server {
         self.state.sessions.clear();
         // The segment's name goes now, whatever still holds the memory until exit.
         self.state.l1().memory().arena().unlink_name();
+        // Where a stop's time went (a hot upgrade's pause starts with it).
+        tracing::info!(
+            total_ms = started.elapsed().as_millis() as u64,
+            transport_ms,
+            http_ms,
+            storage_ms,
+            "server stopped"
+        );
     }
 }
 
