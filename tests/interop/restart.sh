@@ -241,7 +241,7 @@ echo "restart: hot upgrade ($pause from SIGTERM to the new server serving): $(gr
 
 # 8. Warm restart in shared memory, engine-driven: the segment outlives each server.
 export SHM="lmcache_rs_restart_$$" BIN port http WORK
-trap 'rm -f "/dev/shm/$SHM" "/dev/shm/$SHM.lmcache-rs-workers"; cleanup' EXIT
+trap 'rm -f "/dev/shm/$SHM" "/dev/shm/$SHM".lmcache-rs-*; cleanup' EXIT
 cat > "$WORK/shm-server" <<'EOF'
 #!/usr/bin/env bash
 # shm-server LOG [extra flags...]: one server on the segment, its pid in $WORK/srv.pid.

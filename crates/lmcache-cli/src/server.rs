@@ -166,8 +166,10 @@ pub struct ServerArgs {
     /// survive too (kept in FILE.lmcache-rs-workers beside the L1 file): engines go on
     /// storing and retrieving without registering again, unless what they registered is gone
     /// (a client's segment, or an engine-driven pool of another size); those are told by
-    /// their next ping and register again. The same --l1-size-gb is required; without this
-    /// flag the file is reset at start and the registrations are forgotten.
+    /// their next ping and register again. The tokens behind the chunks survive as well
+    /// (FILE.lmcache-rs-tokens): the KV events and the coordinator hear the adopted chunks
+    /// with their tokens. The same --l1-size-gb is required; without this flag the file is
+    /// reset at start, and the registrations and tokens are forgotten.
     #[arg(long)]
     pub l1_warm_restart: bool,
     /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (run

@@ -7,6 +7,8 @@
 //! - [`handlers`]: one module per operation family; every request gets exactly one reply.
 //! - [`session`]: request sessions (hash chains, lookup locks).
 //! - [`registry`]: registered workers, their layouts and KV memory, liveness.
+//! - [`chunk_tokens_file`]: the tokens behind an L1 file's chunks, so a warm restart announces
+//!   what it adopted.
 //! - [`registry_file`]: the registrations a warm restart takes back, in a file beside the L1
 //!   file.
 //! - [`transfer`]: gather/scatter between paged KV and L1 objects (CPU backend).
@@ -40,6 +42,7 @@
 pub mod blend;
 pub mod blend_fleet;
 pub mod blend_telemetry;
+pub mod chunk_tokens_file;
 pub mod config;
 pub mod event_bus;
 pub mod explain;

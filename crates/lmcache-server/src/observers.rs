@@ -158,6 +158,35 @@ impl StorageSubscriber for KvEventsSubscriber {
     }
 }
 
+/// Chunks newly resident in an L1 that restarts warm: their tokens, for the next start to
+/// announce ([`crate::chunk_tokens_file`]).
+#[derive(Debug)]
+pub struct ChunkTokensSubscriber {
+    /// The file.
+    pub file: Arc<crate::chunk_tokens_file::ChunkTokensFile>,
+    /// The L1 whose resident chunks a compaction keeps.
+    pub l1: lmcache_l1::L1Cache,
+}
+
+impl StorageSubscriber for ChunkTokensSubscriber {
+    fn on_event(&self, event: &StorageEvent<'_>) {
+        let Some((ctx, chunks)) = made_resident(event) else { return };
+        let chunks = chunks.filter_map(|j| {
+            Some(crate::chunk_tokens_file::ChunkTokens {
+                model: ctx.model.as_str().to_owned(),
+                hash: *ctx.hashes.get(j)?,
+                parent: ctx.parent_of(j),
+                position: ((ctx.first_chunk + j) * ctx.chunk_size) as u64,
+                tokens: ctx.chunk_tokens(j)?.to_vec(),
+            })
+        });
+        self.file.record(chunks, || {
+            let keys = self.l1.resident_keys().into_iter();
+            keys.map(|(k, _)| (k.model_name.as_str().to_owned(), k.chunk_hash)).collect()
+        });
+    }
+}
+
 /// What the coordinator hears of requests: the tokens behind stored hashes (for its
 /// routing by tokens) and the keys a finished request used.
 #[derive(Debug)]

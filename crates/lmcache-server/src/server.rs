@@ -90,16 +90,19 @@ impl Server {
         let storage = lmcache_storage::Storage::build(&config.storage_config())?;
         // Registrations go with the L1: kept for an L1 file that restarts warm (and taken back
         // below), forgotten with one that starts cold.
-        let (registry, saved) = match &config.arena.backing {
+        // So do the tokens behind its chunks (what a restart announces).
+        let (registry, saved, tokens) = match &config.arena.backing {
             ArenaBacking::File(f) if f.adopt => {
                 let (file, saved) = crate::registry_file::RegistryFile::open(&f.path);
-                (Registry::persisted(file), saved)
+                let tokens = crate::chunk_tokens_file::ChunkTokensFile::open(&f.path);
+                (Registry::persisted(file), saved, Some(tokens))
             }
             ArenaBacking::File(f) => {
                 crate::registry_file::RegistryFile::remove_for(&f.path);
-                (Registry::default(), Vec::new())
+                crate::chunk_tokens_file::ChunkTokensFile::remove_for(&f.path);
+                (Registry::default(), Vec::new(), None)
             }
-            _ => (Registry::default(), Vec::new()),
+            _ => (Registry::default(), Vec::new(), None),
         };
         let transport = Transport::bind(&config)?;
         let endpoint = transport.endpoint().to_owned();
@@ -189,8 +192,13 @@ impl Server {
                 explain: Arc::clone(&explain),
             }),
         );
-        // A restarted L1 file: the coordinator and the bus learn what it holds again.
+        // A restarted L1 file: the coordinator and the bus learn what it holds again, and the
+        // KV events and the coordinator's token index the chunks whose tokens were kept.
         storage.l1().announce_resident();
+        let tokens = tokens.map(|(file, saved)| {
+            announce_tokens(storage.l1(), &saved, &file, &events, reporter.as_ref());
+            Arc::new(file)
+        });
         let lookup_log = match &config.lookup_hash_log {
             None => None,
             Some(c) => Some(Arc::new(
@@ -258,6 +266,10 @@ impl Server {
         );
         if explain.enabled() {
             subs.push(Arc::new(crate::explain::ExplainSubscriber(Arc::clone(&explain))));
+        }
+        if let Some(t) = tokens {
+            let l1 = storage.l1().clone();
+            subs.push(Arc::new(crate::observers::ChunkTokensSubscriber { file: t, l1 }));
         }
         storage.subscribe(subs);
         let state = Arc::new(ServerState {
@@ -563,6 +575,45 @@ fn start_http(state: Arc<ServerState>, port: u16) -> Result<HttpParts, ServerErr
         })
         .map_err(io("starting the HTTP thread"))?;
     Ok((local, tx, join))
+}
+
+/// Announces the adopted chunks whose tokens the previous process kept: a KV event `stored`
+/// record for each chunk of shard 0 (parents first) and the coordinator's token binding; then
+/// keeps only those in the tokens file.
+fn announce_tokens(
+    l1: &lmcache_l1::L1Cache,
+    saved: &crate::chunk_tokens_file::Saved,
+    file: &crate::chunk_tokens_file::ChunkTokensFile,
+    events: &KvEventLog,
+    reporter: Option<&Arc<crate::fleet_report::Reporter>>,
+) {
+    let mut adopted: std::collections::HashMap<(String, lmcache_core::ChunkHash), bool> =
+        std::collections::HashMap::new();
+    for (key, _) in l1.resident_keys() {
+        let k = (key.model_name.as_str().to_owned(), key.chunk_hash);
+        if saved.contains_key(&k) {
+            *adopted.entry(k).or_default() |= key.kv_rank.worker_id() == 0;
+        }
+    }
+    let mut chunks: Vec<_> =
+        adopted.iter().filter_map(|(k, shard0)| Some((saved.get(k)?, *shard0))).collect();
+    chunks.sort_by_key(|(c, _)| c.position);
+    for (c, shard0) in &chunks {
+        if *shard0 {
+            events.stored(&c.model, c.hash, c.parent, &c.tokens);
+        }
+        if let Some(r) = reporter {
+            r.bind_tokens(&c.hash, &c.tokens, c.position as usize);
+        }
+    }
+    file.keep(chunks.iter().map(|(c, _)| *c));
+    if !saved.is_empty() {
+        tracing::info!(
+            announced = chunks.len(),
+            kept_tokens = saved.len(),
+            "warm restart: adopted chunks announced with their tokens"
+        );
+    }
 }
 
 /// Reaps sessions past their TTL, dead workers and abandoned engine-driven transfers.

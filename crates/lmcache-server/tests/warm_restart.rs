@@ -1,8 +1,10 @@
-//! A server that restarts warm takes back its workers' registrations, over real ZMQ: an
-//! lmcache-driven worker (LMCache's bench client registers once, never again) and an
-//! engine-driven one (vLLM's adapter) keep storing and retrieving without registering again.
-//! A registration that no longer applies (the client's segment is gone) is dropped and the
-//! worker is told by its next ping; a cold start forgets them all.
+//! What a server that restarts warm takes back besides its L1, over real ZMQ:
+//! - its workers' registrations: an lmcache-driven worker (LMCache's bench client registers
+//!   once, never again) and an engine-driven one (vLLM's adapter) keep storing and retrieving
+//!   without registering again. A registration that no longer applies (the client's segment
+//!   is gone) is dropped and the worker is told by its next ping; a cold start forgets them;
+//! - the tokens behind its chunks: the KV event stream announces the adopted chunks as
+//!   `stored`, with their tokens and parents, as the process that stored them did.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,9 +15,10 @@ use lmcache_client::{
 use lmcache_core::{Dtype, ModelName};
 use lmcache_memory::shm::ShmSegment;
 use lmcache_memory::{ArenaBacking, ArenaConfig, FileBacking, ForeignSegment};
-use lmcache_protocol::Op;
 use lmcache_protocol::types::EngineDrivenRegistration;
+use lmcache_protocol::{Op, value};
 use lmcache_server::{Server, ServerConfig};
+use rmpv::Value;
 
 const CHUNK: usize = 16;
 const BS: u64 = 4;
@@ -215,5 +218,73 @@ fn a_worker_registering_again_is_served_from_its_new_tensors() {
     old.read(0, &mut untouched).unwrap();
     assert!(untouched.iter().all(|&b| b == 0x11), "the old segment was written");
     drop(c);
+    s.shutdown();
+}
+
+/// Reads the KV event stream of instance 1, model `m`, from cursor 0, acknowledging each
+/// batch, until `want` records came or 5 s passed.
+fn kv_events(s: &Server, want: usize) -> Vec<Value> {
+    let sub = client(s);
+    let enc = |v: Value| value::encode(&v);
+    let uid = enc(Value::from(77));
+    let op = enc(Value::from("subscribe_kv_events"));
+    let params = [Value::from(1), Value::from("m"), Value::from(0), Value::from(64)];
+    let mut frames = vec![uid.clone(), op];
+    frames.extend(params.iter().map(|v| enc(v.clone())));
+    sub.send_frames(&frames).unwrap();
+    let mut events = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while events.len() < want && std::time::Instant::now() < deadline {
+        let Some(got) = sub.recv_frames_within(Duration::from_millis(500)).unwrap() else {
+            continue;
+        };
+        let v = value::decode(2, &got[2]).unwrap();
+        let f = value::Fields::of("batch", &v).unwrap();
+        events.extend(value::array("events", f.req("events").unwrap()).unwrap().iter().cloned());
+        sub.send_frames(&[uid.clone(), Vec::new(), b"ack".to_vec()]).unwrap();
+    }
+    sub.send_frames(&[uid, Vec::new(), b"cancel".to_vec()]).unwrap();
+    events
+}
+
+/// A restarted server announces the chunks it adopted on the KV event stream, with the
+/// tokens and parents the storing process announced (kept in `<L1 file>.lmcache-rs-tokens`).
+#[test]
+fn a_warm_restart_announces_the_adopted_chunks_with_their_tokens() {
+    let pid = std::process::id();
+    let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmtok_l1_{pid}"));
+    let base = l1.display().to_string();
+    let _cleanup = Cleanup(
+        ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"]
+            .iter()
+            .map(|x| PathBuf::from(format!("{base}{x}")))
+            .collect(),
+    );
+    let s = server(&l1, true);
+    let mut c = client(&s);
+    let (_owner, kv) = register_lmcache_driven(&mut c, &format!("lmrs_warmtok_kv_{pid}"));
+    kv.write(0, &vec![0x42; kv.len() as usize]).unwrap();
+    let k = key("t", 21);
+    assert!(transfer(&mut c, Op::Store, &k));
+    let before = kv_events(&s, CHUNKS);
+    assert_eq!(before.len(), CHUNKS, "the storing server's own records");
+    drop(c);
+    s.shutdown();
+
+    let s = server(&l1, true);
+    let after = kv_events(&s, CHUNKS);
+    assert_eq!(after.len(), CHUNKS, "the adopted chunks were not announced: {after:?}");
+    let fields = |e: &Value, k: &str| value::Fields::of("e", e).unwrap().req(k).unwrap().clone();
+    for (a, b) in after.iter().zip(&before) {
+        assert_eq!(fields(a, "kind"), Value::from("stored"));
+        for f in ["block_hashes", "parent_block_hash", "token_ids", "model_name"] {
+            assert_eq!(fields(a, f), fields(b, f), "{f} differs from the storing server's");
+        }
+    }
+    s.shutdown();
+
+    // A cold start forgets the tokens with the L1.
+    let s = server(&l1, false);
+    assert!(!PathBuf::from(format!("{base}.lmcache-rs-tokens")).exists());
     s.shutdown();
 }
