@@ -15,9 +15,8 @@
 //! It is ours by name (`<L1 file>.lmcache-rs-tokens`), and removed at a cold start.
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use lmcache_core::ChunkHash;
@@ -65,9 +64,7 @@ struct Inner {
 
 /// The tokens file beside `l1_file`.
 pub fn path_for(l1_file: &Path) -> PathBuf {
-    let mut name = l1_file.as_os_str().to_owned();
-    name.push(SUFFIX);
-    PathBuf::from(name)
+    crate::l1_sidecar::path_for(l1_file, SUFFIX)
 }
 
 impl ChunkTokensFile {
@@ -90,12 +87,7 @@ impl ChunkTokensFile {
 
     /// Removes the tokens file of an L1 file that starts cold.
     pub fn remove_for(l1_file: &Path) {
-        let path = path_for(l1_file);
-        if let Err(e) = std::fs::remove_file(&path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!(path = %path.display(), error = %e, "cannot remove the tokens file");
-        }
+        crate::l1_sidecar::remove(l1_file, SUFFIX, "tokens");
     }
 
     /// Rewrites the file with `keep` (the adopted chunks) and opens it for appending.
@@ -112,22 +104,12 @@ impl ChunkTokensFile {
                 encode(c, &mut bytes);
             }
         }
-        let mut tmp = self.path.as_os_str().to_owned();
-        tmp.push(format!(".{}.tmp", std::process::id()));
-        let tmp = PathBuf::from(tmp);
-        let result = (|| {
-            let mut f = open(&tmp, true)?;
-            f.write_all(&bytes)?;
-            std::fs::rename(&tmp, &self.path)?;
-            Ok::<_, std::io::Error>(f)
-        })();
-        match result {
+        match crate::l1_sidecar::replace(&self.path, &bytes) {
             Ok(f) => {
                 g.file = Some(f);
                 g.bytes = bytes.len() as u64;
             }
             Err(e) => {
-                let _ = std::fs::remove_file(&tmp);
                 g.file = None;
                 tracing::warn!(path = %self.path.display(), error = %e,
                     "cannot write the tokens file: a restart will not announce tokens");
@@ -191,10 +173,6 @@ impl ChunkTokensFile {
             None => {}
         }
     }
-}
-
-fn open(path: &Path, truncate: bool) -> std::io::Result<File> {
-    OpenOptions::new().write(true).create(true).truncate(truncate).mode(0o600).open(path)
 }
 
 fn encode(c: &ChunkTokens, out: &mut Vec<u8>) {
@@ -298,7 +276,7 @@ mod tests {
         }
         assert_eq!(len, once.len() as u64, "each chunk written once");
         // A torn last record (a SIGKILL in the middle of a write) is not read back.
-        let f = OpenOptions::new().write(true).open(path_for(&l1)).unwrap();
+        let f = std::fs::OpenOptions::new().write(true).open(path_for(&l1)).unwrap();
         f.set_len(len - 5).unwrap();
         let (_, torn) = ChunkTokensFile::open(&l1);
         assert_eq!(torn.len(), 2);

@@ -9,6 +9,7 @@
 //! - [`registry`]: registered workers, their layouts and KV memory, liveness.
 //! - [`chunk_tokens_file`]: the tokens behind an L1 file's chunks, so a warm restart announces
 //!   what it adopted.
+//! - [`l1_sidecar`]: files kept beside a warm-restarting L1 file, replaced whole.
 //! - [`registry_file`]: the registrations a warm restart takes back, in a file beside the L1
 //!   file.
 //! - [`transfer`]: gather/scatter between paged KV and L1 objects (CPU backend).
@@ -51,6 +52,7 @@ pub mod handlers;
 pub mod http;
 pub mod kv_events;
 pub mod kv_groups;
+pub mod l1_sidecar;
 pub mod lookup_log;
 pub mod metrics;
 pub mod observers;

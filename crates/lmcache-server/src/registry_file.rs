@@ -15,8 +15,6 @@
 //! start, and removed at a cold one. A file that does not decode is logged and ignored.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use lmcache_protocol::Op;
@@ -54,9 +52,7 @@ pub struct RegistryFile {
 
 /// The registrations file beside `l1_file`.
 pub fn path_for(l1_file: &Path) -> PathBuf {
-    let mut name = l1_file.as_os_str().to_owned();
-    name.push(SUFFIX);
-    PathBuf::from(name)
+    crate::l1_sidecar::path_for(l1_file, SUFFIX)
 }
 
 impl RegistryFile {
@@ -82,16 +78,7 @@ impl RegistryFile {
     /// Removes the registrations file of an L1 file that starts cold (its workers registered
     /// with a process whose L1 is gone).
     pub fn remove_for(l1_file: &Path) {
-        let path = path_for(l1_file);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {
-                tracing::info!(path = %path.display(), "cold start: forgot the saved registrations")
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "cannot remove the registrations file")
-            }
-        }
+        crate::l1_sidecar::remove(l1_file, SUFFIX, "registrations");
     }
 
     /// Where it is.
@@ -123,23 +110,9 @@ impl RegistryFile {
     /// old set or the new one). A failure is logged: the registrations still serve; only a
     /// restart would not take them back.
     fn write(&self, map: &BTreeMap<(bool, u64), Saved>) {
-        let bytes = encode(map.values());
-        let mut tmp = self.path.as_os_str().to_owned();
-        tmp.push(format!(".{}.tmp", std::process::id()));
-        let tmp = PathBuf::from(tmp);
-        let result = (|| {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(&bytes)?;
-            f.sync_data()?;
-            std::fs::rename(&tmp, &self.path)
-        })();
-        if let Err(e) = result {
-            let _ = std::fs::remove_file(&tmp);
+        // No fsync: the registrations serve only while their clients live, and no client
+        // outlives a reboot; a process crash leaves the page cache as it was.
+        if let Err(e) = crate::l1_sidecar::replace(&self.path, &encode(map.values())) {
             tracing::warn!(path = %self.path.display(), error = %e, "cannot save the registrations");
         }
     }
