@@ -5,10 +5,12 @@
 //! later one succeeds without changing them. In every case, a lookup right after an
 //! acknowledged store hits.
 
+mod common;
+
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use lmcache_client::{CacheKey, Client, EngineGroupInfo, IpcDescriptor, TensorMeta};
+use lmcache_client::{CacheKey, Client, EngineGroupInfo};
 use lmcache_core::{Dtype, ModelName};
 use lmcache_memory::shm::ShmSegment;
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
@@ -59,26 +61,8 @@ fn key(request: &str) -> CacheKey {
 /// its own, filled with `fill`.
 fn lmcache_driven(c: &mut Client, tag: &str, fill: u8) -> (ShmSegment, ForeignSegment) {
     let name = format!("lmrs_cw_kv_{tag}_{}", std::process::id());
-    let shape = vec![2, NB, BS, 2, 4];
-    let mut stride = vec![1u64; shape.len()];
-    for d in (0..shape.len() - 1).rev() {
-        stride[d] = stride[d + 1] * shape[d + 1];
-    }
-    let bytes = shape.iter().product::<u64>() * 2;
-    let owner = ShmSegment::create(&name, bytes).unwrap();
-    let seg = ForeignSegment::open(&name, bytes).unwrap();
-    seg.write(0, &vec![fill; bytes as usize]).unwrap();
-    let desc = IpcDescriptor::CpuShm {
-        shm_name: name,
-        nbytes: bytes,
-        meta: TensorMeta {
-            dtype: Dtype::Float16,
-            shape,
-            stride,
-            storage_offset: 0,
-            device_uuid: "cpu".into(),
-        },
-    };
+    let (owner, seg, desc) = common::cpu_shm_layer(&name, vec![2, NB, BS, 2, 4]);
+    seg.write(0, &vec![fill; seg.len() as usize]).unwrap();
     c.register_kv_cache(1, &[desc], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
     (owner, seg)
 }

@@ -6,12 +6,12 @@
 //! - the tokens behind its chunks: the KV event stream announces the adopted chunks as
 //!   `stored`, with their tokens and parents, as the process that stored them did.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use lmcache_client::{
-    CacheKey, Client, EngineGroupInfo, IpcDescriptor, Retrieve, Store, TensorMeta,
-};
+use lmcache_client::{CacheKey, Client, EngineGroupInfo, Retrieve, Store};
 use lmcache_core::{Dtype, ModelName};
 use lmcache_memory::shm::ShmSegment;
 use lmcache_memory::{ArenaBacking, ArenaConfig, FileBacking, ForeignSegment};
@@ -53,25 +53,7 @@ fn key(request: &str, seed: u32) -> CacheKey {
 
 /// Lmcache-driven instance 1: one fp16 layer `[2, NB, BS, 2, 4]` in a segment of its own.
 fn register_lmcache_driven(c: &mut Client, name: &str) -> (ShmSegment, ForeignSegment) {
-    let shape = vec![2, NB, BS, 2, 4];
-    let mut stride = vec![1u64; shape.len()];
-    for d in (0..shape.len() - 1).rev() {
-        stride[d] = stride[d + 1] * shape[d + 1];
-    }
-    let bytes = shape.iter().product::<u64>() * 2;
-    let owner = ShmSegment::create(name, bytes).unwrap();
-    let seg = ForeignSegment::open(name, bytes).unwrap();
-    let desc = IpcDescriptor::CpuShm {
-        shm_name: name.to_owned(),
-        nbytes: bytes,
-        meta: TensorMeta {
-            dtype: Dtype::Float16,
-            shape,
-            stride,
-            storage_offset: 0,
-            device_uuid: "cpu".into(),
-        },
-    };
+    let (owner, seg, desc) = common::cpu_shm_layer(name, vec![2, NB, BS, 2, 4]);
     c.register_kv_cache(1, &[desc], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
     (owner, seg)
 }

@@ -52,3 +52,32 @@ pub fn http_raw(
     let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
     (status, body)
 }
+
+/// One fp16 paged KV layer of `shape` (`[2, NB, BS, H, D]`, contiguous) in a new shared-memory
+/// segment `name`, as an lmcache-driven client registers it: the segment (removed when the
+/// first value drops), the client's own mapping, and its descriptor.
+pub fn cpu_shm_layer(
+    name: &str,
+    shape: Vec<u64>,
+) -> (lmcache_memory::shm::ShmSegment, lmcache_memory::ForeignSegment, lmcache_client::IpcDescriptor)
+{
+    let mut stride = vec![1u64; shape.len()];
+    for d in (0..shape.len() - 1).rev() {
+        stride[d] = stride[d + 1] * shape[d + 1];
+    }
+    let bytes = shape.iter().product::<u64>() * 2;
+    let owner = lmcache_memory::shm::ShmSegment::create(name, bytes).unwrap();
+    let seg = lmcache_memory::ForeignSegment::open(name, bytes).unwrap();
+    let desc = lmcache_client::IpcDescriptor::CpuShm {
+        shm_name: name.to_owned(),
+        nbytes: bytes,
+        meta: lmcache_client::TensorMeta {
+            dtype: lmcache_core::Dtype::Float16,
+            shape,
+            stride,
+            storage_offset: 0,
+            device_uuid: "cpu".into(),
+        },
+    };
+    (owner, seg, desc)
+}
