@@ -26,7 +26,11 @@ const NB: u64 = 16;
 const CHUNKS: usize = 2;
 
 fn server(path: &Path, adopt: bool) -> Server {
-    Server::start(ServerConfig {
+    server_tweaked(path, adopt, |_| {})
+}
+
+fn server_tweaked(path: &Path, adopt: bool, tweak: impl FnOnce(&mut ServerConfig)) -> Server {
+    let mut config = ServerConfig {
         chunk_size: CHUNK,
         max_gpu_workers: 2,
         ..ServerConfig::local(ArenaConfig {
@@ -38,8 +42,9 @@ fn server(path: &Path, adopt: bool) -> Server {
             }),
             mlock: false,
         })
-    })
-    .unwrap()
+    };
+    tweak(&mut config);
+    Server::start(config).unwrap()
 }
 
 fn client(s: &Server) -> Client {
@@ -269,4 +274,55 @@ fn a_warm_restart_announces_the_adopted_chunks_with_their_tokens() {
     let s = server(&l1, false);
     assert!(!PathBuf::from(format!("{base}.lmcache-rs-tokens")).exists());
     s.shutdown();
+}
+
+/// The coordinator's feed of a restarted server (recorded as it is sent, by an events-level
+/// trace) reports the adopted chunks as stored in L1 with their tokens and offsets, as the
+/// storing server reported them.
+#[test]
+fn the_coordinator_hears_the_adopted_chunks_with_their_tokens() {
+    let pid = std::process::id();
+    let dir = tempfile::tempdir().unwrap();
+    let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmfeed_l1_{pid}"));
+    let base = l1.display().to_string();
+    let _cleanup = Cleanup(
+        ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"]
+            .iter()
+            .map(|x| PathBuf::from(format!("{base}{x}")))
+            .collect(),
+    );
+    let s = server(&l1, true);
+    let mut c = client(&s);
+    let (_owner, _kv) = register_lmcache_driven(&mut c, &format!("lmrs_warmfeed_kv_{pid}"));
+    let k = key("f", 31);
+    assert!(transfer(&mut c, Op::Store, &k));
+    drop(c);
+    s.shutdown();
+
+    let trace = dir.path().join("events.lct");
+    let s = server_tweaked(&l1, true, |c| {
+        c.trace = Some(lmcache_server::trace_record::TraceConfig {
+            level: lmcache_workload::trace::Level::Events,
+            path: trace.clone(),
+        });
+    });
+    s.shutdown(); // the stop flushes the reporter's queue
+    let file = std::fs::File::open(&trace).unwrap();
+    let records = lmcache_workload::trace::TraceReader::new(file).unwrap().read_all().unwrap();
+    let mut heard: Vec<(i64, Vec<u32>)> = Vec::new();
+    for r in records.iter().filter(|r| r.qualname == lmcache_workload::trace::codec::EVENTS_BATCH) {
+        let b = lmcache_workload::trace::codec::to_json(&r.args);
+        if b["event_type"] == "store" && b["tier"].to_string().to_lowercase().contains("l1") {
+            for e in b["entries"].as_array().unwrap() {
+                let tokens = e["token_ids"].as_array().unwrap();
+                let tokens = tokens.iter().map(|t| t.as_u64().unwrap() as u32).collect();
+                heard.push((e["token_offset"].as_i64().unwrap(), tokens));
+            }
+        }
+    }
+    heard.sort();
+    let want: Vec<(i64, Vec<u32>)> = (0..CHUNKS)
+        .map(|j| ((j * CHUNK) as i64, k.token_ids[j * CHUNK..(j + 1) * CHUNK].to_vec()))
+        .collect();
+    assert_eq!(heard, want, "the adopted chunks' stores, with tokens and offsets");
 }
