@@ -35,7 +35,7 @@ server() { # log [extra flags...]: a server on the L1 file; its pid in $srv
 }
 
 bench() { # log
-  timeout 900 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
+  PYTHONUNBUFFERED=1 timeout 900 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
       --url "http://127.0.0.1:$http" --mode cpu --transfer-mode lmcache_driven \
       --num-tokens "$TOKENS" --start 0 --end "$N" --interval "$INTERVAL" > "$WORK/$1.bench.log" 2>&1
 }
@@ -62,6 +62,8 @@ for u in $(seq "$UPGRADES"); do
     kill -0 "$bench_pid" 2>/dev/null || break
     sleep 0.05
   done
+  kill -0 "$bench_pid" 2>/dev/null \
+    || { echo "FAILED: the bench ended before upgrade $u"; tail -5 "$WORK/load.bench.log"; exit 1; }
   olds+=("$srv")
   server "up$u" --take-over
   for _ in $(seq 600); do
