@@ -707,5 +707,8 @@ fn engine_driven_stores_land_in_the_objects_of_a_warm_restart_segment() {
     drop(c);
     drop(pool);
     drop(s);
-    let _ = std::fs::remove_file(&path);
+    // The L1 file and what the server keeps beside it (registrations, tokens).
+    for suffix in ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+    }
 }

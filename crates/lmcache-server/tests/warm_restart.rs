@@ -110,7 +110,8 @@ fn a_warm_restart_takes_back_its_workers_registrations() {
     let pid = std::process::id();
     let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}"));
     let saved = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}.lmcache-rs-workers"));
-    let _cleanup = Cleanup(vec![l1.clone(), saved.clone()]);
+    let tokens = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}.lmcache-rs-tokens"));
+    let _cleanup = Cleanup(vec![l1.clone(), saved.clone(), tokens]);
     let kv_name = format!("lmrs_warmreg_kv_{pid}");
 
     // The first process: both workers register; the lmcache-driven one stores 0x5a.
@@ -179,8 +180,12 @@ fn a_warm_restart_takes_back_its_workers_registrations() {
 fn a_worker_registering_again_is_served_from_its_new_tensors() {
     let pid = std::process::id();
     let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmreg2_l1_{pid}"));
-    let saved = PathBuf::from(format!("/dev/shm/lmrs_warmreg2_l1_{pid}.lmcache-rs-workers"));
-    let _cleanup = Cleanup(vec![l1.clone(), saved]);
+    let _cleanup = Cleanup(
+        ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"]
+            .iter()
+            .map(|x| PathBuf::from(format!("{}{x}", l1.display())))
+            .collect(),
+    );
     let s = server(&l1, true);
     let mut c = client(&s);
     let (_old_owner, old) = register_lmcache_driven(&mut c, &format!("lmrs_warmreg2_a_{pid}"));
