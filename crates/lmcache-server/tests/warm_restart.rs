@@ -97,6 +97,14 @@ fn register_engine_driven(c: &mut Client) -> String {
 
 struct Cleanup(Vec<PathBuf>);
 
+impl Cleanup {
+    /// The L1 file `l1` and the files the server keeps beside it.
+    fn l1_and_sidecars(l1: &Path) -> Self {
+        let files = ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"];
+        Self(files.iter().map(|x| PathBuf::from(format!("{}{x}", l1.display()))).collect())
+    }
+}
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
         for p in &self.0 {
@@ -110,8 +118,7 @@ fn a_warm_restart_takes_back_its_workers_registrations() {
     let pid = std::process::id();
     let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}"));
     let saved = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}.lmcache-rs-workers"));
-    let tokens = PathBuf::from(format!("/dev/shm/lmrs_warmreg_l1_{pid}.lmcache-rs-tokens"));
-    let _cleanup = Cleanup(vec![l1.clone(), saved.clone(), tokens]);
+    let _cleanup = Cleanup::l1_and_sidecars(&l1);
     let kv_name = format!("lmrs_warmreg_kv_{pid}");
 
     // The first process: both workers register; the lmcache-driven one stores 0x5a.
@@ -180,12 +187,7 @@ fn a_warm_restart_takes_back_its_workers_registrations() {
 fn a_worker_registering_again_is_served_from_its_new_tensors() {
     let pid = std::process::id();
     let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmreg2_l1_{pid}"));
-    let _cleanup = Cleanup(
-        ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"]
-            .iter()
-            .map(|x| PathBuf::from(format!("{}{x}", l1.display())))
-            .collect(),
-    );
+    let _cleanup = Cleanup::l1_and_sidecars(&l1);
     let s = server(&l1, true);
     let mut c = client(&s);
     let (_old_owner, old) = register_lmcache_driven(&mut c, &format!("lmrs_warmreg2_a_{pid}"));
@@ -246,12 +248,7 @@ fn a_warm_restart_announces_the_adopted_chunks_with_their_tokens() {
     let pid = std::process::id();
     let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmtok_l1_{pid}"));
     let base = l1.display().to_string();
-    let _cleanup = Cleanup(
-        ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"]
-            .iter()
-            .map(|x| PathBuf::from(format!("{base}{x}")))
-            .collect(),
-    );
+    let _cleanup = Cleanup::l1_and_sidecars(&l1);
     let s = server(&l1, true);
     let mut c = client(&s);
     let (_owner, kv) = register_lmcache_driven(&mut c, &format!("lmrs_warmtok_kv_{pid}"));
@@ -289,13 +286,7 @@ fn the_coordinator_hears_the_adopted_chunks_with_their_tokens() {
     let pid = std::process::id();
     let dir = tempfile::tempdir().unwrap();
     let l1 = PathBuf::from(format!("/dev/shm/lmrs_warmfeed_l1_{pid}"));
-    let base = l1.display().to_string();
-    let _cleanup = Cleanup(
-        ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"]
-            .iter()
-            .map(|x| PathBuf::from(format!("{base}{x}")))
-            .collect(),
-    );
+    let _cleanup = Cleanup::l1_and_sidecars(&l1);
     let s = server(&l1, true);
     let mut c = client(&s);
     let (_owner, _kv) = register_lmcache_driven(&mut c, &format!("lmrs_warmfeed_kv_{pid}"));
