@@ -148,14 +148,23 @@ for case in "${L2_CASES[@]}"; do
   fi
 done
 
-# LMCache's own bench over an L1 of 200 MB with the fs adapter: 10 sequences of 2 x 32 MiB
-# chunks (640 MiB) pass with matching checksums; a second pass over the first three, long
-# evicted from L1, must find them (cold lookups full hits) and the server must report the
-# hit tokens as coming from L2.
+# LMCache's own bench past a 200 MB L1: 10 sequences of 2 x 32 MiB chunks (640 MiB) pass
+# with matching checksums; a second pass over the first three, long evicted from DRAM, must
+# find them (cold lookups full hits), retrieve the bytes the first pass stored (same digests)
+# and the server must report the hit tokens as coming from below DRAM. Twice: with the fs
+# adapter under a DRAM L1, and with a slab-file L1 (--gds-l1-path, O_DIRECT) whose DRAM
+# staging area is the 200 MB.
+for below in fs gds; do
 port=$(free_port); http=$(free_port)
-"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 0.2 \
+if [ "$below" = fs ]; then
+  tier=(--l1-size-gb 0.2 --l2-adapter "{\"type\": \"fs\", \"base_path\": \"$WORK/l2-bench\"}")
+else
+  mkdir -p "$WORK/gds-slab"
+  tier=(--l1-size-gb 1 --gds-l1-staging-gb 0.2 --gds-l1-path "$WORK/gds-slab")
+fi
+"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" "${tier[@]}" \
     --shm-name "lmcache_rs_l2bench_$$" --max-workers 2 --log-level warn \
-    --l2-adapter "{\"type\": \"fs\", \"base_path\": \"$WORK/l2-bench\"}" > "$WORK/l2-bench.server.log" 2>&1 &
+    > "$WORK/l2-bench-$below.server.log" 2>&1 &
 pid=$!
 for _ in $(seq 100); do
   python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
@@ -167,29 +176,35 @@ bench_l2() { # start end output
       --url "http://127.0.0.1:$http" --mode cpu --transfer-mode lmcache_driven --num-tokens 512 \
       --start "$1" --end "$2" --interval 0 --format json --output "$WORK/$3.json" > "$WORK/$3.log" 2>&1
 }
-bench_l2 0 10 l2-bench-1 || rc=$?
+bench_l2 0 10 "l2-bench-$below-1" || rc=$?
 sleep 2 # let the write-behind finish
-bench_l2 0 3 l2-bench-2 || rc=$?
+bench_l2 0 3 "l2-bench-$below-2" || rc=$?
 metrics=$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$http/metrics', timeout=5).read().decode())")
 kill -TERM "$pid"; wait "$pid" || rc=$?
-if [ "$rc" -eq 0 ] && python3 - "$WORK/l2-bench-1.json" "$WORK/l2-bench-2.log" "$metrics" <<'PY'
+if [ "$rc" -eq 0 ] && python3 - "$WORK/l2-bench-$below-1.json" "$WORK/l2-bench-$below-1.log" \
+    "$WORK/l2-bench-$below-2.log" "$metrics" <<'PY'
 import json, re, sys
 r = json.load(open(sys.argv[1]))["metrics"]["results"]
 assert r.get("checksum_ok") == 10 and r.get("checksum_fail") == 0, r
-cold = re.findall(r"/cold\] LOOKUP: (\d+)/(\d+) chunks hit", open(sys.argv[2]).read())
+second = open(sys.argv[3]).read()
+cold = re.findall(r"/cold\] LOOKUP: (\d+)/(\d+) chunks hit", second)
 assert len(cold) == 3 and all(a == b and a != "0" for a, b in cold), cold
-m = re.search(r"^lmcache_mp_lookup_hit_l2_tokens_total (\S+)$", sys.argv[3], re.M)
+digests = lambda text: dict(re.findall(r"seq (\d+)/warm\] CHECKSUM: ([0-9a-f]+)", text))
+first, again = digests(open(sys.argv[2]).read()), digests(second)
+assert len(again) == 3 and all(first[s] == d for s, d in again.items()), (first, again)
+m = re.search(r"^lmcache_mp_lookup_hit_l2_tokens_total (\S+)$", sys.argv[4], re.M)
 assert m and float(m.group(1)) >= 3 * 512, m and m.group(0)
 PY
 then
-  echo "interop L2 lmcache bench: ok (10 sequences past a 200 MB L1, checksums match; the first 3 come back from L2)"
+  echo "interop L2 lmcache bench ($below): ok (10 sequences past 200 MB of DRAM, checksums match; the first 3 come back from below, byte-exact)"
   passed=$((passed + 1))
 else
-  echo "interop L2 lmcache bench: FAILED"
-  tail -5 "$WORK/l2-bench-2.log" | sed 's/^/    /'
-  tail -5 "$WORK/l2-bench.server.log" | sed 's/^/    /'
+  echo "interop L2 lmcache bench ($below): FAILED"
+  tail -5 "$WORK/l2-bench-$below-2.log" | sed 's/^/    /'
+  tail -5 "$WORK/l2-bench-$below.server.log" | sed 's/^/    /'
   failed=$((failed + 1))
 fi
+done
 
 # The other way round: our Rust `lmcache-rs bench server` against LMCache's own server, the
 # engine-driven path at tp 1, tp 2 and MLA (every byte checked). The lmcache-driven path is

@@ -150,6 +150,30 @@ pub struct ServerArgs {
     /// Format the --l1-devdax-path device or file even if it holds something else (lost).
     #[arg(long)]
     pub l1_devdax_format: bool,
+    /// LMCache's GDS L1: L1's objects live in one preallocated slab file,
+    /// DIR/lmcache-rs-gds-l1.slab, of --l1-size-gb. Without a GPU, objects are stored into a
+    /// DRAM staging area (--gds-l1-staging-gb), written through to the slab, and read back
+    /// from it into staging when a lookup finds them only there. Every slot is checksummed:
+    /// a torn or foreign one is a miss. The slab starts empty, as LMCache's does, unless
+    /// --l1-warm-restart, which serves what the previous process wrote to it. Excludes
+    /// --l1-devdax-path and L2 adapters (the slab takes their place, as in LMCache).
+    #[arg(long, value_name = "DIR")]
+    pub gds_l1_path: Option<std::path::PathBuf>,
+    /// Open the slab with O_DIRECT (the default, as in LMCache): no page-cache copy.
+    #[arg(long, overrides_with = "no_gds_l1_use_direct_io")]
+    pub gds_l1_use_direct_io: bool,
+    /// Open the slab with buffered (POSIX) I/O instead of O_DIRECT.
+    #[arg(long, overrides_with = "gds_l1_use_direct_io")]
+    pub no_gds_l1_use_direct_io: bool,
+    /// How the slab is reached: auto or posix (file I/O from CPU memory). LMCache's GPU
+    /// backends (cufile, hipfile, ugds, phx) need a GPU and are refused.
+    #[arg(long, default_value = "auto", value_name = "BACKEND")]
+    pub gds_l1_backend: String,
+    /// DRAM staging area of the slab L1, in GiB (lmcache-rs's own flag): what is stored,
+    /// retrieved or read back from the slab passes through it, and recently used objects stay
+    /// in it. Capped at --l1-size-gb.
+    #[arg(long, default_value_t = 2.0, value_name = "GB")]
+    pub gds_l1_staging_gb: f64,
     /// Restart warm from the --l1-devdax-path file, or, without it, from the shared-memory
     /// segment --shm-name NAME (kept in /dev/shm across restarts, holding its memory until
     /// removed; engine-driven clients map it as any shared-memory pool): serve what the
@@ -186,8 +210,8 @@ pub struct ServerArgs {
     /// An L1 as LMCache's tagged JSON, e.g. '{"type": "DEVDAX", "tag": "dax0", "size_gb": 8,
     /// "path": "/dev/dax0.0"}' or '{"type": "DRAM", "tag": "_default", "size_gb": 8}'. Its
     /// fields replace the matching --l1-* flags (size_gb, align_bytes, read/write_ttl_seconds,
-    /// eviction, shm_name, use_hugepages, path). lmcache-rs runs one L1: one entry; GDS entries
-    /// are refused (no GPU path).
+    /// eviction, shm_name, use_hugepages, path; a GDS entry's path, backend and direct_io
+    /// stand for the --gds-l1-* flags). lmcache-rs runs one L1: one entry.
     #[arg(long = "l1-manager", value_name = "JSON")]
     pub l1_manager: Vec<String>,
     /// Accepted for LMCache compatibility: L1 memory is always committed as it is used.
@@ -498,7 +522,6 @@ fn default_instance_id() -> String {
 
 /// LMCache `server` flags that lmcache-rs does not implement yet: refused by name.
 pub const UNSUPPORTED_LMCACHE_FLAGS: &[&str] = &[
-    "--gds-l1-path",
     "--isolated-ipc",
     "--runtime-plugin-locations",
     "--server-module",
@@ -522,6 +545,55 @@ pub fn refuse_unsupported(args: &[String]) -> anyhow::Result<()> {
 
 fn parse_policy(s: &str) -> Result<EvictionPolicyKind, String> {
     s.parse().map_err(|e: lmcache_l1::eviction::UnknownPolicy| e.to_string())
+}
+
+/// A GDS L1 on CPU: the slab (an L2 adapter spec of type `gds_slab`, the only tier) and the
+/// DRAM staging area that L1's arena becomes.
+#[derive(Debug)]
+struct GdsL1 {
+    slab: serde_json::Value,
+    staging_bytes: u64,
+}
+
+/// `--gds-l1-path` and its flags, checked; `None` without it. `slab_bytes` is --l1-size-gb.
+fn gds_l1(args: &ServerArgs, slab_bytes: u64) -> anyhow::Result<Option<GdsL1>> {
+    let Some(dir) = &args.gds_l1_path else { return Ok(None) };
+    match args.gds_l1_backend.as_str() {
+        "auto" | "posix" => {}
+        b @ ("cufile" | "hipfile" | "ugds" | "phx") => bail!(
+            "--gds-l1-backend {b} moves KV between a GPU and the slab by DMA; lmcache-rs has \
+             no GPU path: use auto or posix (file I/O from DRAM staging)"
+        ),
+        other => bail!("--gds-l1-backend {other:?}: expected auto or posix"),
+    }
+    if args.l1_devdax_path.is_some() {
+        bail!("--gds-l1-path cannot be used with --l1-devdax-path");
+    }
+    if !args.l2_adapter.is_empty() || args.l2_config.is_some() {
+        bail!(
+            "--gds-l1-path and --l2-adapter/--l2-config exclude each other: the slab takes the \
+             L2 tier's place (LMCache also asks for L2 adapters to be off under GDS L1)"
+        );
+    }
+    if args.take_over {
+        bail!("--take-over is not supported with --gds-l1-path yet (restart it instead)");
+    }
+    if args.l1_devdax_format {
+        bail!("--l1-devdax-format applies to --l1-devdax-path, not to --gds-l1-path");
+    }
+    let staging = gib_to_bytes(args.gds_l1_staging_gb).filter(|&b| b > 0).with_context(|| {
+        format!("--gds-l1-staging-gb {} is not a positive size", args.gds_l1_staging_gb)
+    })?;
+    Ok(Some(GdsL1 {
+        slab: serde_json::json!({
+            "type": "gds_slab",
+            "path": dir,
+            "capacity_bytes": slab_bytes,
+            "use_odirect": !args.no_gds_l1_use_direct_io,
+            "warm_restart": args.l1_warm_restart,
+        }),
+        staging_bytes: staging.min(slab_bytes),
+    }))
 }
 
 /// The flags one `--l1-manager` entry (LMCache's tagged L1 JSON) stands for.
@@ -550,10 +622,7 @@ fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
     let own: &[&str] = match kind.to_ascii_uppercase().as_str() {
         "DRAM" => &["use_lazy", "init_size_gb", "shm_name", "use_hugepages"],
         "DEVDAX" => &["path"],
-        "GDS" => bail!(
-            "--l1-manager: a GDS L1 (an NVMe slab reached by GPUDirect Storage) is not \
-             supported by lmcache-rs: it has no GPU path"
-        ),
+        "GDS" => &["path", "backend", "direct_io"],
         other => bail!("--l1-manager: type: {other:?} is not DRAM, DEVDAX or GDS"),
     };
     for k in obj.keys() {
@@ -618,6 +687,19 @@ fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
             let p = p.context("--l1-manager: path: missing for a DEVDAX L1")?;
             out.l1_devdax_path = Some(p.into());
         }
+        "GDS" => {
+            let p = obj.get("path").and_then(|p| p.as_str()).filter(|p| !p.is_empty());
+            out.gds_l1_path = Some(p.context("--l1-manager: path: missing for a GDS L1")?.into());
+            if let Some(b) = obj.get("backend") {
+                out.gds_l1_backend =
+                    b.as_str().context("--l1-manager: backend: not a string")?.to_owned();
+            }
+            if let Some(d) = obj.get("direct_io") {
+                let d = d.as_bool().context("--l1-manager: direct_io: not a boolean")?;
+                out.gds_l1_use_direct_io = d;
+                out.no_gds_l1_use_direct_io = !d;
+            }
+        }
         _ => {
             if let Some(n) = obj.get("shm_name") {
                 out.shm_name =
@@ -648,11 +730,15 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     let size = gib_to_bytes(args.l1_size_gb)
         .filter(|&b| b > 0)
         .with_context(|| format!("--l1-size-gb {} is not a positive size", args.l1_size_gb))?;
+    let gds = gds_l1(args, size)?;
+    // Under GDS, --l1-size-gb sizes the slab (as in LMCache) and DRAM holds the staging area.
+    let size = gds.as_ref().map_or(size, |g| g.staging_bytes);
     let t = args.worker_reap_timeout_seconds;
     if t != 0 && t < 30 {
         bail!("--worker-reap-timeout-seconds must be 0 (disabled) or at least 30, got {t}");
     }
     if args.l1_devdax_path.is_none()
+        && gds.is_none()
         && (args.l1_warm_restart || args.l1_devdax_format)
         && args.shm_name.is_empty()
     {
@@ -665,7 +751,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     if args.l1_devdax_path.is_none() && args.l1_devdax_format && !args.l1_warm_restart {
         bail!("--l1-devdax-format needs --l1-devdax-path or --l1-warm-restart");
     }
-    let backing = if args.l1_devdax_path.is_none() && args.l1_warm_restart {
+    let backing = if args.l1_devdax_path.is_none() && args.l1_warm_restart && gds.is_none() {
         // A warm restart in shared memory: the L1 file is the segment /dev/shm/NAME, which
         // engines map by name as any shared-memory pool; it stays when the server stops.
         if args.l1_use_hugepages {
@@ -708,6 +794,9 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     }
     if let Some(path) = &args.l2_config {
         l2_adapters.extend(lmcache_l2::config::parse_toml_file(path)?);
+    }
+    if let Some(g) = gds {
+        l2_adapters.push(g.slab);
     }
     let t_prefetch = args.l2_prefetch_timeout_seconds;
     if !(t_prefetch.is_finite() && t_prefetch > 0.0) {
@@ -950,8 +1039,25 @@ mod tests {
         .unwrap();
         assert_eq!(c.arena.size, 512 << 20);
         assert_eq!(c.arena.backing, ArenaBacking::SharedMemory { name: "pool_x".into() });
+        // A GDS entry stands for the --gds-l1-* flags: the slab is the only L2 tier.
+        let c = config(&parse(&[
+            "--l1-manager",
+            r#"{"type": "GDS", "tag": "g", "size_gb": 8, "path": "/nvme", "direct_io": false,
+                "backend": "posix"}"#,
+        ]))
+        .unwrap();
+        assert_eq!(c.arena.size, 2 << 30, "DRAM staging, not the slab");
+        assert_eq!(
+            c.l2_adapters,
+            vec![serde_json::json!({"type": "gds_slab", "path": "/nvme",
+                "capacity_bytes": 8u64 << 30, "use_odirect": false, "warm_restart": false})]
+        );
         for (bad, named) in [
-            (r#"{"type": "GDS", "tag": "g", "size_gb": 1, "path": "/nvme"}"#, "GDS"),
+            (r#"{"type": "GDS", "tag": "g", "size_gb": 1}"#, "path: missing"),
+            (
+                r#"{"type": "GDS", "tag": "g", "size_gb": 1, "path": "/n", "backend": "cufile"}"#,
+                "GPU",
+            ),
             (r#"{"type": "DRAM", "tag": "t"}"#, "size_gb"),
             (r#"{"type": "DRAM", "size_gb": 1}"#, "tag"),
             (r#"{"type": "DEVDAX", "tag": "t", "size_gb": 1}"#, "path"),
@@ -968,6 +1074,48 @@ mod tests {
         assert!(err.to_string().contains("one L1"), "{err}");
         let err = config(&parse(&[two[0], two[1], "--l1-devdax-path", "/x"])).unwrap_err();
         assert!(err.to_string().contains("exclude"), "{err}");
+    }
+
+    #[test]
+    fn the_gds_l1_flags_make_a_slab_and_a_staging_area() {
+        let c = config(&parse(&["--gds-l1-path", "/nvme/kv", "--l1-size-gb", "100"])).unwrap();
+        assert_eq!(c.arena.size, 2 << 30);
+        let slab = &c.l2_adapters[0];
+        assert_eq!(slab["type"], "gds_slab");
+        assert_eq!(slab["capacity_bytes"], 100u64 << 30);
+        assert_eq!((&slab["use_odirect"], &slab["warm_restart"]), (&true.into(), &false.into()));
+        // Warm restart keeps the slab; the staging area is not a file, so no stable
+        // --shm-name is needed.
+        let c = config(&parse(&[
+            "--gds-l1-path",
+            "/nvme/kv",
+            "--l1-size-gb",
+            "1",
+            "--gds-l1-staging-gb",
+            "4",
+            "--no-gds-l1-use-direct-io",
+            "--l1-warm-restart",
+        ]))
+        .unwrap();
+        assert_eq!(c.arena.size, 1 << 30, "staging is capped at the slab");
+        assert!(matches!(c.arena.backing, ArenaBacking::SharedMemory { .. }));
+        assert_eq!(
+            (&c.l2_adapters[0]["use_odirect"], &c.l2_adapters[0]["warm_restart"]),
+            (&false.into(), &true.into())
+        );
+        for (extra, named) in [
+            (&["--gds-l1-backend", "ugds"][..], "ugds"),
+            (&["--gds-l1-backend", "nvme"], "auto or posix"),
+            (&["--l1-devdax-path", "/x"], "--l1-devdax-path"),
+            (&["--l2-adapter", r#"{"type": "fs", "base_path": "/x"}"#], "exclude"),
+            (&["--take-over", "--l1-warm-restart"], "--take-over"),
+            (&["--gds-l1-staging-gb", "0"], "staging"),
+        ] {
+            let mut flags = vec!["--gds-l1-path", "/nvme/kv"];
+            flags.extend_from_slice(extra);
+            let err = config(&parse(&flags)).unwrap_err();
+            assert!(format!("{err:#}").contains(named), "{extra:?}: {err:#}");
+        }
     }
 
     #[test]

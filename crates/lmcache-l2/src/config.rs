@@ -26,6 +26,7 @@ pub const ADAPTER_TYPES: &[&str] = &[
     "fs",
     "fs_native",
     "raw_block",
+    "gds_slab",
     "redis",
     "resp",
     "valkey",
@@ -370,6 +371,23 @@ fn build_inner(
                 })?;
                 Arc::new(a)
             }
+            "gds_slab" => {
+                f.check_known(&["path", "capacity_bytes", "use_odirect", "warm_restart"])?;
+                let dir = PathBuf::from(f.str_req("path")?);
+                let capacity = f
+                    .u64_opt("capacity_bytes")?
+                    .filter(|c| *c > 0)
+                    .ok_or_else(|| ConfigError::field("capacity_bytes", "missing or 0"))?;
+                let a =
+                    crate::adapters::slab::SlabAdapter::open(crate::adapters::slab::SlabConfig {
+                        dir: dir.clone(),
+                        capacity_bytes: capacity,
+                        use_odirect: f.bool_or("use_odirect", true)?,
+                        keep: f.bool_or("warm_restart", false)?,
+                    })
+                    .map_err(|e| ConfigError::field("path", format!("{}: {e}", dir.display())))?;
+                Arc::new(a)
+            }
             "redis" | "resp" | "valkey" => {
                 f.check_known(&[
                     "host",
@@ -658,6 +676,7 @@ fn check_paths_in(spec: &Value, roots: &[PathBuf]) -> Result<(), ConfigError> {
     let field = match obj.get("type").and_then(Value::as_str) {
         Some("fs" | "fs_native") => Some("base_path"),
         Some("raw_block" | "dax") => Some("device_path"),
+        Some("gds_slab") => Some("path"),
         _ => None,
     };
     if let Some(field) = field
@@ -768,6 +787,10 @@ mod tests {
         let dax = serde_json::json!({"type": "dax", "device_path": "/dev/dax0.0",
                                      "max_dax_size_gb": 1, "slot_bytes": 4096});
         assert_eq!(check_allowed_paths(0, &dax, &roots).unwrap_err().field, "device_path");
+        // gds_slab: the directory its slab goes in.
+        let slab = serde_json::json!({"type": "gds_slab", "path": outside.path(),
+                                      "capacity_bytes": 1 << 30});
+        assert_eq!(check_allowed_paths(0, &slab, &roots).unwrap_err().field, "path");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Every adapter against its real backend: the same conformance checks for fs, raw_block,
-//! mock, Redis (single node and cluster) and S3. Redis and S3 need servers on loopback, which
+//! gds_slab, mock, Redis (single node and cluster) and S3. Redis and S3 need servers on loopback, which
 //! `scripts/test` starts and names in `LMCACHE_RS_TEST_REDIS`, `LMCACHE_RS_TEST_REDIS_CLUSTER`
 //! and `LMCACHE_RS_TEST_S3`; without them those tests say so and pass, unless
 //! `LMCACHE_RS_REQUIRE_SERVICES=1` (set by scripts/test), which makes a missing one a failure.
@@ -269,6 +269,25 @@ fn raw_block_conforms_with_and_without_odirect() {
                 "slot_bytes": 2 << 20, "capacity_bytes": 64 << 20, "meta_total_bytes": 1 << 20,
                 "use_odirect": odirect});
             conformance(&build(spec).await, SIZES).await;
+        }
+    });
+}
+
+/// The slab of a CPU GDS L1 (`--gds-l1-path`): formatted at its first store with slots of that
+/// batch's largest blob, so the conformance batch fits; with and without O_DIRECT.
+#[test]
+fn gds_slab_conforms_with_and_without_odirect() {
+    let dir = tempfile::tempdir().unwrap();
+    rt().block_on(async {
+        for odirect in [false, true] {
+            let sub = dir.path().join(format!("slab{odirect}"));
+            std::fs::create_dir(&sub).unwrap();
+            let spec = json!({"type": "gds_slab", "path": sub, "capacity_bytes": 96 << 20,
+                "use_odirect": odirect});
+            let b = build(spec).await;
+            conformance(&b, SIZES).await;
+            assert!(sub.join("lmcache-rs-gds-l1.slab").exists());
+            assert_eq!(b.adapter.describe()["use_odirect"], odirect);
         }
     });
 }

@@ -456,13 +456,32 @@ impl<'a> Tally<'a> {
     }
 
     /// L1 reservations for loaded keys, in one batch; `None` where the key is already
-    /// resident or there is no room (counted).
-    fn reserve(&self, reqs: &[WriteRequest]) -> Vec<Option<WriteReservation>> {
+    /// resident or there is no room (counted). When L1 is short of room while the
+    /// write-behind still has objects to write (which eviction spares), waits for it, at most
+    /// the tier's write-behind wait, as a store does: otherwise a DRAM staging area full of
+    /// objects on their way to a slab or any L2 turns every read-back into a miss.
+    async fn reserve(&self, reqs: &[WriteRequest]) -> Vec<Option<WriteReservation>> {
+        let l1 = &self.shared.l1;
+        let mut got = l1.reserve_write(reqs);
+        let deadline = std::time::Instant::now() + self.shared.config.write_behind_wait;
+        loop {
+            let short: Vec<usize> = got
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| matches!(r, Err(L1Error::OutOfMemory { .. })))
+                .map(|(i, _)| i)
+                .collect();
+            if short.is_empty() || l1.unwritten() == 0 || std::time::Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            let retry: Vec<WriteRequest> = short.iter().map(|&i| reqs[i].clone()).collect();
+            for (i, r) in short.into_iter().zip(l1.reserve_write(&retry)) {
+                got[i] = r;
+            }
+        }
         let refused = &self.shared.stats.prefetch_l1_refused;
-        self.shared
-            .l1
-            .reserve_write(reqs)
-            .into_iter()
+        got.into_iter()
             .map(|r| match r {
                 Ok(w) => Some(w),
                 Err(L1Error::NotWritable) => None, // already resident (or being written)
@@ -513,9 +532,10 @@ async fn load_from(
         }
     }
     let reqs: Vec<WriteRequest> = sized.iter().map(|(_, r)| r.clone()).collect();
+    let reserved = tally.reserve(&reqs).await;
     let direct: Vec<lmcache_l2::DirectItem> = sized
         .into_iter()
-        .zip(tally.reserve(&reqs))
+        .zip(reserved)
         .filter_map(|((hlen, req), w)| {
             let sink: Box<dyn PayloadSink> = Box::new(L1Sink(w?));
             Some((req.key, hlen, sink))
@@ -549,13 +569,13 @@ async fn load_from(
     }
     if !buffered.is_empty() {
         let results = slot.built.adapter.load(&buffered).await;
-        place(&mut tally, &buffered, results);
+        place(&mut tally, &buffered, results).await;
     }
     tally.finish()
 }
 
 /// Verifies, decodes and commits loaded blobs into L1.
-fn place(
+async fn place(
     tally: &mut Tally<'_>,
     keys: &[ObjectKey],
     results: Vec<Result<Option<bytes::Bytes>, lmcache_l2::L2Error>>,
@@ -581,7 +601,7 @@ fn place(
             }
         };
         let req = WriteRequest::new(key.clone(), header.raw_len);
-        let Some(Some(mut w)) = tally.reserve(&[req]).pop() else { continue };
+        let Some(Some(mut w)) = tally.reserve(&[req]).await.pop() else { continue };
         if let Err(e) = codec.decode_into(key, payload, w.as_mut_slice()) {
             tally.refused(key, &e.to_string());
             continue; // the reservation is discarded on drop

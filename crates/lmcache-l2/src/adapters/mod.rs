@@ -10,6 +10,7 @@ pub mod raw_block;
 pub mod redis;
 mod resp_direct;
 pub mod s3;
+pub mod slab;
 
 use crate::error::L2Error;
 

@@ -78,6 +78,46 @@ fn is_superblock(sb: &[u8]) -> bool {
     sb.len() >= 56 && &sb[0..8] == SUPER_MAGIC && xxh3_64(&sb[..48]) == le64(sb, 48)
 }
 
+/// The geometry a raw_block superblock records: what a device or file was formatted with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FormattedGeometry {
+    /// I/O alignment.
+    pub block_align: u64,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Bytes of the device used.
+    pub capacity_bytes: u64,
+    /// Bytes reserved for superblock, journal and checkpoints.
+    pub meta_total_bytes: u64,
+}
+
+/// The geometry `path` was formatted with, if its first block is a raw_block superblock;
+/// `None` for a missing or empty file, or one holding anything else.
+pub fn formatted_geometry(path: &std::path::Path) -> Result<Option<FormattedGeometry>, L2Error> {
+    let mut f = match File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let mut sb = [0u8; 64];
+    let mut got = 0;
+    while got < sb.len() {
+        match std::io::Read::read(&mut f, &mut sb[got..])? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    if !is_superblock(&sb[..got]) {
+        return Ok(None);
+    }
+    Ok(Some(FormattedGeometry {
+        block_align: le64(&sb, 16),
+        slot_bytes: le64(&sb, 24),
+        capacity_bytes: le64(&sb, 32),
+        meta_total_bytes: le64(&sb, 40),
+    }))
+}
+
 /// Writes an empty device's metadata: the superblock, a zeroed journal, empty checkpoints.
 fn write_format(f: &std::fs::File, g: &Geometry) -> std::io::Result<()> {
     f.write_all_at(&g.superblock(), 0)?;
