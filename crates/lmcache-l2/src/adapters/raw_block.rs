@@ -33,9 +33,9 @@ use parking_lot::Mutex;
 
 use lmcache_memory::FileRegion;
 
-use super::aligned::AlignedBuf;
+use super::aligned::{AlignedBuf, with_scratch};
 use super::{blocking, blocking_each};
-use crate::adapter::{KeyFilter, KeyPage, L2Adapter, Stored};
+use crate::adapter::{DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::{self, Blob};
 use crate::error::L2Error;
 use crate::wire_key;
@@ -673,8 +673,13 @@ impl Inner {
         let written = {
             let a = g.align as usize;
             let padded = (len as usize).div_ceil(a) * a;
-            let mut buf = AlignedBuf::filled(&[&blob.header, &blob.payload], padded, a);
-            self.data.write_all_at(buf.as_mut_slice(), g.slot_offset(slot))
+            let (h, p) = (blob.header.len(), blob.payload.len());
+            with_scratch(padded, a, |buf| {
+                buf[..h].copy_from_slice(&blob.header);
+                buf[h..h + p].copy_from_slice(&blob.payload);
+                buf[h + p..].fill(0);
+                self.data.write_all_at(buf, g.slot_offset(slot))
+            })
         };
         let mut st = self.state.lock();
         if let Err(e) = written {
@@ -704,6 +709,28 @@ impl Inner {
         let mut buf = AlignedBuf::new(padded, a);
         self.data.read_exact_at(buf.as_mut_slice(), self.geo.slot_offset(e.slot))?;
         Ok(Some(buf.into_bytes(e.len as usize)))
+    }
+
+    /// Loads `key`'s blob whose header is `hlen` bytes: the payload into `dest` (through this
+    /// thread's aligned scratch buffer), the header returned. A blob of another length is a
+    /// miss; the caller verifies both parts.
+    fn load_direct_one(
+        &self,
+        key: &ObjectKey,
+        hlen: usize,
+        dest: &mut [u8],
+    ) -> Result<Option<Vec<u8>>, L2Error> {
+        let Some(e) = self.state.lock().index.get(key).cloned() else { return Ok(None) };
+        if e.len != (hlen + dest.len()) as u64 {
+            return Ok(None);
+        }
+        let a = self.geo.align as usize;
+        let padded = (e.len as usize).div_ceil(a) * a;
+        with_scratch(padded, a, |buf| {
+            self.data.read_exact_at(buf, self.geo.slot_offset(e.slot))?;
+            dest.copy_from_slice(&buf[hlen..hlen + dest.len()]);
+            Ok(Some(buf[..hlen].to_vec()))
+        })
     }
 
     fn delete_one(&self, key: &ObjectKey) -> Result<bool, L2Error> {
@@ -742,6 +769,29 @@ impl L2Adapter for RawBlockAdapter {
     async fn load(&self, keys: &[ObjectKey]) -> Vec<Result<Option<Bytes>, L2Error>> {
         let inner = self.inner.clone();
         blocking_each(keys.to_vec(), move |k| inner.load_one(k)).await
+    }
+
+    /// Each item on its own blocking thread: the device serves several reads at once (a
+    /// request's chunks read back in parallel, where one after the other left it idle between
+    /// them).
+    async fn load_direct(&self, items: Vec<DirectItem>) -> Vec<DirectResult> {
+        let reads = items.into_iter().map(|(k, hlen, mut sink)| {
+            let inner = self.inner.clone();
+            async move {
+                blocking(move || {
+                    let r = inner.load_direct_one(&k, hlen, sink.payload_mut());
+                    (sink, r)
+                })
+                .await
+            }
+        });
+        // A read whose thread failed took its sink with it: answer none rather than a list
+        // the caller would pair with the wrong keys (their reservations are discarded).
+        futures_util::future::join_all(reads)
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .unwrap_or_default()
     }
 
     async fn delete(&self, keys: &[ObjectKey]) -> Result<u64, L2Error> {
