@@ -265,7 +265,8 @@ pub struct ServerArgs {
     pub l2_store_queue_size: usize,
     /// When L1 can only make room for a store by evicting objects L2 has not written yet, the
     /// store waits up to this many seconds for the write-behind, then evicts them (counted as
-    /// lmcache_rs_l1_unwritten_evictions_total).
+    /// lmcache_rs_l1_unwritten_evictions_total). Under --gds-l1-path the staging area waits
+    /// at least 60 s for the slab: the slab is L1's medium, not a copy of it.
     #[arg(long, default_value_t = 2.0)]
     pub l2_store_wait_seconds: f64,
     /// fs and raw_block L2 adapters, at start and when added over HTTP, must have their
@@ -547,6 +548,10 @@ fn parse_policy(s: &str) -> Result<EvictionPolicyKind, String> {
     s.parse().map_err(|e: lmcache_l1::eviction::UnknownPolicy| e.to_string())
 }
 
+/// Least time a slab L1's staging area waits for the slab before evicting an object the
+/// slab does not hold yet.
+const GDS_STAGING_WAIT_SECONDS: f64 = 60.0;
+
 /// A GDS L1 on CPU: the slab (an L2 adapter spec of type `gds_slab`, the only tier) and the
 /// DRAM staging area that L1's arena becomes.
 #[derive(Debug)]
@@ -795,6 +800,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     if let Some(path) = &args.l2_config {
         l2_adapters.extend(lmcache_l2::config::parse_toml_file(path)?);
     }
+    let slab_l1 = gds.is_some();
     if let Some(g) = gds {
         l2_adapters.push(g.slab);
     }
@@ -810,8 +816,15 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
             bail!("{flag} must be a number >= 0, got {v}");
         }
     }
+    // A slab L1's staging gives an object up only once the slab holds it, unless the slab is
+    // stuck for a minute.
+    let store_wait = if slab_l1 {
+        args.l2_store_wait_seconds.max(GDS_STAGING_WAIT_SECONDS)
+    } else {
+        args.l2_store_wait_seconds
+    };
     let l2 = lmcache_storage::TierConfig {
-        write_behind_wait: Duration::from_secs_f64(args.l2_store_wait_seconds),
+        write_behind_wait: Duration::from_secs_f64(store_wait),
         flush_timeout: Duration::from_secs_f64(args.l2_flush_timeout_seconds),
         max_in_flight: args.l2_prefetch_max_in_flight.max(1),
         prefetch_deadline: Duration::from_secs_f64(t_prefetch),
@@ -1080,6 +1093,7 @@ mod tests {
     fn the_gds_l1_flags_make_a_slab_and_a_staging_area() {
         let c = config(&parse(&["--gds-l1-path", "/nvme/kv", "--l1-size-gb", "100"])).unwrap();
         assert_eq!(c.arena.size, 2 << 30);
+        assert_eq!(c.l2.write_behind_wait, Duration::from_secs(60), "staging waits for the slab");
         let slab = &c.l2_adapters[0];
         assert_eq!(slab["type"], "gds_slab");
         assert_eq!(slab["capacity_bytes"], 100u64 << 30);
