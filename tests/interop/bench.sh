@@ -2,7 +2,7 @@
 # Interop with LMCache 0.5.6's own clients, from the cached virtualenv:
 # - `lmcache bench server --mode cpu` against `lmcache-rs server`, both transfer modes, tp 1
 #   and 2, plus an MLA bfloat16 model at tp 2 and two hybrid models (several KV groups: fp16
-#   MLA + fp16 K/V, and bf16 K/V + uint8 (FP8) MLA + fp16 K/V) at tp 1 and 2, 20 sequences,
+#   MLA + fp16 K/V, and bf16 K/V + uint8 (FP8) MLA + fp16 K/V) at tp 1 and 2, 10 sequences (INTEROP_SEQUENCES),
 #   --interval 0: every cold lookup must miss, every warm lookup must be a full hit, every
 #   checksum must match;
 # - vLLM's MP adapters (tests/interop/vllm_adapters.py) in both transfer modes, and a hybrid
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${1:?usage: bench.sh PATH/TO/lmcache-rs}
 VENV=$(./scripts/lmcache-venv)
-N=${INTEROP_SEQUENCES:-20}
+N=${INTEROP_SEQUENCES:-10}
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONWARNINGS=ignore
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK" || true' EXIT

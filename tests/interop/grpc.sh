@@ -2,7 +2,7 @@
 # `lmcache-rs server --transport grpc` against LMCache 0.5.6's own gRPC client
 # (GrpcMultiprocessClient, chosen by a grpc:// URL), from the cached virtualenv:
 # - `lmcache bench server --rpc-url grpc://…` in both CPU transfer modes, tp 1 and 2 (the
-#   default model: 32 MiB chunks), 20 sequences: every cold lookup misses, every warm lookup is
+#   default model: 32 MiB chunks), 10 sequences (INTEROP_SEQUENCES): every cold lookup misses, every warm lookup is
 #   a full hit, every checksum matches, and the server exits 0 on SIGTERM;
 # - vLLM's MP adapters over gRPC in both transfer modes, with their KV event stream (the
 #   server-streaming SubscribeKvEvents): miss, store, store events, full hit, bytes equal;
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${1:?usage: grpc.sh PATH/TO/lmcache-rs}
-N=${INTEROP_SEQUENCES:-20}
+N=${INTEROP_SEQUENCES:-10}
 . tests/interop/common.sh
 
 passed=0

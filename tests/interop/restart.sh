@@ -24,7 +24,7 @@ cd "$(dirname "$0")/../.."
 BIN=${1:?usage: restart.sh PATH/TO/lmcache-rs}
 # shellcheck source=tests/interop/common.sh
 source tests/interop/common.sh
-N=${RESTART_SEQUENCES:-6}
+N=${RESTART_SEQUENCES:-4}
 TOKENS=2048  # 8 chunks of 256 tokens per sequence
 CHUNKS=$((N * TOKENS / 256))
 FILE="$WORK/l1.dax"
