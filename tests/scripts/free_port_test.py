@@ -2,6 +2,7 @@
 import importlib.machinery
 import importlib.util
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,18 @@ with tempfile.TemporaryDirectory() as d:
     assert len(set(ports)) == 50, ports
     assert sorted(map(int, open(f).read().split())) == sorted(ports)
 print("free-port: ok (a port offered twice is handed out once)")
+
+# Ports come from below the ephemeral range, where bind(0) of other processes never lands.
+start = fp.ephemeral_start()
+for _ in range(50):
+    p = fp.bound_port()
+    assert fp.LOW <= p < start, (p, start)
+    assert fp.is_free(p)
+busy = socket.socket()
+busy.bind(("127.0.0.1", 0))
+assert not fp.is_free(busy.getsockname()[1])
+busy.close()
+print(f"free-port: ok (ports in [{fp.LOW}, {start}), outside bind(0)'s range)")
 
 # The interop scripts' free_port works after a `cd` (trace.sh asks for one inside the work
 # directory): common.sh keeps the helper's absolute path.
