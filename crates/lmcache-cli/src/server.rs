@@ -174,6 +174,12 @@ pub struct ServerArgs {
     /// in it. Capped at --l1-size-gb.
     #[arg(long, default_value_t = 2.0, value_name = "GB")]
     pub gds_l1_staging_gb: f64,
+    /// Bytes per slab slot, in MiB (lmcache-rs's own flag; 0: the size of the first chunk
+    /// stored, which suits one model). Give the largest chunk the server will store when
+    /// models of several sizes share it: a larger object stays in DRAM staging only. A slab
+    /// kept by --l1-warm-restart keeps the slot size it was formatted with.
+    #[arg(long, default_value_t = 0, value_name = "MB")]
+    pub gds_l1_slot_mb: u64,
     /// Restart warm from the --l1-devdax-path file, or, without it, from the shared-memory
     /// segment --shm-name NAME (kept in /dev/shm across restarts, holding its memory until
     /// removed; engine-driven clients map it as any shared-memory pool): serve what the
@@ -596,6 +602,7 @@ fn gds_l1(args: &ServerArgs, slab_bytes: u64) -> anyhow::Result<Option<GdsL1>> {
             "capacity_bytes": slab_bytes,
             "use_odirect": !args.no_gds_l1_use_direct_io,
             "warm_restart": args.l1_warm_restart,
+            "slot_bytes": args.gds_l1_slot_mb.saturating_mul(1 << 20),
         }),
         staging_bytes: staging.min(slab_bytes),
     }))
@@ -1063,7 +1070,8 @@ mod tests {
         assert_eq!(
             c.l2_adapters,
             vec![serde_json::json!({"type": "gds_slab", "path": "/nvme",
-                "capacity_bytes": 8u64 << 30, "use_odirect": false, "warm_restart": false})]
+                "capacity_bytes": 8u64 << 30, "use_odirect": false, "warm_restart": false,
+                "slot_bytes": 0})]
         );
         for (bad, named) in [
             (r#"{"type": "GDS", "tag": "g", "size_gb": 1}"#, "path: missing"),
@@ -1112,6 +1120,9 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(c.arena.size, 1 << 30, "staging is capped at the slab");
+        assert_eq!(c.l2_adapters[0]["slot_bytes"], 0);
+        let sized = config(&parse(&["--gds-l1-path", "/n", "--gds-l1-slot-mb", "40"])).unwrap();
+        assert_eq!(sized.l2_adapters[0]["slot_bytes"], 40u64 << 20);
         assert!(matches!(c.arena.backing, ArenaBacking::SharedMemory { .. }));
         assert_eq!(
             (&c.l2_adapters[0]["use_odirect"], &c.l2_adapters[0]["warm_restart"]),

@@ -372,7 +372,13 @@ fn build_inner(
                 Arc::new(a)
             }
             "gds_slab" => {
-                f.check_known(&["path", "capacity_bytes", "use_odirect", "warm_restart"])?;
+                f.check_known(&[
+                    "path",
+                    "capacity_bytes",
+                    "use_odirect",
+                    "warm_restart",
+                    "slot_bytes",
+                ])?;
                 let dir = PathBuf::from(f.str_req("path")?);
                 let capacity = f
                     .u64_opt("capacity_bytes")?
@@ -384,6 +390,7 @@ fn build_inner(
                         capacity_bytes: capacity,
                         use_odirect: f.bool_or("use_odirect", true)?,
                         keep: f.bool_or("warm_restart", false)?,
+                        slot_bytes: f.u64_opt("slot_bytes")?.filter(|b| *b > 0),
                     })
                     .map_err(|e| ConfigError::field("path", format!("{}: {e}", dir.display())))?;
                 Arc::new(a)

@@ -8,10 +8,11 @@
 //! laid out as a [`raw_block`](super::raw_block) device (fixed slots, a journal and
 //! checkpoints, every blob checksummed), so a torn or foreign slot is a miss, never served.
 //!
-//! The slot size is the first stored object's, rounded up to the I/O alignment: the server
-//! learns the size of a chunk only when an engine registers, and every full chunk of a model
-//! has the same size. An object larger than a slot is refused by the slab (counted as a failed
-//! L2 store) and lives in DRAM staging only. A slab file left by an earlier process is kept
+//! The slot size is `slot_bytes` when the operator gives it (`--gds-l1-slot-mb`), otherwise
+//! the first stored batch's largest object, rounded up to the I/O alignment: the server learns
+//! the size of a chunk only when an engine registers, and every full chunk of a model has the
+//! same size. An object larger than a slot is refused by the slab (counted as a failed L2
+//! store, and logged once with the flag to raise) and lives in DRAM staging only. A slab file left by an earlier process is kept
 //! and served when `keep` is set (the server's `--l1-warm-restart`), with the slot size it was
 //! formatted with; otherwise it is removed at start, as LMCache clears its slab. A file at the
 //! slab's name that is not a raw_block device is never removed or overwritten.
@@ -45,6 +46,8 @@ pub struct SlabConfig {
     pub use_odirect: bool,
     /// Serve a slab an earlier process left (`--l1-warm-restart`); otherwise it starts empty.
     pub keep: bool,
+    /// Bytes per slot (`--gds-l1-slot-mb`); `None`: the first stored batch's largest object.
+    pub slot_bytes: Option<u64>,
 }
 
 /// The slab of a CPU GDS L1. Until its slot size is known (the first store, or a kept slab)
@@ -54,6 +57,8 @@ pub struct SlabAdapter {
     config: SlabConfig,
     path: PathBuf,
     device: OnceCell<Device>,
+    /// Whether an object too large for the slots has been logged (once per process).
+    told_too_large: std::sync::atomic::AtomicBool,
 }
 
 /// The formatted slab and its slot size.
@@ -101,7 +106,12 @@ impl SlabAdapter {
                 path.display()
             )));
         }
-        let adapter = Self { config, path, device: OnceCell::new() };
+        let adapter = Self {
+            config,
+            path,
+            device: OnceCell::new(),
+            told_too_large: std::sync::atomic::AtomicBool::new(false),
+        };
         match found {
             Some(g) if adapter.config.keep => {
                 let dev = RawBlockAdapter::open(adapter.device_config(
@@ -112,7 +122,9 @@ impl SlabAdapter {
                 tracing::info!(
                     path = %adapter.path.display(),
                     slot_bytes = g.slot_bytes,
-                    "gds slab kept from the previous process"
+                    capacity_bytes = g.capacity_bytes,
+                    "gds slab kept from the previous process, with the geometry it was formatted \
+                     with"
                 );
                 let device = Device { dev, slot: g.slot_bytes };
                 adapter.device.set(device).map_err(|_| L2Error::transient("slab opened twice"))?;
@@ -159,7 +171,8 @@ impl SlabAdapter {
             .device
             .get_or_try_init(|| async {
                 let largest = items.iter().map(|(_, b)| b.len() as u64).max().unwrap_or(0);
-                let slot = largest.max(1).next_multiple_of(SLAB_ALIGN);
+                let slot =
+                    self.config.slot_bytes.unwrap_or(largest).max(1).next_multiple_of(SLAB_ALIGN);
                 let capacity = self.config.capacity_bytes;
                 let meta = meta_bytes(capacity, slot);
                 if capacity < meta + slot {
@@ -194,7 +207,27 @@ impl L2Adapter for SlabAdapter {
 
     async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
         match self.device_for(&items).await {
-            Ok(dev) => dev.store(items).await,
+            Ok(dev) => {
+                let results = dev.store(items).await;
+                let too_large = results.iter().find_map(|r| match r {
+                    Err(L2Error::Full { what: "slot_bytes", needed, limit }) => {
+                        Some((*needed, *limit))
+                    }
+                    _ => None,
+                });
+                if let Some((needed, slot)) = too_large
+                    && !self.told_too_large.swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        needed,
+                        slot,
+                        path = %self.path.display(),
+                        "an object is larger than the gds slab's slots: it stays in DRAM staging \
+                         only (give --gds-l1-slot-mb of the largest chunk, then start cold)"
+                    );
+                }
+                results
+            }
             Err(e) => {
                 let msg = e.to_string();
                 items.iter().map(|_| Err(L2Error::transient(msg.clone()))).collect()
@@ -293,7 +326,13 @@ mod tests {
     fn config(dir: &Path, keep: bool) -> SlabConfig {
         // Not O_DIRECT: a test's temporary directory may be on tmpfs, which refuses it
         // (raw_block then falls back to buffered I/O, which would hide nothing here).
-        SlabConfig { dir: dir.to_path_buf(), capacity_bytes: 64 << 20, use_odirect: false, keep }
+        SlabConfig {
+            dir: dir.to_path_buf(),
+            capacity_bytes: 64 << 20,
+            use_odirect: false,
+            keep,
+            slot_bytes: None,
+        }
     }
 
     async fn payload(a: &SlabAdapter, k: &ObjectKey) -> Option<Vec<u8>> {
@@ -322,6 +361,19 @@ mod tests {
         assert_eq!(payload(&a, &k1).await.unwrap(), vec![7u8; 300_000]);
         assert_eq!(payload(&a, &k2).await.unwrap(), vec![8u8; 1000]);
         assert_eq!(a.lookup(&[k1, k2, k3]).await.unwrap(), vec![true, true, false]);
+    }
+
+    #[tokio::test]
+    async fn a_slot_size_given_by_the_operator_is_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = SlabConfig { slot_bytes: Some(1 << 20), ..config(dir.path(), false) };
+        let a = SlabAdapter::open(cfg).unwrap();
+        let (small, large) = (key(5), key(6));
+        a.store(vec![(small.clone(), blob(&small, 100, 1))]).await.pop().unwrap().unwrap();
+        assert_eq!(a.slot_bytes(), Some(1 << 20), "not the first object's 4 KiB");
+        let r = a.store(vec![(large.clone(), blob(&large, 900_000, 2))]).await;
+        assert!(matches!(r[0], Ok(Stored::Written(_))), "{r:?}");
+        assert_eq!(payload(&a, &large).await.unwrap(), vec![2u8; 900_000]);
     }
 
     #[tokio::test]
