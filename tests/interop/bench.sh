@@ -153,7 +153,8 @@ done
 # find them (cold lookups full hits), retrieve the bytes the first pass stored (same digests)
 # and the server must report the hit tokens as coming from below DRAM. Twice: with the fs
 # adapter under a DRAM L1, and with a slab-file L1 (--gds-l1-path, O_DIRECT) whose DRAM
-# staging area is the 200 MB.
+# staging area is the 200 MB; that server is then killed with SIGKILL and restarted with
+# --l1-warm-restart, and the three sequences come back from the slab once more.
 for below in fs gds; do
 port=$(free_port); http=$(free_port)
 if [ "$below" = fs ]; then
@@ -162,14 +163,17 @@ else
   mkdir -p "$WORK/gds-slab"
   tier=(--l1-size-gb 1 --gds-l1-staging-gb 0.2 --gds-l1-path "$WORK/gds-slab")
 fi
-"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" "${tier[@]}" \
-    --shm-name "lmcache_rs_l2bench_$$" --max-workers 2 --log-level warn \
-    > "$WORK/l2-bench-$below.server.log" 2>&1 &
-pid=$!
-for _ in $(seq 100); do
-  python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
-  sleep 0.1
-done
+start_l2() { # [extra flags]
+  "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" "${tier[@]}" "$@" \
+      --shm-name "lmcache_rs_l2bench_$$" --max-workers 2 --log-level warn \
+      >> "$WORK/l2-bench-$below.server.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
+    sleep 0.1
+  done
+}
+start_l2
 rc=0
 bench_l2() { # start end output
   timeout 300 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
@@ -180,9 +184,18 @@ bench_l2 0 10 "l2-bench-$below-1" || rc=$?
 sleep 2 # let the write-behind finish
 bench_l2 0 3 "l2-bench-$below-2" || rc=$?
 metrics=$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$http/metrics', timeout=5).read().decode())")
+third=("$WORK/l2-bench-$below-2.log")
+if [ "$below" = gds ]; then
+  # The slab survives a SIGKILL: restarted with --l1-warm-restart (staging starts empty), the
+  # same three sequences come back whole from the slab, with the same digests.
+  kill -KILL "$pid"; wait "$pid" 2>/dev/null || true
+  start_l2 --l1-warm-restart
+  bench_l2 0 3 "l2-bench-$below-3" || rc=$?
+  third=("$WORK/l2-bench-$below-3.log")
+fi
 kill -TERM "$pid"; wait "$pid" || rc=$?
 if [ "$rc" -eq 0 ] && python3 - "$WORK/l2-bench-$below-1.json" "$WORK/l2-bench-$below-1.log" \
-    "$WORK/l2-bench-$below-2.log" "$metrics" <<'PY'
+    "$WORK/l2-bench-$below-2.log" "$metrics" "${third[@]}" <<'PY'
 import json, re, sys
 r = json.load(open(sys.argv[1]))["metrics"]["results"]
 assert r.get("checksum_ok") == 10 and r.get("checksum_fail") == 0, r
@@ -190,13 +203,18 @@ second = open(sys.argv[3]).read()
 cold = re.findall(r"/cold\] LOOKUP: (\d+)/(\d+) chunks hit", second)
 assert len(cold) == 3 and all(a == b and a != "0" for a, b in cold), cold
 digests = lambda text: dict(re.findall(r"seq (\d+)/warm\] CHECKSUM: ([0-9a-f]+)", text))
-first, again = digests(open(sys.argv[2]).read()), digests(second)
-assert len(again) == 3 and all(first[s] == d for s, d in again.items()), (first, again)
+first = digests(open(sys.argv[2]).read())
+for log in (sys.argv[3], sys.argv[5]):  # the second pass, and after a SIGKILL (gds) or it again
+    text = open(log).read()
+    cold = re.findall(r"/cold\] LOOKUP: (\d+)/(\d+) chunks hit", text)
+    assert len(cold) == 3 and all(a == b and a != "0" for a, b in cold), (log, cold)
+    again = digests(text)
+    assert len(again) == 3 and all(first[s] == d for s, d in again.items()), (log, first, again)
 m = re.search(r"^lmcache_mp_lookup_hit_l2_tokens_total (\S+)$", sys.argv[4], re.M)
 assert m and float(m.group(1)) >= 3 * 512, m and m.group(0)
 PY
 then
-  echo "interop L2 lmcache bench ($below): ok (10 sequences past 200 MB of DRAM, checksums match; the first 3 come back from below, byte-exact)"
+  echo "interop L2 lmcache bench ($below): ok (10 sequences past 200 MB of DRAM, checksums match; the first 3 come back from below, byte-exact$([ "$below" = gds ] && echo ", and again after a SIGKILL and a warm restart"))"
   passed=$((passed + 1))
 else
   echo "interop L2 lmcache bench ($below): FAILED"
