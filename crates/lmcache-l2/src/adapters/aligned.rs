@@ -60,11 +60,11 @@ pub(crate) fn with_scratch<R>(len: usize, align: usize, f: impl FnOnce(&mut [u8]
             return f(AlignedBuf::new(len, align).as_mut_slice());
         };
         let mut buf = match slot.take() {
-            Some(b) if b.v.len() >= len + align && b.start_for(align).is_some() => b,
+            Some(b) if b.v.len() >= len + align => b,
             _ => AlignedBuf::new(len, align),
         };
-        let start = buf.start_for(align).unwrap_or(buf.start);
-        buf.start = start;
+        // As in `new`: an aligned start within the first `align` bytes, `len` bytes after it.
+        buf.start = buf.v.as_ptr().align_offset(align).min(align);
         buf.len = len;
         let r = f(buf.as_mut_slice());
         if buf.v.len() <= SCRATCH_KEEP + align {
@@ -72,14 +72,6 @@ pub(crate) fn with_scratch<R>(len: usize, align: usize, f: impl FnOnce(&mut [u8]
         }
         r
     })
-}
-
-impl AlignedBuf {
-    /// Where an `align`-aligned slice starts in this buffer, if one fits before its end.
-    fn start_for(&self, align: usize) -> Option<usize> {
-        let start = self.v.as_ptr().align_offset(align);
-        (start <= align).then_some(start)
-    }
 }
 
 #[cfg(test)]

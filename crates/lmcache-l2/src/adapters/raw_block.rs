@@ -172,19 +172,7 @@ fn check_not_foreign(path: &std::path::Path, format: bool) -> Result<(), L2Error
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e.into()),
     };
-    if format || (meta.is_file() && meta.len() == 0) {
-        return Ok(());
-    }
-    let mut sb = vec![0u8; 4096];
-    let mut f = std::fs::File::open(path)?;
-    let mut got = 0;
-    while got < sb.len() {
-        match std::io::Read::read(&mut f, &mut sb[got..])? {
-            0 => break,
-            n => got += n,
-        }
-    }
-    if is_superblock(&sb[..got]) {
+    if format || (meta.is_file() && meta.len() == 0) || formatted_geometry(path)?.is_some() {
         return Ok(());
     }
     Err(L2Error::unavailable(format!(

@@ -92,15 +92,16 @@ impl SlabAdapter {
             )));
         }
         let path = config.dir.join(SLAB_FILE);
-        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+        let existing = std::fs::symlink_metadata(&path).ok();
+        if existing.as_ref().is_some_and(|m| m.file_type().is_symlink()) {
             return Err(L2Error::unavailable(format!(
                 "{}: is a symbolic link; the slab is only ever a file of ours",
                 path.display()
             )));
         }
         let found = raw_block::formatted_geometry(&path)?;
-        let nonempty = std::fs::symlink_metadata(&path).map(|m| !m.is_file() || m.len() > 0);
-        if found.is_none() && matches!(nonempty, Ok(true)) {
+        let nonempty = existing.is_some_and(|m| !m.is_file() || m.len() > 0);
+        if found.is_none() && nonempty {
             return Err(L2Error::unavailable(format!(
                 "{}: holds data that is not an lmcache-rs slab; refusing to touch it",
                 path.display()
