@@ -616,16 +616,10 @@ impl StorageManager {
         let Some(tier) = &self.l2 else { return out };
         let deadline = Instant::now() + tier.config().write_behind_wait;
         loop {
-            let short: Vec<usize> = out
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| matches!(r, Err(L1Error::OutOfMemory { .. })))
-                .map(|(i, _)| i)
-                .collect();
+            let (short, retry) = short_of_memory(requests, &out);
             if short.is_empty() || self.l1.unwritten() == 0 {
                 return out;
             }
-            let retry: Vec<WriteRequest> = short.iter().map(|&i| requests[i].clone()).collect();
             let now = Instant::now();
             let progressed = now < deadline && tier.wait_progress(deadline - now);
             let again = if progressed {
@@ -694,4 +688,18 @@ impl StorageManager {
         t.shutdown();
         pending
     }
+}
+
+/// The requests whose reservation in `got` (one per request, in order) was refused for lack
+/// of memory: their indices, and the requests to retry. A store and a prefetch both retry
+/// these while the write-behind frees L1.
+pub(crate) fn short_of_memory(
+    requests: &[WriteRequest],
+    got: &[Result<WriteReservation, L1Error>],
+) -> (Vec<usize>, Vec<WriteRequest>) {
+    got.iter()
+        .enumerate()
+        .filter(|(_, r)| matches!(r, Err(L1Error::OutOfMemory { .. })))
+        .map(|(i, _)| (i, requests[i].clone()))
+        .unzip()
 }

@@ -465,17 +465,11 @@ impl<'a> Tally<'a> {
         let mut got = l1.reserve_write(reqs);
         let deadline = std::time::Instant::now() + self.shared.config.write_behind_wait;
         loop {
-            let short: Vec<usize> = got
-                .iter()
-                .enumerate()
-                .filter(|(_, r)| matches!(r, Err(L1Error::OutOfMemory { .. })))
-                .map(|(i, _)| i)
-                .collect();
+            let (short, retry) = crate::manager::short_of_memory(reqs, &got);
             if short.is_empty() || l1.unwritten() == 0 || std::time::Instant::now() >= deadline {
                 break;
             }
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-            let retry: Vec<WriteRequest> = short.iter().map(|&i| reqs[i].clone()).collect();
             for (i, r) in short.into_iter().zip(l1.reserve_write(&retry)) {
                 got[i] = r;
             }
