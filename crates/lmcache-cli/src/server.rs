@@ -693,15 +693,15 @@ fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
             }
         }
     }
+    // The `path` a DEVDAX or GDS entry must name.
+    let path = |kind: &str| -> anyhow::Result<std::path::PathBuf> {
+        let p = obj.get("path").and_then(|p| p.as_str()).filter(|p| !p.is_empty());
+        Ok(p.with_context(|| format!("--l1-manager: path: missing for a {kind} L1"))?.into())
+    };
     match kind.to_ascii_uppercase().as_str() {
-        "DEVDAX" => {
-            let p = obj.get("path").and_then(|p| p.as_str()).filter(|p| !p.is_empty());
-            let p = p.context("--l1-manager: path: missing for a DEVDAX L1")?;
-            out.l1_devdax_path = Some(p.into());
-        }
+        "DEVDAX" => out.l1_devdax_path = Some(path("DEVDAX")?),
         "GDS" => {
-            let p = obj.get("path").and_then(|p| p.as_str()).filter(|p| !p.is_empty());
-            out.gds_l1_path = Some(p.context("--l1-manager: path: missing for a GDS L1")?.into());
+            out.gds_l1_path = Some(path("GDS")?);
             if let Some(b) = obj.get("backend") {
                 out.gds_l1_backend =
                     b.as_str().context("--l1-manager: backend: not a string")?.to_owned();
