@@ -6,7 +6,8 @@
 # and has no retry, so:
 #  - every request of the bench succeeds (no timeout, no failed store or retrieve), every
 #    warm lookup hits fully and every retrieve hashes to its sequence's stored digest;
-#  - every old server exits 0 and every new one took back the bench's registration;
+#  - every old server exits 0 and every new one took back the bench's registration and
+#    serves on the old one's listening sockets (handed over, not bound afresh);
 #  - nothing stored is lost: a second bench over the same sequences, on the last server,
 #    hits every cold lookup fully and retrieves the same digests.
 # Prints the pause of each upgrade (from the SIGTERM to the new server serving).
@@ -74,8 +75,13 @@ for u in $(seq "$UPGRADES"); do
     || { echo "FAILED: upgrade $u did not take over"; tail -20 "$WORK/up$u.server.log"; exit 1; }
   pause=$(sed 's/\x1b\[[0-9;]*m//g' "$WORK/up$u.server.log" | { grep -o 'pause_ms=[0-9]*' || true; } | head -1)
   taken=$(sed 's/\x1b\[[0-9;]*m//g' "$WORK/up$u.server.log" | { grep -o 'taken=[0-9]*' || true; } | head -1)
-  echo "upgrade: $u at sequence $at: $pause, registrations $taken"
+  ports=$(sed 's/\x1b\[[0-9;]*m//g' "$WORK/up$u.server.log" | { grep -o 'ports_handed_over=\[[A-Za-z, ]*\]' || true; } | head -1)
+  echo "upgrade: $u at sequence $at: $pause, registrations $taken, $ports"
   [ "$taken" = "taken=1" ] || { echo "FAILED: upgrade $u took back $taken registrations"; exit 1; }
+  # The new server serves on the old one's sockets (a connection made during the pause
+  # waits in their listen queue instead of being refused).
+  [ "$ports" = "ports_handed_over=[Transport, Http]" ] \
+    || { echo "FAILED: upgrade $u did not receive the old server's ports ($ports)"; exit 1; }
 done
 rc=0; wait "$bench_pid" || rc=$?
 for o in "${olds[@]}"; do

@@ -138,7 +138,11 @@ fn run() -> anyhow::Result<()> {
         }
         None => (None, None),
     };
-    let fmt = tracing_subscriber::fmt::layer().with_target(false).with_writer(std::io::stderr);
+    // Colours on a terminal only: a log file or a pipe gets plain text.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
     let registry = tracing_subscriber::registry().with(filter).with(otel_layer);
     if cli.log_format == "json" {
         registry.with(fmt.json()).init();

@@ -203,11 +203,13 @@ pub struct ServerArgs {
     #[arg(long)]
     pub l1_warm_restart: bool,
     /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (run
-    /// this binary, the new version, with the same flags). The old one is sent SIGTERM: it
-    /// answers what is in flight, records its last chunks and lets the file go; this one then
-    /// adopts its L1 and its workers' registrations and binds the same ports. Engines see one
-    /// pause and go on without registering again. Needs
-    /// --l1-warm-restart (with --l1-devdax-path or --shm-name).
+    /// this binary, the new version, with the same flags). It first receives the old
+    /// server's listening sockets (the --port and --http-port it serves), then sends it
+    /// SIGTERM: the old one answers what is in flight, records its last chunks and lets the
+    /// file go; this one adopts its L1 and its workers' registrations and serves on the same
+    /// sockets, so a connection made meanwhile waits instead of being refused. Engines see
+    /// one pause and go on without registering again. Needs --l1-warm-restart (with
+    /// --l1-devdax-path or --shm-name).
     #[arg(long)]
     pub take_over: bool,
     /// How long --take-over waits for the old server to let its L1 file go.
@@ -938,9 +940,19 @@ pub(crate) fn wait_for_shutdown(signals: &SigSet, exit_after_seconds: u64) -> an
     Ok(())
 }
 
-/// `--take-over`: stops the lmcache-rs server holding the L1 file and waits until it let the
-/// file go. Returns its pid and when it was signalled (`None`: nobody held the file).
-fn take_over(args: &ServerArgs, config: &ServerConfig) -> anyhow::Result<Option<(u32, Instant)>> {
+/// What `--take-over` took from the old server.
+struct TookOver {
+    pid: u32,
+    /// When the old server was asked to stop.
+    since: Instant,
+    /// Its listening sockets, received before it was asked to stop.
+    listeners: lmcache_server::handover::Listeners,
+}
+
+/// `--take-over`: takes the listening ports of the lmcache-rs server holding the L1 file
+/// (when it offers them), stops it, and waits until it let the file go. `None`: nobody held
+/// the file.
+fn take_over(args: &ServerArgs, config: &ServerConfig) -> anyhow::Result<Option<TookOver>> {
     let path = match &config.arena.backing {
         ArenaBacking::File(f) if f.adopt => f.path.clone(),
         _ => bail!(
@@ -970,6 +982,23 @@ fn take_over(args: &ServerArgs, config: &ServerConfig) -> anyhow::Result<Option<
             comm.trim()
         );
     }
+    // The ports first, while the old server still serves on them: from then on a connection
+    // waits in their listen queue for whichever of the two accepts it.
+    let name = lmcache_server::handover::socket_name(&path);
+    let listeners = match lmcache_server::handover::receive(&name, pid, Duration::from_secs(5)) {
+        Ok(l) => {
+            tracing::info!(old_pid = pid, roles = ?l.roles(), "--take-over: received the ports");
+            l
+        }
+        Err(e) => {
+            tracing::warn!(
+                old_pid = pid,
+                error = %e,
+                "--take-over: the ports will be bound afresh once the old server has let them go"
+            );
+            lmcache_server::handover::Listeners::default()
+        }
+    };
     let since = Instant::now();
     let target = i32::try_from(pid).context("pid out of range")?;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(target), Signal::SIGTERM)
@@ -982,7 +1011,7 @@ fn take_over(args: &ServerArgs, config: &ServerConfig) -> anyhow::Result<Option<
             timeout.as_secs_f64()
         );
     }
-    Ok(Some((pid, since)))
+    Ok(Some(TookOver { pid, since, listeners }))
 }
 
 /// Runs the server until SIGINT/SIGTERM (or `--exit-after-seconds`).
@@ -993,8 +1022,10 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
     let signals = block_shutdown_signals()?;
 
     let config = config(&args)?;
-    let took_over = if args.take_over { take_over(&args, &config)? } else { None };
-    let server = Server::start(config).context("starting the server")?;
+    let mut took_over = if args.take_over { take_over(&args, &config)? } else { None };
+    let inherited = took_over.as_mut().map(|t| std::mem::take(&mut t.listeners));
+    let server =
+        Server::start_with(config, inherited.unwrap_or_default()).context("starting the server")?;
     tracing::info!(
         endpoint = server.endpoint(),
         http = ?server.http_addr(),
@@ -1003,11 +1034,12 @@ pub fn run(args: ServerArgs) -> anyhow::Result<()> {
         ready_ms = started.elapsed().as_millis() as u64,
         "lmcache-rs serving"
     );
-    if let Some((pid, since)) = took_over {
+    if let Some(t) = took_over {
         tracing::info!(
-            old_pid = pid,
-            pause_ms = since.elapsed().as_millis() as u64,
-            "took over: serving the old server's L1 and ports"
+            old_pid = t.pid,
+            pause_ms = t.since.elapsed().as_millis() as u64,
+            ports_handed_over = ?server.handed_over(),
+            "took over: serving the old server's L1"
         );
     }
     wait_for_shutdown(&signals, args.exit_after_seconds)?;

@@ -516,3 +516,123 @@ fn take_over_signals_only_an_lmcache_rs_server() {
     drop(held);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// What a client probing a server's two ports saw.
+#[derive(Debug, Default)]
+struct Probes {
+    /// Connections refused, by port.
+    refused: Vec<u16>,
+    /// HTTP requests answered 200.
+    http_ok: u32,
+    /// HTTP requests accepted but not answered (the connection closed first).
+    http_failed: Vec<String>,
+    /// TCP connections the transport's port accepted.
+    transport_connects: u32,
+}
+
+fn http_get_on(mut s: std::net::TcpStream, path: &str) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    s.set_read_timeout(Some(Duration::from_secs(20)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out)?;
+    Ok(out)
+}
+
+/// Connects to `transport` and `http` (a GET /healthcheck on each connection) every 2 ms
+/// until `stop`.
+fn probe_ports(
+    transport: u16,
+    http: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Probes> {
+    std::thread::spawn(move || {
+        let mut p = Probes::default();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            for port in [transport, http] {
+                let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+                match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(20)) {
+                    Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                        p.refused.push(port)
+                    }
+                    Err(e) => p.http_failed.push(format!("connect {port}: {e}")),
+                    Ok(_) if port == transport => p.transport_connects += 1,
+                    Ok(s) => match http_get_on(s, "/healthcheck") {
+                        Ok(r) if r.starts_with("HTTP/1.1 200") => p.http_ok += 1,
+                        Ok(r) => p.http_failed.push(format!("answer {r:?}")),
+                        Err(e) => p.http_failed.push(format!("read: {e}")),
+                    },
+                }
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        p
+    })
+}
+
+#[test]
+fn take_over_hands_the_ports_over_so_no_connection_is_refused() {
+    take_over_under_probes("zmq");
+    take_over_under_probes("grpc");
+}
+
+fn take_over_under_probes(transport: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("l1");
+    let (port, http) = (free_port(), free_port());
+    let spawn = |take_over: bool, log: &std::path::Path| {
+        let out = std::fs::File::create(log).unwrap();
+        let mut cmd = bin();
+        cmd.args(["server", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--http-port", &http.to_string(), "--l1-size-gb", "0.1", "--log-level", "info"])
+            .args(["--l1-devdax-path", file.to_str().unwrap(), "--l1-warm-restart"])
+            .args(["--transport", transport])
+            .stdout(out.try_clone().unwrap())
+            .stderr(out);
+        if take_over {
+            cmd.arg("--take-over");
+        }
+        cmd.spawn().unwrap()
+    };
+    let healthy = |within: Duration| {
+        let t0 = Instant::now();
+        while t0.elapsed() < within {
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], http));
+            if let Ok(s) = std::net::TcpStream::connect(addr) {
+                if http_get_on(s, "/healthcheck").is_ok_and(|r| r.starts_with("HTTP/1.1 200")) {
+                    return true;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    };
+    let (old_log, new_log) = (dir.path().join("old.log"), dir.path().join("new.log"));
+    let mut old = spawn(false, &old_log);
+    assert!(healthy(Duration::from_secs(30)), "{}", std::fs::read_to_string(&old_log).unwrap());
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let prober = probe_ports(port, http, std::sync::Arc::clone(&stop));
+    std::thread::sleep(Duration::from_millis(200));
+    let mut new = spawn(true, &new_log);
+    let old_status = old.wait().unwrap();
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&new_log).unwrap().contains("took over") {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the new server never took over");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let probes = prober.join().unwrap();
+    let log = std::fs::read_to_string(&new_log).unwrap();
+    nix_kill(new.id());
+    assert!(new.wait().unwrap().success());
+
+    assert!(old_status.success(), "{transport}: the old server exited {old_status}");
+    assert!(log.contains("ports_handed_over=[Transport, Http]"), "{transport}: {log}");
+    assert!(
+        probes.refused.is_empty() && probes.http_failed.is_empty(),
+        "{transport}: connections refused or dropped across the upgrade: {probes:?}"
+    );
+    assert!(probes.http_ok >= 20 && probes.transport_connects >= 20, "{transport}: {probes:?}");
+}

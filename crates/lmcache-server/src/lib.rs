@@ -38,7 +38,10 @@
 //! - [`lookup_log`]: LMCache's lookup-hash JSONL logs, from a writer thread.
 //! - [`explain`]: "why was this a miss?": each recent lookup judged chunk by chunk.
 //! - [`trace_record`]: LMCache's `.lct` traces (storage calls, cache events).
-#![forbid(unsafe_code)]
+//! - [`handover`]: the hot upgrade's port handover: listening sockets passed to the server
+//!   that takes over; [`fd_passing`]: its two system calls without a safe API (the crate's
+//!   only unsafe code).
+#![deny(unsafe_code)]
 
 pub mod blend;
 pub mod blend_fleet;
@@ -47,8 +50,11 @@ pub mod chunk_tokens_file;
 pub mod config;
 pub mod event_bus;
 pub mod explain;
+#[expect(unsafe_code, reason = "ZMQ_USE_FD and SCM_RIGHTS descriptors: see the module")]
+mod fd_passing;
 pub mod fleet_report;
 pub mod handlers;
+pub mod handover;
 pub mod http;
 pub mod kv_events;
 pub mod kv_groups;

@@ -65,11 +65,23 @@ pub struct Server {
     p2p_channel: Option<P2pChannel>,
     peer_reader: Option<Arc<crate::p2p_reader::PeerReader>>,
     reporter: Option<JoinHandle<()>>,
+    handover: Option<crate::handover::Offer>,
+    handed_over: Vec<crate::handover::Role>,
 }
 
 impl Server {
     /// Builds everything and starts serving.
     pub fn start(config: ServerConfig) -> Result<Self, ServerError> {
+        Self::start_with(config, crate::handover::Listeners::default())
+    }
+
+    /// As [`Self::start`], serving on the listening sockets a server taken over handed over
+    /// (`--take-over`) where they are bound at the ports asked for. A server whose L1 file
+    /// restarts warm offers its own sockets in turn ([`crate::handover`]).
+    pub fn start_with(
+        config: ServerConfig,
+        inherited: crate::handover::Listeners,
+    ) -> Result<Self, ServerError> {
         let started = Instant::now();
         let hasher = TokenHasher::new(config.chunk_size)
             .map_err(|e| ServerError::Config(format!("--chunk-size: {e}")))?;
@@ -104,8 +116,21 @@ impl Server {
             }
             _ => (Registry::default(), Vec::new(), None),
         };
-        let transport = Transport::bind(&config)?;
+        let handover_name = match &config.arena.backing {
+            ArenaBacking::File(f) if f.adopt => Some(crate::handover::socket_name(&f.path)),
+            _ => None,
+        };
+        // Where the sockets handed over listen: a role was handed over when the server ends
+        // up bound there (a socket not asked for is closed, and its port is not ours).
+        let inherited_at = |l: &Option<std::net::TcpListener>| {
+            l.as_ref().and_then(|l| l.local_addr().ok()).filter(|a| a.port() != 0)
+        };
+        let (transport_was, http_was) =
+            (inherited_at(&inherited.transport), inherited_at(&inherited.http));
+        let (transport, transport_socket) =
+            Transport::bind_held(&config, inherited.transport, handover_name.is_some())?;
         let endpoint = transport.endpoint().to_owned();
+        let bound_port: Option<u16> = endpoint.rsplit(':').next().and_then(|p| p.parse().ok());
         let events = Arc::new(KvEventLog::new(config.kv_event_log_size));
         #[cfg(feature = "testing")]
         let faults = crate::state::Faults::default();
@@ -302,12 +327,38 @@ impl Server {
             tracing::info!(taken, dropped, "warm restart: the previous process's registrations");
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let http = match state.config.http_port {
+        let mut http = match state.config.http_port {
             None => None,
-            Some(port) => Some(start_http(Arc::clone(&state), port)?),
+            Some(port) => Some(start_http(Arc::clone(&state), port, inherited.http)?),
         };
-        let http_addr = http.as_ref().map(|(addr, _, _)| *addr);
-        let http = http.map(|(_, tx, j)| (tx, j));
+        let http_addr = http.as_ref().map(|(addr, _, _, _)| *addr);
+        let handover = match handover_name {
+            None => None,
+            Some(name) => {
+                let mut sockets = Vec::new();
+                if let Some(l) = transport_socket {
+                    sockets.push((crate::handover::Role::Transport, l));
+                }
+                if let Some(l) = http.as_mut().and_then(|h| h.3.take()) {
+                    sockets.push((crate::handover::Role::Http, l));
+                }
+                match crate::handover::Offer::start(&name, sockets) {
+                    Ok(offer) => Some(offer),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no port handover for a later --take-over");
+                        None
+                    }
+                }
+            }
+        };
+        let http = http.map(|(_, tx, j, _)| (tx, j));
+        let mut handed_over = Vec::new();
+        if transport_was.is_some() && transport_was.map(|a| a.port()) == bound_port {
+            handed_over.push(crate::handover::Role::Transport);
+        }
+        if http_was.is_some() && http_was == http_addr {
+            handed_over.push(crate::handover::Role::Http);
+        }
         let transport = {
             let (state, stop) = (Arc::clone(&state), Arc::clone(&stop));
             std::thread::Builder::new()
@@ -368,7 +419,15 @@ impl Server {
             p2p_channel,
             peer_reader,
             reporter,
+            handover,
+            handed_over,
         })
+    }
+
+    /// The ports this server took from the server it took over, still listening with
+    /// whatever connections were queued on them (empty after a plain start).
+    pub fn handed_over(&self) -> &[crate::handover::Role] {
+        &self.handed_over
     }
 
     /// The bound ZMQ endpoint.
@@ -401,6 +460,8 @@ impl Server {
         if self.stop.swap(true, Ordering::Relaxed) {
             return; // stopped already (shutdown, then drop)
         }
+        // No more handovers: whoever took the ports has them already.
+        drop(self.handover.take());
         if let Some(t) = self.transport.take() {
             match t.join() {
                 Ok(Err(e)) => tracing::error!(error = %e, "transport stopped with an error"),
@@ -533,12 +594,24 @@ fn l2_identities(state: &ServerState) -> std::collections::HashMap<u64, (String,
         .collect()
 }
 
-type HttpParts = (SocketAddr, tokio::sync::oneshot::Sender<()>, JoinHandle<()>);
+/// The bound address, the shutdown sender, the thread, and a duplicate of the listening
+/// socket (to hand over).
+type HttpParts =
+    (SocketAddr, tokio::sync::oneshot::Sender<()>, JoinHandle<()>, Option<std::net::TcpListener>);
 
-fn start_http(state: Arc<ServerState>, port: u16) -> Result<HttpParts, ServerError> {
+fn start_http(
+    state: Arc<ServerState>,
+    port: u16,
+    inherited: Option<std::net::TcpListener>,
+) -> Result<HttpParts, ServerError> {
     let addr = format!("{}:{}", state.config.http_host, port);
-    let listener =
-        std::net::TcpListener::bind(&addr).map_err(io(format!("binding HTTP on {addr}")))?;
+    let listener = match crate::handover::take_if_at(inherited, &addr) {
+        Some(l) => l,
+        None => {
+            std::net::TcpListener::bind(&addr).map_err(io(format!("binding HTTP on {addr}")))?
+        }
+    };
+    let dup = listener.try_clone().ok();
     listener.set_nonblocking(true).map_err(io("HTTP listener"))?;
     let local = listener.local_addr().map_err(io("HTTP listener"))?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -574,7 +647,7 @@ fn start_http(state: Arc<ServerState>, port: u16) -> Result<HttpParts, ServerErr
             });
         })
         .map_err(io("starting the HTTP thread"))?;
-    Ok((local, tx, join))
+    Ok((local, tx, join, dup))
 }
 
 /// Announces the adopted chunks whose tokens the previous process kept: a KV event `stored`

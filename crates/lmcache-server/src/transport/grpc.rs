@@ -74,8 +74,14 @@ pub struct GrpcTransport {
 impl GrpcTransport {
     /// Binds `host:port` (`localhost` is 127.0.0.1; `grpc://host:port` in `host` is taken
     /// whole; port 0 picks a free port). A ZMQ endpoint (`tcp://`, `ipc://`) is refused by
-    /// name: gRPC serves TCP only.
-    pub fn bind(host: &str, port: u16, server_workers: usize) -> Result<Self, TransportError> {
+    /// name: gRPC serves TCP only. `inherited` (a port handed over) is served on when it is
+    /// bound at that address.
+    pub fn bind(
+        host: &str,
+        port: u16,
+        server_workers: usize,
+        inherited: Option<TcpListener>,
+    ) -> Result<Self, TransportError> {
         let target = if let Some(whole) = host.strip_prefix("grpc://") {
             whole.to_owned()
         } else if let Some((scheme, _)) = host.split_once("://") {
@@ -91,11 +97,18 @@ impl GrpcTransport {
                 format!("{h}:{port}")
             }
         };
-        let listener =
-            TcpListener::bind(target.as_str()).map_err(io(format!("binding {target}")))?;
+        let listener = match crate::handover::take_if_at(inherited, &target) {
+            Some(l) => l,
+            None => TcpListener::bind(target.as_str()).map_err(io(format!("binding {target}")))?,
+        };
         listener.set_nonblocking(true).map_err(io("setting the listener non-blocking"))?;
         let addr = listener.local_addr().map_err(io("reading the bound address"))?;
         Ok(Self { listener, endpoint: format!("grpc://{addr}"), server_workers })
+    }
+
+    /// A duplicate of the listening socket (to hand over in a hot upgrade).
+    pub fn listener_clone(&self) -> std::io::Result<TcpListener> {
+        self.listener.try_clone()
     }
 
     /// The endpoint bound, as LMCache's clients name it (`grpc://127.0.0.1:5555`).

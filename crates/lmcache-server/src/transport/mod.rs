@@ -69,10 +69,39 @@ pub enum Transport {
 impl Transport {
     /// Binds the transport the configuration names, on its host and port.
     pub fn bind(config: &ServerConfig) -> Result<Self, TransportError> {
+        Ok(Self::bind_held(config, None, false)?.0)
+    }
+
+    /// As [`Self::bind`], serving on `inherited` (a port handed over by the server taken over)
+    /// when it is bound where the configuration asks. With `hold`, also returns a duplicate of
+    /// the listening socket, to hand over in turn (`None` for a ZMQ endpoint that is not TCP).
+    pub fn bind_held(
+        config: &ServerConfig,
+        inherited: Option<std::net::TcpListener>,
+        hold: bool,
+    ) -> Result<(Self, Option<std::net::TcpListener>), TransportError> {
+        let held = |what: &str| {
+            let what = what.to_owned();
+            move |source| TransportError::Io { what, source }
+        };
         Ok(match config.transport {
-            TransportKind::Zmq => Self::Zmq(ZmqTransport::bind(&config.endpoint())?),
+            TransportKind::Zmq => {
+                let endpoint = config.endpoint();
+                let socket = match (hold, inherited) {
+                    (false, None) => None,
+                    (_, inherited) => crate::handover::zmq_listener(&endpoint, inherited)
+                        .map_err(held(&format!("binding {endpoint}")))?,
+                };
+                (Self::Zmq(ZmqTransport::bind(&endpoint, socket.as_ref())?), socket)
+            }
             TransportKind::Grpc { server_workers } => {
-                Self::Grpc(GrpcTransport::bind(&config.host, config.port, server_workers)?)
+                let t = GrpcTransport::bind(&config.host, config.port, server_workers, inherited)?;
+                let socket = if hold {
+                    Some(t.listener_clone().map_err(held("the listener"))?)
+                } else {
+                    None
+                };
+                (Self::Grpc(t), socket)
             }
         })
     }

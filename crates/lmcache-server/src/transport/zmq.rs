@@ -93,15 +93,23 @@ impl std::fmt::Debug for ZmqTransport {
 }
 
 impl ZmqTransport {
-    /// Binds the ROUTER to `endpoint` (`tcp://` or `ipc://`).
-    pub fn bind(endpoint: &str) -> Result<Self, TransportError> {
+    /// Binds the ROUTER to `endpoint` (`tcp://` or `ipc://`), on `on` when given (a listening
+    /// socket this process holds, for a port handover) instead of a socket of ZMQ's own.
+    pub fn bind(
+        endpoint: &str,
+        on: Option<&std::net::TcpListener>,
+    ) -> Result<Self, TransportError> {
         let ctx = zmq::Context::new();
-        let router = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
+        let mut router = ctx.socket(zmq::ROUTER).map_err(zerr("socket"))?;
         router.set_router_mandatory(true).map_err(zerr("setsockopt ROUTER_MANDATORY"))?;
         router.set_linger(0).map_err(zerr("setsockopt LINGER"))?;
         router.set_rcvhwm(0).map_err(zerr("setsockopt RCVHWM"))?;
         router.set_sndhwm(0).map_err(zerr("setsockopt SNDHWM"))?;
-        router.bind(endpoint).map_err(zerr("bind"))?;
+        match on {
+            Some(listener) => crate::fd_passing::bind_zmq_on(&mut router, endpoint, listener),
+            None => router.bind(endpoint),
+        }
+        .map_err(zerr("bind"))?;
         let bound = router
             .get_last_endpoint()
             .map_err(zerr("getsockopt LAST_ENDPOINT"))?
