@@ -11,8 +11,12 @@
 #  - nothing stored is lost: a second bench over the same sequences, on the last server,
 #    hits every cold lookup fully and retrieves the same digests.
 # Prints the pause of each upgrade (from the SIGTERM to the new server serving).
+# With UPGRADE_L1=gds the L1 is a slab file instead (--gds-l1-path, 512 MiB of DRAM staging
+# under the 1.5 GiB the bench stores): each old server first writes its staging to the slab,
+# and the new one serves the bench's chunks from the slab.
 # Usage: tests/interop/upgrade_under_load.sh PATH/TO/lmcache-rs
-# (env: UPGRADE_SEQUENCES=12, UPGRADES=3, UPGRADE_L1_GB=3, UPGRADE_INTERVAL=0.3 s)
+# (env: UPGRADE_SEQUENCES=12, UPGRADES=3, UPGRADE_L1_GB=3, UPGRADE_INTERVAL=0.3 s,
+#  UPGRADE_L1=file|gds)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${1:?usage: upgrade_under_load.sh PATH/TO/lmcache-rs}
@@ -24,12 +28,17 @@ L1_GB=${UPGRADE_L1_GB:-3}
 INTERVAL=${UPGRADE_INTERVAL:-0.3}  # the bench's pause between a sequence's cold and warm pass
 TOKENS=1024  # 4 chunks of 256 tokens per sequence
 FILE="$WORK/l1.dax"
+case "${UPGRADE_L1:-file}" in
+  file) l1_flags=(--l1-devdax-path "$FILE" --no-l1-use-lazy) ;;
+  gds) mkdir -p "$WORK/slab"; l1_flags=(--gds-l1-path "$WORK/slab" --gds-l1-staging-gb 0.5) ;;
+  *) echo "UPGRADE_L1=$UPGRADE_L1: expected file or gds"; exit 2 ;;
+esac
 port=$(free_port); http=$(free_port)
 
 server() { # log [extra flags...]: a server on the L1 file; its pid in $srv
   local log=$1; shift
   "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb "$L1_GB" \
-      --l1-devdax-path "$FILE" --no-l1-use-lazy --l1-warm-restart --log-level info \
+      "${l1_flags[@]}" --l1-warm-restart --log-level info \
       "$@" > "$WORK/$log.server.log" 2>&1 &
   srv=$!
   pids+=("$srv")
@@ -114,4 +123,4 @@ bench again
 [ "$(lookups again cold)" -eq "$N" ] || { echo "FAILED: $(lookups again cold) of $N cold lookups hit after the upgrades"; exit 1; }
 [ "$(digests again warm)" = "$(cat "$WORK/ref")" ] || { echo "FAILED: digests after the upgrades differ"; exit 1; }
 echo "upgrade: after the upgrades all $N cold lookups hit fully, retrieves byte-exact"
-echo "upgrade: ok"
+echo "upgrade (${UPGRADE_L1:-file} L1): ok"

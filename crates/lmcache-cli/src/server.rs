@@ -155,8 +155,12 @@ pub struct ServerArgs {
     /// DRAM staging area (--gds-l1-staging-gb), written through to the slab, and read back
     /// from it into staging when a lookup finds them only there. Every slot is checksummed:
     /// a torn or foreign one is a miss. The slab starts empty, as LMCache's does, unless
-    /// --l1-warm-restart, which serves what the previous process wrote to it. Excludes
-    /// --l1-devdax-path and L2 adapters (the slab takes their place, as in LMCache).
+    /// --l1-warm-restart, which serves what the previous process wrote to it (and keeps the
+    /// workers' registrations in DIR/lmcache-rs-gds-l1.lock.lmcache-rs-workers). A stop
+    /// writes what staging holds to the slab first, for up to 60 s or
+    /// --l2-flush-timeout-seconds, whichever is longer. One server per DIR: it holds
+    /// DIR/lmcache-rs-gds-l1.lock, and a second one is refused with its pid. Excludes --l1-devdax-path and L2 adapters (the slab takes their place, as in
+    /// LMCache).
     #[arg(long, value_name = "DIR")]
     pub gds_l1_path: Option<std::path::PathBuf>,
     /// Open the slab with O_DIRECT (the default, as in LMCache): no page-cache copy.
@@ -202,14 +206,15 @@ pub struct ServerArgs {
     /// reset at start, and the registrations and tokens are forgotten.
     #[arg(long)]
     pub l1_warm_restart: bool,
-    /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (run
-    /// this binary, the new version, with the same flags). It first receives the old
+    /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (or
+    /// --shm-name, or --gds-l1-path) (run this binary, the new version, with the same flags). It first receives the old
     /// server's listening sockets (the --port and --http-port it serves), then sends it
     /// SIGTERM: the old one answers what is in flight, records its last chunks and lets the
     /// file go; this one adopts its L1 and its workers' registrations and serves on the same
     /// sockets, so a connection made meanwhile waits instead of being refused. Engines see
     /// one pause and go on without registering again. Needs --l1-warm-restart (with
-    /// --l1-devdax-path or --shm-name).
+    /// --l1-devdax-path, --shm-name or --gds-l1-path; a slab server first writes what its
+    /// DRAM staging holds to the slab).
     #[arg(long)]
     pub take_over: bool,
     /// How long --take-over waits for the old server to let its L1 file go.
@@ -588,9 +593,6 @@ fn gds_l1(args: &ServerArgs, slab_bytes: u64) -> anyhow::Result<Option<GdsL1>> {
              L2 tier's place (LMCache also asks for L2 adapters to be off under GDS L1)"
         );
     }
-    if args.take_over {
-        bail!("--take-over is not supported with --gds-l1-path yet (restart it instead)");
-    }
     if args.l1_devdax_format {
         bail!("--l1-devdax-format applies to --l1-devdax-path, not to --gds-l1-path");
     }
@@ -826,15 +828,19 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         }
     }
     // A slab L1's staging gives an object up only once the slab holds it, unless the slab is
-    // stuck for a minute.
-    let store_wait = if slab_l1 {
-        args.l2_store_wait_seconds.max(GDS_STAGING_WAIT_SECONDS)
+    // stuck for a minute; a stop (or a --take-over) writes what staging holds to the slab
+    // first, for as long.
+    let (store_wait, flush) = if slab_l1 {
+        (
+            args.l2_store_wait_seconds.max(GDS_STAGING_WAIT_SECONDS),
+            args.l2_flush_timeout_seconds.max(GDS_STAGING_WAIT_SECONDS),
+        )
     } else {
-        args.l2_store_wait_seconds
+        (args.l2_store_wait_seconds, args.l2_flush_timeout_seconds)
     };
     let l2 = lmcache_storage::TierConfig {
         write_behind_wait: Duration::from_secs_f64(store_wait),
-        flush_timeout: Duration::from_secs_f64(args.l2_flush_timeout_seconds),
+        flush_timeout: Duration::from_secs_f64(flush),
         max_in_flight: args.l2_prefetch_max_in_flight.max(1),
         prefetch_deadline: Duration::from_secs_f64(t_prefetch),
         store_queue_keys: args.l2_store_queue_size.max(1),
@@ -953,11 +959,11 @@ struct TookOver {
 /// (when it offers them), stops it, and waits until it let the file go. `None`: nobody held
 /// the file.
 fn take_over(args: &ServerArgs, config: &ServerConfig) -> anyhow::Result<Option<TookOver>> {
-    let path = match &config.arena.backing {
-        ArenaBacking::File(f) if f.adopt => f.path.clone(),
+    let path = match config.restart_anchor() {
+        Some((anchor, true)) => anchor,
         _ => bail!(
-            "--take-over needs --l1-warm-restart, with --l1-devdax-path or --shm-name (the new \
-             server adopts the old one's L1)"
+            "--take-over needs --l1-warm-restart, with --l1-devdax-path, --shm-name or \
+             --gds-l1-path (the new server adopts the old one's L1)"
         ),
     };
     let timeout = Duration::try_from_secs_f64(args.take_over_timeout_seconds)
@@ -1134,6 +1140,7 @@ mod tests {
         let c = config(&parse(&["--gds-l1-path", "/nvme/kv", "--l1-size-gb", "100"])).unwrap();
         assert_eq!(c.arena.size, 2 << 30);
         assert_eq!(c.l2.write_behind_wait, Duration::from_secs(60), "staging waits for the slab");
+        assert_eq!(c.l2.flush_timeout, Duration::from_secs(60), "a stop writes staging out");
         let slab = &c.l2_adapters[0];
         assert_eq!(slab["type"], "gds_slab");
         assert_eq!(slab["capacity_bytes"], 100u64 << 30);
@@ -1160,12 +1167,17 @@ mod tests {
             (&c.l2_adapters[0]["use_odirect"], &c.l2_adapters[0]["warm_restart"]),
             (&false.into(), &true.into())
         );
+        // A restart (and a --take-over) hangs on the slab's lock file.
+        let lock = std::path::PathBuf::from("/nvme/kv/lmcache-rs-gds-l1.lock");
+        assert_eq!(c.restart_anchor(), Some((lock.clone(), true)));
+        let cold = config(&parse(&["--gds-l1-path", "/nvme/kv"])).unwrap();
+        assert_eq!(cold.restart_anchor(), Some((lock, false)));
+        assert_eq!(config(&parse(&[])).unwrap().restart_anchor(), None);
         for (extra, named) in [
             (&["--gds-l1-backend", "ugds"][..], "ugds"),
             (&["--gds-l1-backend", "nvme"], "auto or posix"),
             (&["--l1-devdax-path", "/x"], "--l1-devdax-path"),
             (&["--l2-adapter", r#"{"type": "fs", "base_path": "/x"}"#], "exclude"),
-            (&["--take-over", "--l1-warm-restart"], "--take-over"),
             (&["--gds-l1-staging-gb", "0"], "staging"),
         ] {
             let mut flags = vec!["--gds-l1-path", "/nvme/kv"];

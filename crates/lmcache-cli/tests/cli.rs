@@ -636,3 +636,35 @@ fn take_over_under_probes(transport: &str) {
     );
     assert!(probes.http_ok >= 20 && probes.transport_connects >= 20, "{transport}: {probes:?}");
 }
+
+#[test]
+fn a_second_server_on_a_slab_directory_is_refused_with_the_holders_pid() {
+    let dir = tempfile::tempdir().unwrap();
+    let slab = dir.path().to_str().unwrap();
+    let server = |http: u16| {
+        let mut cmd = bin();
+        cmd.args(["server", "--port", "0", "--http-port", &http.to_string()]).args([
+            "--gds-l1-path",
+            slab,
+            "--l1-size-gb",
+            "0.1",
+            "--gds-l1-staging-gb",
+            "0.05",
+        ]);
+        cmd
+    };
+    let http = free_port();
+    let mut first = server(http).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", http)).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the first server never served");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // (Were it not refused, it would stop by itself.)
+    let out = server(free_port()).args(["--exit-after-seconds", "5"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    nix_kill(first.id());
+    assert!(first.wait().unwrap().success());
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains(&format!("in use by pid {}", first.id())), "{err}");
+}

@@ -131,6 +131,23 @@ impl ServerConfig {
         }
     }
 
+    /// What a restart hangs on, and whether this start is warm: the L1 file
+    /// (`--l1-devdax-path`, or `--shm-name` with `--l1-warm-restart`), or for a slab-file L1
+    /// (`--gds-l1-path`) its lock file. The workers' registrations are kept beside it, a
+    /// `--take-over` stops the process that holds its lock, and the port handover is named
+    /// after it. `None`: an L1 in memory only, which nothing outlives.
+    pub fn restart_anchor(&self) -> Option<(std::path::PathBuf, bool)> {
+        if let lmcache_memory::ArenaBacking::File(f) = &self.arena.backing {
+            return Some((f.path.clone(), f.adopt));
+        }
+        self.l2_adapters.iter().find_map(|spec| {
+            (spec.get("type")?.as_str()? == "gds_slab").then_some(())?;
+            let dir = std::path::Path::new(spec.get("path")?.as_str()?);
+            let warm = spec.get("warm_restart").and_then(serde_json::Value::as_bool) == Some(true);
+            Some((lmcache_l2::adapters::slab::lock_path(dir), warm))
+        })
+    }
+
     /// What the server's storage is built from.
     pub fn storage_config(&self) -> lmcache_storage::StorageConfig {
         lmcache_storage::StorageConfig {

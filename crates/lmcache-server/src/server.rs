@@ -100,24 +100,27 @@ impl Server {
             }
         }
         let storage = lmcache_storage::Storage::build(&config.storage_config())?;
-        // Registrations go with the L1: kept for an L1 file that restarts warm (and taken back
-        // below), forgotten with one that starts cold.
-        // So do the tokens behind its chunks (what a restart announces).
-        let (registry, saved, tokens) = match &config.arena.backing {
-            ArenaBacking::File(f) if f.adopt => {
-                let (file, saved) = crate::registry_file::RegistryFile::open(&f.path);
-                let tokens = crate::chunk_tokens_file::ChunkTokensFile::open(&f.path);
-                (Registry::persisted(file), saved, Some(tokens))
+        // Registrations go with the L1: kept beside its restart anchor when it restarts warm
+        // (and taken back below), forgotten when it starts cold. So do the tokens behind an
+        // L1 file's chunks (what a restart announces); a slab-file L1's DRAM staging adopts
+        // nothing, so it has no tokens to keep.
+        let l1_file = matches!(config.arena.backing, ArenaBacking::File(_));
+        let (registry, saved, tokens) = match config.restart_anchor() {
+            Some((anchor, true)) => {
+                let (file, saved) = crate::registry_file::RegistryFile::open(&anchor);
+                let tokens =
+                    l1_file.then(|| crate::chunk_tokens_file::ChunkTokensFile::open(&anchor));
+                (Registry::persisted(file), saved, tokens)
             }
-            ArenaBacking::File(f) => {
-                crate::registry_file::RegistryFile::remove_for(&f.path);
-                crate::chunk_tokens_file::ChunkTokensFile::remove_for(&f.path);
+            Some((anchor, false)) => {
+                crate::registry_file::RegistryFile::remove_for(&anchor);
+                crate::chunk_tokens_file::ChunkTokensFile::remove_for(&anchor);
                 (Registry::default(), Vec::new(), None)
             }
-            _ => (Registry::default(), Vec::new(), None),
+            None => (Registry::default(), Vec::new(), None),
         };
-        let handover_name = match &config.arena.backing {
-            ArenaBacking::File(f) if f.adopt => Some(crate::handover::socket_name(&f.path)),
+        let handover_name = match config.restart_anchor() {
+            Some((anchor, true)) => Some(crate::handover::socket_name(&anchor)),
             _ => None,
         };
         // Where the sockets handed over listen: a role was handed over when the server ends

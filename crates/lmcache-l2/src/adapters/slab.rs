@@ -16,6 +16,11 @@
 //! and served when `keep` is set (the server's `--l1-warm-restart`), with the slot size it was
 //! formatted with; otherwise it is removed at start, as LMCache clears its slab. A file at the
 //! slab's name that is not a raw_block device is never removed or overwritten.
+//!
+//! One process per directory: the adapter holds an exclusive `flock` on [`LOCK_FILE`] from
+//! its opening to its close, so a second server on the same `--gds-l1-path` is refused with
+//! the holder's pid before it touches the slab (it would clear or overwrite it), and a
+//! `--take-over` finds whom to stop by that lock.
 
 use std::path::{Path, PathBuf};
 
@@ -31,6 +36,14 @@ use crate::error::L2Error;
 
 /// The slab's file name inside `--gds-l1-path`: ours by name.
 pub const SLAB_FILE: &str = "lmcache-rs-gds-l1.slab";
+
+/// The lock file beside the slab (ours by name; empty, never removed).
+pub const LOCK_FILE: &str = "lmcache-rs-gds-l1.lock";
+
+/// The lock file of the slab in `dir`: the file whose holder serves that slab.
+pub fn lock_path(dir: &Path) -> PathBuf {
+    dir.join(LOCK_FILE)
+}
 
 /// I/O alignment of the slab (O_DIRECT and LMCache's GDS `align_bytes`).
 pub const SLAB_ALIGN: u64 = 4096;
@@ -59,6 +72,9 @@ pub struct SlabAdapter {
     device: OnceCell<Device>,
     /// Whether an object too large for the slots has been logged (once per process).
     told_too_large: std::sync::atomic::AtomicBool,
+    /// The directory's lock, held until [`L2Adapter::close`]; `None` once closed (a store
+    /// then fails: another process may own the slab).
+    lock: parking_lot::Mutex<Option<nix::fcntl::Flock<std::fs::File>>>,
 }
 
 /// The formatted slab and its slot size.
@@ -91,6 +107,7 @@ impl SlabAdapter {
                 config.dir.display()
             )));
         }
+        let lock = take_lock(&config.dir)?;
         let path = config.dir.join(SLAB_FILE);
         let existing = std::fs::symlink_metadata(&path).ok();
         if existing.as_ref().is_some_and(|m| m.file_type().is_symlink()) {
@@ -112,6 +129,7 @@ impl SlabAdapter {
             path,
             device: OnceCell::new(),
             told_too_large: std::sync::atomic::AtomicBool::new(false),
+            lock: parking_lot::Mutex::new(Some(lock)),
         };
         match found {
             Some(g) if adapter.config.keep => {
@@ -207,6 +225,12 @@ impl L2Adapter for SlabAdapter {
     }
 
     async fn store(&self, items: Vec<(ObjectKey, Blob)>) -> Vec<Result<Stored, L2Error>> {
+        if self.lock.lock().is_none() {
+            return items
+                .iter()
+                .map(|_| Err(L2Error::unavailable("the gds slab is closed")))
+                .collect();
+        }
         match self.device_for(&items).await {
             Ok(dev) => {
                 let results = dev.store(items).await;
@@ -309,7 +333,34 @@ impl L2Adapter for SlabAdapter {
         if let Some(dev) = self.dev() {
             dev.close().await;
         }
+        // Checkpointed: a successor (a --take-over) may open the slab now.
+        drop(self.lock.lock().take());
     }
+}
+
+/// Takes the exclusive lock of the slab directory `dir`, or names the process holding it.
+fn take_lock(dir: &Path) -> Result<nix::fcntl::Flock<std::fs::File>, L2Error> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = lock_path(dir);
+    // O_NOFOLLOW: a link planted at our lock's name is refused, not followed.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|e| L2Error::unavailable(format!("gds slab lock {}: {e}", path.display())))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+        let holder = lmcache_memory::file_arena::lock_holder(&path).ok().flatten();
+        L2Error::unavailable(format!(
+            "the gds slab in {} is in use by {} (one server per --gds-l1-path; --take-over \
+             replaces it): {e}",
+            dir.display(),
+            holder.map_or_else(|| "another process".to_owned(), |p| format!("pid {p}"))
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -414,6 +465,35 @@ mod tests {
         assert!(e.to_string().contains("symbolic link"), "{e}");
         let e = SlabAdapter::open(config(&dir.path().join("missing"), false)).unwrap_err();
         assert!(e.to_string().contains("gds slab directory"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn one_process_at_a_time_serves_a_slab_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let k = key(9);
+        let first = SlabAdapter::open(config(dir.path(), true)).unwrap();
+        first.store(vec![(k.clone(), blob(&k, 10_000, 1))]).await.pop().unwrap().unwrap();
+        // This process holds the lock (flock is per open file: a second open is refused
+        // as another process's would be), and the slab is left as it was.
+        let e = SlabAdapter::open(config(dir.path(), false)).unwrap_err();
+        let me = format!("pid {}", std::process::id());
+        assert!(e.to_string().contains("in use by") && e.to_string().contains(&me), "{e}");
+        assert!(dir.path().join(SLAB_FILE).exists(), "a refused opener cleared the slab");
+        first.close().await;
+        // Closed: no more writes from it, and a successor opens the slab warm.
+        let late = first.store(vec![(k.clone(), blob(&k, 10_000, 2))]).await.pop().unwrap();
+        assert!(late.is_err());
+        let next = SlabAdapter::open(config(dir.path(), true)).unwrap();
+        assert_eq!(payload(&next, &k).await.unwrap(), vec![1u8; 10_000]);
+        // A link at the lock's name is not followed.
+        next.close().await;
+        drop((first, next));
+        std::fs::remove_file(lock_path(dir.path())).unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(elsewhere.path().join("x"), lock_path(dir.path())).unwrap();
+        let e = SlabAdapter::open(config(dir.path(), true)).unwrap_err();
+        assert!(e.to_string().contains("gds slab lock"), "{e}");
+        assert!(!elsewhere.path().join("x").exists());
     }
 
     #[test]
