@@ -25,7 +25,7 @@ use bytes::Bytes;
 use lmcache_core::ObjectKey;
 use parking_lot::Mutex;
 
-use super::aligned::AlignedBuf;
+use super::aligned::{AlignedBuf, with_scratch};
 use super::{blocking, blocking_each};
 use crate::adapter::{DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored};
 use crate::blob::Blob;
@@ -207,13 +207,29 @@ impl Inner {
         dest: &mut [u8],
     ) -> Result<Option<Vec<u8>>, L2Error> {
         if self.odirect {
-            // O_DIRECT needs aligned buffers; the payload is not aligned in the file.
-            let Some(b) = self.load_one(key)? else { return Ok(None) };
-            if b.len() != hlen + dest.len() {
+            // O_DIRECT needs aligned buffers and the payload is not aligned in the file: read
+            // through this thread's scratch buffer (no allocation per load), then copy.
+            let mut f = match OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(self.path_of(key))
+            {
+                Ok(f) => f,
+                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+                Err(e) => return Err(e.into()),
+            };
+            let len = hlen + dest.len();
+            if f.metadata()?.len() != len as u64 {
                 return Ok(None);
             }
-            dest.copy_from_slice(&b[hlen..]);
-            return Ok(Some(b[..hlen].to_vec()));
+            let padded = len.div_ceil(ALIGN).max(1) * ALIGN;
+            return with_scratch(padded, ALIGN, |buf| -> Result<Option<Vec<u8>>, L2Error> {
+                if read_full(&mut f, buf)? < len {
+                    return Ok(None); // shrank under us
+                }
+                dest.copy_from_slice(&buf[hlen..len]);
+                Ok(Some(buf[..hlen].to_vec()))
+            });
         }
         let mut f = match File::open(self.path_of(key)) {
             Ok(f) => f,
