@@ -47,6 +47,27 @@ fn server_tweaked(path: &Path, adopt: bool, tweak: impl FnOnce(&mut ServerConfig
     Server::start(config).unwrap()
 }
 
+/// A log sink for a test's tracing subscriber.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn client(s: &Server) -> Client {
     Client::connect(s.endpoint(), Duration::from_secs(30)).unwrap()
 }
@@ -161,7 +182,19 @@ fn a_warm_restart_takes_back_its_workers_registrations() {
     // The lmcache-driven client went away: its registration is dropped, and its worker told
     // once; the engine-driven one still maps the same pool, so it stays.
     drop((kv, kv_owner));
-    let s = server(&l1, true);
+    // (The start's log, captured: a dropped registration is a warning, not a refusal.)
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_ansi(false)
+        .with_writer({
+            let logs = logs.clone();
+            move || logs.clone()
+        })
+        .finish();
+    let s = tracing::subscriber::with_default(subscriber, || server(&l1, true));
+    let log = logs.text();
+    assert!(log.contains("dropped a registration of the previous process"), "{log}");
+    assert!(!log.contains("registration refused"), "the replay refused loudly: {log}");
     let mut c = client(&s);
     assert!(!c.ping(Some(1)).unwrap(), "a worker whose segment is gone was not told");
     assert!(c.ping(Some(1)).unwrap());

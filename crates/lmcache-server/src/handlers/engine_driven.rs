@@ -20,89 +20,95 @@ use crate::registry::{Family, Instance, ObjectLayout, ObjectShape, Registration}
 use crate::registry_file::Saved;
 use crate::state::{PendingKey, PendingStore, RequestState};
 
+/// Registers an engine-driven worker: checks its layout against the pool and binds the
+/// pool's dtype; the reply names the shared pool. A refusal is its caller's to record
+/// (`handle` refuses; a warm restart's replay drops the registration instead).
+pub(super) fn register(
+    state: &RequestState,
+    r: &types::EngineDrivenRegistration,
+) -> Result<Value, ProtocolError> {
+    let slots = r.num_physical_slots.unwrap_or(state.chunk_size() as u64);
+    let layout = ObjectLayout {
+        kv: if r.use_mla { 1 } else { 2 },
+        layers: r.num_layers,
+        slots,
+        hidden: r.hidden_dim_size,
+        dtype: r.dtype,
+    };
+    let arena = state.l1().memory().arena();
+    let fits = layout.bytes().is_some_and(|b| b > 0 && b <= arena.len());
+    if !fits {
+        return Err(ProtocolError::OutOfRange {
+            field: "payload".into(),
+            reason: format!("object layout {:?} does not fit the L1 pool", layout.shape()),
+        });
+    }
+    // Without a shared pool the client would fall back to pickle mode, which this
+    // server does not serve: every store would fail. Say so now.
+    let Some(segment) = arena.engine_segment() else {
+        return Err(ProtocolError::OutOfRange {
+            field: "payload".into(),
+            reason: if arena.file_path().is_some() {
+                "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
+                     this server's is a file outside /dev/shm (--l1-devdax-path, as \
+                     LMCache's): use the lmcache_driven transfer mode, or restart warm in \
+                     shared memory (--shm-name NAME --l1-warm-restart)"
+            } else {
+                "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
+                     this server's is private (--l1-use-hugepages); restart it without that \
+                     flag"
+            }
+            .into(),
+        });
+    };
+    let (name, size) = (segment.name.to_owned(), segment.len);
+    if let Err(e) = state.storage.bind_layout_dtype(layout.dtype) {
+        return Err(ProtocolError::OutOfRange {
+            field: "payload.dtype_str".into(),
+            reason: e.to_string(),
+        });
+    }
+    // First stores should not pay for untouched memory: commit a few objects ahead.
+    state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
+    state.registry.register(
+        Family::EngineDriven,
+        r.instance_id,
+        Instance {
+            model: r.model_name.clone(),
+            world_size: r.world_size,
+            objects: vec![ObjectShape::single(layout)],
+            registration: Registration::EngineDriven,
+            last_seen: Instant::now(),
+            ping_proven: false,
+        },
+    );
+    tracing::info!(
+        instance_id = r.instance_id,
+        model = %r.model_name,
+        world_size = r.world_size,
+        shape = ?layout.shape(),
+        dtype = %layout.dtype,
+        "engine-driven worker registered"
+    );
+    let (op, params) = Command::RegisterEngineDriven(r.clone()).encode();
+    let segment = Some((name.clone(), size));
+    let (family, id) = (Family::EngineDriven, r.instance_id);
+    state.registry.remember(Saved { family, id, op, params, segment });
+    Ok(types::EngineDrivenRegistered { shm_name: name, pool_size: size }.encode())
+}
+
 pub(super) fn handle(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
     match cmd {
-        Command::RegisterEngineDriven(r) => {
-            let refuse = |e: ProtocolError| {
-                super::refuse_registration(
-                    state,
-                    Family::EngineDriven,
-                    r.instance_id,
-                    Some(r.model_name.to_string()),
-                    Some(r.world_size),
-                    &e,
-                );
-                e
-            };
-            let slots = r.num_physical_slots.unwrap_or(state.chunk_size() as u64);
-            let layout = ObjectLayout {
-                kv: if r.use_mla { 1 } else { 2 },
-                layers: r.num_layers,
-                slots,
-                hidden: r.hidden_dim_size,
-                dtype: r.dtype,
-            };
-            let arena = state.l1().memory().arena();
-            let fits = layout.bytes().is_some_and(|b| b > 0 && b <= arena.len());
-            if !fits {
-                return Err(refuse(ProtocolError::OutOfRange {
-                    field: "payload".into(),
-                    reason: format!("object layout {:?} does not fit the L1 pool", layout.shape()),
-                }));
-            }
-            // Without a shared pool the client would fall back to pickle mode, which this
-            // server does not serve: every store would fail. Say so now.
-            let Some(segment) = arena.engine_segment() else {
-                return Err(refuse(ProtocolError::OutOfRange {
-                    field: "payload".into(),
-                    reason: if arena.file_path().is_some() {
-                        "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
-                         this server's is a file outside /dev/shm (--l1-devdax-path, as \
-                         LMCache's): use the lmcache_driven transfer mode, or restart warm in \
-                         shared memory (--shm-name NAME --l1-warm-restart)"
-                    } else {
-                        "engine-driven transfer needs the L1 pool in POSIX shared memory, and \
-                         this server's is private (--l1-use-hugepages); restart it without that \
-                         flag"
-                    }
-                    .into(),
-                }));
-            };
-            let (name, size) = (segment.name.to_owned(), segment.len);
-            if let Err(e) = state.storage.bind_layout_dtype(layout.dtype) {
-                return Err(refuse(ProtocolError::OutOfRange {
-                    field: "payload.dtype_str".into(),
-                    reason: e.to_string(),
-                }));
-            }
-            // First stores should not pay for untouched memory: commit a few objects ahead.
-            state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
-            state.registry.register(
+        Command::RegisterEngineDriven(r) => register(state, &r).map(Some).inspect_err(|e| {
+            super::refuse_registration(
+                state,
                 Family::EngineDriven,
                 r.instance_id,
-                Instance {
-                    model: r.model_name.clone(),
-                    world_size: r.world_size,
-                    objects: vec![ObjectShape::single(layout)],
-                    registration: Registration::EngineDriven,
-                    last_seen: Instant::now(),
-                    ping_proven: false,
-                },
+                Some(r.model_name.to_string()),
+                Some(r.world_size),
+                e,
             );
-            tracing::info!(
-                instance_id = r.instance_id,
-                model = %r.model_name,
-                world_size = r.world_size,
-                shape = ?layout.shape(),
-                dtype = %layout.dtype,
-                "engine-driven worker registered"
-            );
-            let (op, params) = Command::RegisterEngineDriven(r.clone()).encode();
-            let segment = Some((name.clone(), size));
-            let (family, id) = (Family::EngineDriven, r.instance_id);
-            state.registry.remember(Saved { family, id, op, params, segment });
-            Ok(Some(types::EngineDrivenRegistered { shm_name: name, pool_size: size }.encode()))
-        }
+        }),
         Command::UnregisterEngineDriven(id) => {
             state.registry.unregister(Family::EngineDriven, id);
             Ok(None)

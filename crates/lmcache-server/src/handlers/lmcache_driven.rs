@@ -104,7 +104,7 @@ pub(super) fn open_client_segment(
     Ok(seg)
 }
 
-fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), ProtocolError> {
+pub(super) fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), ProtocolError> {
     let id = r.instance_id;
     let model = lmcache_core::ModelName::new(&r.model_name)
         .map_err(|e| bad("model_name", e.to_string()))?;

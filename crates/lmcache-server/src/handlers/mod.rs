@@ -326,13 +326,19 @@ fn replay_one(state: &ServerState, s: &Saved) -> Result<(), String> {
         }
     }
     let cmd = Command::decode(s.op, &s.params).map_err(|e| e.to_string())?;
-    if !matches!(cmd, Command::RegisterKvCache(_) | Command::RegisterEngineDriven(_)) {
-        return Err(format!("{} is not a registration", s.op.name()));
-    }
+    // The family's registration itself, not its handler: a registration that no longer
+    // applies is dropped by the caller, not refused (a refusal would log that the worker
+    // fails until it registers again, which it need not: its next ping asks it to).
     let requests: &RequestState = state;
-    guarded(&state.metrics, s.op.name(), || family_handler(requests, cmd))
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    guarded(&state.metrics, s.op.name(), || match &cmd {
+        Command::RegisterKvCache(r) => lmcache_driven::register(requests, r),
+        Command::RegisterEngineDriven(r) => engine_driven::register(requests, r).map(|_| ()),
+        _ => Err(ProtocolError::OutOfRange {
+            field: "op".into(),
+            reason: format!("{} is not a registration", s.op.name()),
+        }),
+    })
+    .map_err(|e| e.to_string())
 }
 
 fn family_handler(state: &RequestState, cmd: Command) -> Result<Option<Value>, ProtocolError> {
