@@ -56,6 +56,14 @@ bench() { # log end [allow-failure]
   fi
 }
 
+# Ends a background `bench` whose server was killed: its client would otherwise wait out its
+# own timeouts. TERM goes to the subshell's children (`timeout`, which passes it on).
+end_bench() { # pid
+  local c
+  for c in $(cat /proc/"$1"/task/*/children 2>/dev/null); do kill -TERM "$c" 2>/dev/null || true; done
+  wait "$1" 2>/dev/null || true
+}
+
 status() { # python expression over d = /status's storage_manager.l1.restart
   python3 - "http://127.0.0.1:$http/status" "$1" <<'PY'
 import json, sys, urllib.request
@@ -166,7 +174,7 @@ for round in 1 2 3; do
     sleep 0.02
   done
   stop KILL
-  wait "$b" 2>/dev/null || true
+  end_bench "$b"
   start "afterkill$round" --l1-warm-restart
   adopted=$(status 'd["adopted_objects"]')
   echo "restart: SIGKILL mid-store round $round (holding $before + $((4 * round)) chunks): adopted $adopted, dropped as corrupt $(status 'd["adopt_corrupt"]')"
@@ -322,7 +330,7 @@ for round in 1 2 3; do
     sleep 0.02
   done
   stop KILL
-  wait "$b" 2>/dev/null || true
+  end_bench "$b"
   echo "restart: slab, SIGKILL mid-store round $round: the slab held $held chunks at its start"
 done
 start slab-final --l1-warm-restart
