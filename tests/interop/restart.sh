@@ -57,11 +57,20 @@ bench() { # log end [allow-failure]
 }
 
 # Ends a background `bench` whose server was killed: its client would otherwise wait out its
-# own timeouts. TERM goes to the subshell's children (`timeout`, which passes it on).
+# own timeouts. TERM goes to the subshell's children (`timeout`, which passes it on to the
+# client). A client ended so leaves its KV segments (/dev/shm/lmcache_kv_<its pid>_<n>): this
+# test started it, so they are removed, by that pid only.
 end_bench() { # pid
-  local c
-  for c in $(cat /proc/"$1"/task/*/children 2>/dev/null); do kill -TERM "$c" 2>/dev/null || true; done
+  local c g clients=()
+  for c in $(cat /proc/"$1"/task/*/children 2>/dev/null); do
+    for g in $(cat /proc/"$c"/task/*/children 2>/dev/null); do clients+=("$g"); done
+    kill -TERM "$c" 2>/dev/null || true
+  done
   wait "$1" 2>/dev/null || true
+  for g in "${clients[@]}"; do
+    while kill -0 "$g" 2>/dev/null; do sleep 0.05; done
+    rm -f /dev/shm/lmcache_kv_"$g"_*
+  done
 }
 
 status() { # python expression over d = /status's storage_manager.l1.restart

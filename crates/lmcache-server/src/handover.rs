@@ -141,11 +141,15 @@ impl Offer {
 impl Drop for Offer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the accept with a connection of our own.
-        if let Ok(addr) = std::os::unix::net::SocketAddr::from_abstract_name(self.name.as_bytes()) {
-            let _ = UnixStream::connect_addr(&addr);
-        }
-        if let Some(t) = self.thread.take() {
+        // Wake the accept with a connection of our own, and join the thread once it is
+        // woken; should that connection fail, the thread is left to the process's exit
+        // rather than a shutdown hung on it.
+        let woken = std::os::unix::net::SocketAddr::from_abstract_name(self.name.as_bytes())
+            .and_then(|addr| UnixStream::connect_addr(&addr))
+            .is_ok();
+        if let Some(t) = self.thread.take()
+            && woken
+        {
             let _ = t.join();
         }
     }
