@@ -159,8 +159,8 @@ pub struct ServerArgs {
     /// workers' registrations in DIR/lmcache-rs-gds-l1.lock.lmcache-rs-workers). A stop
     /// writes what staging holds to the slab first, for up to 60 s or
     /// --l2-flush-timeout-seconds, whichever is longer. One server per DIR: it holds
-    /// DIR/lmcache-rs-gds-l1.lock, and a second one is refused with its pid. Excludes --l1-devdax-path and L2 adapters (the slab takes their place, as in
-    /// LMCache).
+    /// DIR/lmcache-rs-gds-l1.lock, and a second one is refused with its pid. Excludes
+    /// --l1-devdax-path and L2 adapters (the slab takes their place, as in LMCache).
     #[arg(long, value_name = "DIR")]
     pub gds_l1_path: Option<std::path::PathBuf>,
     /// Open the slab with O_DIRECT (the default, as in LMCache): no page-cache copy.
@@ -206,10 +206,10 @@ pub struct ServerArgs {
     /// reset at start, and the registrations and tokens are forgotten.
     #[arg(long)]
     pub l1_warm_restart: bool,
-    /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path (or
-    /// --shm-name, or --gds-l1-path) (run this binary, the new version, with the same flags). It first receives the old
-    /// server's listening sockets (the --port and --http-port it serves), then sends it
-    /// SIGTERM: the old one answers what is in flight, records its last chunks and lets the
+    /// Hot upgrade: start in place of the lmcache-rs server that holds --l1-devdax-path,
+    /// --shm-name or --gds-l1-path (run this binary, the new version, with the same flags).
+    /// It first receives the old server's listening sockets (the --port and --http-port it
+    /// serves), then sends it SIGTERM: the old one answers what is in flight, records its last chunks and lets the
     /// file go; this one adopts its L1 and its workers' registrations and serves on the same
     /// sockets, so a connection made meanwhile waits instead of being refused. Engines see
     /// one pause and go on without registering again. Needs --l1-warm-restart (with

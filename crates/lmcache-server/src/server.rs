@@ -105,22 +105,23 @@ impl Server {
         // L1 file's chunks (what a restart announces); a slab-file L1's DRAM staging adopts
         // nothing, so it has no tokens to keep.
         let l1_file = matches!(config.arena.backing, ArenaBacking::File(_));
-        let (registry, saved, tokens) = match config.restart_anchor() {
+        let anchor = config.restart_anchor();
+        let (registry, saved, tokens) = match &anchor {
             Some((anchor, true)) => {
-                let (file, saved) = crate::registry_file::RegistryFile::open(&anchor);
+                let (file, saved) = crate::registry_file::RegistryFile::open(anchor);
                 let tokens =
-                    l1_file.then(|| crate::chunk_tokens_file::ChunkTokensFile::open(&anchor));
+                    l1_file.then(|| crate::chunk_tokens_file::ChunkTokensFile::open(anchor));
                 (Registry::persisted(file), saved, tokens)
             }
             Some((anchor, false)) => {
-                crate::registry_file::RegistryFile::remove_for(&anchor);
-                crate::chunk_tokens_file::ChunkTokensFile::remove_for(&anchor);
+                crate::registry_file::RegistryFile::remove_for(anchor);
+                crate::chunk_tokens_file::ChunkTokensFile::remove_for(anchor);
                 (Registry::default(), Vec::new(), None)
             }
             None => (Registry::default(), Vec::new(), None),
         };
-        let handover_name = match config.restart_anchor() {
-            Some((anchor, true)) => Some(crate::handover::socket_name(&anchor)),
+        let handover_name = match &anchor {
+            Some((anchor, true)) => Some(crate::handover::socket_name(anchor)),
             _ => None,
         };
         // Where the sockets handed over listen: a role was handed over when the server ends

@@ -206,22 +206,14 @@ impl Inner {
         hlen: usize,
         dest: &mut [u8],
     ) -> Result<Option<Vec<u8>>, L2Error> {
+        let Some(mut f) = self.open_object(key)? else { return Ok(None) };
+        let len = hlen + dest.len();
+        if f.metadata()?.len() != len as u64 {
+            return Ok(None);
+        }
         if self.odirect {
             // O_DIRECT needs aligned buffers and the payload is not aligned in the file: read
             // through this thread's scratch buffer (no allocation per load), then copy.
-            let mut f = match OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_DIRECT)
-                .open(self.path_of(key))
-            {
-                Ok(f) => f,
-                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-                Err(e) => return Err(e.into()),
-            };
-            let len = hlen + dest.len();
-            if f.metadata()?.len() != len as u64 {
-                return Ok(None);
-            }
             let padded = len.div_ceil(ALIGN).max(1) * ALIGN;
             return with_scratch(padded, ALIGN, |buf| -> Result<Option<Vec<u8>>, L2Error> {
                 if read_full(&mut f, buf)? < len {
@@ -230,14 +222,6 @@ impl Inner {
                 dest.copy_from_slice(&buf[hlen..len]);
                 Ok(Some(buf[..hlen].to_vec()))
             });
-        }
-        let mut f = match File::open(self.path_of(key)) {
-            Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
-        if f.metadata()?.len() != (hlen + dest.len()) as u64 {
-            return Ok(None);
         }
         let mut header = vec![0u8; hlen];
         let mut bufs = [std::io::IoSliceMut::new(&mut header), std::io::IoSliceMut::new(dest)];
@@ -253,18 +237,22 @@ impl Inner {
         Ok(Some(header))
     }
 
-    fn load_one(&self, key: &ObjectKey) -> Result<Option<Bytes>, L2Error> {
-        let path = self.path_of(key);
+    /// `key`'s file opened for reading (with O_DIRECT when on); `None` when absent.
+    fn open_object(&self, key: &ObjectKey) -> Result<Option<File>, L2Error> {
         let mut opts = OpenOptions::new();
         opts.read(true);
         if self.odirect {
             opts.custom_flags(libc::O_DIRECT);
         }
-        let mut f = match opts.open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(e.into()),
-        };
+        match opts.open(self.path_of(key)) {
+            Ok(f) => Ok(Some(f)),
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn load_one(&self, key: &ObjectKey) -> Result<Option<Bytes>, L2Error> {
+        let Some(mut f) = self.open_object(key)? else { return Ok(None) };
         let len = usize::try_from(f.metadata()?.len())
             .map_err(|_| L2Error::transient("file too large"))?;
         if self.odirect {

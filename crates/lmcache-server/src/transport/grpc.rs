@@ -47,6 +47,7 @@ use tonic::server::{Grpc, ServerStreamingService, UnaryService};
 use tonic::transport::server::{TcpConnectInfo, TcpIncoming};
 
 use super::TransportError;
+use super::io;
 use super::lanes::Lanes;
 use super::zmq::{DRAIN_DEADLINE, parse_subscription};
 use crate::handlers::{self, Lane};
@@ -57,11 +58,6 @@ pub const DEFAULT_SERVER_WORKERS: usize = 32;
 
 /// How often an idle event stream looks for new events (the ZMQ stream's pace).
 const STREAM_POLL: Duration = Duration::from_millis(5);
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
-    let what = what.into();
-    move |source| TransportError::Io { what, source }
-}
 
 /// A bound gRPC listener, ready to serve.
 #[derive(Debug)]

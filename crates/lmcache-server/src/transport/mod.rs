@@ -57,6 +57,12 @@ pub enum TransportError {
     Grpc(String),
 }
 
+/// The error of a failed socket or runtime call, naming `what` was being done.
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TransportError {
+    let what = what.into();
+    move |source| TransportError::Io { what, source }
+}
+
 /// A bound transport, ready to serve.
 #[derive(Debug)]
 pub enum Transport {
@@ -80,27 +86,20 @@ impl Transport {
         inherited: Option<std::net::TcpListener>,
         hold: bool,
     ) -> Result<(Self, Option<std::net::TcpListener>), TransportError> {
-        let held = |what: &str| {
-            let what = what.to_owned();
-            move |source| TransportError::Io { what, source }
-        };
         Ok(match config.transport {
             TransportKind::Zmq => {
                 let endpoint = config.endpoint();
                 let socket = match (hold, inherited) {
                     (false, None) => None,
                     (_, inherited) => crate::handover::zmq_listener(&endpoint, inherited)
-                        .map_err(held(&format!("binding {endpoint}")))?,
+                        .map_err(io(format!("binding {endpoint}")))?,
                 };
                 (Self::Zmq(ZmqTransport::bind(&endpoint, socket.as_ref())?), socket)
             }
             TransportKind::Grpc { server_workers } => {
                 let t = GrpcTransport::bind(&config.host, config.port, server_workers, inherited)?;
-                let socket = if hold {
-                    Some(t.listener_clone().map_err(held("the listener"))?)
-                } else {
-                    None
-                };
+                let socket =
+                    if hold { Some(t.listener_clone().map_err(io("the listener"))?) } else { None };
                 (Self::Grpc(t), socket)
             }
         })
