@@ -9,8 +9,8 @@
 //! Everything here is plain data and arithmetic: no IO, no locks, no clocks (timestamps come
 //! in with the events). Names (models, salts, instances, backends) are interned once into
 //! small ids ([`NsId`], [`InstanceId`], [`SiteId`]), so a placement costs 16 bytes and a key
-//! its 32-byte chunk hash, a 28-byte record holding its first placement, and a 4-byte table
-//! slot.
+//! its 32-byte chunk hash, a 28-byte record holding its first placement, and an 8-byte table
+//! entry (slot number and fingerprint).
 //!
 //! Placement identity follows LMCache's key directory: a private placement is one per
 //! (instance, tier, backend); a placement in a shared pool (one S3 bucket mounted by several
@@ -24,6 +24,7 @@
 //! - `ids`: the interned names ([`NsId`], [`InstanceId`], [`SiteId`]).
 //! - `slots`: the key arena (keys in store order, so a request's chunks sit side by side),
 //!   its table, and the placement lists of keys held at several sites.
+//! - `seg_table`: that table, in segments that split one at a time as it grows.
 //! - `runs`: each instance's longest leading run of a request's chunks, by bitsets.
 //! - `tokens`: bounded token bindings, for lookups by tokens.
 //! - `persist`: the checked checkpoint image, whole or built in steps ([`ImageBuilder`]).
@@ -33,6 +34,7 @@ mod directory;
 mod ids;
 mod persist;
 mod runs;
+mod seg_table;
 mod slots;
 mod tokens;
 

@@ -3,9 +3,9 @@
 //! A request's chunks arrive in one store batch, so they land in consecutive slots, and a lookup
 //! of the same chunks walks the arena sequentially: it checks the slot after the previous hit
 //! before it probes the table, one predictable read per chunk instead of one random probe
-//! ([`Slots::find_after`]). The table holds 4-byte slot numbers only, keyed by the chunk hash;
-//! the 32-byte hashes sit in an array parallel to the 28-byte slot records, so each costs its
-//! bytes once.
+//! ([`Slots::find_after`]). The table ([`SegTable`]) holds slot numbers and 32-bit fingerprints,
+//! keyed by the chunk hash; the 32-byte hashes sit in an array parallel to the 28-byte slot
+//! records, so each costs its bytes once.
 //!
 //! A slot holds its key's first placement inline; a key placed at several sites (a prefix every
 //! server holds, a chunk in L1 and L2) keeps them all in a spill list the slot points to. A key
@@ -13,10 +13,9 @@
 
 use std::hash::BuildHasher as _;
 
-use hashbrown::HashTable;
-
 use crate::directory::Placement;
 use crate::ids::{DirKey, InstanceId, NsId, SiteId, Tier};
+use crate::seg_table::SegTable;
 
 /// Per site: its owner and tier when private, `None` for a shared pool (the directory's table).
 pub(crate) type SiteOwners = [Option<(InstanceId, Tier)>];
@@ -58,6 +57,18 @@ impl Spill {
             None => self.shared += 1,
         }
         self.list.push(p);
+    }
+
+    /// Whether the list may hold a placement at `site`: false only for a private site whose
+    /// owner has no placement of this key at any of its sites.
+    fn may_hold(&self, site: SiteId, owners: &SiteOwners) -> bool {
+        match owners.get(site.0 as usize).copied().flatten() {
+            Some((owner, _)) => {
+                let i = owner.index();
+                self.any.get((i / 64) as usize).is_some_and(|w| w & (1 << (i % 64)) != 0)
+            }
+            None => true,
+        }
     }
 
     fn rebuild(&mut self, owners: &SiteOwners) {
@@ -144,7 +155,7 @@ pub(crate) struct Removed {
 /// The arena and its table. See the module docs.
 #[derive(Debug)]
 pub(crate) struct Slots {
-    table: HashTable<u32>,
+    table: SegTable,
     hasher: foldhash::fast::FixedState,
     hashes: Vec<[u8; 32]>,
     slots: Vec<Slot>,
@@ -163,7 +174,7 @@ fn key_hash(hasher: &foldhash::fast::FixedState, hash: &[u8; 32], ns: u32) -> u6
 impl Slots {
     pub(crate) fn new(seed: u64) -> Self {
         Self {
-            table: HashTable::new(),
+            table: SegTable::default(),
             hasher: foldhash::fast::FixedState::with_seed(seed),
             hashes: Vec::new(),
             slots: Vec::new(),
@@ -193,7 +204,7 @@ impl Slots {
 
     /// The slot of `key`, by its table hash `h`.
     fn find_hashed(&self, key: &DirKey, h: u64) -> Option<u32> {
-        self.table.find(h, |&i| self.matches(i, key)).copied()
+        self.table.find(h, |i| self.matches(i, key))
     }
 
     /// The slot of `key`.
@@ -276,39 +287,37 @@ impl Slots {
         p: Placement,
         owners: &SiteOwners,
     ) -> (u32, bool, Option<u64>) {
-        match self.next_slot(prev, key).or_else(|| self.find_hashed(key, h)) {
+        if let Some(i) = self.next_slot(prev, key) {
+            return (i, false, self.put(i, p, owners));
+        }
+        // The slot a new key takes: a freed one, or the arena's end (`has_room` was asked
+        // before the batch, so the number fits).
+        let reused = if self.reuse_paused { None } else { self.free.last().copied() };
+        let new = reused.unwrap_or(self.slots.len() as u32);
+        let (slots, hashes) = (&self.slots, &self.hashes);
+        let same = |j: u32| slots[j as usize].ns == key.ns.0 && hashes[j as usize] == key.hash;
+        match self.table.find_or_insert(h, same, new) {
             Some(i) => (i, false, self.put(i, p, owners)),
-            None => (self.insert_new(key, h, p), true, None),
+            None => {
+                self.occupy(new, reused.is_some(), key, p);
+                (new, true, None)
+            }
         }
     }
 
-    /// A new key with its first placement, in a free slot or at the arena's end.
-    fn insert_new(&mut self, key: &DirKey, h: u64, p: Placement) -> u32 {
-        if self.table.len() == self.table.capacity() {
-            // Grow by doubling, rebuilt from the arena.
-            self.rebuild_table((self.table.capacity() * 2).max(64), false);
-        }
+    /// Slot `i` (a freed one when `reused`, else the arena's end) takes a new key with its
+    /// first placement; the table already names it.
+    fn occupy(&mut self, i: u32, reused: bool, key: &DirKey, p: Placement) {
         let slot = Slot::new(key.ns.0, p);
-        let reused = if self.reuse_paused { None } else { self.free.pop() };
-        let i = match reused {
-            Some(i) => {
-                self.slots[i as usize] = slot;
-                self.hashes[i as usize] = key.hash;
-                i
-            }
-            None => {
-                // `has_room` was asked before the batch: the index fits.
-                let i = self.slots.len() as u32;
-                self.slots.push(slot);
-                self.hashes.push(key.hash);
-                i
-            }
-        };
-        let (hashes, slots, hasher) = (&self.hashes, &self.slots, &self.hasher);
-        self.table
-            .insert_unique(h, i, |&j| key_hash(hasher, &hashes[j as usize], slots[j as usize].ns));
+        if reused {
+            self.free.pop();
+            self.slots[i as usize] = slot;
+            self.hashes[i as usize] = key.hash;
+        } else {
+            self.slots.push(slot);
+            self.hashes.push(key.hash);
+        }
         self.live += 1;
-        i
     }
 
     /// Upserts `p` into slot `i`; the size it replaced.
@@ -316,6 +325,12 @@ impl Slots {
         let s = &mut self.slots[i as usize];
         if s.head.site == SPILLED {
             let spill = &mut self.spill[s.head.epoch as usize];
+            if !spill.may_hold(p.site, owners) {
+                // A private site whose owner holds nothing of this key: a new placement,
+                // without a scan of the list (a prefix every server holds has one per server).
+                spill.add(p, owners);
+                return None;
+            }
             match spill.list.iter_mut().find(|q| q.site == p.site) {
                 // Same site, same owner: the bitsets stand.
                 Some(q) => Some(std::mem::replace(q, p).size()),
@@ -377,9 +392,7 @@ impl Slots {
 
     fn free_slot(&mut self, i: u32) {
         let h = self.hash_of(&self.key(i));
-        if let Ok(e) = self.table.find_entry(h, |&j| j == i) {
-            e.remove();
-        }
+        self.table.remove(h, i);
         self.slots[i as usize].ns = FREE;
         self.slots[i as usize].set_bound(false);
         self.free.push(i);
@@ -466,78 +479,35 @@ impl Slots {
         true
     }
 
-    /// Builds the table over every slot [`Slots::push_restored`] appended; false if two slots
-    /// hold the same key.
+    /// Builds the table over every slot [`Slots::push_restored`] appended (the arena read
+    /// once, in order); false if two slots hold the same key.
     pub(crate) fn index_restored(&mut self) -> bool {
-        self.rebuild_table(self.live, true)
-    }
-
-    /// Rebuilds the table with room for `capacity` keys, inserting the live slots in the order
-    /// of the buckets they land in, so the table fills front to back from a sequential read of
-    /// the arena (hashbrown's own growth rehashes in table order: a random read of the arena
-    /// per key). With `check`, false if two slots hold the same key.
-    fn rebuild_table(&mut self, capacity: usize, check: bool) -> bool {
-        let hs: Vec<u64> = self
-            .hashes
+        let (hashes, slots, hasher) = (&self.hashes, &self.slots, &self.hasher);
+        let entries: Vec<(u64, u32)> = hashes
             .iter()
-            .zip(&self.slots)
-            .map(|(h, s)| if s.is_free() { 0 } else { key_hash(&self.hasher, h, s.ns) })
+            .zip(slots)
+            .enumerate()
+            .filter(|(_, (_, s))| !s.is_free())
+            .map(|(i, (h, s))| (key_hash(hasher, h, s.ns), i as u32))
             .collect();
-        // The table's bucket count for `capacity` (at most 7/8 full, a power of two); an
-        // estimate off by a power of two only costs order, never correctness.
-        let buckets = (capacity.max(8) * 8 / 7).next_power_of_two();
-        let bits = buckets.trailing_zeros();
-        let bin_bits = bits.min(16);
-        let bin_of = |h: u64| (h as usize & (buckets - 1)) >> (bits - bin_bits);
-        let mut starts = vec![0u32; (1 << bin_bits) + 1];
-        for (h, s) in hs.iter().zip(&self.slots) {
-            if !s.is_free() {
-                starts[bin_of(*h) + 1] += 1;
+        let same = |a: u32, b: u32| {
+            let (a, b) = (a as usize, b as usize);
+            slots[a].ns == slots[b].ns && hashes[a] == hashes[b]
+        };
+        match SegTable::build(entries, same) {
+            Some(table) => {
+                self.table = table;
+                true
             }
+            None => false,
         }
-        for b in 1..starts.len() {
-            starts[b] += starts[b - 1];
-        }
-        // (hash, slot) pairs by bucket: the inserts below read them in order.
-        let mut order = vec![(0u64, 0u32); self.live];
-        for (i, (h, s)) in hs.iter().zip(&self.slots).enumerate() {
-            if !s.is_free() {
-                let b = bin_of(*h);
-                order[starts[b] as usize] = (*h, i as u32);
-                starts[b] += 1;
-            }
-        }
-        if check {
-            // Two slots with one key have one hash: sort each bin by hash and compare the
-            // neighbours (a bin is about a hundred pairs).
-            let mut from = 0usize;
-            for &end in &starts[..starts.len() - 1] {
-                let bin = &mut order[from..end as usize];
-                from = end as usize;
-                // By key after the hash, so equal keys sit together even among colliding ones.
-                let key = |i: u32| (self.hashes[i as usize], self.slots[i as usize].ns);
-                bin.sort_unstable_by(|&(h0, a), &(h1, b)| {
-                    h0.cmp(&h1).then_with(|| key(a).cmp(&key(b)))
-                });
-                if bin.windows(2).any(|w| w[0].0 == w[1].0 && key(w[0].1) == key(w[1].1)) {
-                    return false;
-                }
-            }
-        }
-        drop(starts);
-        let mut table = HashTable::with_capacity(capacity.max(order.len()));
-        for (h, i) in order {
-            table.insert_unique(h, i, |&j| hs[j as usize]);
-        }
-        self.table = table;
-        true
     }
 
     /// Bytes held: arena, hashes, table, spill lists.
     pub(crate) fn bytes(&self) -> usize {
         self.slots.capacity() * std::mem::size_of::<Slot>()
             + self.hashes.capacity() * 32
-            + self.table.capacity() * (std::mem::size_of::<u32>() + 1)
+            + self.table.bytes()
             + self
                 .spill
                 .iter()
@@ -647,6 +617,9 @@ mod tests {
             st(&mut s, &key(1), p(site, 1));
         }
         let sp = s.spill(i).unwrap();
+        assert!(sp.may_hold(SiteId(2), &OWNERS), "instance 2 holds it");
+        assert!(sp.may_hold(SiteId(3), &OWNERS), "a shared pool is always looked up");
+        assert!(sp.may_hold(SiteId(9), &OWNERS), "an unknown site is looked up");
         assert_eq!(sp.l1.as_slice(), &[0b101, 1 << 6]);
         assert_eq!(sp.any.as_slice(), &[0b111, 1 << 6]);
         assert_eq!(sp.shared, 1);
@@ -654,8 +627,15 @@ mod tests {
         s.remove(i, SiteId(3), &OWNERS);
         let sp = s.spill(i).unwrap();
         assert_eq!((sp.l1[0], sp.any[0], sp.shared), (0b1, 0b11, 0));
+        assert!(!sp.may_hold(SiteId(2), &OWNERS), "instance 2's placement went");
         s.remove(i, SiteId(4), &OWNERS);
         assert_eq!(s.spill(i).unwrap().l1.iter().sum::<u64>(), 1, "instance 70's bit went");
+        // Stored again from instance 2 (not in the bitsets): appended, and then replaced, not
+        // added twice.
+        st(&mut s, &key(1), p(2, 5));
+        assert!(s.placements(i).contains(&p(2, 5)));
+        assert_eq!(st(&mut s, &key(1), p(2, 6)).2, Some(5));
+        assert_eq!(s.placements(i).len(), 3);
     }
 
     #[test]
@@ -693,7 +673,8 @@ mod tests {
     #[test]
     fn many_keys_survive_table_growth_and_removal() {
         let mut s = Slots::new(7);
-        let keys: Vec<DirKey> = (0..5000u32)
+        // Past 14,336 keys the table splits segments.
+        let keys: Vec<DirKey> = (0..40_000u32)
             .map(|i| {
                 let mut h = [0u8; 32];
                 h[..4].copy_from_slice(&i.to_le_bytes());
@@ -711,7 +692,7 @@ mod tests {
         for (n, k) in keys.iter().enumerate() {
             assert_eq!(s.find(k).is_some(), n % 2 == 1, "key {n}");
         }
-        assert_eq!(s.len(), 2500);
-        assert_eq!(s.iter().count(), 2500);
+        assert_eq!(s.len(), 20_000);
+        assert_eq!(s.iter().count(), 20_000);
     }
 }
