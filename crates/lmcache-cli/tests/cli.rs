@@ -103,6 +103,24 @@ fn bad_flags_are_refused_with_their_name() {
     );
     assert_eq!(err.matches("not an lmcache-rs L1").count(), 1, "said once: {err}");
     assert_eq!(std::fs::read(&file).unwrap(), b"someone else's bytes");
+    // A DAX L2 on the L1's own file would write over L1's bytes: refused by name, as LMCache's
+    // add_l2_adapter refuses a device an L1 maps ("already mapped by L1").
+    let shared = dir.join("l1-and-l2");
+    let g = shared.to_str().unwrap();
+    let out = bin()
+        .args(["server", "--port", "0", "--http-port", "0", "--l1-size-gb", "0.05"])
+        .args(["--l1-devdax-path", g, "--no-l1-use-lazy", "--shm-name", ""])
+        .args(["--l2-adapter"])
+        .arg(format!(
+            r#"{{"type":"dax","device_path":"{g}","max_dax_size_gb":0.05,"slot_bytes":1048576}}"#
+        ))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("(dax)") && err.contains(g) && err.contains("in use"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
     let out = bin().args(["server", "--worker-reap-timeout-seconds", "5"]).output().unwrap();
     assert!(!out.status.success());
