@@ -208,6 +208,10 @@ fn fs_conforms_with_each_codec_and_odirect() {
         }
         let spec = json!({"type": "fs", "base_path": dir.path().join("odirect"), "use_odirect": true});
         conformance(&build(spec).await, SIZES).await;
+        // LMCache's relative_tmp_dir: temporaries go there, and none stay.
+        let spec = json!({"type": "fs", "base_path": dir.path().join("rel"), "relative_tmp_dir": "tmpx"});
+        conformance(&build(spec).await, SIZES).await;
+        assert_eq!(std::fs::read_dir(dir.path().join("rel/tmpx")).unwrap().count(), 0);
     });
 }
 
@@ -233,26 +237,50 @@ fn fs_refuses_torn_files_and_cleans_temporaries() {
         f.set_len(50_000).unwrap();
         let bytes = b.adapter.load(std::slice::from_ref(&k)).await.pop().unwrap().unwrap().unwrap();
         assert!(b.codec.decode(&k, &bytes).is_err(), "torn blob accepted");
-        // Only our own temporaries of an interrupted store, in our temporary directory and old
-        // enough not to be another server's write in flight, are removed at open. Files
-        // anyone else put there stay, whatever their names.
+        // A store renames its temporary file within the key's shard directory and leaves
+        // nothing else behind: no temporary file, no temporary directory.
+        let shard = path.parent().unwrap().to_owned();
+        let names = |d: &std::path::Path| -> Vec<String> {
+            std::fs::read_dir(d)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect()
+        };
+        assert_eq!(names(&shard), vec![path.file_name().unwrap().to_str().unwrap().to_owned()]);
+        assert!(!dir.path().join(".lmcache-rs-tmp").exists(), "no shared temporary directory");
+        // Only our own temporaries of an interrupted store, in a shard directory or in the
+        // temporary directory earlier versions used, and old enough not to be another
+        // server's write in flight, are removed at open (by a background sweep). Files anyone
+        // else put there stay, whatever their names.
         let tmp_dir = dir.path().join(".lmcache-rs-tmp");
-        let ours = tmp_dir.join(".lmcache-rs-x.blob.1.1.tmp");
-        let in_flight = tmp_dir.join(".lmcache-rs-y.blob.2.1.tmp");
+        std::fs::create_dir(&tmp_dir).unwrap();
+        let ours =
+            [tmp_dir.join(".lmcache-rs-x.blob.1.1.tmp"), shard.join(".lmcache-rs-z.blob.3.1.tmp")];
+        let in_flight = shard.join(".lmcache-rs-y.blob.2.1.tmp");
+        let elsewhere = dir.path().join("not-a-shard");
+        std::fs::create_dir(&elsewhere).unwrap();
         let foreign = [
             path.with_file_name(".x.blob.1.1.tmp"),
             dir.path().join("notes.tmp"),
             tmp_dir.join("user-file.tmp"),
+            // Our pattern, but outside our shard directories.
+            elsewhere.join(".lmcache-rs-w.blob.1.1.tmp"),
+            dir.path().join(".lmcache-rs-v.blob.1.1.tmp"),
         ];
-        for p in foreign.iter().chain([&ours, &in_flight]) {
+        for p in foreign.iter().chain(&ours).chain([&in_flight]) {
             std::fs::write(p, b"partial").unwrap();
         }
         let old = std::time::SystemTime::now() - lmcache_l2::adapters::fs::STALE_TMP * 2;
-        for p in foreign.iter().chain([&ours]) {
+        for p in foreign.iter().chain(&ours) {
             std::fs::File::options().write(true).open(p).unwrap().set_modified(old).unwrap();
         }
-        build(spec).await;
-        assert!(!ours.exists(), "stale temporary file left behind");
+        let b = build(spec).await;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while ours.iter().any(|p| p.exists()) {
+            assert!(std::time::Instant::now() < deadline, "stale temporary files left behind");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        b.adapter.close().await;
         assert!(in_flight.exists(), "a temporary file young enough to be in flight was removed");
         for p in &foreign {
             assert!(p.exists(), "{} is not ours and was removed", p.display());

@@ -2,12 +2,17 @@
 //! chunk hash (directory operations of concurrent stores rarely contend; ext4's hashed
 //! directories keep lookups fast at millions of files).
 //!
-//! A store writes `.lmcache-rs-<name>.<pid>.<n>.tmp` into the adapter's own temporary
-//! directory (`<base_path>/.lmcache-rs-tmp`, or `relative_tmp_dir`), optionally fsyncs it,
-//! then renames it over the final name, so a reader sees a whole blob or nothing; a crash
-//! leaves at most a temporary file. Start-up removes only those: files of that name pattern,
-//! in that directory, older than [`STALE_TMP`] (younger ones may be in-flight writes of another
-//! server sharing the directory). Nothing else under `base_path` is ever removed at start. Keys already on disk are
+//! A store writes `.lmcache-rs-<name>.<pid>.<n>.tmp` beside the final name (in its shard
+//! directory, or in `relative_tmp_dir` when one is set), optionally fsyncs it, then renames it
+//! over the final name, so a reader sees a whole blob or nothing; a crash leaves at most a
+//! temporary file. The rename stays in one directory: a rename across directories takes both
+//! directories' locks, and when every store renamed out of one shared temporary directory
+//! the writers queued on its lock (22 % of a store benchmark's samples; BENCHMARKS.md,
+//! twenty-third session). Start-up removes only crash leftovers: files of that name pattern,
+//! older than [`STALE_TMP`] (younger ones may be in-flight writes of another server sharing
+//! the directory), in the shard directories (by a background sweep, so a large store does not
+//! delay start-up), in `relative_tmp_dir`, or in `.lmcache-rs-tmp`, where earlier versions
+//! wrote them. Nothing else under `base_path` is ever removed at start. Keys already on disk are
 //! skipped. Lookups are a `stat` per key, so files written by an earlier run (or another
 //! server sharing the directory) are found. With `use_odirect` the page cache is bypassed
 //! (writes are padded to the block size, then the file is truncated to its length).
@@ -18,7 +23,7 @@ use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -50,7 +55,7 @@ pub enum FsyncMode {
 pub struct FsConfig {
     /// Root directory (created).
     pub base_path: PathBuf,
-    /// Where temporary files go, relative to `base_path`; `.lmcache-rs-tmp` if `None`.
+    /// Where temporary files go, relative to `base_path`; beside their final name if `None`.
     pub relative_tmp_dir: Option<PathBuf>,
     /// Bypass the page cache.
     pub use_odirect: bool,
@@ -64,6 +69,15 @@ struct Inner {
     odirect: bool,
     made_dirs: Mutex<HashSet<PathBuf>>,
     tmp_seq: AtomicU64,
+    /// The start-up sweep of crash leftovers, while it runs.
+    sweep: Mutex<Option<Sweep>>,
+}
+
+/// The background sweep of stale temporary files through the shard directories.
+#[derive(Debug)]
+struct Sweep {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 /// The fs adapter.
@@ -96,16 +110,25 @@ impl FsAdapter {
     /// left by a crash.
     pub fn open(config: FsConfig) -> Result<Self, L2Error> {
         std::fs::create_dir_all(&config.base_path)?;
-        let tmp_dir = tmp_dir_of(&config);
-        std::fs::create_dir_all(&tmp_dir)?;
         let odirect = config.use_odirect && probe_odirect(&config.base_path);
         if config.use_odirect && !odirect {
             tracing::warn!(path = %config.base_path.display(),
                 "fs L2: the file system refuses O_DIRECT; using buffered I/O");
         }
-        let removed = remove_stale_tmp_files(&tmp_dir, STALE_TMP);
-        if removed > 0 {
-            tracing::info!(removed, "fs L2: removed temporary files of an interrupted run");
+        let mut sweep = None;
+        if let Some(rel) = &config.relative_tmp_dir {
+            // One directory the operator named: swept now.
+            let tmp_dir = config.base_path.join(rel);
+            std::fs::create_dir_all(&tmp_dir)?;
+            log_removed(remove_stale_tmp_files(&tmp_dir, STALE_TMP, &AtomicBool::new(false)));
+        } else {
+            let base = config.base_path.clone();
+            let stop = Arc::new(AtomicBool::new(false));
+            let flag = stop.clone();
+            let thread = std::thread::Builder::new()
+                .name("fs-l2-tmp-sweep".into())
+                .spawn(move || log_removed(sweep_shards(&base, STALE_TMP, &flag)))?;
+            sweep = Some(Sweep { stop, thread });
         }
         Ok(Self {
             inner: Arc::new(Inner {
@@ -113,6 +136,7 @@ impl FsAdapter {
                 odirect,
                 made_dirs: Mutex::new(HashSet::new()),
                 tmp_seq: AtomicU64::new(0),
+                sweep: Mutex::new(sweep),
             }),
         })
     }
@@ -150,8 +174,12 @@ impl Inner {
         }
         self.ensure_dir(&dir)?;
         let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = tmp_dir_of(&self.config)
-            .join(format!("{TMP_PREFIX}{name}.{}.{n}{TMP_SUFFIX}", std::process::id()));
+        let tmp_dir = match &self.config.relative_tmp_dir {
+            Some(rel) => self.config.base_path.join(rel),
+            None => dir.clone(),
+        };
+        let tmp =
+            tmp_dir.join(format!("{TMP_PREFIX}{name}.{}.{n}{TMP_SUFFIX}", std::process::id()));
         let written = self.write_file(&tmp, blob).and_then(|()| {
             std::fs::rename(&tmp, &fin)?;
             if self.config.fsync == FsyncMode::FileAndDir {
@@ -300,16 +328,47 @@ const TMP_SUFFIX: &str = ".tmp";
 /// How old a temporary file must be before start-up takes it for a crash's leftover.
 pub const STALE_TMP: std::time::Duration = std::time::Duration::from_secs(600);
 
-fn tmp_dir_of(c: &FsConfig) -> PathBuf {
-    c.base_path.join(c.relative_tmp_dir.as_deref().unwrap_or(Path::new(".lmcache-rs-tmp")))
+/// Where earlier versions put every temporary file (swept at start-up, never written now).
+const LEGACY_TMP_DIR: &str = ".lmcache-rs-tmp";
+
+fn log_removed(removed: usize) {
+    if removed > 0 {
+        tracing::info!(removed, "fs L2: removed temporary files of an interrupted run");
+    }
 }
 
-/// Removes our temporary files older than `age` from `dir` (not below it); returns how many.
-fn remove_stale_tmp_files(dir: &Path, age: std::time::Duration) -> usize {
+/// Whether `name` is one of our shard directories: two lowercase hex digits.
+fn is_shard_name(name: &str) -> bool {
+    name.len() == 2 && name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Removes our stale temporary files from the shard directories under `base` and from the
+/// legacy temporary directory, until `stop`; returns how many.
+fn sweep_shards(base: &Path, age: std::time::Duration, stop: &AtomicBool) -> usize {
+    let mut removed = remove_stale_tmp_files(&base.join(LEGACY_TMP_DIR), age, stop);
+    let Ok(rd) = std::fs::read_dir(base) else { return removed };
+    for e in rd.flatten() {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && is_shard_name(&e.file_name().to_string_lossy()) {
+            removed += remove_stale_tmp_files(&e.path(), age, stop);
+        }
+    }
+    removed
+}
+
+/// Removes our temporary files older than `age` from `dir` (not below it), until `stop`;
+/// returns how many.
+fn remove_stale_tmp_files(dir: &Path, age: std::time::Duration, stop: &AtomicBool) -> usize {
     let Ok(rd) = std::fs::read_dir(dir) else { return 0 };
     let now = std::time::SystemTime::now();
     let mut removed = 0;
     for e in rd.flatten() {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
         let name = e.file_name();
         let name = name.to_string_lossy();
         if !(name.starts_with(TMP_PREFIX) && name.ends_with(TMP_SUFFIX)) {
@@ -413,6 +472,14 @@ impl L2Adapter for FsAdapter {
             Ok(crate::adapter::page_sorted(all, cursor.as_deref(), limit))
         })
         .await?
+    }
+
+    async fn close(&self) {
+        let sweep = self.inner.sweep.lock().take();
+        if let Some(s) = sweep {
+            s.stop.store(true, Ordering::Relaxed);
+            let _ = blocking(move || s.thread.join()).await;
+        }
     }
 
     fn describe(&self) -> serde_json::Value {
