@@ -271,8 +271,8 @@ async fn load_round(
                 if let Ok(v) = sink.into_any().downcast::<Vec<u8>>() {
                     *d = *v;
                 }
-                let ok =
-                    matches!(r, Ok(Some(ref h)) if lmcache_l2::blob::verify_parts(k, h, d).is_ok());
+                let ok = matches!(r, Ok(Some(ref h))
+                    if lmcache_l2::blob::verify_parts_hashed(k, &h.bytes, d, h.payload_xxh3).is_ok());
                 if !ok {
                     failed += 1;
                 }

@@ -88,9 +88,26 @@ impl PayloadSink for Vec<u8> {
 /// [`crate::blob::header_len`]), and where the payload goes.
 pub type DirectItem = (ObjectKey, usize, Box<dyn PayloadSink>);
 
-/// The result of one direct load: the sink back, and the header bytes read (`None` = miss,
+/// What a direct load read besides the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirectHeader {
+    /// The blob header's bytes.
+    pub bytes: Vec<u8>,
+    /// The payload's xxh3-64, when the adapter hashed each piece of the payload in the sink as
+    /// it landed there, still in cache ([`crate::blob::PieceHasher`]): the verifier then reads
+    /// the payload no second time. Only this crate's adapters set it.
+    pub payload_xxh3: Option<u64>,
+}
+
+impl From<Vec<u8>> for DirectHeader {
+    fn from(bytes: Vec<u8>) -> Self {
+        Self { bytes, payload_xxh3: None }
+    }
+}
+
+/// The result of one direct load: the sink back, and the header read (`None` = miss,
 /// including a stored blob of another length).
-pub type DirectResult = (Box<dyn PayloadSink>, Result<Option<Vec<u8>>, L2Error>);
+pub type DirectResult = (Box<dyn PayloadSink>, Result<Option<DirectHeader>, L2Error>);
 
 /// Storage below L1.
 #[async_trait]
@@ -197,7 +214,7 @@ pub(crate) async fn load_direct_by_copy<A: L2Adapter + ?Sized>(
                     .into());
                 }
                 dest.copy_from_slice(&b[hlen..]);
-                Ok(Some(b[..hlen].to_vec()))
+                Ok(Some(b[..hlen].to_vec().into()))
             });
             (sink, r)
         })

@@ -28,6 +28,49 @@ pub(crate) fn xxh3_64(bytes: &[u8]) -> u64 {
     XxHash3_64::oneshot(bytes)
 }
 
+/// A payload's xxh3-64 over the pieces a reader fills one after the other: each piece is
+/// hashed right after it lands, while it is still in the CPU's cache, instead of in a second
+/// pass over the whole payload from memory. The result equals [`xxh3_64`] of the pieces
+/// joined.
+pub struct PieceHasher(XxHash3_64);
+
+impl PieceHasher {
+    /// Bytes a reader fills before it hashes them: well within a core's L2 cache.
+    pub const PIECE: usize = 256 << 10;
+
+    /// A hasher over nothing yet.
+    pub fn new() -> Self {
+        Self(XxHash3_64::with_seed(0))
+    }
+
+    /// Hashes the next piece.
+    pub fn piece(&mut self, bytes: &[u8]) {
+        std::hash::Hasher::write(&mut self.0, bytes);
+    }
+
+    /// The hash of every piece so far, in order.
+    pub fn finish(&self) -> u64 {
+        std::hash::Hasher::finish(&self.0)
+    }
+
+    /// Copies `src` into `dest` (equal lengths) a piece at a time, hashing each piece of
+    /// `dest` right after it is written; returns the hash of `dest`.
+    pub fn copy(dest: &mut [u8], src: &[u8]) -> u64 {
+        let mut h = Self::new();
+        for (to, from) in dest.chunks_mut(Self::PIECE).zip(src.chunks(Self::PIECE)) {
+            to.copy_from_slice(from);
+            h.piece(to);
+        }
+        h.finish()
+    }
+}
+
+impl Default for PieceHasher {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 use crate::wire_key;
 
 /// The blob magic.
@@ -244,6 +287,18 @@ pub fn header_len(key: &ObjectKey) -> usize {
 /// Verifies a blob read back in two parts (header, payload) for `key`: the same checks as
 /// [`verify`].
 pub fn verify_parts(key: &ObjectKey, header: &[u8], payload: &[u8]) -> Result<Header, BlobError> {
+    verify_parts_hashed(key, header, payload, None)
+}
+
+/// [`verify_parts`], where `payload_xxh3`, when given, is the payload's xxh3-64 as the reader
+/// computed it over the bytes in `payload` while filling them ([`PieceHasher`]): the payload
+/// is then not read again.
+pub fn verify_parts_hashed(
+    key: &ObjectKey,
+    header: &[u8],
+    payload: &[u8],
+    payload_xxh3: Option<u64>,
+) -> Result<Header, BlobError> {
     let h = parse_header(header)?;
     let expected = wire_key::encode(key);
     if h.wire_key.as_bytes() != &expected.as_bytes()[..expected.len().min(u16::MAX as usize)] {
@@ -255,7 +310,7 @@ pub fn verify_parts(key: &ObjectKey, header: &[u8], payload: &[u8]) -> Result<He
     if payload.len() as u64 != h.payload_len {
         return Err(BlobError::RawLength { found: payload.len() as u64, expected: h.payload_len });
     }
-    let got = xxh3_64(payload);
+    let got = payload_xxh3.unwrap_or_else(|| xxh3_64(payload));
     if got != h.payload_checksum {
         return Err(BlobError::PayloadChecksum { expected: h.payload_checksum, got });
     }
@@ -301,6 +356,30 @@ mod tests {
         x.update(&data[..56]);
         x.update(&data[56..130]);
         assert_eq!(header_checksum(&data[..56], &data[56..130]), x.digest());
+    }
+
+    #[test]
+    fn pieces_hash_as_the_whole_payload_and_a_wrong_hash_is_refused() {
+        let data: Vec<u8> =
+            (0..(1 << 20) + 13).map(|i: u32| i.wrapping_mul(2_654_435_761) as u8).collect();
+        for len in [0, 1, 240, 241, PieceHasher::PIECE, PieceHasher::PIECE + 1, data.len()] {
+            for piece in [1000, PieceHasher::PIECE] {
+                let mut h = PieceHasher::new();
+                data[..len].chunks(piece).for_each(|p| h.piece(p));
+                assert_eq!(h.finish(), xxh3_64(&data[..len]), "{len} in pieces of {piece}");
+            }
+        }
+        let k = key("");
+        let b = blob(&k, &data);
+        let hl = header_len(&k);
+        let (hdr, payload) = (&b[..hl], &b[hl..]);
+        assert!(verify_parts_hashed(&k, hdr, payload, Some(xxh3_64(payload))).is_ok());
+        // A reader's hash that differs from the header's is a checksum failure, whatever the
+        // payload bytes say.
+        assert!(matches!(
+            verify_parts_hashed(&k, hdr, payload, Some(xxh3_64(payload) ^ 1)),
+            Err(BlobError::PayloadChecksum { .. })
+        ));
     }
 
     fn key(salt: &str) -> ObjectKey {

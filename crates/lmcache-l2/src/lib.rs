@@ -28,8 +28,8 @@ mod plugin_ffi;
 pub mod wire_key;
 
 pub use adapter::{
-    DirectItem, DirectResult, FLOOR_BANDWIDTH, KeyFilter, KeyPage, L2Adapter, PayloadSink, Stored,
-    time_budget,
+    DirectHeader, DirectItem, DirectResult, FLOOR_BANDWIDTH, KeyFilter, KeyPage, L2Adapter,
+    PayloadSink, Stored, time_budget,
 };
 pub use blob::{Blob, BlobError};
 pub use codec::Codec;

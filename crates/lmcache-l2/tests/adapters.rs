@@ -175,8 +175,11 @@ async fn direct_loads(
         let header = r.unwrap_or_else(|e| panic!("{}: direct load of {k}: {e}", a.kind()));
         let header = header.unwrap_or_else(|| panic!("{}: direct load of {k} missed", a.kind()));
         let payload = *sink.into_any().downcast::<Vec<u8>>().unwrap();
-        lmcache_l2::blob::verify_parts(k, &header, &payload)
+        lmcache_l2::blob::verify_parts(k, &header.bytes, &payload)
             .unwrap_or_else(|e| panic!("{}: direct load of {k} does not verify: {e}", a.kind()));
+        // A payload hash the adapter computed while reading must be the payload's own.
+        lmcache_l2::blob::verify_parts_hashed(k, &header.bytes, &payload, header.payload_xxh3)
+            .unwrap_or_else(|e| panic!("{}: the hash read with {k} is wrong: {e}", a.kind()));
         assert_eq!(&payload[..], &blob.payload[..], "{}: {k}", a.kind());
     }
     let (_, missing) = out.next().unwrap();
@@ -232,6 +235,22 @@ fn fs_refuses_torn_files_and_cleans_temporaries() {
         })
         .unwrap();
         let path = fs.path_of(&k);
+        // A flipped payload bit is caught on the direct path too, where the reader hashes the
+        // payload as it reads it.
+        let mut bytes = std::fs::read(&path).unwrap();
+        let hl = lmcache_l2::blob::header_len(&k);
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let sink: Box<dyn lmcache_l2::PayloadSink> = Box::new(vec![0u8; 100_000]);
+        let (sink, r) = b.adapter.load_direct(vec![(k.clone(), hl, sink)]).await.pop().unwrap();
+        let header = r.unwrap().unwrap();
+        let payload = *sink.into_any().downcast::<Vec<u8>>().unwrap();
+        assert!(header.payload_xxh3.is_some(), "fs hashes while it reads");
+        assert!(matches!(
+            lmcache_l2::blob::verify_parts_hashed(&k, &header.bytes, &payload, header.payload_xxh3),
+            Err(lmcache_l2::BlobError::PayloadChecksum { .. })
+        ));
         // A torn file (as a crash of a non-atomic writer would leave) is refused.
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         f.set_len(50_000).unwrap();

@@ -542,7 +542,8 @@ async fn load_from(
             let w = w.0;
             match r {
                 Ok(Some(header)) => {
-                    match lmcache_l2::blob::verify_parts(key, &header, w.as_slice()) {
+                    let (bytes, xxh3) = (&header.bytes, header.payload_xxh3);
+                    match lmcache_l2::blob::verify_parts_hashed(key, bytes, w.as_slice(), xxh3) {
                         Ok(h) if h.codec == slot.built.codec.id() => {
                             if w.commit().is_ok() {
                                 tally.placed(key, h.raw_len);

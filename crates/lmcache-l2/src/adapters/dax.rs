@@ -32,8 +32,10 @@ use nix::fcntl::{Flock, FlockArg};
 use parking_lot::{Mutex, RwLock};
 
 use super::{blocking, blocking_each};
-use crate::adapter::{DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored};
-use crate::blob::{Blob, xxh3_64};
+use crate::adapter::{
+    DirectHeader, DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored,
+};
+use crate::blob::{Blob, PieceHasher, xxh3_64};
 use crate::error::L2Error;
 
 const MAGIC: &[u8; 8] = b"LMRSDAX1";
@@ -301,8 +303,18 @@ impl L2Adapter for DaxAdapter {
                         let at = base + u64::from(slot) * slot_bytes;
                         let mut header = vec![0u8; hlen];
                         media.read(at, &mut header)?;
-                        media.read(at + hlen as u64, dest)?;
-                        Ok(Some(header))
+                        // A piece at a time, each hashed while still in cache.
+                        let mut hasher = PieceHasher::new();
+                        let mut off = at + hlen as u64;
+                        for piece in dest.chunks_mut(PieceHasher::PIECE) {
+                            media.read(off, piece)?;
+                            hasher.piece(piece);
+                            off += piece.len() as u64;
+                        }
+                        Ok(Some(DirectHeader {
+                            bytes: header,
+                            payload_xxh3: Some(hasher.finish()),
+                        }))
                     })();
                     (sink, r)
                 })

@@ -19,7 +19,7 @@
 
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,8 +32,10 @@ use parking_lot::Mutex;
 
 use super::aligned::{AlignedBuf, with_scratch};
 use super::{blocking, blocking_each};
-use crate::adapter::{DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored};
-use crate::blob::Blob;
+use crate::adapter::{
+    DirectHeader, DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored,
+};
+use crate::blob::{Blob, PieceHasher};
 use crate::error::L2Error;
 use crate::wire_key;
 
@@ -227,13 +229,14 @@ impl Inner {
     }
 
     /// Reads the header into a new buffer and the payload straight into `dest`, when the file
-    /// is exactly `hlen + dest.len()` bytes (`None` otherwise, or when absent).
+    /// is exactly `hlen + dest.len()` bytes (`None` otherwise, or when absent), hashing the
+    /// payload a piece at a time as it lands in `dest`.
     fn load_direct_one(
         &self,
         key: &ObjectKey,
         hlen: usize,
         dest: &mut [u8],
-    ) -> Result<Option<Vec<u8>>, L2Error> {
+    ) -> Result<Option<DirectHeader>, L2Error> {
         let Some(mut f) = self.open_object(key)? else { return Ok(None) };
         let len = hlen + dest.len();
         if f.metadata()?.len() != len as u64 {
@@ -243,26 +246,19 @@ impl Inner {
             // O_DIRECT needs aligned buffers and the payload is not aligned in the file: read
             // through this thread's scratch buffer (no allocation per load), then copy.
             let padded = len.div_ceil(ALIGN).max(1) * ALIGN;
-            return with_scratch(padded, ALIGN, |buf| -> Result<Option<Vec<u8>>, L2Error> {
+            return with_scratch(padded, ALIGN, |buf| -> Result<Option<DirectHeader>, L2Error> {
                 if read_full(&mut f, buf)? < len {
                     return Ok(None); // shrank under us
                 }
-                dest.copy_from_slice(&buf[hlen..len]);
-                Ok(Some(buf[..hlen].to_vec()))
+                let xxh3 = PieceHasher::copy(dest, &buf[hlen..len]);
+                Ok(Some(DirectHeader { bytes: buf[..hlen].to_vec(), payload_xxh3: Some(xxh3) }))
             });
         }
         let mut header = vec![0u8; hlen];
-        let mut bufs = [std::io::IoSliceMut::new(&mut header), std::io::IoSliceMut::new(dest)];
-        let mut slices: &mut [std::io::IoSliceMut<'_>] = &mut bufs;
-        while !slices.is_empty() {
-            match f.read_vectored(slices) {
-                Ok(0) => return Ok(None), // shrank under us
-                Ok(n) => std::io::IoSliceMut::advance_slices(&mut slices, n),
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(Some(header))
+        let Some(xxh3) = read_hashed(&mut f, &mut header, dest)? else {
+            return Ok(None); // shrank under us
+        };
+        Ok(Some(DirectHeader { bytes: header, payload_xxh3: Some(xxh3) }))
     }
 
     /// `key`'s file opened for reading (with O_DIRECT when on); `None` when absent.
@@ -293,6 +289,32 @@ impl Inner {
         f.read_to_end(&mut v)?;
         Ok(Some(Bytes::from(v)))
     }
+}
+
+/// Reads `header` and then `dest` from `f`, hashing `dest` a piece at a time right after each
+/// piece lands (the first piece in the same `readv` as the header); `None` when the file ends
+/// first.
+fn read_hashed(f: &mut File, header: &mut [u8], dest: &mut [u8]) -> std::io::Result<Option<u64>> {
+    let mut hasher = PieceHasher::new();
+    let (first, rest) = dest.split_at_mut(dest.len().min(PieceHasher::PIECE));
+    let mut bufs = [IoSliceMut::new(header), IoSliceMut::new(first)];
+    let mut slices: &mut [IoSliceMut<'_>] = &mut bufs;
+    while !slices.is_empty() {
+        match f.read_vectored(slices) {
+            Ok(0) => return Ok(None),
+            Ok(n) => IoSliceMut::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    hasher.piece(first);
+    for piece in rest.chunks_mut(PieceHasher::PIECE) {
+        if read_full(f, piece)? < piece.len() {
+            return Ok(None);
+        }
+        hasher.piece(piece);
+    }
+    Ok(Some(hasher.finish()))
 }
 
 fn read_full(f: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {

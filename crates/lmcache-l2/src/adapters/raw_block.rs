@@ -35,8 +35,10 @@ use lmcache_memory::FileRegion;
 
 use super::aligned::{AlignedBuf, with_scratch};
 use super::{blocking, blocking_each};
-use crate::adapter::{DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored};
-use crate::blob::{self, Blob};
+use crate::adapter::{
+    DirectHeader, DirectItem, DirectResult, KeyFilter, KeyPage, L2Adapter, Stored,
+};
+use crate::blob::{self, Blob, PieceHasher};
 use crate::error::L2Error;
 use crate::wire_key;
 
@@ -707,7 +709,7 @@ impl Inner {
         key: &ObjectKey,
         hlen: usize,
         dest: &mut [u8],
-    ) -> Result<Option<Vec<u8>>, L2Error> {
+    ) -> Result<Option<DirectHeader>, L2Error> {
         let Some(e) = self.state.lock().index.get(key).cloned() else { return Ok(None) };
         if e.len != (hlen + dest.len()) as u64 {
             return Ok(None);
@@ -716,8 +718,8 @@ impl Inner {
         let padded = (e.len as usize).div_ceil(a) * a;
         with_scratch(padded, a, |buf| {
             self.data.read_exact_at(buf, self.geo.slot_offset(e.slot))?;
-            dest.copy_from_slice(&buf[hlen..hlen + dest.len()]);
-            Ok(Some(buf[..hlen].to_vec()))
+            let xxh3 = PieceHasher::copy(dest, &buf[hlen..hlen + dest.len()]);
+            Ok(Some(DirectHeader { bytes: buf[..hlen].to_vec(), payload_xxh3: Some(xxh3) }))
         })
     }
 

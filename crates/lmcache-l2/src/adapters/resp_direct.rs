@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-use crate::adapter::{DirectItem, DirectResult, Stored};
+use crate::adapter::{DirectHeader, DirectItem, DirectResult, Stored};
 use crate::blob::Blob;
 use crate::error::L2Error;
 
@@ -368,7 +368,7 @@ async fn read_get(
     r: &mut BufReader<TcpStream>,
     hlen: usize,
     sink: &mut dyn crate::adapter::PayloadSink,
-) -> Result<Result<Option<Vec<u8>>, L2Error>, L2Error> {
+) -> Result<Result<Option<DirectHeader>, L2Error>, L2Error> {
     let l = line(r).await?;
     match l.first() {
         Some(b'$') => {}
@@ -400,7 +400,7 @@ async fn read_get(
     if &crlf != b"\r\n" {
         return Err(bad("a bulk value not followed by CRLF"));
     }
-    Ok(Ok(Some(header)))
+    Ok(Ok(Some(header.into())))
 }
 
 #[cfg(test)]
@@ -464,7 +464,7 @@ mod tests {
         assert_eq!(out.len(), 5, "every sink comes back");
         let mut out = out.into_iter();
         let (sink, r) = out.next().unwrap();
-        assert_eq!(r.unwrap(), Some(b"HH".to_vec()));
+        assert_eq!(r.unwrap(), Some(b"HH".to_vec().into()));
         assert_eq!(*sink.into_any().downcast::<Vec<u8>>().unwrap(), b"abc");
         let (sink, r) = out.next().unwrap();
         assert_eq!(r.unwrap(), None, "a value of another length is a miss");
@@ -529,7 +529,7 @@ mod tests {
         let out = conns.load(names, items, Duration::from_secs(10)).await;
         assert_eq!(task.await.unwrap(), 1, "one 300 kB value requested at a time");
         for (sink, r) in out {
-            assert_eq!(r.unwrap(), Some(b"HH".to_vec()));
+            assert_eq!(r.unwrap(), Some(b"HH".to_vec().into()));
             assert!(sink.into_any().downcast::<Vec<u8>>().unwrap().iter().all(|&b| b == 7));
         }
         // 100 kB values: five ahead; a fixed depth of 3 overrides that.
