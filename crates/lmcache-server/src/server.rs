@@ -333,7 +333,9 @@ impl Server {
         let stop = Arc::new(AtomicBool::new(false));
         let mut http = match state.config.http_port {
             None => None,
-            Some(port) => Some(start_http(Arc::clone(&state), port, inherited.http)?),
+            Some(port) => {
+                Some(start_http(Arc::clone(&state), port, inherited.http, handover_name.is_some())?)
+            }
         };
         let http_addr = http.as_ref().map(|(addr, _, _, _)| *addr);
         let handover = match handover_name {
@@ -599,7 +601,7 @@ fn l2_identities(state: &ServerState) -> std::collections::HashMap<u64, (String,
 }
 
 /// The bound address, the shutdown sender, the thread, and a duplicate of the listening
-/// socket (to hand over).
+/// socket when one was asked for (to offer to a later `--take-over`).
 type HttpParts =
     (SocketAddr, tokio::sync::oneshot::Sender<()>, JoinHandle<()>, Option<std::net::TcpListener>);
 
@@ -607,6 +609,7 @@ fn start_http(
     state: Arc<ServerState>,
     port: u16,
     inherited: Option<std::net::TcpListener>,
+    offer: bool,
 ) -> Result<HttpParts, ServerError> {
     let addr = format!("{}:{}", state.config.http_host, port);
     let listener = match crate::handover::take_if_at(inherited, &addr) {
@@ -615,7 +618,7 @@ fn start_http(
             std::net::TcpListener::bind(&addr).map_err(io(format!("binding HTTP on {addr}")))?
         }
     };
-    let dup = listener.try_clone().ok();
+    let dup = if offer { listener.try_clone().ok() } else { None };
     listener.set_nonblocking(true).map_err(io("HTTP listener"))?;
     let local = listener.local_addr().map_err(io("HTTP listener"))?;
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();

@@ -463,13 +463,21 @@ impl<'a> Tally<'a> {
     async fn reserve(&self, reqs: &[WriteRequest]) -> Vec<Option<WriteReservation>> {
         let l1 = &self.shared.l1;
         let mut got = l1.reserve_write(reqs);
-        let deadline = std::time::Instant::now() + self.shared.config.write_behind_wait;
+        let deadline = tokio::time::Instant::now() + self.shared.config.write_behind_wait;
         loop {
+            // Registered before the check, so a batch the write-behind finishes in between
+            // still wakes this wait.
+            let progressed = self.shared.progress_wake.notified();
+            tokio::pin!(progressed);
+            progressed.as_mut().enable();
             let (short, retry) = crate::manager::short_of_memory(reqs, &got);
-            if short.is_empty() || l1.unwritten() == 0 || std::time::Instant::now() >= deadline {
+            if short.is_empty() || l1.unwritten() == 0 {
                 break;
             }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            // Woken as the write-behind finishes a batch (L1 may have room now), not polled.
+            if tokio::time::timeout_at(deadline, progressed).await.is_err() {
+                break;
+            }
             for (i, r) in short.into_iter().zip(l1.reserve_write(&retry)) {
                 got[i] = r;
             }

@@ -122,6 +122,7 @@ async fn store_batch(shared: &Shared, keys: Vec<ObjectKey>) {
     shared.l1.mark_written(&keys);
     *shared.processed.lock() += keys.len() as u64;
     shared.progress.notify_all();
+    shared.progress_wake.notify_waiters();
 }
 
 /// Writes `keys` to one adapter; returns per key whether the adapter holds it afterwards.

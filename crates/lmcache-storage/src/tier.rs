@@ -422,6 +422,8 @@ pub(crate) struct Shared {
     /// stores waiting for L1 room and shutdown flushes wait on it.
     pub(crate) processed: Mutex<u64>,
     pub(crate) progress: parking_lot::Condvar,
+    /// The same wake-up for tasks on the tier's runtime (a prefetch waiting for L1 room).
+    pub(crate) progress_wake: Notify,
     next_id: AtomicU64,
     /// Element types of the layouts registered so far: adapters added later bind them too.
     dtypes: Mutex<Vec<lmcache_core::Dtype>>,
@@ -610,6 +612,7 @@ impl L2Tier {
             evict_now: Notify::new(),
             processed: Mutex::new(0),
             progress: parking_lot::Condvar::new(),
+            progress_wake: Notify::new(),
             next_id: AtomicU64::new(0),
             dtypes: Mutex::new(Vec::new()),
         });

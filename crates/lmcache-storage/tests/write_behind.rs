@@ -129,3 +129,34 @@ fn l1_evicts_objects_l2_already_holds_before_unwritten_ones() {
     assert!((half..2 * half).all(|i| l1.contains(&key(i))), "an unwritten object was evicted");
     assert_eq!(l1.usage().stats.unwritten_evictions, 0);
 }
+
+/// A read-back from L2 into an L1 full of objects the write-behind has not written yet waits
+/// for the write-behind (woken by its progress, not after the whole bound), then lands.
+#[test]
+fn a_prefetch_into_an_l1_full_of_unwritten_objects_waits_for_the_write_behind() {
+    let slow = json!({"type": "mock", "max_size_gb": 1, "latency_ms": 100});
+    let cfg = TierConfig { write_behind_wait: Duration::from_secs(60), ..TierConfig::default() };
+    let m = manager(slow, cfg);
+    assert_eq!(store_all(&m, 4), 0);
+    assert_eq!(m.flush(Duration::from_secs(10)), 0);
+    m.l1().clear(true);
+    // L1 filled to the last byte with objects still on their way to L2.
+    let l1 = m.l1().clone();
+    for i in 0..(L1_BYTES / OBJ) as u32 {
+        let mut w =
+            m.reserve_write(&[WriteRequest::new(key(1000 + i), OBJ)]).pop().unwrap().unwrap();
+        w.as_mut_slice().fill(2);
+        assert!(m.commit(vec![w]).iter().all(Result::is_ok));
+    }
+    assert!(l1.unwritten() > 0, "the write-behind is still busy");
+    let t0 = Instant::now();
+    let first: Vec<ObjectKey> = (0..4).map(key).collect();
+    let out =
+        m.l2().unwrap().prefetch_blocking(PrefetchRequest { shards: vec![first], readers: 1 });
+    assert_eq!(out.hits, 4, "the read-back found no room");
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "the read-back waited {:?}: the write-behind's progress did not wake it",
+        t0.elapsed()
+    );
+}
