@@ -133,11 +133,13 @@ impl ChunkTokensFile {
         let mut fresh = Vec::new();
         for c in chunks {
             let k = (c.model, c.hash);
-            if !g.written.contains(&k) && !fresh.contains(&k) {
-                let c = ChunkTokens { model: k.0.clone(), hash: k.1, ..c };
-                encode(&c, &mut bytes);
-                fresh.push(k);
+            if g.written.contains(&k) || fresh.contains(&k) {
+                continue;
             }
+            // The model's name moves into the record and back out to its key: no copy.
+            let c = ChunkTokens { model: k.0, hash: k.1, ..c };
+            encode(&c, &mut bytes);
+            fresh.push((c.model, c.hash));
         }
         if bytes.is_empty() {
             return;

@@ -171,6 +171,14 @@ impl Family {
         if engine_driven { Family::EngineDriven } else { Family::LmcacheDriven }
     }
 
+    /// The operation that registers a worker of this family.
+    pub fn register_op(self) -> lmcache_protocol::Op {
+        match self {
+            Family::LmcacheDriven => lmcache_protocol::Op::RegisterKvCache,
+            Family::EngineDriven => lmcache_protocol::Op::RegisterKvCacheEngineDrivenContext,
+        }
+    }
+
     /// The transfer mode's name, as `/status` shows it.
     pub fn as_str(self) -> &'static str {
         match self {

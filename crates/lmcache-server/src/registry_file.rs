@@ -35,9 +35,8 @@ pub struct Saved {
     pub family: Family,
     /// The worker's instance id.
     pub id: u64,
-    /// The registering request's operation.
-    pub op: Op,
-    /// Its parameters, as decoded from the wire.
+    /// The registering request's parameters (its operation is the family's
+    /// [`Family::register_op`]), as decoded from the wire.
     pub params: Vec<Value>,
     /// For an engine-driven worker: the pool it was told to map (name, bytes).
     pub segment: Option<(String, u64)>,
@@ -119,6 +118,12 @@ impl RegistryFile {
 }
 
 fn encode<'a>(saved: impl Iterator<Item = &'a Saved>) -> Vec<u8> {
+    encode_as(saved, |s| s.family.register_op())
+}
+
+/// [`encode`], naming each entry's operation by `op` (the file keeps it, for whoever reads
+/// it; a test writes a wrong one).
+fn encode_as<'a>(saved: impl Iterator<Item = &'a Saved>, op: impl Fn(&Saved) -> Op) -> Vec<u8> {
     let entries: Vec<Value> = saved
         .map(|s| {
             let segment = match &s.segment {
@@ -128,7 +133,7 @@ fn encode<'a>(saved: impl Iterator<Item = &'a Saved>) -> Vec<u8> {
             Value::Map(vec![
                 ("family".into(), s.family.as_str().into()),
                 ("id".into(), s.id.into()),
-                ("op".into(), s.op.name().into()),
+                ("op".into(), op(s).name().into()),
                 ("params".into(), Value::Array(s.params.clone())),
                 ("segment".into(), segment),
             ])
@@ -173,11 +178,7 @@ fn entry(e: &Value) -> Result<Saved, String> {
     };
     let id = get("id")?.as_u64().ok_or("id: not a count")?;
     let op = get("op")?.as_str().and_then(Op::from_name).ok_or("op: unknown")?;
-    let expected = match family {
-        Family::LmcacheDriven => Op::RegisterKvCache,
-        Family::EngineDriven => Op::RegisterKvCacheEngineDrivenContext,
-    };
-    if op != expected {
+    if op != family.register_op() {
         return Err(format!("op: {} does not register the {} family", op.name(), family.as_str()));
     }
     let params = get("params")?.as_array().ok_or("params: not a list")?.clone();
@@ -192,7 +193,7 @@ fn entry(e: &Value) -> Result<Saved, String> {
         },
         _ => return Err("segment: not [name, size]".into()),
     };
-    Ok(Saved { family, id, op, params, segment })
+    Ok(Saved { family, id, params, segment })
 }
 
 #[cfg(test)]
@@ -200,12 +201,8 @@ mod tests {
     use super::*;
 
     fn saved(family: Family, id: u64) -> Saved {
-        let op = match family {
-            Family::LmcacheDriven => Op::RegisterKvCache,
-            Family::EngineDriven => Op::RegisterKvCacheEngineDrivenContext,
-        };
         let segment = (family == Family::EngineDriven).then(|| ("pool".to_owned(), 1 << 30));
-        Saved { family, id, op, params: vec![Value::from(id), Value::from("m")], segment }
+        Saved { family, id, params: vec![Value::from(id), Value::from("m")], segment }
     }
 
     #[test]
@@ -238,11 +235,8 @@ mod tests {
         for bytes in [
             b"garbage".to_vec(),
             encode(std::iter::empty()).into_iter().map(|b| b ^ 1).collect(),
-            {
-                let mut s = saved(Family::LmcacheDriven, 1);
-                s.op = Op::Store;
-                encode([s].iter())
-            },
+            // An operation that is not the family's registration.
+            encode_as([saved(Family::LmcacheDriven, 1)].iter(), |_| Op::Store),
         ] {
             std::fs::write(path_for(&l1), &bytes).unwrap();
             assert!(RegistryFile::open(&l1).1.is_empty());

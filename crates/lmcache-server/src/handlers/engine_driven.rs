@@ -90,10 +90,10 @@ pub(super) fn register(
         dtype = %layout.dtype,
         "engine-driven worker registered"
     );
-    let (op, params) = Command::RegisterEngineDriven(r.clone()).encode();
+    let (_, params) = Command::RegisterEngineDriven(r.clone()).encode();
     let segment = Some((name.clone(), size));
     let (family, id) = (Family::EngineDriven, r.instance_id);
-    state.registry.remember(Saved { family, id, op, params, segment });
+    state.registry.remember(Saved { family, id, params, segment });
     Ok(types::EngineDrivenRegistered { shm_name: name, pool_size: size }.encode())
 }
 

@@ -203,8 +203,8 @@ pub(super) fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), 
             ping_proven: false,
         },
     );
-    let (op, params) = Command::RegisterKvCache(r.clone()).encode();
-    state.registry.remember(Saved { family: Family::LmcacheDriven, id, op, params, segment: None });
+    let (_, params) = Command::RegisterKvCache(r.clone()).encode();
+    state.registry.remember(Saved { family: Family::LmcacheDriven, id, params, segment: None });
     Ok(())
 }
 

@@ -325,17 +325,18 @@ fn replay_one(state: &ServerState, s: &Saved) -> Result<(), String> {
             ));
         }
     }
-    let cmd = Command::decode(s.op, &s.params).map_err(|e| e.to_string())?;
+    let op = s.family.register_op();
+    let cmd = Command::decode(op, &s.params).map_err(|e| e.to_string())?;
     // The family's registration itself, not its handler: a registration that no longer
     // applies is dropped by the caller, not refused (a refusal would log that the worker
     // fails until it registers again, which it need not: its next ping asks it to).
     let requests: &RequestState = state;
-    guarded(&state.metrics, s.op.name(), || match &cmd {
+    guarded(&state.metrics, op.name(), || match &cmd {
         Command::RegisterKvCache(r) => lmcache_driven::register(requests, r),
         Command::RegisterEngineDriven(r) => engine_driven::register(requests, r).map(|_| ()),
         _ => Err(ProtocolError::OutOfRange {
             field: "op".into(),
-            reason: format!("{} is not a registration", s.op.name()),
+            reason: format!("{} is not a registration", op.name()),
         }),
     })
     .map_err(|e| e.to_string())
