@@ -19,6 +19,8 @@
 //! checksum, that the stored key is the key asked for, codec, payload length and payload
 //! checksum. Any mismatch is a [`BlobError`], which every caller turns into a miss.
 
+use std::sync::{Arc, OnceLock};
+
 use bytes::{Bytes, BytesMut};
 use lmcache_core::ObjectKey;
 use twox_hash::XxHash3_64;
@@ -159,18 +161,64 @@ pub enum BlobError {
 
 /// An encoded object: the header (with the key) and the payload, kept apart so that a store
 /// can write the payload straight from L1 memory.
+///
+/// The header is sealed lazily: its payload checksum is an xxh3 pass over the payload, which
+/// a writer that copies the payload anyway can compute piece by piece as it writes
+/// ([`Blob::seal_with`]), while each piece is in cache, instead of a separate pass from memory
+/// before the write. Every other reader of [`Blob::header`] seals it on first use. Clones
+/// share the sealed header.
 #[derive(Debug, Clone)]
 pub struct Blob {
-    /// Header bytes, fixed part plus key.
-    pub header: Bytes,
+    /// The header with its two checksums still zero: fixed part plus key.
+    unsealed: Bytes,
+    sealed: Arc<OnceLock<Bytes>>,
     /// Encoded payload.
     pub payload: Bytes,
 }
 
 impl Blob {
+    /// The blob of an encoded `payload` of `key` (`raw_len` bytes decoded).
+    pub fn new(key: &ObjectKey, codec: u8, payload: Bytes, raw_len: u64) -> Self {
+        Self {
+            unsealed: unsealed_header(key, codec, payload.len() as u64, raw_len),
+            sealed: Arc::default(),
+            payload,
+        }
+    }
+
+    /// A blob from a header as given (tests of adapters that only move bytes).
+    #[cfg(test)]
+    pub(crate) fn from_parts(header: Bytes, payload: Bytes) -> Self {
+        Self { unsealed: header.clone(), sealed: Arc::new(OnceLock::from(header)), payload }
+    }
+
+    /// The header, sealed (its payload checksum computed) on first use.
+    pub fn header(&self) -> &Bytes {
+        self.sealed.get_or_init(|| seal(&self.unsealed, xxh3_64(&self.payload)))
+    }
+
+    /// The header if it is sealed already.
+    pub fn sealed_header(&self) -> Option<&Bytes> {
+        self.sealed.get()
+    }
+
+    /// The header's length (known before it is sealed).
+    pub fn header_len(&self) -> usize {
+        self.unsealed.len()
+    }
+
+    /// The header sealed with `payload_xxh3`, which the caller computed over exactly
+    /// [`Blob::payload`] as it wrote it ([`PieceHasher`]). Only this crate's writers call it.
+    pub(crate) fn seal_with(&self, payload_xxh3: u64) -> Bytes {
+        let h = seal(&self.unsealed, payload_xxh3);
+        // A concurrent sealer computed the same bytes from the same payload.
+        let _ = self.sealed.set(h.clone());
+        h
+    }
+
     /// Total stored length.
     pub fn len(&self) -> usize {
-        self.header.len() + self.payload.len()
+        self.header_len() + self.payload.len()
     }
 
     /// Whether the blob is empty (never true for a well-formed blob).
@@ -181,7 +229,7 @@ impl Blob {
     /// Header and payload in one buffer (one copy), for stores that need contiguous bytes.
     pub fn to_contiguous(&self) -> Bytes {
         let mut b = BytesMut::with_capacity(self.len());
-        b.extend_from_slice(&self.header);
+        b.extend_from_slice(self.header());
         b.extend_from_slice(&self.payload);
         b.freeze()
     }
@@ -213,6 +261,11 @@ impl Header {
 
 /// Builds the header of an encoded payload.
 pub fn header(key: &ObjectKey, codec: u8, payload: &[u8], raw_len: u64) -> Bytes {
+    seal(&unsealed_header(key, codec, payload.len() as u64, raw_len), xxh3_64(payload))
+}
+
+/// A header with both checksums zero.
+fn unsealed_header(key: &ObjectKey, codec: u8, payload_len: u64, raw_len: u64) -> Bytes {
     let wk = wire_key::encode(key);
     let key_len = u16::try_from(wk.len()).unwrap_or(u16::MAX);
     let wk = &wk.as_bytes()[..key_len as usize];
@@ -221,11 +274,17 @@ pub fn header(key: &ObjectKey, codec: u8, payload: &[u8], raw_len: u64) -> Bytes
     h[8..10].copy_from_slice(&VERSION.to_le_bytes());
     h[10] = codec;
     h[12..14].copy_from_slice(&key_len.to_le_bytes());
-    h[16..24].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    h[16..24].copy_from_slice(&payload_len.to_le_bytes());
     h[24..32].copy_from_slice(&raw_len.to_le_bytes());
-    h[32..40].copy_from_slice(&xxh3_64(payload).to_le_bytes());
     h[FIXED_HEADER..].copy_from_slice(wk);
-    let sum = header_checksum(&h[..56], wk);
+    h.freeze()
+}
+
+/// `unsealed` with the payload checksum `payload_xxh3` and its header checksum filled in.
+fn seal(unsealed: &[u8], payload_xxh3: u64) -> Bytes {
+    let mut h = BytesMut::from(unsealed);
+    h[32..40].copy_from_slice(&payload_xxh3.to_le_bytes());
+    let sum = header_checksum(&h[..56], &unsealed[FIXED_HEADER..]);
     h[56..64].copy_from_slice(&sum.to_le_bytes());
     h.freeze()
 }
@@ -380,6 +439,29 @@ mod tests {
             verify_parts_hashed(&k, hdr, payload, Some(xxh3_64(payload) ^ 1)),
             Err(BlobError::PayloadChecksum { .. })
         ));
+    }
+
+    #[test]
+    fn a_header_sealed_late_or_by_a_writer_is_the_header_sealed_at_once() {
+        let k = key("s");
+        let payload = Bytes::from((0..300_000u32).map(|i| i as u8).collect::<Vec<u8>>());
+        let want = header(&k, 2, &payload, 7);
+        let b = Blob::new(&k, 2, payload.clone(), 7);
+        assert_eq!(b.header_len(), want.len());
+        assert_eq!(b.len(), want.len() + payload.len());
+        assert!(b.sealed_header().is_none(), "nothing hashed before a reader asks");
+        let twin = b.clone();
+        assert_eq!(b.header(), &want);
+        assert_eq!(twin.sealed_header(), Some(&want), "clones share the sealed header");
+        // A writer's piecewise hash seals the same header.
+        let w = Blob::new(&k, 2, payload.clone(), 7);
+        let mut h = PieceHasher::new();
+        payload.chunks(PieceHasher::PIECE / 3).for_each(|p| h.piece(p));
+        assert_eq!(w.seal_with(h.finish()), want);
+        assert_eq!(w.header(), &want);
+        let mut whole = want.to_vec();
+        whole.extend_from_slice(&payload);
+        assert!(verify(&k, &whole).is_ok());
     }
 
     fn key(salt: &str) -> ObjectKey {

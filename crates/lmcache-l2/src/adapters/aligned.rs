@@ -18,19 +18,6 @@ impl AlignedBuf {
         Self { v, start, len }
     }
 
-    /// `len` bytes aligned to `align` holding `parts`, then zeros; written once (no zeroing
-    /// pass over what is copied in).
-    pub(crate) fn filled(parts: &[&[u8]], len: usize, align: usize) -> Self {
-        let mut v: Vec<u8> = Vec::with_capacity(len + align);
-        let start = v.as_ptr().align_offset(align).min(align);
-        v.resize(start, 0);
-        for p in parts {
-            v.extend_from_slice(p);
-        }
-        v.resize(start + len, 0);
-        Self { v, start, len }
-    }
-
     /// The aligned slice.
     pub(crate) fn as_mut_slice(&mut self) -> &mut [u8] {
         &mut self.v[self.start..self.start + self.len]
@@ -86,11 +73,9 @@ mod tests {
             assert_eq!(s.len(), len);
             assert_eq!(s.as_ptr() as usize % 4096, 0);
         }
-        let mut f = AlignedBuf::filled(&[b"ab", b"cd"], 8192, 4096);
-        let s = f.as_mut_slice();
-        assert_eq!(s.as_ptr() as usize % 4096, 0);
-        assert_eq!(&s[..4], b"abcd");
-        assert!(s[4..].iter().all(|&x| x == 0));
+        let mut f = AlignedBuf::new(8192, 4096);
+        f.as_mut_slice()[..4].copy_from_slice(b"abcd");
+        assert!(f.as_mut_slice()[4..].iter().all(|&x| x == 0));
         assert_eq!(&f.into_bytes(3)[..], b"abc");
     }
 

@@ -231,7 +231,7 @@ impl L2Adapter for DaxAdapter {
                 ix.free.pop().ok_or(L2Error::Full { what: "free slots", needed: 1, limit: 0 })?
             };
             let written =
-                media.write(base + u64::from(slot) * slot_bytes, [&blob.header, &blob.payload]);
+                media.write(base + u64::from(slot) * slot_bytes, [blob.header(), &blob.payload]);
             let mut ix = index.lock();
             match written {
                 Err(e) => {

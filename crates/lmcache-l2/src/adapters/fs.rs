@@ -3,7 +3,9 @@
 //! directories keep lookups fast at millions of files).
 //!
 //! A store writes `.lmcache-rs-<name>.<pid>.<n>.tmp` beside the final name (in its shard
-//! directory, or in `relative_tmp_dir` when one is set), optionally fsyncs it, then renames it
+//! directory, or in `relative_tmp_dir` when one is set): the payload first, hashed a piece at a
+//! time as it is written, then the header that hash seals ([`Blob::header`]). It optionally
+//! fsyncs the file, then renames it
 //! over the final name, so a reader sees a whole blob or nothing; a crash leaves at most a
 //! temporary file. The rename stays in one directory: a rename across directories takes both
 //! directories' locks, and when every store renamed out of one shared temporary directory
@@ -20,7 +22,7 @@
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{ErrorKind, IoSlice, IoSliceMut, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -204,8 +206,15 @@ impl Inner {
             let mut f = opts.open(path)?;
             let len = blob.len();
             let padded = len.div_ceil(ALIGN) * ALIGN;
-            let mut buf = AlignedBuf::filled(&[&blob.header, &blob.payload], padded, ALIGN);
-            f.write_all(buf.as_mut_slice())?;
+            let hlen = blob.header_len();
+            with_scratch(padded, ALIGN, |b| {
+                // The payload copied into place a piece at a time, each hashed while in
+                // cache; then the header that checksum seals.
+                let xxh3 = PieceHasher::copy(&mut b[hlen..len], &blob.payload);
+                b[..hlen].copy_from_slice(&blob.seal_with(xxh3));
+                b[len..].fill(0);
+                f.write_all(b)
+            })?;
             f.set_len(len as u64)?;
             if self.config.fsync != FsyncMode::Never {
                 f.sync_all()?;
@@ -213,14 +222,28 @@ impl Inner {
             return Ok(());
         }
         let mut f = opts.open(path)?;
-        let mut bufs = [IoSlice::new(&blob.header), IoSlice::new(&blob.payload)];
-        let mut slices: &mut [IoSlice<'_>] = &mut bufs;
-        while !slices.is_empty() {
-            let n = f.write_vectored(slices)?;
-            if n == 0 {
-                return Err(ErrorKind::WriteZero.into());
+        if let Some(header) = blob.sealed_header() {
+            let mut bufs = [IoSlice::new(header), IoSlice::new(&blob.payload)];
+            let mut slices: &mut [IoSlice<'_>] = &mut bufs;
+            while !slices.is_empty() {
+                let n = f.write_vectored(slices)?;
+                if n == 0 {
+                    return Err(ErrorKind::WriteZero.into());
+                }
+                IoSlice::advance_slices(&mut slices, n);
             }
-            IoSlice::advance_slices(&mut slices, n);
+        } else {
+            // The payload after the header's place, a piece at a time, each hashed right
+            // before its write copies it (so the copy reads it from cache); then the header
+            // that checksum seals. The file is renamed into place only after both.
+            let mut hasher = PieceHasher::new();
+            let mut at = blob.header_len() as u64;
+            for piece in blob.payload.chunks(PieceHasher::PIECE) {
+                hasher.piece(piece);
+                f.write_all_at(piece, at)?;
+                at += piece.len() as u64;
+            }
+            f.write_all_at(&blob.seal_with(hasher.finish()), 0)?;
         }
         if self.config.fsync != FsyncMode::Never {
             f.sync_data()?;

@@ -146,7 +146,7 @@ impl L2Adapter for NativePluginAdapter {
         }
         let lens: Vec<u64> = items.iter().map(|(_, b)| b.len() as u64).collect();
         let keys: Vec<String> = items.iter().map(|(k, _)| wire_key::encode(k)).collect();
-        let values = items.into_iter().map(|(_, b)| (b.header, b.payload)).collect();
+        let values = items.into_iter().map(|(_, b)| (b.header().clone(), b.payload)).collect();
         let n = lens.len();
         match self.run(Op::put(keys, values), lens.iter().sum()).await {
             Ok(op) => op

@@ -663,10 +663,12 @@ impl Inner {
         let written = {
             let a = g.align as usize;
             let padded = (len as usize).div_ceil(a) * a;
-            let (h, p) = (blob.header.len(), blob.payload.len());
+            let (h, p) = (blob.header_len(), blob.payload.len());
             with_scratch(padded, a, |buf| {
-                buf[..h].copy_from_slice(&blob.header);
-                buf[h..h + p].copy_from_slice(&blob.payload);
+                // Copied a piece at a time, each hashed while in cache; then the header
+                // that checksum seals.
+                let xxh3 = PieceHasher::copy(&mut buf[h..h + p], &blob.payload);
+                buf[..h].copy_from_slice(&blob.seal_with(xxh3));
                 buf[h + p..].fill(0);
                 self.data.write_all_at(buf, g.slot_offset(slot))
             })
@@ -676,7 +678,7 @@ impl Inner {
             st.free.push(slot);
             return Err(e.into());
         }
-        let sum = le64(&blob.header, 56);
+        let sum = le64(blob.header(), 56);
         if let Err(e) = self.append(&mut st, OP_PUT, slot, len, sum) {
             st.free.push(slot);
             return Err(e);

@@ -100,7 +100,7 @@ impl redis::ToRedisArgs for BlobArg<'_> {
         use std::io::Write;
         let mut w = out.writer_for_next_arg();
         // Writing into the command's Vec cannot fail.
-        let _ = w.write_all(&self.0.header);
+        let _ = w.write_all(self.0.header());
         let _ = w.write_all(&self.0.payload);
     }
 }

@@ -101,7 +101,7 @@ async fn write_sets(
         head.extend_from_slice(format!("${}\r\n", name.len()).as_bytes());
         head.extend_from_slice(name.as_bytes());
         head.extend_from_slice(format!("\r\n${}\r\n", blob.len()).as_bytes());
-        head.extend_from_slice(&blob.header);
+        head.extend_from_slice(blob.header());
         w.write_all(head).await?;
         w.write_all(&blob.payload).await?;
         head.clear();
@@ -548,10 +548,10 @@ mod tests {
     async fn stores_keep_a_window_of_values_sent_not_the_whole_batch() {
         let (addr, task) = patient_server(6, b"$2\r\nNX\r\n", b"+OK\r\n".to_vec()).await;
         let conns = DirectConns::new(Login { password: None, database: 0, ..login(addr) }, 1, None);
-        let blob = Blob {
-            header: bytes::Bytes::from_static(b"HH"),
-            payload: bytes::Bytes::from(vec![0u8; 200_000]),
-        };
+        let blob = Blob::from_parts(
+            bytes::Bytes::from_static(b"HH"),
+            bytes::Bytes::from(vec![0u8; 200_000]),
+        );
         let items: Vec<(String, &Blob)> = (0..6).map(|i| (format!("k{i}"), &blob)).collect();
         let out = conns.store(&items, None, Duration::from_secs(10)).await;
         assert_eq!(task.await.unwrap(), 2, "two 200 kB values sent ahead of their replies");
@@ -592,10 +592,8 @@ mod tests {
         });
         let login = Login { password: None, database: 0, ..login(addr) };
         let conns = DirectConns::new(login, 1, None);
-        let blob = Blob {
-            header: bytes::Bytes::from_static(b"HH"),
-            payload: bytes::Bytes::from_static(b"abc"),
-        };
+        let blob =
+            Blob::from_parts(bytes::Bytes::from_static(b"HH"), bytes::Bytes::from_static(b"abc"));
         let items: Vec<(String, &Blob)> = (1..=3).map(|i| (format!("k{i}"), &blob)).collect();
         let out = conns.store(&items, Some(60), Duration::from_secs(5)).await;
         assert_eq!(String::from_utf8_lossy(&task.await.unwrap()), String::from_utf8_lossy(&want));

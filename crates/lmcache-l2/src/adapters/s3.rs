@@ -139,7 +139,7 @@ impl S3Adapter {
         let path = self.path(key);
         let len = blob.len();
         if len < self.config.multipart_threshold {
-            let payload = PutPayload::from_iter([blob.header, blob.payload]);
+            let payload = PutPayload::from_iter([blob.header().clone(), blob.payload]);
             self.store.put(&path, payload).await.map_err(map_err)?;
         } else {
             // The upload runs in a task of its own: if this store is cancelled (a batch that
@@ -150,7 +150,7 @@ impl S3Adapter {
             let task = tokio::spawn(async move {
                 let upload = store.put_multipart(&path).await?;
                 let mut w = WriteMultipart::new_with_chunk_size(upload, part_size);
-                w.put(blob.header);
+                w.put(blob.header().clone());
                 w.put(blob.payload);
                 w.finish().await
             });

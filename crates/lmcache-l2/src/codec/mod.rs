@@ -119,8 +119,7 @@ impl Codec {
             Self::AesGcm(c) => Bytes::from(c.seal(key, &raw)?),
             Self::Fp8(c) => Bytes::from(c.encode(&raw)?),
         };
-        let header = blob::header(key, self.id(), &payload, raw_len);
-        Ok(Blob { header, payload })
+        Ok(Blob::new(key, self.id(), payload, raw_len))
     }
 
     /// Verifies a stored blob for `key` and returns its header and encoded payload.
