@@ -32,7 +32,7 @@ pub(crate) fn xxh3_64(bytes: &[u8]) -> u64 {
 
 /// A payload's xxh3-64 over the pieces a reader fills one after the other: each piece is
 /// hashed right after it lands, while it is still in the CPU's cache, instead of in a second
-/// pass over the whole payload from memory. The result equals [`xxh3_64`] of the pieces
+/// pass over the whole payload from memory. The result equals `xxh3_64` of the pieces
 /// joined.
 pub struct PieceHasher(XxHash3_64);
 
@@ -164,7 +164,7 @@ pub enum BlobError {
 ///
 /// The header is sealed lazily: its payload checksum is an xxh3 pass over the payload, which
 /// a writer that copies the payload anyway can compute piece by piece as it writes
-/// ([`Blob::seal_with`]), while each piece is in cache, instead of a separate pass from memory
+/// (`Blob::seal_with`), while each piece is in cache, instead of a separate pass from memory
 /// before the write. Every other reader of [`Blob::header`] seals it on first use. Clones
 /// share the sealed header.
 #[derive(Debug, Clone)]
