@@ -42,7 +42,7 @@ fuzz_target!(|input: (u8, Vec<u8>, Vec<u8>, Vec<u32>)| {
     // A real blob of arbitrary raw bytes: decodes for its key (lossless codecs give the bytes
     // back), never for another key.
     if let Ok(blob) = c.encode(&key, bytes::Bytes::from(raw.clone())) {
-        let whole = [blob.header.as_ref(), blob.payload.as_ref()].concat();
+        let whole = [blob.header().as_ref(), blob.payload.as_ref()].concat();
         let back = c.decode(&key, &whole).expect("a fresh blob decodes");
         if c.id() != 4 {
             assert_eq!(back, raw);
