@@ -167,6 +167,12 @@ pub(crate) struct Slots {
     reuse_paused: bool,
 }
 
+/// Whether slot `i` of the arena (`slots`, `hashes`) holds `key`.
+fn holds(slots: &[Slot], hashes: &[[u8; 32]], i: u32, key: &DirKey) -> bool {
+    let i = i as usize;
+    slots[i].ns == key.ns.0 && hashes[i] == key.hash
+}
+
 fn key_hash(hasher: &foldhash::fast::FixedState, hash: &[u8; 32], ns: u32) -> u64 {
     hasher.hash_one(DirKey { hash: *hash, ns: NsId(ns) })
 }
@@ -193,8 +199,7 @@ impl Slots {
     }
 
     fn matches(&self, i: u32, key: &DirKey) -> bool {
-        let i = i as usize;
-        self.slots[i].ns == key.ns.0 && self.hashes[i] == key.hash
+        holds(&self.slots, &self.hashes, i, key)
     }
 
     /// The table hash of `key`.
@@ -295,8 +300,7 @@ impl Slots {
         let reused = if self.reuse_paused { None } else { self.free.last().copied() };
         let new = reused.unwrap_or(self.slots.len() as u32);
         let (slots, hashes) = (&self.slots, &self.hashes);
-        let same = |j: u32| slots[j as usize].ns == key.ns.0 && hashes[j as usize] == key.hash;
-        match self.table.find_or_insert(h, same, new) {
+        match self.table.find_or_insert(h, |j| holds(slots, hashes, j, key), new) {
             Some(i) => (i, false, self.put(i, p, owners)),
             None => {
                 self.occupy(new, reused.is_some(), key, p);

@@ -25,14 +25,16 @@ use bytes::{Bytes, BytesMut};
 use lmcache_core::ObjectKey;
 use twox_hash::XxHash3_64;
 
+use crate::wire_key;
+
 /// xxh3-64 (seed 0) with the SIMD level picked at run time (AVX2 where the CPU has it).
 pub(crate) fn xxh3_64(bytes: &[u8]) -> u64 {
     XxHash3_64::oneshot(bytes)
 }
 
-/// A payload's xxh3-64 over the pieces a reader fills one after the other: each piece is
-/// hashed right after it lands, while it is still in the CPU's cache, instead of in a second
-/// pass over the whole payload from memory. The result equals `xxh3_64` of the pieces
+/// A payload's xxh3-64 over the pieces a reader fills (or a writer writes) one after the
+/// other: each piece is hashed right beside its copy, while it is still in the CPU's cache,
+/// instead of in a second pass over the whole payload from memory. The result equals `xxh3_64` of the pieces
 /// joined.
 pub struct PieceHasher(XxHash3_64);
 
@@ -55,15 +57,30 @@ impl PieceHasher {
         std::hash::Hasher::finish(&self.0)
     }
 
+    /// Fills `dest` a piece at a time, `fill(offset, piece)` writing each piece in place, and
+    /// hashes each piece right after it lands; returns the hash of `dest`.
+    pub fn fill<E>(
+        dest: &mut [u8],
+        mut fill: impl FnMut(usize, &mut [u8]) -> Result<(), E>,
+    ) -> Result<u64, E> {
+        let mut h = Self::new();
+        for (i, piece) in dest.chunks_mut(Self::PIECE).enumerate() {
+            fill(i * Self::PIECE, piece)?;
+            h.piece(piece);
+        }
+        Ok(h.finish())
+    }
+
     /// Copies `src` into `dest` (equal lengths) a piece at a time, hashing each piece of
     /// `dest` right after it is written; returns the hash of `dest`.
     pub fn copy(dest: &mut [u8], src: &[u8]) -> u64 {
-        let mut h = Self::new();
-        for (to, from) in dest.chunks_mut(Self::PIECE).zip(src.chunks(Self::PIECE)) {
-            to.copy_from_slice(from);
-            h.piece(to);
+        let filled = Self::fill(dest, |at, piece| {
+            piece.copy_from_slice(&src[at..at + piece.len()]);
+            Ok::<(), std::convert::Infallible>(())
+        });
+        match filled {
+            Ok(h) => h,
         }
-        h.finish()
     }
 }
 
@@ -72,8 +89,6 @@ impl Default for PieceHasher {
         Self::new()
     }
 }
-
-use crate::wire_key;
 
 /// The blob magic.
 pub const MAGIC: &[u8; 8] = b"LMRSBLB1";
@@ -214,6 +229,20 @@ impl Blob {
         // A concurrent sealer computed the same bytes from the same payload.
         let _ = self.sealed.set(h.clone());
         h
+    }
+
+    /// Writes the whole blob into `buf` ([`Blob::len`] bytes): the payload, hashed piece by
+    /// piece as it is copied when the header is not sealed yet, then the header.
+    pub(crate) fn write_into(&self, buf: &mut [u8]) {
+        let (h, p) = (self.header_len(), self.payload.len());
+        let header = match self.sealed_header() {
+            Some(sealed) => {
+                buf[h..h + p].copy_from_slice(&self.payload);
+                sealed.clone()
+            }
+            None => self.seal_with(PieceHasher::copy(&mut buf[h..h + p], &self.payload)),
+        };
+        buf[..h].copy_from_slice(&header);
     }
 
     /// Total stored length.
@@ -462,6 +491,14 @@ mod tests {
         let mut whole = want.to_vec();
         whole.extend_from_slice(&payload);
         assert!(verify(&k, &whole).is_ok());
+        // Written whole into a buffer: the same bytes whether the copy seals the header or it
+        // was sealed before.
+        for blob in [Blob::new(&k, 2, payload.clone(), 7), w] {
+            let mut buf = vec![0u8; blob.len()];
+            blob.write_into(&mut buf);
+            assert_eq!(buf, whole);
+            assert_eq!(blob.sealed_header(), Some(&want));
+        }
     }
 
     fn key(salt: &str) -> ObjectKey {

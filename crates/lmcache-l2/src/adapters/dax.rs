@@ -304,17 +304,11 @@ impl L2Adapter for DaxAdapter {
                         let mut header = vec![0u8; hlen];
                         media.read(at, &mut header)?;
                         // A piece at a time, each hashed while still in cache.
-                        let mut hasher = PieceHasher::new();
-                        let mut off = at + hlen as u64;
-                        for piece in dest.chunks_mut(PieceHasher::PIECE) {
-                            media.read(off, piece)?;
-                            hasher.piece(piece);
-                            off += piece.len() as u64;
-                        }
-                        Ok(Some(DirectHeader {
-                            bytes: header,
-                            payload_xxh3: Some(hasher.finish()),
-                        }))
+                        let from = at + hlen as u64;
+                        let xxh3 = PieceHasher::fill(dest, |off, piece| {
+                            media.read(from + off as u64, piece)
+                        })?;
+                        Ok(Some(DirectHeader { bytes: header, payload_xxh3: Some(xxh3) }))
                     })();
                     (sink, r)
                 })

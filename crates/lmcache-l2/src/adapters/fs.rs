@@ -5,9 +5,8 @@
 //! A store writes `.lmcache-rs-<name>.<pid>.<n>.tmp` beside the final name (in its shard
 //! directory, or in `relative_tmp_dir` when one is set): the payload first, hashed a piece at a
 //! time as it is written, then the header that hash seals ([`Blob::header`]). It optionally
-//! fsyncs the file, then renames it
-//! over the final name, so a reader sees a whole blob or nothing; a crash leaves at most a
-//! temporary file. The rename stays in one directory: a rename across directories takes both
+//! fsyncs the file, then renames it over the final name, so a reader sees a whole blob or
+//! nothing; a crash leaves at most a temporary file. The rename stays in one directory: a rename across directories takes both
 //! directories' locks, and when every store renamed out of one shared temporary directory
 //! the writers queued on its lock (22 % of a store benchmark's samples; BENCHMARKS.md,
 //! twenty-third session). Start-up removes only crash leftovers: files of that name pattern,
@@ -206,12 +205,8 @@ impl Inner {
             let mut f = opts.open(path)?;
             let len = blob.len();
             let padded = len.div_ceil(ALIGN) * ALIGN;
-            let hlen = blob.header_len();
             with_scratch(padded, ALIGN, |b| {
-                // The payload copied into place a piece at a time, each hashed while in
-                // cache; then the header that checksum seals.
-                let xxh3 = PieceHasher::copy(&mut b[hlen..len], &blob.payload);
-                b[..hlen].copy_from_slice(&blob.seal_with(xxh3));
+                blob.write_into(&mut b[..len]);
                 b[len..].fill(0);
                 f.write_all(b)
             })?;

@@ -663,13 +663,10 @@ impl Inner {
         let written = {
             let a = g.align as usize;
             let padded = (len as usize).div_ceil(a) * a;
-            let (h, p) = (blob.header_len(), blob.payload.len());
+            let n = blob.len();
             with_scratch(padded, a, |buf| {
-                // Copied a piece at a time, each hashed while in cache; then the header
-                // that checksum seals.
-                let xxh3 = PieceHasher::copy(&mut buf[h..h + p], &blob.payload);
-                buf[..h].copy_from_slice(&blob.seal_with(xxh3));
-                buf[h + p..].fill(0);
+                blob.write_into(&mut buf[..n]);
+                buf[n..].fill(0);
                 self.data.write_all_at(buf, g.slot_offset(slot))
             })
         };
