@@ -217,11 +217,31 @@ impl Directory {
                 out.push(PrefixRun { instance: InstanceId(i as u32), l1: l1_run[i], any: done })
             });
         }
-        out.sort_unstable_by_key(|r| {
-            (std::cmp::Reverse(r.any), std::cmp::Reverse(r.l1), r.instance)
-        });
-        out
+        ordered(&out)
     }
+}
+
+/// The answer's order (longest `any` first, then longest `l1`, then by id) from runs as the
+/// scan pushes them: `any` never decreasing, and each `any` one drop event whose instances
+/// ascend. The groups are taken from the last, so only a group whose `l1`s differ is sorted
+/// (stably, keeping its ids in order): linear for the usual answer, where a shared prefix ends
+/// every run but one at the same chunk with the same `l1`.
+fn ordered(runs: &[PrefixRun]) -> Vec<PrefixRun> {
+    use std::cmp::Reverse;
+    let mut out = Vec::with_capacity(runs.len());
+    let mut end = runs.len();
+    while let Some(last) = end.checked_sub(1).map(|i| runs[i].any) {
+        let start = runs[..end].iter().rposition(|r| r.any != last).map_or(0, |p| p + 1);
+        let at = out.len();
+        out.extend_from_slice(&runs[start..end]);
+        let group = &mut out[at..];
+        if !group.is_sorted_by_key(|r| Reverse(r.l1)) {
+            group.sort_by_key(|r| Reverse(r.l1));
+        }
+        end = start;
+    }
+    debug_assert!(out.is_sorted_by_key(|r| (Reverse(r.any), Reverse(r.l1), r.instance)));
+    out
 }
 
 #[cfg(test)]
