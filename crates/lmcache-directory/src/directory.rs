@@ -51,9 +51,9 @@ pub struct Entry<'a> {
 /// A placement as the routing scan reads it.
 pub(crate) type PlacementRef = Placement;
 
-/// 16 bytes, 4-aligned (so a slot holding one is 28 bytes): the site, who reported it at
-/// which incarnation (an interned [`Epoch`]), bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// 16 bytes, 4-aligned: the site, who reported it at which incarnation (an interned
+/// [`Epoch`]), bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct Placement {
     pub(crate) site: SiteId,
     pub(crate) epoch: u32,
@@ -651,7 +651,7 @@ impl Directory {
             .collect();
         self.keys
             .iter()
-            .filter(|&i| ns_ok.get(self.keys.slot(i).ns().0 as usize).copied().unwrap_or(false))
+            .filter(|&i| ns_ok.get(self.keys.ns_of(i).0 as usize).copied().unwrap_or(false))
             .filter_map(|i| {
                 let sites: Vec<SiteId> = self
                     .keys

@@ -3,27 +3,34 @@
 //! One flat hash table doubles when it fills, and a doubling rehashes every key at once: at
 //! 7.3 M keys that took 340 ms of a coordinator's ingest (and its temporary arrays 268 MB of
 //! fresh memory), about a quarter of all the time ingest spent. Here the table is extendible
-//! hashing over small [`HashTable`]s: a directory of `2^depth` entries, indexed by bits 32 and
-//! up of the key hash, names the segment each key lives in; a full segment splits in two by
-//! its next directory bit, re-inserting its own keys only. A split touches about 80 KB, which
-//! stay in cache, so growth is spread evenly over ingest and never pauses it, and the memory a
-//! split frees is what the next split allocates.
+//! hashing over small open-addressed segments: a directory of `2^depth` entries, indexed by
+//! bits 32 and up of the key hash, names the segment each key lives in; a full segment grows
+//! in place by a quarter, or, at [`SEG_LINES`], splits in two by its next directory bit,
+//! re-filing its own keys only. Growth is spread evenly over ingest and never pauses it.
 //!
 //! An entry is 8 bytes: the slot number and 32 bits of the key hash (its *fingerprint*). A
-//! split or a small segment's growth re-files entries from their fingerprints alone, without
-//! reading the arena (re-reading each key there, a cache miss per key, made ingest slower than
-//! the flat table's doublings), and a probe compares fingerprints before it asks the caller to
-//! compare keys. The directory indexes by the fingerprint's low bits; within a segment,
-//! hashbrown places and tags an entry by a mix of all 32.
+//! split or a growth re-files entries from their fingerprints alone, without reading the arena
+//! (re-reading each key there, a cache miss per key, made ingest slower than the flat table's
+//! doublings), and a probe compares fingerprints before it asks the caller to compare keys.
+//!
+//! A segment is linear probing over entries whose home is the start of a 64-byte line of eight:
+//! a key's probe reads its home line first, and that line's address follows from the key hash
+//! alone, so [`SegTable::touch`] can bring a batch's lines into cache with independent loads
+//! before the batch is stored. Its entries sit in that line (no separate control bytes, as
+//! hashbrown's table has: one cache miss per probe, not two). Segments are kept between 7/10
+//! and 7/8 full (hashbrown's segments were 7/16 to 7/8): the table costs about 10.3 bytes per
+//! key, not 14.7. A removal shifts later entries of its cluster back (no tombstones).
 
-use hashbrown::HashTable;
-
-/// A segment splits when it holds this many keys (hashbrown's capacity for 2^14 buckets, at
-/// most 7/8 full): 64 KiB of slot numbers and 16 KiB of control bytes.
-const SEG_KEYS: usize = 14_336;
+/// Entries per line: one 64-byte cache line.
+const LINE: usize = 8;
+/// A segment splits when it holds 7/8 of this many lines' entries (14,336 keys, 128 KiB).
+const SEG_LINES: usize = 2048;
 /// Directory bits at most (16 M segments; far more than 2^32 slots need). A segment at this
 /// depth grows in place instead of splitting.
 const MAX_DEPTH: u32 = 24;
+/// `slot` of an empty entry (never a slot number: the arena hands out fewer than 2^32 - 1).
+const EMPTY: u32 = u32::MAX;
+
 /// The fingerprint of key hash `h`.
 fn fingerprint(h: u64) -> u32 {
     (h >> 32) as u32
@@ -34,8 +41,8 @@ fn dir_index(fp: u32, depth: u32) -> usize {
     (fp as usize) & ((1usize << depth) - 1)
 }
 
-/// The hash hashbrown places an entry by: murmur3's 64-bit finaliser over the fingerprint, so
-/// its low bits (the bucket) and its top bits (the tag) each depend on all 32.
+/// murmur3's 64-bit finaliser over the fingerprint, so a segment's line depends on all 32
+/// bits, not only those above the directory's.
 fn spread(fp: u32) -> u64 {
     let mut z = u64::from(fp);
     z ^= z >> 33;
@@ -45,16 +52,24 @@ fn spread(fp: u32) -> u64 {
     z ^ (z >> 33)
 }
 
+/// Lines a segment takes for `n` keys: 7/10 full, at least 2.
+fn lines_for(n: usize) -> usize {
+    (n * 10).div_ceil(LINE * 7).max(2)
+}
+
 /// A slot number and its key's fingerprint.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
     slot: u32,
     fp: u32,
 }
 
-fn rehash(e: &Entry) -> u64 {
-    spread(e.fp)
-}
+const VACANT: Entry = Entry { slot: EMPTY, fp: 0 };
+
+/// Eight entries on one cache line.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([Entry; LINE]);
 
 #[derive(Debug)]
 struct Segment {
@@ -62,7 +77,121 @@ struct Segment {
     depth: u32,
     /// Their value: the low `depth` bits of every directory entry naming this segment.
     pattern: usize,
-    table: HashTable<Entry>,
+    lines: Box<[Line]>,
+    len: usize,
+}
+
+impl Segment {
+    fn new(depth: u32, pattern: usize, lines: usize) -> Self {
+        Self { depth, pattern, lines: vec![Line([VACANT; LINE]); lines].into_boxed_slice(), len: 0 }
+    }
+
+    /// Entries in all.
+    fn capacity(&self) -> usize {
+        self.lines.len() * LINE
+    }
+
+    /// Whether one more key keeps the segment at most 7/8 full (one entry always stays empty,
+    /// so a probe ends).
+    fn has_room(&self) -> bool {
+        (self.len + 1) * 8 <= self.capacity() * 7
+    }
+
+    /// The first entry of fingerprint `fp`'s home line.
+    fn home(&self, fp: u32) -> usize {
+        // Lemire's multiply-shift: a line in 0..len for any number of lines.
+        (((spread(fp) >> 32) * self.lines.len() as u64) >> 32) as usize * LINE
+    }
+
+    fn at(&self, p: usize) -> Entry {
+        self.lines[p / LINE].0[p % LINE]
+    }
+
+    fn set(&mut self, p: usize, e: Entry) {
+        self.lines[p / LINE].0[p % LINE] = e;
+    }
+
+    fn next(&self, p: usize) -> usize {
+        if p + 1 == self.capacity() { 0 } else { p + 1 }
+    }
+
+    /// Walks `fp`'s probe from its home, a line at a time: `Ok(p)` at the entry of fingerprint
+    /// `fp` that `hit` accepts, `Err(p)` at the first empty entry (where the key would go).
+    /// A line's empty entries and fingerprint matches are found as two masks, without a branch
+    /// per entry (at 7/10 to 7/8 full, one per entry mispredicts).
+    fn probe(&self, fp: u32, mut hit: impl FnMut(Entry) -> bool) -> Result<usize, usize> {
+        let n = self.lines.len();
+        let mut l = self.home(fp) / LINE;
+        for _ in 0..n {
+            let line = &self.lines[l].0;
+            let (mut empty, mut same) = (0u32, 0u32);
+            for (k, e) in line.iter().enumerate() {
+                empty |= u32::from(e.slot == EMPTY) << k;
+                same |= u32::from(e.fp == fp) << k;
+            }
+            // Only the entries before the line's first empty one are on the probe.
+            let stop = empty.trailing_zeros();
+            let mut cand = same & !empty & (1u64 << stop).wrapping_sub(1) as u32;
+            while cand != 0 {
+                let k = cand.trailing_zeros() as usize;
+                if hit(line[k]) {
+                    return Ok(l * LINE + k);
+                }
+                cand &= cand - 1;
+            }
+            if empty != 0 {
+                return Err(l * LINE + stop as usize);
+            }
+            l = if l + 1 == n { 0 } else { l + 1 };
+        }
+        // Unreachable while one entry stays empty (`has_room`); a full walk finds nothing.
+        Err(usize::MAX)
+    }
+
+    /// Adds `e`, known absent, at the end of its probe.
+    fn insert_new(&mut self, e: Entry) {
+        if let Err(p) = self.probe(e.fp, |_| false)
+            && p != usize::MAX
+        {
+            self.set(p, e);
+            self.len += 1;
+        }
+    }
+
+    /// Empties entry `p` and shifts back the entries after it whose probe passed through it
+    /// (Knuth's algorithm R), so every probe still ends at its key or at a real gap.
+    fn remove_at(&mut self, mut hole: usize) {
+        let mut j = hole;
+        loop {
+            j = self.next(j);
+            let e = self.at(j);
+            if e.slot == EMPTY || j == hole {
+                break;
+            }
+            let k = self.home(e.fp);
+            // `e` may stay when its home lies cyclically in (hole, j].
+            let stays = if hole <= j { hole < k && k <= j } else { hole < k || k <= j };
+            if !stays {
+                self.set(hole, e);
+                hole = j;
+            }
+        }
+        self.set(hole, VACANT);
+        self.len -= 1;
+    }
+
+    fn entries(&self) -> impl Iterator<Item = Entry> + '_ {
+        self.lines.iter().flat_map(|l| l.0).filter(|e| e.slot != EMPTY)
+    }
+
+    /// The segment re-filed into `lines` lines.
+    fn resized(&self, lines: usize) -> Segment {
+        let mut to = Segment::new(self.depth, self.pattern, lines);
+        for e in self.entries() {
+            to.insert_new(e);
+        }
+        to
+    }
 }
 
 /// Slot numbers by key hash. See the module docs.
@@ -77,12 +206,7 @@ pub(crate) struct SegTable {
 
 impl Default for SegTable {
     fn default() -> Self {
-        Self {
-            dir: vec![0],
-            depth: 0,
-            segs: vec![Segment { depth: 0, pattern: 0, table: HashTable::new() }],
-            len: 0,
-        }
+        Self { dir: vec![0], depth: 0, segs: vec![Segment::new(0, 0, 2)], len: 0 }
     }
 }
 
@@ -97,11 +221,20 @@ impl SegTable {
         self.dir[dir_index(fp, self.depth)] as usize
     }
 
+    /// Reads the first entry of key hash `h`'s home line, bringing the line into cache: a
+    /// batch's loads are independent of each other, so their misses overlap. Returns what it
+    /// read (for the caller to fold into [`std::hint::black_box`]).
+    pub(crate) fn touch(&self, h: u64) -> u32 {
+        let fp = fingerprint(h);
+        let seg = &self.segs[self.seg_of(fp)];
+        seg.at(seg.home(fp)).slot
+    }
+
     /// The slot number under key hash `h` that `eq` accepts.
     pub(crate) fn find(&self, h: u64, mut eq: impl FnMut(u32) -> bool) -> Option<u32> {
         let fp = fingerprint(h);
         let seg = &self.segs[self.seg_of(fp)];
-        seg.table.find(spread(fp), |e| e.fp == fp && eq(e.slot)).map(|e| e.slot)
+        seg.probe(fp, |e| e.fp == fp && eq(e.slot)).ok().map(|p| seg.at(p).slot)
     }
 
     /// The slot number under key hash `h` that `eq` accepts, or, when there is none, `v`
@@ -113,32 +246,42 @@ impl SegTable {
         v: u32,
     ) -> Option<u32> {
         let fp = fingerprint(h);
-        // Room first (a full segment splits even when the key turns out to be held: harmless).
+        // Room first (a full segment grows even when the key turns out to be held: harmless).
         let s = self.make_room(fp);
-        match self.segs[s].table.entry(spread(fp), |e| e.fp == fp && eq(e.slot), rehash) {
-            hashbrown::hash_table::Entry::Occupied(o) => Some(o.get().slot),
-            hashbrown::hash_table::Entry::Vacant(e) => {
-                e.insert(Entry { slot: v, fp });
-                self.len += 1;
+        let seg = &mut self.segs[s];
+        match seg.probe(fp, |e| e.fp == fp && eq(e.slot)) {
+            Ok(p) => Some(seg.at(p).slot),
+            Err(p) => {
+                if p != usize::MAX {
+                    seg.set(p, Entry { slot: v, fp });
+                    seg.len += 1;
+                    self.len += 1;
+                }
                 None
             }
         }
     }
 
-    /// The segment fingerprint `fp` files into, with room for one more entry (split or grown).
+    /// The segment fingerprint `fp` files into, with room for one more entry (grown or split).
     fn make_room(&mut self, fp: u32) -> usize {
         loop {
             let s = self.seg_of(fp);
             let seg = &self.segs[s];
-            if seg.table.len() < seg.table.capacity() {
+            if seg.has_room() {
                 return s;
             }
-            if seg.table.len() < SEG_KEYS || seg.depth >= MAX_DEPTH {
-                // A small segment (the table's first) grows in place, as does one that can
-                // split no further.
-                let want = (seg.table.len() * 2).clamp(16, SEG_KEYS.max(seg.table.len() + 1));
-                let seg = &mut self.segs[s];
-                seg.table.reserve(want - seg.table.len(), rehash);
+            let lines = seg.lines.len();
+            if lines < SEG_LINES || seg.depth >= MAX_DEPTH {
+                // Small segments double; larger ones grow by a quarter, up to the split size
+                // (past it only at the deepest level, where a split separates nothing).
+                let grown = if lines < 256 { lines * 2 } else { lines + lines / 4 };
+                // (Within a fifth of the split size, straight to it: one re-filing, not two.)
+                let grown = match seg.depth >= MAX_DEPTH {
+                    true => grown,
+                    false if grown * 5 > SEG_LINES * 4 => SEG_LINES,
+                    false => grown,
+                };
+                self.segs[s] = seg.resized(grown);
                 return s;
             }
             self.split(s);
@@ -156,17 +299,18 @@ impl SegTable {
             self.depth += 1;
         }
         let bit = 1usize << d;
-        let old = std::mem::replace(&mut self.segs[s].table, HashTable::new());
-        let mut low = HashTable::with_capacity(SEG_KEYS);
-        let mut high = HashTable::with_capacity(SEG_KEYS);
-        for e in old {
-            let to = if dir_index(e.fp, d + 1) & bit == 0 { &mut low } else { &mut high };
-            to.insert_unique(spread(e.fp), e, rehash);
+        let old = &self.segs[s];
+        let high_n = old.entries().filter(|e| dir_index(e.fp, d + 1) & bit != 0).count();
+        let pattern = old.pattern;
+        let size = |n: usize| lines_for(n).min(SEG_LINES);
+        let mut low = Segment::new(d + 1, pattern, size(old.len - high_n));
+        let mut high = Segment::new(d + 1, pattern | bit, size(high_n));
+        for e in old.entries() {
+            if dir_index(e.fp, d + 1) & bit == 0 { low.insert_new(e) } else { high.insert_new(e) }
         }
         let t = self.segs.len() as u32;
-        let pattern = self.segs[s].pattern;
-        self.segs[s] = Segment { depth: d + 1, pattern, table: low };
-        self.segs.push(Segment { depth: d + 1, pattern: pattern | bit, table: high });
+        self.segs[s] = low;
+        self.segs.push(high);
         // The entries that named `s` share its pattern; those with bit `d` set move.
         let mut i = pattern | bit;
         while i < self.dir.len() {
@@ -179,9 +323,10 @@ impl SegTable {
     pub(crate) fn remove(&mut self, h: u64, v: u32) -> bool {
         let fp = fingerprint(h);
         let s = self.seg_of(fp);
-        match self.segs[s].table.find_entry(spread(fp), |e| e.slot == v) {
-            Ok(e) => {
-                e.remove();
+        let seg = &mut self.segs[s];
+        match seg.probe(fp, |e| e.fp == fp && e.slot == v) {
+            Ok(p) => {
+                seg.remove_at(p);
                 self.len -= 1;
                 true
             }
@@ -196,8 +341,8 @@ impl SegTable {
         mut entries: Vec<(u64, u32)>,
         same: impl Fn(u32, u32) -> bool,
     ) -> Option<Self> {
-        // Segments about 5/8 full: room to grow before the first splits.
-        let want = entries.len().div_ceil(SEG_KEYS * 5 / 8).max(1);
+        // Segments 5/8 full of their split size: room to grow before the first splits.
+        let want = entries.len().div_ceil(SEG_LINES * LINE * 5 / 8).max(1);
         let depth = want.next_power_of_two().trailing_zeros().min(MAX_DEPTH);
         let n = 1usize << depth;
         // A counting sort by directory entry.
@@ -208,7 +353,7 @@ impl SegTable {
         for i in 1..=n {
             starts[i] += starts[i - 1];
         }
-        let mut sorted = vec![Entry { slot: 0, fp: 0 }; entries.len()];
+        let mut sorted = vec![VACANT; entries.len()];
         let mut at = starts.clone();
         for &(h, v) in &entries {
             let fp = fingerprint(h);
@@ -221,34 +366,23 @@ impl SegTable {
         let mut segs = Vec::with_capacity(n);
         for b in 0..n {
             let part = &sorted[starts[b]..starts[b + 1]];
-            let mut table = HashTable::with_capacity(SEG_KEYS.max(part.len()));
+            let mut seg = Segment::new(depth, b, lines_for(part.len()));
             for &e in part {
-                let h = spread(e.fp);
-                if table.find(h, |o: &Entry| o.fp == e.fp && same(o.slot, e.slot)).is_some() {
+                if seg.probe(e.fp, |o| o.fp == e.fp && same(o.slot, e.slot)).is_ok() {
                     return None;
                 }
-                table.insert_unique(h, e, rehash);
+                seg.insert_new(e);
             }
-            segs.push(Segment { depth, pattern: b, table });
+            segs.push(seg);
         }
         Some(Self { dir: (0..n as u32).collect(), depth, segs, len: sorted.len() })
     }
 
-    /// Bytes held: directory, slot numbers and control bytes.
+    /// Bytes held: directory, segments and their lines.
     pub(crate) fn bytes(&self) -> usize {
         self.dir.capacity() * 4
             + self.segs.capacity() * std::mem::size_of::<Segment>()
-            + self
-                .segs
-                .iter()
-                .map(|s| {
-                    let c = s.table.capacity();
-                    // hashbrown holds buckets (capacity * 8 / 7, a power of two) of one entry
-                    // plus one control byte each.
-                    let entry = std::mem::size_of::<Entry>() + 1;
-                    if c == 0 { 0 } else { (c * 8 / 7).next_power_of_two() * entry }
-                })
-                .sum::<usize>()
+            + self.segs.iter().map(|s| s.lines.len() * std::mem::size_of::<Line>()).sum::<usize>()
     }
 }
 
@@ -280,7 +414,7 @@ mod tests {
             let seg = &t.segs[s as usize];
             let mask = (1usize << seg.depth) - 1;
             assert_eq!(i & mask, seg.pattern, "entry {i} names a segment of another pattern");
-            for e in seg.table.iter() {
+            for e in seg.entries() {
                 assert_eq!(e.fp, fingerprint(mix(e.slot)), "slot {} keeps its fingerprint", e.slot);
                 assert_eq!(dir_index(e.fp, t.depth) & mask, i & mask, "slot {} misfiled", e.slot);
             }
@@ -296,7 +430,12 @@ mod tests {
         }
         assert_eq!(t.len(), n as usize);
         assert!(t.segs.len() >= 16, "the table split ({} segments)", t.segs.len());
-        assert!(t.segs.iter().all(|s| s.table.len() <= SEG_KEYS), "no segment outgrew a split");
+        assert!(
+            t.segs.iter().all(|s| s.len * 8 <= s.capacity() * 7 && s.lines.len() <= SEG_LINES),
+            "no segment outgrew a split"
+        );
+        let load = t.len() as f64 / t.segs.iter().map(Segment::capacity).sum::<usize>() as f64;
+        assert!(load > 0.6, "segments stay well filled ({load:.2})");
         for v in (0..n).step_by(3) {
             assert!(t.remove(mix(v), v));
             assert!(!t.remove(mix(v), v), "removed twice");
@@ -334,7 +473,7 @@ mod tests {
         }
         assert_eq!(t.depth, MAX_DEPTH, "the directory split as far as it may");
         let seg = &t.segs[t.seg_of(fingerprint(h(0)))];
-        assert_eq!(seg.table.len(), 15_000, "one segment holds them all");
+        assert_eq!(seg.len, 15_000, "one segment holds them all");
         for v in 0..15_000u32 {
             assert_eq!(t.find(h(v), |j| j == v), Some(v));
         }
@@ -360,5 +499,64 @@ mod tests {
         dup.push((mix(10), 99));
         assert!(SegTable::build(dup, same).is_none());
         assert!(SegTable::build(Vec::new(), |a, b| a == b).is_some_and(|t| t.len() == 0));
+    }
+
+    /// Entries of segment `s` sit where a probe from their home finds them: no empty entry
+    /// between home and entry.
+    fn probes_reach_every_entry(seg: &Segment) {
+        for p in 0..seg.capacity() {
+            let e = seg.at(p);
+            if e.slot == EMPTY {
+                continue;
+            }
+            let mut q = seg.home(e.fp);
+            while q != p {
+                assert_ne!(seg.at(q).slot, EMPTY, "a gap before slot {} at {p}", e.slot);
+                q = seg.next(q);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Inserts and removals under a few fingerprints (long clusters that wrap around a
+        /// segment's end) agree with a map, and every entry stays reachable from its home.
+        #[test]
+        fn a_segment_table_agrees_with_a_map(
+            ops in proptest::collection::vec((0u32..600, proptest::bool::ANY, 0u64..24), 1..2_000)
+        ) {
+            let mut t = SegTable::default();
+            let mut model = std::collections::HashMap::new();
+            // Few distinct hashes: many slots share a fingerprint and a home.
+            let h = |k: u64| mix(k as u32) & 0xffff_fff0_ffff_ffff;
+            for (v, add, k) in ops {
+                if add {
+                    let held = model.get(&v).copied();
+                    let got = t.find_or_insert(h(k), |j| j == v && held == Some(k), v);
+                    if held.is_none() {
+                        // A slot number is one key: a new one under its hash.
+                        proptest::prop_assert_eq!(got, None);
+                        model.insert(v, k);
+                    } else if held == Some(k) {
+                        proptest::prop_assert_eq!(got, Some(v));
+                    } else {
+                        // Under another hash than its own: not found there, and added
+                        // twice; take it straight out again to keep one entry per slot.
+                        proptest::prop_assert!(t.remove(h(k), v));
+                    }
+                } else {
+                    let held = model.remove(&v);
+                    let removed = held.is_some_and(|k| t.remove(h(k), v));
+                    proptest::prop_assert_eq!(removed, held.is_some());
+                }
+                proptest::prop_assert_eq!(t.len(), model.len());
+            }
+            for (&v, &k) in &model {
+                proptest::prop_assert_eq!(t.find(h(k), |j| j == v), Some(v));
+            }
+            for seg in &t.segs {
+                probes_reach_every_entry(seg);
+                proptest::prop_assert_eq!(seg.entries().count(), seg.len);
+            }
+        }
     }
 }

@@ -4,12 +4,14 @@
 //! of the same chunks walks the arena sequentially: it checks the slot after the previous hit
 //! before it probes the table, one predictable read per chunk instead of one random probe
 //! ([`Slots::find_after`]). The table ([`SegTable`]) holds slot numbers and 32-bit fingerprints,
-//! keyed by the chunk hash; the 32-byte hashes sit in an array parallel to the 28-byte slot
+//! keyed by the chunk hash; the 32-byte hashes sit in an array parallel to the 12-byte slot
 //! records, so each costs its bytes once.
 //!
-//! A slot holds its key's first placement inline; a key placed at several sites (a prefix every
-//! server holds, a chunk in L1 and L2) keeps them all in a spill list the slot points to. A key
-//! with no placement has no slot: the last removal frees it for the next new key.
+//! A slot names its key's namespace and single placement through a *head*, interned and shared
+//! by every slot with the same ones (a store batch's keys, as a rule); a key placed at several
+//! sites (a prefix every server holds, a chunk in L1 and L2) keeps them all in a spill list the
+//! slot points to instead. A key with no placement has no slot: the last removal frees it for
+//! the next new key.
 
 use std::hash::BuildHasher as _;
 
@@ -36,6 +38,8 @@ fn set_bit(bits: &mut Bits, i: InstanceId) {
 /// and how many of its sites are shared pools (whose mounts the scan still reads).
 #[derive(Debug, Default)]
 pub(crate) struct Spill {
+    /// The key's namespace (a spilled slot names its list instead of a head).
+    ns: u32,
     list: Vec<Placement>,
     /// Owners of the private L1 sites in `list`.
     pub(crate) l1: Bits,
@@ -83,30 +87,33 @@ impl Spill {
     }
 }
 
-/// Slots at most: slot numbers are `u32`, and `u32::MAX` is never one.
-const MAX_SLOTS: usize = u32::MAX as usize;
-/// `ns` of a free slot.
+/// Slots at most: 2^31 - 1, so a spill list's number (at most one per key) fits the 31 bits
+/// [`SPILLED`] leaves, and `u32::MAX` is never a slot number.
+const MAX_SLOTS: usize = (1 << 31) - 1;
+/// `head` of a free slot.
 const FREE: u32 = u32::MAX;
-/// `head.site` of a slot whose placements live in the spill list `head.epoch`.
-const SPILLED: SiteId = SiteId(u32::MAX);
+/// The bit of `head` that says the rest is a spill list's number, not a head's.
+const SPILLED: u32 = 1 << 31;
 
-/// 28 bytes: a key's namespace, use, binding flag and first placement (or its spill list).
+/// 12 bytes: a key's placement (or its spill list), use and binding flag. Its namespace and
+/// single placement live in the shared [`Heads`] table: the keys of one store batch (same
+/// namespace, site, reporter and, but for a last partial chunk, size) share one head.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Slot {
-    ns: u32,
+    /// A [`Heads`] number, or [`SPILLED`] and a spill list number, or [`FREE`].
+    head: u32,
     /// Last store or access, whole seconds.
     pub(crate) last_access: u32,
     /// Accesses reported (low 31 bits, saturating) and whether the key holds a reference on
     /// its chunk's token binding (the top bit).
     meta: u32,
-    head: Placement,
 }
 
 const BOUND: u32 = 1 << 31;
 
 impl Slot {
-    fn new(ns: u32, head: Placement) -> Self {
-        Self { ns, last_access: 0, meta: 0, head }
+    fn new(head: u32) -> Self {
+        Self { head, last_access: 0, meta: 0 }
     }
 
     /// Accesses reported (saturating at 2^31 - 1).
@@ -133,13 +140,87 @@ impl Slot {
         self.meta = if bound { self.meta | BOUND } else { self.meta & !BOUND };
     }
 
-    /// The slot's namespace.
-    pub(crate) fn ns(&self) -> NsId {
-        NsId(self.ns)
+    fn is_free(&self) -> bool {
+        self.head == FREE
     }
 
-    fn is_free(&self) -> bool {
-        self.ns == FREE
+    /// The spill list number, when the key has several placements.
+    fn spilled(&self) -> Option<u32> {
+        (self.head != FREE && self.head & SPILLED != 0).then_some(self.head & !SPILLED)
+    }
+}
+
+/// A namespace and one placement, shared by the slots that name it.
+#[derive(Debug, Clone, Copy)]
+struct Head {
+    ns: u32,
+    placement: Placement,
+    /// Slots naming it; 0: free, its number on the free list.
+    refs: u32,
+}
+
+/// The heads in use, interned: one per distinct (namespace, placement), counted by the slots
+/// that name it, so at most one per key. A store batch names one head for all its keys; the
+/// last head handed out is remembered, so such a batch interns by one compare per key.
+#[derive(Debug, Default)]
+struct Heads {
+    list: Vec<Head>,
+    by_value: hashbrown::HashMap<(u32, Placement), u32, foldhash::fast::FixedState>,
+    free: Vec<u32>,
+    /// The last head interned, while it lives.
+    last: Option<(u32, Placement, u32)>,
+}
+
+impl Heads {
+    /// A reference on the head of (`ns`, `p`), made if new.
+    fn acquire(&mut self, ns: u32, p: Placement) -> u32 {
+        let id = match self.last {
+            Some((lns, lp, id)) if lns == ns && lp == p => id,
+            _ => match self.by_value.get(&(ns, p)) {
+                Some(&id) => id,
+                None => {
+                    let head = Head { ns, placement: p, refs: 0 };
+                    let id = match self.free.pop() {
+                        Some(id) => {
+                            self.list[id as usize] = head;
+                            id
+                        }
+                        None => {
+                            self.list.push(head);
+                            (self.list.len() - 1) as u32
+                        }
+                    };
+                    self.by_value.insert((ns, p), id);
+                    id
+                }
+            },
+        };
+        self.list[id as usize].refs += 1;
+        self.last = Some((ns, p, id));
+        id
+    }
+
+    /// Drops a reference on head `id`; the head goes with its last.
+    fn release(&mut self, id: u32) {
+        let h = &mut self.list[id as usize];
+        h.refs -= 1;
+        if h.refs == 0 {
+            self.by_value.remove(&(h.ns, h.placement));
+            self.free.push(id);
+            if self.last.is_some_and(|(_, _, l)| l == id) {
+                self.last = None;
+            }
+        }
+    }
+
+    fn get(&self, id: u32) -> &Head {
+        &self.list[id as usize]
+    }
+
+    fn bytes(&self) -> usize {
+        self.list.capacity() * std::mem::size_of::<Head>()
+            + self.by_value.capacity() * (std::mem::size_of::<((u32, Placement), u32)>() + 1)
+            + self.free.capacity() * 4
     }
 }
 
@@ -159,6 +240,7 @@ pub(crate) struct Slots {
     hasher: foldhash::fast::FixedState,
     hashes: Vec<[u8; 32]>,
     slots: Vec<Slot>,
+    heads: Heads,
     spill: Vec<Spill>,
     spill_free: Vec<u32>,
     free: Vec<u32>,
@@ -167,10 +249,25 @@ pub(crate) struct Slots {
     reuse_paused: bool,
 }
 
-/// Whether slot `i` of the arena (`slots`, `hashes`) holds `key`.
-fn holds(slots: &[Slot], hashes: &[[u8; 32]], i: u32, key: &DirKey) -> bool {
+/// The namespace of a live slot.
+fn ns_of(slot: &Slot, heads: &Heads, spill: &[Spill]) -> u32 {
+    match slot.spilled() {
+        Some(id) => spill[id as usize].ns,
+        None => heads.get(slot.head).ns,
+    }
+}
+
+/// Whether slot `i` of the arena (`slots`, `hashes`, `heads`, `spill`) holds `key`.
+fn holds(
+    slots: &[Slot],
+    hashes: &[[u8; 32]],
+    heads: &Heads,
+    spill: &[Spill],
+    i: u32,
+    key: &DirKey,
+) -> bool {
     let i = i as usize;
-    slots[i].ns == key.ns.0 && hashes[i] == key.hash
+    hashes[i] == key.hash && !slots[i].is_free() && ns_of(&slots[i], heads, spill) == key.ns.0
 }
 
 fn key_hash(hasher: &foldhash::fast::FixedState, hash: &[u8; 32], ns: u32) -> u64 {
@@ -184,6 +281,7 @@ impl Slots {
             hasher: foldhash::fast::FixedState::with_seed(seed),
             hashes: Vec::new(),
             slots: Vec::new(),
+            heads: Heads::default(),
             spill: Vec::new(),
             spill_free: Vec::new(),
             free: Vec::new(),
@@ -199,7 +297,12 @@ impl Slots {
     }
 
     fn matches(&self, i: u32, key: &DirKey) -> bool {
-        holds(&self.slots, &self.hashes, i, key)
+        holds(&self.slots, &self.hashes, &self.heads, &self.spill, i, key)
+    }
+
+    /// The namespace of live slot `i`.
+    pub(crate) fn ns_of(&self, i: u32) -> NsId {
+        NsId(ns_of(&self.slots[i as usize], &self.heads, &self.spill))
     }
 
     /// The table hash of `key`.
@@ -236,12 +339,16 @@ impl Slots {
         &self,
         keys: impl Iterator<Item = &'a DirKey>,
     ) -> smallvec::SmallVec<[u64; 64]> {
-        keys.map(|key| {
-            let h = self.hash_of(key);
-            std::hint::black_box(self.find_hashed(key, h));
-            h
-        })
-        .collect()
+        let mut read = 0u32;
+        let hashes = keys
+            .map(|key| {
+                let h = self.hash_of(key);
+                read ^= self.table.touch(h);
+                h
+            })
+            .collect();
+        std::hint::black_box(read);
+        hashes
     }
 
     /// Whether `n` more keys can be given slots (slot numbers are 32-bit; `u32::MAX` is never
@@ -262,23 +369,21 @@ impl Slots {
 
     /// Slot `i`'s key.
     pub(crate) fn key(&self, i: u32) -> DirKey {
-        DirKey { hash: self.hashes[i as usize], ns: NsId(self.slots[i as usize].ns) }
+        DirKey { hash: self.hashes[i as usize], ns: self.ns_of(i) }
     }
 
     /// Slot `i`'s placements (at least one).
     pub(crate) fn placements(&self, i: u32) -> &[Placement] {
         let s = &self.slots[i as usize];
-        if s.head.site == SPILLED {
-            &self.spill[s.head.epoch as usize].list
-        } else {
-            std::slice::from_ref(&s.head)
+        match s.spilled() {
+            Some(id) => &self.spill[id as usize].list,
+            None => std::slice::from_ref(&self.heads.get(s.head).placement),
         }
     }
 
     /// Slot `i`'s spill list, when it has several placements.
     pub(crate) fn spill(&self, i: u32) -> Option<&Spill> {
-        let s = &self.slots[i as usize];
-        (s.head.site == SPILLED).then(|| &self.spill[s.head.epoch as usize])
+        self.slots[i as usize].spilled().map(|id| &self.spill[id as usize])
     }
 
     /// Places `key` at `p.site` (replacing the placement there), trying the slot after `prev`
@@ -299,8 +404,8 @@ impl Slots {
         // before the batch, so the number fits).
         let reused = if self.reuse_paused { None } else { self.free.last().copied() };
         let new = reused.unwrap_or(self.slots.len() as u32);
-        let (slots, hashes) = (&self.slots, &self.hashes);
-        match self.table.find_or_insert(h, |j| holds(slots, hashes, j, key), new) {
+        let (slots, hashes, heads, spill) = (&self.slots, &self.hashes, &self.heads, &self.spill);
+        match self.table.find_or_insert(h, |j| holds(slots, hashes, heads, spill, j, key), new) {
             Some(i) => (i, false, self.put(i, p, owners)),
             None => {
                 self.occupy(new, reused.is_some(), key, p);
@@ -312,7 +417,7 @@ impl Slots {
     /// Slot `i` (a freed one when `reused`, else the arena's end) takes a new key with its
     /// first placement; the table already names it.
     fn occupy(&mut self, i: u32, reused: bool, key: &DirKey, p: Placement) {
-        let slot = Slot::new(key.ns.0, p);
+        let slot = Slot::new(self.heads.acquire(key.ns.0, p));
         if reused {
             self.free.pop();
             self.slots[i as usize] = slot;
@@ -326,79 +431,91 @@ impl Slots {
 
     /// Upserts `p` into slot `i`; the size it replaced.
     fn put(&mut self, i: u32, p: Placement, owners: &SiteOwners) -> Option<u64> {
-        let s = &mut self.slots[i as usize];
-        if s.head.site == SPILLED {
-            let spill = &mut self.spill[s.head.epoch as usize];
+        let s = self.slots[i as usize];
+        if let Some(id) = s.spilled() {
+            let spill = &mut self.spill[id as usize];
             if !spill.may_hold(p.site, owners) {
                 // A private site whose owner holds nothing of this key: a new placement,
                 // without a scan of the list (a prefix every server holds has one per server).
                 spill.add(p, owners);
                 return None;
             }
-            match spill.list.iter_mut().find(|q| q.site == p.site) {
+            return match spill.list.iter_mut().find(|q| q.site == p.site) {
                 // Same site, same owner: the bitsets stand.
                 Some(q) => Some(std::mem::replace(q, p).size()),
                 None => {
                     spill.add(p, owners);
                     None
                 }
-            }
-        } else if s.head.site == p.site {
-            Some(std::mem::replace(&mut s.head, p).size())
-        } else {
-            let mut spill = Spill::default();
-            spill.add(s.head, owners);
-            spill.add(p, owners);
-            let id = match self.spill_free.pop() {
-                Some(id) => {
-                    self.spill[id as usize] = spill;
-                    id
-                }
-                None => {
-                    self.spill.push(spill);
-                    (self.spill.len() - 1) as u32
-                }
             };
-            s.head = Placement::new(SPILLED, id, 0);
-            None
         }
+        let head = *self.heads.get(s.head);
+        if head.placement.site == p.site {
+            let id = self.heads.acquire(head.ns, p);
+            self.heads.release(s.head);
+            self.slots[i as usize].head = id;
+            return Some(head.placement.size());
+        }
+        let mut spill = Spill { ns: head.ns, ..Spill::default() };
+        spill.add(head.placement, owners);
+        spill.add(p, owners);
+        let id = match self.spill_free.pop() {
+            Some(id) => {
+                self.spill[id as usize] = spill;
+                id
+            }
+            None => {
+                self.spill.push(spill);
+                (self.spill.len() - 1) as u32
+            }
+        };
+        self.heads.release(s.head);
+        self.slots[i as usize].head = SPILLED | id;
+        None
     }
 
     /// Removes slot `i`'s placement at `site`; frees the slot when it was the last.
     pub(crate) fn remove(&mut self, i: u32, site: SiteId, owners: &SiteOwners) -> Option<Removed> {
-        let s = &mut self.slots[i as usize];
-        let placement = if s.head.site == SPILLED {
-            let id = s.head.epoch;
-            let spill = &mut self.spill[id as usize];
-            let at = spill.list.iter().position(|q| q.site == site)?;
-            let gone = spill.list.swap_remove(at);
-            if spill.list.len() == 1 {
-                s.head = spill.list[0];
-                self.spill[id as usize] = Spill::default();
-                self.spill_free.push(id);
-            } else {
-                spill.rebuild(owners);
+        let s = self.slots[i as usize];
+        let Some(id) = s.spilled() else {
+            let head = *self.heads.get(s.head);
+            if head.placement.site != site {
+                return None;
             }
-            gone
-        } else if s.head.site == site {
-            s.head
-        } else {
-            return None;
-        };
-        if s.head.site == site {
-            // The inline placement was the last one.
+            // The only placement: the key goes.
             let bound = s.bound();
             self.free_slot(i);
-            return Some(Removed { placement, key_gone: Some(bound) });
+            return Some(Removed { placement: head.placement, key_gone: Some(bound) });
+        };
+        let spill = &mut self.spill[id as usize];
+        let at = spill.list.iter().position(|q| q.site == site)?;
+        let gone = spill.list.swap_remove(at);
+        if spill.list.len() == 1 {
+            let (ns, last) = (spill.ns, spill.list[0]);
+            self.spill[id as usize] = Spill::default();
+            self.spill_free.push(id);
+            self.slots[i as usize].head = self.heads.acquire(ns, last);
+        } else {
+            spill.rebuild(owners);
         }
-        Some(Removed { placement, key_gone: None })
+        Some(Removed { placement: gone, key_gone: None })
     }
 
     fn free_slot(&mut self, i: u32) {
         let h = self.hash_of(&self.key(i));
         self.table.remove(h, i);
-        self.slots[i as usize].ns = FREE;
-        self.slots[i as usize].set_bound(false);
+        let s = &mut self.slots[i as usize];
+        match s.spilled() {
+            // (Only a list of one placement is freed with its key, and such a list goes back
+            // inline first; this keeps a slot's list from leaking whatever the caller did.)
+            Some(id) => {
+                self.spill[id as usize] = Spill::default();
+                self.spill_free.push(id);
+            }
+            None => self.heads.release(s.head),
+        }
+        s.head = FREE;
+        s.set_bound(false);
         self.free.push(i);
         self.live -= 1;
     }
@@ -471,7 +588,7 @@ impl Slots {
             return false;
         }
         let i = self.slots.len() as u32;
-        let mut slot = Slot::new(key.ns.0, *first);
+        let mut slot = Slot::new(self.heads.acquire(key.ns.0, *first));
         slot.last_access = last_access;
         slot.set_access_count(access_count);
         self.slots.push(slot);
@@ -487,16 +604,18 @@ impl Slots {
     /// once, in order); false if two slots hold the same key.
     pub(crate) fn index_restored(&mut self) -> bool {
         let (hashes, slots, hasher) = (&self.hashes, &self.slots, &self.hasher);
+        let (heads, spill) = (&self.heads, &self.spill);
         let entries: Vec<(u64, u32)> = hashes
             .iter()
             .zip(slots)
             .enumerate()
             .filter(|(_, (_, s))| !s.is_free())
-            .map(|(i, (h, s))| (key_hash(hasher, h, s.ns), i as u32))
+            .map(|(i, (h, s))| (key_hash(hasher, h, ns_of(s, heads, spill)), i as u32))
             .collect();
         let same = |a: u32, b: u32| {
             let (a, b) = (a as usize, b as usize);
-            slots[a].ns == slots[b].ns && hashes[a] == hashes[b]
+            hashes[a] == hashes[b]
+                && ns_of(&slots[a], heads, spill) == ns_of(&slots[b], heads, spill)
         };
         match SegTable::build(entries, same) {
             Some(table) => {
@@ -512,6 +631,7 @@ impl Slots {
         self.slots.capacity() * std::mem::size_of::<Slot>()
             + self.hashes.capacity() * 32
             + self.table.bytes()
+            + self.heads.bytes()
             + self
                 .spill
                 .iter()
@@ -554,10 +674,9 @@ mod tests {
     ];
 
     #[test]
-    fn slot_is_28_bytes_and_counts_apart_from_its_binding_flag() {
-        assert_eq!(std::mem::size_of::<Slot>(), 28);
-        let mut s = Slot::new(0, Placement::new(SiteId(0), 0, 5 << 32 | 7));
-        assert_eq!(s.head.size(), 5 << 32 | 7);
+    fn slot_is_12_bytes_and_counts_apart_from_its_binding_flag() {
+        assert_eq!(std::mem::size_of::<Slot>(), 12);
+        let mut s = Slot::new(0);
         s.set_bound(true);
         s.count_access();
         assert_eq!((s.access_count(), s.bound()), (1, true));
@@ -570,6 +689,33 @@ mod tests {
         );
         s.set_bound(false);
         assert_eq!((s.access_count(), s.bound()), (u32::MAX >> 1, false));
+    }
+
+    #[test]
+    fn a_batch_shares_one_head_and_heads_go_with_their_last_key() {
+        let mut s = Slots::new(1);
+        for b in 0..8 {
+            st(&mut s, &key(b), p(0, 5 << 32 | 7));
+        }
+        assert_eq!(s.heads.by_value.len(), 1, "one head for the batch");
+        assert_eq!(s.placements(3), &[p(0, 5 << 32 | 7)], "a size past 32 bits is kept");
+        // A new size for one key: its own head; the batch's keeps the others.
+        assert_eq!(st(&mut s, &key(3), p(0, 9)).2, Some(5 << 32 | 7));
+        assert_eq!(s.heads.by_value.len(), 2);
+        // Spilled and back: the key's head is interned again, in its namespace.
+        st(&mut s, &key(3), p(1, 4));
+        assert_eq!(s.heads.by_value.len(), 1, "the spilled key's head went");
+        s.remove(3, SiteId(0), &OWNERS);
+        assert_eq!(s.placements(3), &[p(1, 4)]);
+        assert_eq!(s.key(3), key(3));
+        for b in 0..8 {
+            s.remove(b, SiteId(0), &OWNERS);
+        }
+        assert_eq!(s.heads.by_value.len(), 1, "only key 3's head is left");
+        s.remove(3, SiteId(1), &OWNERS);
+        assert!(s.heads.by_value.is_empty() && s.heads.last.is_none());
+        assert_eq!(s.heads.free.len(), s.heads.list.len(), "every head is free");
+        assert_eq!(s.len(), 0);
     }
 
     #[test]
