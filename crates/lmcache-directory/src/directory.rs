@@ -344,9 +344,12 @@ impl Directory {
                 let epoch = self.epochs.intern(&(reporter, incarnation))?;
                 let ts = seconds(ts);
                 let (mut count, mut bytes) = (0i64, 0i64);
-                let hashes = self.keys.warm(entries.iter().map(|e| &e.key));
+                let hashes = self.keys.table_hashes(entries.iter().map(|e| &e.key));
                 let mut prev = None;
-                for (e, &h) in entries.iter().zip(&hashes) {
+                for (j, (e, &h)) in entries.iter().zip(&hashes).enumerate() {
+                    if let Some(&ahead) = hashes.get(j + crate::slots::PREFETCH_AHEAD) {
+                        self.keys.prefetch(ahead);
+                    }
                     let (slot, c, b) = self.store(prev, h, epoch, site, ts, e);
                     prev = Some(slot);
                     count += c;

@@ -29,11 +29,14 @@
 //! - `runs`: each instance's longest leading run of a request's chunks, by bitsets.
 //! - `tokens`: bounded token bindings, for lookups by tokens.
 //! - `persist`: the checked checkpoint image, whole or built in steps ([`ImageBuilder`]).
-#![forbid(unsafe_code)]
+//! - `prefetch`: a read-prefetch hint for a batch's table lines (the crate's one unsafe line).
+#![deny(unsafe_code)]
 
 mod directory;
 mod ids;
 mod persist;
+#[expect(unsafe_code, reason = "a prefetch hint: it never faults, reads or writes nothing")]
+mod prefetch;
 mod runs;
 mod seg_table;
 mod slots;

@@ -19,6 +19,9 @@ use crate::directory::Placement;
 use crate::ids::{DirKey, InstanceId, NsId, SiteId, Tier};
 use crate::seg_table::SegTable;
 
+/// How many keys ahead of its store a batch's table lines are asked for.
+pub(crate) const PREFETCH_AHEAD: usize = 8;
+
 /// Per site: its owner and tier when private, `None` for a shared pool (the directory's table).
 pub(crate) type SiteOwners = [Option<(InstanceId, Tier)>];
 
@@ -331,24 +334,23 @@ impl Slots {
         self.next_slot(prev, key).or_else(|| self.find(key))
     }
 
-    /// Brings the table lines of `keys` into cache: the probes are independent, so their
-    /// misses overlap, and the store that follows finds each line warm (a batch's new keys
-    /// otherwise pay one miss after another).
-    /// Returns the keys' table hashes, for [`Slots::store`].
-    pub(crate) fn warm<'a>(
+    /// The table hashes of `keys`, for [`Slots::store`], with the table lines of the first
+    /// [`PREFETCH_AHEAD`] asked for: the store of key `j` asks for key `j + PREFETCH_AHEAD`'s
+    /// ([`Slots::prefetch`]), so a batch's misses overlap instead of coming one after another.
+    pub(crate) fn table_hashes<'a>(
         &self,
         keys: impl Iterator<Item = &'a DirKey>,
     ) -> smallvec::SmallVec<[u64; 64]> {
-        let mut read = 0u32;
-        let hashes = keys
-            .map(|key| {
-                let h = self.hash_of(key);
-                read ^= self.table.touch(h);
-                h
-            })
-            .collect();
-        std::hint::black_box(read);
+        let hashes: smallvec::SmallVec<[u64; 64]> = keys.map(|key| self.hash_of(key)).collect();
+        for &h in hashes.iter().take(PREFETCH_AHEAD) {
+            self.table.prefetch(h);
+        }
         hashes
+    }
+
+    /// Asks the cache for the table line a key of table hash `h` is probed at.
+    pub(crate) fn prefetch(&self, h: u64) {
+        self.table.prefetch(h);
     }
 
     /// Whether `n` more keys can be given slots (slot numbers are 32-bit; `u32::MAX` is never
