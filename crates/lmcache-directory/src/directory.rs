@@ -48,9 +48,6 @@ pub struct Entry<'a> {
     pub token_offset: i64,
 }
 
-/// A placement as the routing scan reads it.
-pub(crate) type PlacementRef = Placement;
-
 /// 16 bytes, 4-aligned: the site, who reported it at which incarnation (an interned
 /// [`Epoch`]), bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -474,7 +471,7 @@ impl Directory {
         let live: Vec<u32> = self.keys.iter().collect();
         for i in live {
             let key = self.keys.key(i);
-            if !self.keys.placements(i).iter().any(|p| doomed[p.site.0 as usize]) {
+            if !self.keys.placements(i).any(|p| doomed[p.site.0 as usize]) {
                 continue;
             }
             let (gone, key_gone) = self.keys.retain(
@@ -507,10 +504,10 @@ impl Directory {
     /// The placements of `key`, sorted by instance, tier and backend (empty when unknown).
     pub fn placements(&self, key: &DirKey) -> Vec<PlacementView> {
         let Some(i) = self.keys.find(key) else { return Vec::new() };
-        self.views(self.keys.placements(i).iter())
+        self.views(self.keys.placements(i))
     }
 
-    fn views<'a>(&self, ps: impl Iterator<Item = &'a Placement>) -> Vec<PlacementView> {
+    fn views(&self, ps: impl Iterator<Item = Placement>) -> Vec<PlacementView> {
         let mut out: Vec<PlacementView> = ps
             .filter_map(|p| {
                 let site = self.sites.get(p.site.0).ok()?;
@@ -572,11 +569,11 @@ impl Directory {
         let mut page = Vec::new();
         for i in self.keys.iter() {
             let placements = self.keys.placements(i);
-            if !placements.iter().any(keep) {
+            if !placements.clone().any(|p| keep(&p)) {
                 continue;
             }
             if total >= offset as u64 && page.len() < limit {
-                page.push((self.keys.key(i), self.views(placements.iter().filter(|p| keep(p)))));
+                page.push((self.keys.key(i), self.views(placements.filter(|p| keep(p)))));
             }
             total += 1;
         }
@@ -629,8 +626,13 @@ impl Directory {
     }
 
     /// The placements in slot `i`, for the routing scan.
-    pub(crate) fn placements_at(&self, i: u32) -> &[PlacementRef] {
+    pub(crate) fn placements_at(&self, i: u32) -> crate::slots::Placements<'_> {
         self.keys.placements(i)
+    }
+
+    /// The placement of slot `i`, which has one (no spill list).
+    pub(crate) fn placement_at(&self, i: u32) -> Placement {
+        self.keys.head_placement(i)
     }
 
     /// Slot `i`'s spill list with its owner bitsets, when it has several placements.
@@ -659,7 +661,6 @@ impl Directory {
                 let sites: Vec<SiteId> = self
                     .keys
                     .placements(i)
-                    .iter()
                     .filter(|p| l2.get(p.site.0 as usize).copied().unwrap_or(false))
                     .map(|p| p.site)
                     .collect();
@@ -768,7 +769,7 @@ impl Directory {
         for i in self.keys.iter_range(from, to) {
             let r = self.keys.slot(i);
             buf.clear();
-            buf.extend(self.keys.placements(i).iter().map(|p| (p.site, p.epoch, p.size())));
+            buf.extend(self.keys.placements(i).map(|p| (p.site, p.epoch, p.size())));
             f(&self.keys.key(i), &buf, r.access_count(), r.last_access, r.bound());
         }
     }

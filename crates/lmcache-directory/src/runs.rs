@@ -143,30 +143,34 @@ impl Directory {
                     c_any.words_mut()[lo..hi].fill(0);
                     continue;
                 };
-                let spill = self.spill_at(i);
-                let found = match spill {
+                let mounted = |ka: &mut [u64], site_id| {
+                    for &m in self.mounts(site_id) {
+                        set(ka, lo, m);
+                    }
+                };
+                match self.spill_at(i) {
                     Some(sp) => {
-                        // Private owners come precomputed; only shared pools are read below.
+                        // Private owners come precomputed; only shared pools are read.
                         or(kl, sp.l1.get(lo..).unwrap_or_default());
                         or(ka, sp.any.get(lo..).unwrap_or_default());
-                        if sp.shared == 0 { &[][..] } else { self.placements_at(i) }
-                    }
-                    None => self.placements_at(i),
-                };
-                for p in found {
-                    let site_id = p.site();
-                    match self.site_owner(site_id) {
-                        Some(_) if spill.is_some() => {}
-                        Some((owner, tier)) => {
-                            if tier == Tier::L1 {
-                                set(kl, lo, owner);
+                        if sp.shared != 0 {
+                            for p in self.placements_at(i) {
+                                if self.site_owner(p.site()).is_none() {
+                                    mounted(ka, p.site());
+                                }
                             }
-                            set(ka, lo, owner);
                         }
-                        None => {
-                            for &m in self.mounts(site_id) {
-                                set(ka, lo, m);
+                    }
+                    None => {
+                        let site_id = self.placement_at(i).site();
+                        match self.site_owner(site_id) {
+                            Some((owner, tier)) => {
+                                if tier == Tier::L1 {
+                                    set(kl, lo, owner);
+                                }
+                                set(ka, lo, owner);
                             }
+                            None => mounted(ka, site_id),
                         }
                     }
                 }

@@ -38,12 +38,15 @@ fn set_bit(bits: &mut Bits, i: InstanceId) {
 
 /// The placements of a key held at several sites, with what the routing scan needs from them
 /// precomputed: the owners of its private L1 sites and of all its private sites as bitsets,
-/// and how many of its sites are shared pools (whose mounts the scan still reads).
+/// and how many of its sites are shared pools (whose mounts the scan still reads). A
+/// placement is its [`Heads`] number (4 bytes): the servers holding one prefix share their
+/// heads with the rest of their store batches.
 #[derive(Debug, Default)]
 pub(crate) struct Spill {
     /// The key's namespace (a spilled slot names its list instead of a head).
     ns: u32,
-    list: Vec<Placement>,
+    /// Head numbers, one reference each.
+    list: Vec<u32>,
     /// Owners of the private L1 sites in `list`.
     pub(crate) l1: Bits,
     /// Owners of the private sites in `list`, any tier.
@@ -53,7 +56,19 @@ pub(crate) struct Spill {
 }
 
 impl Spill {
-    fn add(&mut self, p: Placement, owners: &SiteOwners) {
+    /// Adds head `id` (a reference the list takes over), whose placement is `p`.
+    fn add(&mut self, id: u32, p: Placement, owners: &SiteOwners) {
+        self.note(p, owners);
+        if self.list.len() == self.list.capacity() && self.list.len() >= 16 {
+            // Past 16 placements (a prefix many servers hold), a quarter more, not double: a
+            // list of 150 would otherwise hold room for 256.
+            self.list.reserve_exact(self.list.len() / 4);
+        }
+        self.list.push(id);
+    }
+
+    /// Counts `p` in the bitsets.
+    fn note(&mut self, p: Placement, owners: &SiteOwners) {
         match owners.get(p.site.0 as usize).copied().flatten() {
             Some((owner, tier)) => {
                 if tier == Tier::L1 {
@@ -63,7 +78,6 @@ impl Spill {
             }
             None => self.shared += 1,
         }
-        self.list.push(p);
     }
 
     /// Whether the list may hold a placement at `site`: false only for a private site whose
@@ -78,14 +92,35 @@ impl Spill {
         }
     }
 
-    fn rebuild(&mut self, owners: &SiteOwners) {
-        let list = std::mem::take(&mut self.list);
+    /// Where in the list the placement at `site` is.
+    fn position(&self, site: SiteId, heads: &Heads) -> Option<usize> {
+        self.list.iter().position(|&h| heads.get(h).placement.site == site)
+    }
+
+    fn rebuild(&mut self, heads: &Heads, owners: &SiteOwners) {
         self.l1.clear();
         self.any.clear();
         self.shared = 0;
-        self.list.reserve(list.len());
-        for p in list {
-            self.add(p, owners);
+        for k in 0..self.list.len() {
+            self.note(heads.get(self.list[k]).placement, owners);
+        }
+    }
+}
+
+/// A key's placements, by value: its head's, or its spill list's.
+#[derive(Debug, Clone)]
+pub(crate) enum Placements<'a> {
+    One(std::option::IntoIter<Placement>),
+    Many(std::slice::Iter<'a, u32>, &'a Heads),
+}
+
+impl Iterator for Placements<'_> {
+    type Item = Placement;
+
+    fn next(&mut self) -> Option<Placement> {
+        match self {
+            Placements::One(p) => p.next(),
+            Placements::Many(ids, heads) => ids.next().map(|&h| heads.get(h).placement),
         }
     }
 }
@@ -166,7 +201,7 @@ struct Head {
 /// that name it, so at most one per key. A store batch names one head for all its keys; the
 /// last head handed out is remembered, so such a batch interns by one compare per key.
 #[derive(Debug, Default)]
-struct Heads {
+pub(crate) struct Heads {
     list: Vec<Head>,
     by_value: hashbrown::HashMap<(u32, Placement), u32, foldhash::fast::FixedState>,
     free: Vec<u32>,
@@ -375,11 +410,21 @@ impl Slots {
     }
 
     /// Slot `i`'s placements (at least one).
-    pub(crate) fn placements(&self, i: u32) -> &[Placement] {
+    pub(crate) fn placements(&self, i: u32) -> Placements<'_> {
         let s = &self.slots[i as usize];
         match s.spilled() {
-            Some(id) => &self.spill[id as usize].list,
-            None => std::slice::from_ref(&self.heads.get(s.head).placement),
+            Some(id) => Placements::Many(self.spill[id as usize].list.iter(), &self.heads),
+            None => Placements::One(Some(self.heads.get(s.head).placement).into_iter()),
+        }
+    }
+
+    /// The placement of slot `i` when it has one; meaningless for a spilled slot (the
+    /// routing scan asks after [`Slots::spill`] said none).
+    pub(crate) fn head_placement(&self, i: u32) -> Placement {
+        let s = &self.slots[i as usize];
+        match s.spilled() {
+            Some(_) => Placement::new(SiteId(u32::MAX), 0, 0),
+            None => self.heads.get(s.head).placement,
         }
     }
 
@@ -436,17 +481,23 @@ impl Slots {
         let s = self.slots[i as usize];
         if let Some(id) = s.spilled() {
             let spill = &mut self.spill[id as usize];
-            if !spill.may_hold(p.site, owners) {
-                // A private site whose owner holds nothing of this key: a new placement,
-                // without a scan of the list (a prefix every server holds has one per server).
-                spill.add(p, owners);
-                return None;
-            }
-            return match spill.list.iter_mut().find(|q| q.site == p.site) {
+            // A private site whose owner holds nothing of this key is a new placement, without
+            // a scan of the list (a prefix every server holds has one per server).
+            let at = match spill.may_hold(p.site, owners) {
+                true => spill.position(p.site, &self.heads),
+                false => None,
+            };
+            let head = self.heads.acquire(spill.ns, p);
+            return match at {
                 // Same site, same owner: the bitsets stand.
-                Some(q) => Some(std::mem::replace(q, p).size()),
+                Some(k) => {
+                    let old = std::mem::replace(&mut spill.list[k], head);
+                    let size = self.heads.get(old).placement.size();
+                    self.heads.release(old);
+                    Some(size)
+                }
                 None => {
-                    spill.add(p, owners);
+                    spill.add(head, p, owners);
                     None
                 }
             };
@@ -458,9 +509,10 @@ impl Slots {
             self.slots[i as usize].head = id;
             return Some(head.placement.size());
         }
+        // The slot's head reference moves into the list.
         let mut spill = Spill { ns: head.ns, ..Spill::default() };
-        spill.add(head.placement, owners);
-        spill.add(p, owners);
+        spill.add(s.head, head.placement, owners);
+        spill.add(self.heads.acquire(head.ns, p), p, owners);
         let id = match self.spill_free.pop() {
             Some(id) => {
                 self.spill[id as usize] = spill;
@@ -471,7 +523,6 @@ impl Slots {
                 (self.spill.len() - 1) as u32
             }
         };
-        self.heads.release(s.head);
         self.slots[i as usize].head = SPILLED | id;
         None
     }
@@ -490,17 +541,20 @@ impl Slots {
             return Some(Removed { placement: head.placement, key_gone: Some(bound) });
         };
         let spill = &mut self.spill[id as usize];
-        let at = spill.list.iter().position(|q| q.site == site)?;
+        let at = spill.position(site, &self.heads)?;
         let gone = spill.list.swap_remove(at);
+        let placement = self.heads.get(gone).placement;
+        self.heads.release(gone);
         if spill.list.len() == 1 {
-            let (ns, last) = (spill.ns, spill.list[0]);
+            // The last head reference moves back into the slot.
+            let last = spill.list[0];
             self.spill[id as usize] = Spill::default();
             self.spill_free.push(id);
-            self.slots[i as usize].head = self.heads.acquire(ns, last);
+            self.slots[i as usize].head = last;
         } else {
-            spill.rebuild(owners);
+            spill.rebuild(&self.heads, owners);
         }
-        Some(Removed { placement: gone, key_gone: None })
+        Some(Removed { placement, key_gone: None })
     }
 
     fn free_slot(&mut self, i: u32) {
@@ -511,7 +565,9 @@ impl Slots {
             // (Only a list of one placement is freed with its key, and such a list goes back
             // inline first; this keeps a slot's list from leaking whatever the caller did.)
             Some(id) => {
-                self.spill[id as usize] = Spill::default();
+                for h in std::mem::take(&mut self.spill[id as usize]).list {
+                    self.heads.release(h);
+                }
                 self.spill_free.push(id);
             }
             None => self.heads.release(s.head),
@@ -530,8 +586,7 @@ impl Slots {
         mut keep: impl FnMut(&Placement) -> bool,
         owners: &SiteOwners,
     ) -> (Vec<Placement>, Option<bool>) {
-        let doomed: Vec<SiteId> =
-            self.placements(i).iter().filter(|p| !keep(p)).map(|p| p.site).collect();
+        let doomed: Vec<SiteId> = self.placements(i).filter(|p| !keep(p)).map(|p| p.site).collect();
         let mut gone = Vec::with_capacity(doomed.len());
         let mut key_gone = None;
         for site in doomed {
@@ -638,7 +693,7 @@ impl Slots {
                 .spill
                 .iter()
                 .map(|l| {
-                    l.list.capacity() * std::mem::size_of::<Placement>()
+                    l.list.capacity() * 4
                         + if l.l1.spilled() { l.l1.capacity() * 8 } else { 0 }
                         + if l.any.spilled() { l.any.capacity() * 8 } else { 0 }
                 })
@@ -659,6 +714,10 @@ mod tests {
     fn st(s: &mut Slots, k: &DirKey, p: Placement) -> (u32, bool, Option<u64>) {
         let h = s.hash_of(k);
         s.store(None, k, h, p, &OWNERS)
+    }
+
+    fn ps(s: &Slots, i: u32) -> Vec<Placement> {
+        s.placements(i).collect()
     }
 
     fn p(site: u32, size: u64) -> Placement {
@@ -700,15 +759,16 @@ mod tests {
             st(&mut s, &key(b), p(0, 5 << 32 | 7));
         }
         assert_eq!(s.heads.by_value.len(), 1, "one head for the batch");
-        assert_eq!(s.placements(3), &[p(0, 5 << 32 | 7)], "a size past 32 bits is kept");
+        assert_eq!(ps(&s, 3), &[p(0, 5 << 32 | 7)], "a size past 32 bits is kept");
         // A new size for one key: its own head; the batch's keeps the others.
         assert_eq!(st(&mut s, &key(3), p(0, 9)).2, Some(5 << 32 | 7));
         assert_eq!(s.heads.by_value.len(), 2);
         // Spilled and back: the key's head is interned again, in its namespace.
         st(&mut s, &key(3), p(1, 4));
-        assert_eq!(s.heads.by_value.len(), 1, "the spilled key's head went");
+        assert_eq!(s.heads.by_value.len(), 3, "a spill list names heads too");
         s.remove(3, SiteId(0), &OWNERS);
-        assert_eq!(s.placements(3), &[p(1, 4)]);
+        assert_eq!(s.heads.by_value.len(), 2, "the removed placement's head went");
+        assert_eq!(ps(&s, 3), &[p(1, 4)]);
         assert_eq!(s.key(3), key(3));
         for b in 0..8 {
             s.remove(b, SiteId(0), &OWNERS);
@@ -740,14 +800,14 @@ mod tests {
         assert_eq!(st(&mut s, &key(1), p(0, 11)), (i, false, Some(10)));
         assert_eq!(st(&mut s, &key(1), p(1, 20)).2, None);
         assert_eq!(st(&mut s, &key(1), p(2, 30)).2, None);
-        assert_eq!(s.placements(i).len(), 3);
+        assert_eq!(ps(&s, i).len(), 3);
         assert_eq!(
             s.remove(i, SiteId(0), &OWNERS).map(|r| (r.placement.size(), r.key_gone)),
             Some((11, None))
         );
         assert!(s.remove(i, SiteId(0), &OWNERS).is_none());
         assert_eq!(s.remove(i, SiteId(2), &OWNERS).map(|r| r.key_gone), Some(None));
-        assert_eq!(s.placements(i), &[p(1, 20)]);
+        assert_eq!(ps(&s, i), &[p(1, 20)]);
         assert_eq!(s.spill_free.len(), 1, "a list back to one placement is released");
         s.slot_mut(i).set_bound(true);
         assert_eq!(s.remove(i, SiteId(1), &OWNERS).map(|r| r.key_gone), Some(Some(true)));
@@ -785,9 +845,9 @@ mod tests {
         // Stored again from instance 2 (not in the bitsets): appended, and then replaced, not
         // added twice.
         st(&mut s, &key(1), p(2, 5));
-        assert!(s.placements(i).contains(&p(2, 5)));
+        assert!(ps(&s, i).contains(&p(2, 5)));
         assert_eq!(st(&mut s, &key(1), p(2, 6)).2, Some(5));
-        assert_eq!(s.placements(i).len(), 3);
+        assert_eq!(ps(&s, i).len(), 3);
     }
 
     #[test]
@@ -846,5 +906,57 @@ mod tests {
         }
         assert_eq!(s.len(), 20_000);
         assert_eq!(s.iter().count(), 20_000);
+    }
+
+    /// Every live head is named as often as its count says (by slots and spill lists), and
+    /// only live heads are interned.
+    fn heads_add_up(s: &Slots) {
+        let mut named = vec![0u32; s.heads.list.len()];
+        for i in s.iter() {
+            match s.slots[i as usize].spilled() {
+                Some(id) => s.spill[id as usize].list.iter().for_each(|&h| named[h as usize] += 1),
+                None => named[s.slots[i as usize].head as usize] += 1,
+            }
+        }
+        for (id, h) in s.heads.list.iter().enumerate() {
+            assert_eq!(h.refs, named[id], "head {id}'s count");
+            let interned = s.heads.by_value.get(&(h.ns, h.placement)) == Some(&(id as u32));
+            assert_eq!(interned, h.refs > 0, "head {id} is interned while it lives");
+        }
+        assert_eq!(s.heads.by_value.len(), named.iter().filter(|&&n| n > 0).count());
+    }
+
+    proptest::proptest! {
+        /// Stores and removals of a few keys at the sites of `OWNERS` (sizes from a small set,
+        /// so heads are shared and split) agree with a map of placements, and the heads' counts
+        /// stay exact.
+        #[test]
+        fn placements_and_heads_agree_with_a_map(
+            ops in proptest::collection::vec((0u8..6, 0u32..5, 0u64..3, proptest::bool::ANY), 1..300)
+        ) {
+            let mut s = Slots::new(5);
+            let mut model: std::collections::BTreeMap<(u8, u32), u64> = Default::default();
+            for (k, site, size, store) in ops {
+                if store {
+                    let old = st(&mut s, &key(k), p(site, size)).2;
+                    proptest::prop_assert_eq!(old, model.insert((k, site), size));
+                } else {
+                    let gone = s.find(&key(k)).and_then(|i| s.remove(i, SiteId(site), &OWNERS));
+                    let want = model.remove(&(k, site));
+                    proptest::prop_assert_eq!(gone.map(|r| r.placement.size()), want);
+                }
+                heads_add_up(&s);
+            }
+            for k in 0..6u8 {
+                let mut got: Vec<(u32, u64)> = s
+                    .find(&key(k))
+                    .map(|i| ps(&s, i).iter().map(|q| (q.site.0, q.size())).collect())
+                    .unwrap_or_default();
+                got.sort_unstable();
+                let want: Vec<(u32, u64)> =
+                    model.range((k, 0)..=(k, u32::MAX)).map(|(&(_, site), &n)| (site, n)).collect();
+                proptest::prop_assert_eq!(got, want);
+            }
+        }
     }
 }
