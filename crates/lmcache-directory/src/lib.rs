@@ -11,7 +11,7 @@
 //! small ids ([`NsId`], [`InstanceId`], [`SiteId`]), so a placement costs 16 bytes and a key
 //! its 32-byte chunk hash, a 12-byte record naming its namespace and first placement through a
 //! head its store batch shares, and an 8-byte table entry (slot number and fingerprint) in a
-//! table kept 7/10 to 7/8 full.
+//! table kept 7/10 to 15/16 full.
 //!
 //! Placement identity follows LMCache's key directory: a private placement is one per
 //! (instance, tier, backend); a placement in a shared pool (one S3 bucket mounted by several

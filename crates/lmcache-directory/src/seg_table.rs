@@ -5,7 +5,7 @@
 //! fresh memory), about a quarter of all the time ingest spent. Here the table is extendible
 //! hashing over small open-addressed segments: a directory of `2^depth` entries, indexed by
 //! bits 32 and up of the key hash, names the segment each key lives in; a full segment grows
-//! in place by a quarter, or, at [`SEG_LINES`], splits in two by its next directory bit,
+//! in place by a third, or, at [`SEG_LINES`], splits in two by its next directory bit,
 //! re-filing its own keys only. Growth is spread evenly over ingest and never pauses it.
 //!
 //! An entry is 8 bytes: the slot number and 32 bits of the key hash (its *fingerprint*). A
@@ -18,12 +18,12 @@
 //! alone, so a store batch asks for the lines of the keys a few ahead of the one it stores
 //! ([`SegTable::prefetch`]). Its entries sit in that line (no separate control bytes, as
 //! hashbrown's table has: one cache miss per probe, not two). Segments are kept between 7/10
-//! and 7/8 full (hashbrown's segments were 7/16 to 7/8): the table costs about 10.3 bytes per
+//! and 15/16 full (hashbrown's segments were 7/16 to 7/8): the table costs about 10 bytes per
 //! key, not 14.7. A removal shifts later entries of its cluster back (no tombstones).
 
 /// Entries per line: one 64-byte cache line.
 const LINE: usize = 8;
-/// A segment splits when it holds 7/8 of this many lines' entries (14,336 keys, 128 KiB).
+/// A segment splits when it holds 15/16 of this many lines' entries (15,360 keys, 128 KiB).
 const SEG_LINES: usize = 2048;
 /// Directory bits at most (16 M segments; far more than 2^32 slots need). A segment at this
 /// depth grows in place instead of splitting.
@@ -91,10 +91,10 @@ impl Segment {
         self.lines.len() * LINE
     }
 
-    /// Whether one more key keeps the segment at most 7/8 full (one entry always stays empty,
+    /// Whether one more key keeps the segment at most 15/16 full (one entry always stays empty,
     /// so a probe ends).
     fn has_room(&self) -> bool {
-        (self.len + 1) * 8 <= self.capacity() * 7
+        (self.len + 1) * 16 <= self.capacity() * 15
     }
 
     /// The first entry of fingerprint `fp`'s home line.
@@ -118,7 +118,7 @@ impl Segment {
     /// Walks `fp`'s probe from its home, a line at a time: `Ok(p)` at the entry of fingerprint
     /// `fp` that `hit` accepts, `Err(p)` at the first empty entry (where the key would go).
     /// A line's empty entries and fingerprint matches are found as two masks, without a branch
-    /// per entry (at 7/10 to 7/8 full, one per entry mispredicts).
+    /// per entry (at 7/10 to 15/16 full, one per entry mispredicts).
     fn probe(&self, fp: u32, mut hit: impl FnMut(Entry) -> bool) -> Result<usize, usize> {
         let n = self.lines.len();
         let mut l = self.home(fp) / LINE;
@@ -184,7 +184,7 @@ impl Segment {
         self.lines.iter().flat_map(|l| l.0).filter(|e| e.slot != EMPTY)
     }
 
-    /// A segment of `lines` lines holding `entries` (distinct keys, at most 7/8 of its
+    /// A segment of `lines` lines holding `entries` (distinct keys, at most 15/16 of its
     /// capacity), filed by a counting sort on their home lines and one forward pass: each goes
     /// to the first free entry at or after its home, which in home order is the later of its
     /// home and the entry after the last one placed. The few that run past the end wrap round
@@ -335,9 +335,9 @@ impl SegTable {
             }
             let lines = seg.lines.len();
             if lines < SEG_LINES || seg.depth >= MAX_DEPTH {
-                // Small segments double; larger ones grow by a quarter, up to the split size
+                // Small segments double; larger ones grow by a third, up to the split size
                 // (past it only at the deepest level, where a split separates nothing).
-                let grown = if lines < 256 { lines * 2 } else { lines + lines / 4 };
+                let grown = if lines < 256 { lines * 2 } else { lines + lines / 3 };
                 // (Within a fifth of the split size, straight to it: one re-filing, not two.)
                 let grown = match seg.depth >= MAX_DEPTH {
                     true => grown,
@@ -510,7 +510,7 @@ mod tests {
         assert_eq!(t.len(), n as usize);
         assert!(t.segs.len() >= 16, "the table split ({} segments)", t.segs.len());
         assert!(
-            t.segs.iter().all(|s| s.len * 8 <= s.capacity() * 7 && s.lines.len() <= SEG_LINES),
+            t.segs.iter().all(|s| s.len * 16 <= s.capacity() * 15 && s.lines.len() <= SEG_LINES),
             "no segment outgrew a split"
         );
         let load = t.len() as f64 / t.segs.iter().map(Segment::capacity).sum::<usize>() as f64;
@@ -547,18 +547,18 @@ mod tests {
         // Every fingerprint shares its 24 directory bits (only the top 8 differ), so splits
         // move nothing: the directory splits as far as it may, then the segment grows.
         let h = |v: u32| (u64::from(v % 256) << 56) | (7 << 32) | u64::from(v);
-        for v in 0..15_000u32 {
+        for v in 0..16_000u32 {
             add(&mut t, h(v), v);
         }
         assert_eq!(t.depth, MAX_DEPTH, "the directory split as far as it may");
         let seg = &t.segs[t.seg_of(fingerprint(h(0)))];
-        assert_eq!(seg.len, 15_000, "one segment holds them all");
-        for v in 0..15_000u32 {
+        assert_eq!(seg.len, 16_000, "one segment holds them all");
+        for v in 0..16_000u32 {
             assert_eq!(t.find(h(v), |j| j == v), Some(v));
         }
         assert!(t.remove(h(5), 5));
         assert_eq!(t.find(h(5), |j| j == 5), None);
-        assert_eq!(t.len(), 14_999);
+        assert_eq!(t.len(), 15_999);
     }
 
     #[test]
