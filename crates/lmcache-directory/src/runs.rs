@@ -190,6 +190,8 @@ impl Directory {
                     return Vec::new();
                 }
                 l1_run = vec![0; any_alive.words().len() * 64];
+                let alive = any_alive.words().iter().map(|w| w.count_ones() as usize).sum();
+                out.reserve_exact(alive);
             } else {
                 let (cl, ca) = (&mut c_l1.words_mut()[lo..hi], &mut c_any.words_mut()[lo..hi]);
                 let (al, aa) =
@@ -221,31 +223,27 @@ impl Directory {
                 out.push(PrefixRun { instance: InstanceId(i as u32), l1: l1_run[i], any: done })
             });
         }
-        ordered(&out)
+        ordered(&mut out);
+        out
     }
 }
 
-/// The answer's order (longest `any` first, then longest `l1`, then by id) from runs as the
-/// scan pushes them: `any` never decreasing, and each `any` one drop event whose instances
-/// ascend. The groups are taken from the last, so only a group whose `l1`s differ is sorted
-/// (stably, keeping its ids in order): linear for the usual answer, where a shared prefix ends
-/// every run but one at the same chunk with the same `l1`.
-fn ordered(runs: &[PrefixRun]) -> Vec<PrefixRun> {
+/// Puts `runs` in the answer's order (longest `any` first, then longest `l1`, then by id),
+/// in place, from the order the scan pushes them: `any` never decreasing, and each `any` one
+/// drop event whose instances ascend. Reversed, the groups come longest first with their ids
+/// descending; each group is reversed back, and only a group whose `l1`s differ is then
+/// sorted (stably): linear for the usual answer, where a shared prefix ends every run but one
+/// at the same chunk with the same `l1`.
+fn ordered(runs: &mut [PrefixRun]) {
     use std::cmp::Reverse;
-    let mut out = Vec::with_capacity(runs.len());
-    let mut end = runs.len();
-    while let Some(last) = end.checked_sub(1).map(|i| runs[i].any) {
-        let start = runs[..end].iter().rposition(|r| r.any != last).map_or(0, |p| p + 1);
-        let at = out.len();
-        out.extend_from_slice(&runs[start..end]);
-        let group = &mut out[at..];
+    runs.reverse();
+    for group in runs.chunk_by_mut(|a, b| a.any == b.any) {
+        group.reverse();
         if !group.is_sorted_by_key(|r| Reverse(r.l1)) {
             group.sort_by_key(|r| Reverse(r.l1));
         }
-        end = start;
     }
-    debug_assert!(out.is_sorted_by_key(|r| (Reverse(r.any), Reverse(r.l1), r.instance)));
-    out
+    debug_assert!(runs.is_sorted_by_key(|r| (Reverse(r.any), Reverse(r.l1), r.instance)));
 }
 
 #[cfg(test)]
