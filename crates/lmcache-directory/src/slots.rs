@@ -383,6 +383,14 @@ impl Slots {
         hashes
     }
 
+    /// Asks the cache for slot `i`'s record and hash, when there is such a slot.
+    pub(crate) fn prefetch_slot(&self, i: u32) {
+        if let (Some(s), Some(h)) = (self.slots.get(i as usize), self.hashes.get(i as usize)) {
+            crate::prefetch::prefetch(s);
+            crate::prefetch::prefetch(h);
+        }
+    }
+
     /// Asks the cache for the table line a key of table hash `h` is probed at.
     pub(crate) fn prefetch(&self, h: u64) {
         self.table.prefetch(h);
