@@ -195,7 +195,7 @@ impl Segment {
         pattern: usize,
         lines: usize,
         entries: &[Entry],
-        sc: &mut Scratch,
+        sc: &mut Sorter,
     ) -> Self {
         let mut seg = Segment::new(depth, pattern, lines);
         sc.starts.clear();
@@ -235,19 +235,26 @@ impl Segment {
     }
 }
 
-/// Buffers a re-filing reuses, so growth allocates only the new segments.
+/// The counting sort's buffers of [`Segment::filled`].
 #[derive(Debug, Default)]
-struct Scratch {
-    low: Vec<Entry>,
-    high: Vec<Entry>,
+struct Sorter {
     sorted: Vec<Entry>,
     starts: Vec<u32>,
 }
 
+/// Buffers a re-filing reuses, so growth allocates only the new segments: the entries of the
+/// segment (or of each half of it) being re-filed, and the sort's.
+#[derive(Debug, Default)]
+struct Scratch {
+    low: Vec<Entry>,
+    high: Vec<Entry>,
+    sort: Sorter,
+}
+
 impl Scratch {
     fn bytes(&self) -> usize {
-        (self.low.capacity() + self.high.capacity() + self.sorted.capacity()) * 8
-            + self.starts.capacity() * 4
+        (self.low.capacity() + self.high.capacity() + self.sort.sorted.capacity()) * 8
+            + self.sort.starts.capacity() * 4
     }
 }
 
@@ -339,17 +346,16 @@ impl SegTable {
                 // (past it only at the deepest level, where a split separates nothing).
                 let grown = if lines < 256 { lines * 2 } else { lines + lines / 3 };
                 // (Within a fifth of the split size, straight to it: one re-filing, not two.)
-                let grown = match seg.depth >= MAX_DEPTH {
-                    true => grown,
-                    false if grown * 5 > SEG_LINES * 4 => SEG_LINES,
-                    false => grown,
+                let grown = if seg.depth < MAX_DEPTH && grown * 5 > SEG_LINES * 4 {
+                    SEG_LINES
+                } else {
+                    grown
                 };
-                let (depth, pattern) = (seg.depth, seg.pattern);
-                self.scratch.low.clear();
-                self.scratch.low.extend(seg.entries());
-                let low = std::mem::take(&mut self.scratch.low);
-                self.segs[s] = Segment::filled(depth, pattern, grown, &low, &mut self.scratch);
-                self.scratch.low = low;
+                let sc = &mut self.scratch;
+                sc.low.clear();
+                sc.low.extend(seg.entries());
+                let refiled = Segment::filled(seg.depth, seg.pattern, grown, &sc.low, &mut sc.sort);
+                self.segs[s] = refiled;
                 return s;
             }
             self.split(s);
@@ -369,17 +375,16 @@ impl SegTable {
         let bit = 1usize << d;
         let old = &self.segs[s];
         let pattern = old.pattern;
-        let (mut lo, mut hi) =
-            (std::mem::take(&mut self.scratch.low), std::mem::take(&mut self.scratch.high));
-        lo.clear();
-        hi.clear();
+        let sc = &mut self.scratch;
+        sc.low.clear();
+        sc.high.clear();
         for e in old.entries() {
-            if dir_index(e.fp, d + 1) & bit == 0 { lo.push(e) } else { hi.push(e) }
+            if dir_index(e.fp, d + 1) & bit == 0 { sc.low.push(e) } else { sc.high.push(e) }
         }
         let size = |n: usize| lines_for(n).min(SEG_LINES);
-        let low = Segment::filled(d + 1, pattern, size(lo.len()), &lo, &mut self.scratch);
-        let high = Segment::filled(d + 1, pattern | bit, size(hi.len()), &hi, &mut self.scratch);
-        (self.scratch.low, self.scratch.high) = (lo, hi);
+        let low = Segment::filled(d + 1, pattern, size(sc.low.len()), &sc.low, &mut sc.sort);
+        let high =
+            Segment::filled(d + 1, pattern | bit, size(sc.high.len()), &sc.high, &mut sc.sort);
         let t = self.segs.len() as u32;
         self.segs[s] = low;
         self.segs.push(high);
@@ -603,7 +608,7 @@ mod tests {
         let fps: Vec<u32> = (0u32..).filter(|&fp| probe.home(fp) == 24).take(20).collect();
         let entries: Vec<Entry> =
             fps.iter().enumerate().map(|(i, &fp)| Entry { slot: i as u32, fp }).collect();
-        let seg = Segment::filled(0, 0, 4, &entries, &mut Scratch::default());
+        let seg = Segment::filled(0, 0, 4, &entries, &mut Sorter::default());
         assert_eq!(seg.len, 20);
         probes_reach_every_entry(&seg);
         for e in &entries {
