@@ -75,9 +75,6 @@ impl Placement {
 /// An (instance, incarnation) pair, interned: placements name their reporter through it.
 pub(crate) type Epoch = (InstanceId, u64);
 
-/// How many slots ahead of a lookup's walk its arena records are asked for.
-pub(crate) const LOOKUP_AHEAD: u32 = 8;
-
 fn seconds(ts: f64) -> u32 {
     // Wall-clock seconds fit u32 until 2106; NaN and negatives become 0.
     if ts.is_finite() && ts > 0.0 { ts.min(f64::from(u32::MAX)) as u32 } else { 0 }
@@ -625,20 +622,12 @@ impl Directory {
 
     /// The slot of `key`, trying the one after `prev` first, for the routing scan.
     pub(crate) fn slot_after(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
-        if let Some(p) = prev {
-            self.keys.prefetch_slot(p.wrapping_add(LOOKUP_AHEAD));
-        }
         self.keys.find_after(prev, key)
     }
 
     /// The placements in slot `i`, for the routing scan.
     pub(crate) fn placements_at(&self, i: u32) -> crate::slots::Placements<'_> {
         self.keys.placements(i)
-    }
-
-    /// The placement of slot `i`, which has one (no spill list).
-    pub(crate) fn placement_at(&self, i: u32) -> Placement {
-        self.keys.head_placement(i)
     }
 
     /// Slot `i`'s spill list with its owner bitsets, when it has several placements.

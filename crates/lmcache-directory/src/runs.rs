@@ -162,15 +162,17 @@ impl Directory {
                         }
                     }
                     None => {
-                        let site_id = self.placement_at(i).site();
-                        match self.site_owner(site_id) {
-                            Some((owner, tier)) => {
-                                if tier == Tier::L1 {
-                                    set(kl, lo, owner);
+                        // One placement, the slot's head.
+                        for p in self.placements_at(i) {
+                            match self.site_owner(p.site()) {
+                                Some((owner, tier)) => {
+                                    if tier == Tier::L1 {
+                                        set(kl, lo, owner);
+                                    }
+                                    set(ka, lo, owner);
                                 }
-                                set(ka, lo, owner);
+                                None => mounted(ka, p.site()),
                             }
-                            None => mounted(ka, site_id),
                         }
                     }
                 }

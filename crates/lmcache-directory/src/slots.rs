@@ -19,8 +19,23 @@ use crate::directory::Placement;
 use crate::ids::{DirKey, InstanceId, NsId, SiteId, Tier};
 use crate::seg_table::SegTable;
 
-/// How many keys ahead of its store a batch's table lines are asked for.
+/// How many keys ahead a store batch asks for table lines, and a walk of consecutive slots
+/// for arena records.
 pub(crate) const PREFETCH_AHEAD: usize = 8;
+
+/// Puts `item` in a freed place of `items` (from `free`), or at the end; its number.
+fn file_in<T>(items: &mut Vec<T>, free: &mut Vec<u32>, item: T) -> u32 {
+    match free.pop() {
+        Some(id) => {
+            items[id as usize] = item;
+            id
+        }
+        None => {
+            items.push(item);
+            (items.len() - 1) as u32
+        }
+    }
+}
 
 /// Per site: its owner and tier when private, `None` for a shared pool (the directory's table).
 pub(crate) type SiteOwners = [Option<(InstanceId, Tier)>];
@@ -218,16 +233,7 @@ impl Heads {
                 Some(&id) => id,
                 None => {
                     let head = Head { ns, placement: p, refs: 0 };
-                    let id = match self.free.pop() {
-                        Some(id) => {
-                            self.list[id as usize] = head;
-                            id
-                        }
-                        None => {
-                            self.list.push(head);
-                            (self.list.len() - 1) as u32
-                        }
-                    };
+                    let id = file_in(&mut self.list, &mut self.free, head);
                     self.by_value.insert((ns, p), id);
                     id
                 }
@@ -365,7 +371,12 @@ impl Slots {
     }
 
     /// The slot of `key`, trying the one after `prev` first.
+    /// The slot [`PREFETCH_AHEAD`] further on is asked for, so a walk of a stored run finds
+    /// its records in cache.
     pub(crate) fn find_after(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
+        if let Some(p) = prev {
+            self.prefetch_slot(p.wrapping_add(PREFETCH_AHEAD as u32));
+        }
         self.next_slot(prev, key).or_else(|| self.find(key))
     }
 
@@ -384,7 +395,7 @@ impl Slots {
     }
 
     /// Asks the cache for slot `i`'s record and hash, when there is such a slot.
-    pub(crate) fn prefetch_slot(&self, i: u32) {
+    fn prefetch_slot(&self, i: u32) {
         if let (Some(s), Some(h)) = (self.slots.get(i as usize), self.hashes.get(i as usize)) {
             crate::prefetch::prefetch(s);
             crate::prefetch::prefetch(h);
@@ -423,16 +434,6 @@ impl Slots {
         match s.spilled() {
             Some(id) => Placements::Many(self.spill[id as usize].list.iter(), &self.heads),
             None => Placements::One(Some(self.heads.get(s.head).placement).into_iter()),
-        }
-    }
-
-    /// The placement of slot `i` when it has one; meaningless for a spilled slot (the
-    /// routing scan asks after [`Slots::spill`] said none).
-    pub(crate) fn head_placement(&self, i: u32) -> Placement {
-        let s = &self.slots[i as usize];
-        match s.spilled() {
-            Some(_) => Placement::new(SiteId(u32::MAX), 0, 0),
-            None => self.heads.get(s.head).placement,
         }
     }
 
@@ -521,16 +522,7 @@ impl Slots {
         let mut spill = Spill { ns: head.ns, ..Spill::default() };
         spill.add(s.head, head.placement, owners);
         spill.add(self.heads.acquire(head.ns, p), p, owners);
-        let id = match self.spill_free.pop() {
-            Some(id) => {
-                self.spill[id as usize] = spill;
-                id
-            }
-            None => {
-                self.spill.push(spill);
-                (self.spill.len() - 1) as u32
-            }
-        };
+        let id = file_in(&mut self.spill, &mut self.spill_free, spill);
         self.slots[i as usize].head = SPILLED | id;
         None
     }
