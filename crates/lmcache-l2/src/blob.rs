@@ -34,8 +34,8 @@ pub(crate) fn xxh3_64(bytes: &[u8]) -> u64 {
 
 /// A payload's xxh3-64 over the pieces a reader fills (or a writer writes) one after the
 /// other: each piece is hashed right beside its copy, while it is still in the CPU's cache,
-/// instead of in a second pass over the whole payload from memory. The result equals `xxh3_64` of the pieces
-/// joined.
+/// instead of in a second pass over the whole payload from memory. The result equals
+/// `xxh3_64` of the pieces joined.
 pub struct PieceHasher(XxHash3_64);
 
 impl PieceHasher {

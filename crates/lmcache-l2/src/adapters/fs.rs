@@ -6,10 +6,10 @@
 //! directory, or in `relative_tmp_dir` when one is set): the payload first, hashed a piece at a
 //! time as it is written, then the header that hash seals ([`Blob::header`]). It optionally
 //! fsyncs the file, then renames it over the final name, so a reader sees a whole blob or
-//! nothing; a crash leaves at most a temporary file. The rename stays in one directory: a rename across directories takes both
-//! directories' locks, and when every store renamed out of one shared temporary directory
-//! the writers queued on its lock (22 % of a store benchmark's samples; BENCHMARKS.md,
-//! twenty-third session). Start-up removes only crash leftovers: files of that name pattern,
+//! nothing; a crash leaves at most a temporary file. The rename stays in one directory: a
+//! rename across directories takes both directories' locks, and when every store renamed out
+//! of one shared temporary directory the writers queued on its lock (22 % of a store
+//! benchmark's samples; BENCHMARKS.md, twenty-third session). Start-up removes only crash leftovers: files of that name pattern,
 //! older than [`STALE_TMP`] (younger ones may be in-flight writes of another server sharing
 //! the directory), in the shard directories (by a background sweep, so a large store does not
 //! delay start-up), in `relative_tmp_dir`, or in `.lmcache-rs-tmp`, where earlier versions
