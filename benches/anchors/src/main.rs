@@ -1,9 +1,19 @@
 //! lmcache-rs's directory, Dynamo's `dynamo-kv-router` 1.6.1 `RadixTree` (one thread) and
 //! SMG's `kv-index` 2.0.0 `ChainIndex` (the strongest single-core anchor in
-//! coordinator-anchors.md §8) on the same trace, one after the other in this process: W servers × S sequences of 64 chunks (16 from one of 1,000 shared prompts, 48
-//! unique), one store event of 64 blocks per sequence; then 100,000 lookups of a stored
-//! sequence's 64 blocks. Reports ingest (blocks/s), lookup p50/p99/p99.9, bytes per
-//! membership (RSS growth over the generated trace) and the ratios.
+//! coordinator-anchors.md §8) on the same trace: W servers × S sequences of 64 chunks (16 from
+//! one of 1,000 shared prompts, 48 unique), one store event of 64 blocks per sequence; then
+//! 100,000 lookups of a stored sequence's 64 blocks. Reports ingest (blocks/s), lookup
+//! p50/p99/p99.9, bytes per membership (RSS growth over the generated trace) and the ratios.
+//!
+//! Each index runs in a fresh process of its own (this program again, with `--only NAME`),
+//! from a heap that no earlier index has grown: run one after another in one process, a later
+//! index took the pages an earlier one freed, so it paid fewer page faults in its ingest and
+//! showed less RSS growth. `--same-process` runs all three in this process, as before.
+//!
+//! `cargo run --release --manifest-path benches/anchors/Cargo.toml -- [servers] [sequences]
+//! [--same-process]`
+
+#![expect(clippy::needless_range_loop, reason = "server × sequence indices read clearer")]
 
 use std::time::Instant;
 
@@ -74,12 +84,53 @@ fn pct(v: &mut [u64], q: f64) -> f64 {
     v[((v.len() as f64 * q) as usize).min(v.len() - 1)] as f64 / 1000.0
 }
 
+/// The three indexes, as `--only` names them.
+const INDEXES: [&str; 3] = ["lmcache-rs", "chain", "dynamo"];
+
 fn main() {
-    let args: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<usize> = argv.iter().filter_map(|a| a.parse().ok()).collect();
     let (servers, seqs) =
         (args.first().copied().unwrap_or(64), args.get(1).copied().unwrap_or(2500));
+    let only = argv.iter().position(|a| a == "--only").and_then(|i| argv.get(i + 1));
+    let same_process = argv.iter().any(|a| a == "--same-process");
+    println!(
+        "trace: {servers} servers x {seqs} sequences x {LEN} blocks = {} memberships; 100,000 lookups of 64 blocks",
+        servers * seqs * LEN
+    );
+    let [ours, chain, dynamo] = match (only, same_process) {
+        (Some(name), _) => {
+            let stats = run(name, servers, seqs);
+            // The parent reads this line.
+            println!(
+                "stats {} {} {} {} {}",
+                stats.ingest, stats.p50, stats.p99, stats.p999, stats.bytes
+            );
+            return;
+        }
+        (None, true) => INDEXES.map(|name| run(name, servers, seqs)),
+        (None, false) => INDEXES.map(|name| in_child(name, servers, seqs)),
+    };
+    report(&ours, &dynamo, &chain);
+}
+
+/// Runs index `name` in a fresh process of this program and reads its figures.
+fn in_child(name: &str, servers: usize, seqs: usize) -> Stats {
+    let exe = std::env::current_exe().expect("this program's path");
+    let out = std::process::Command::new(exe)
+        .args([servers.to_string(), seqs.to_string(), "--only".into(), name.into()])
+        .output()
+        .expect("the child runs");
+    assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find_map(|l| l.strip_prefix("stats ")).expect("a stats line");
+    let v: Vec<f64> = line.split(' ').map(|x| x.parse().expect("a number")).collect();
+    Stats { ingest: v[0], p50: v[1], p99: v[2], p999: v[3], bytes: v[4] }
+}
+
+fn run(name: &str, servers: usize, seqs: usize) -> Stats {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
-    let trace: Vec<Vec<Vec<Block>>> = (0..servers)
+    let trace: Trace = (0..servers)
         .map(|w| {
             (0..seqs)
                 .map(|s| {
@@ -103,12 +154,19 @@ fn main() {
     let memberships = (servers * seqs * LEN) as f64;
     let queries: Vec<(usize, usize)> =
         (0..100_000).map(|_| (rng.gen_range(0..servers), rng.gen_range(0..seqs))).collect();
-    println!(
-        "trace: {servers} servers x {seqs} sequences x {LEN} blocks = {memberships} memberships; 100,000 lookups of 64 blocks"
-    );
+    match name {
+        "lmcache-rs" => run_ours(&trace, &queries, memberships),
+        "chain" => run_chain(&trace, &queries, memberships),
+        "dynamo" => run_dynamo(&trace, &queries, memberships),
+        other => panic!("no index {other}: one of {INDEXES:?}"),
+    }
+}
 
-    // lmcache-rs
-    let ours = {
+type Trace = Vec<Vec<Vec<Block>>>;
+
+fn run_ours(trace: &Trace, queries: &[(usize, usize)], memberships: f64) -> Stats {
+    let (servers, seqs) = (trace.len(), trace[0].len());
+    {
         let r0 = rss();
         let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0, blend: None });
         let ns = d
@@ -140,7 +198,7 @@ fn main() {
         let bytes = (rss() - r0) as f64 / memberships;
         let mut lat = Vec::with_capacity(queries.len());
         let mut keys = Vec::with_capacity(LEN);
-        for &(w, s) in &queries {
+        for &(w, s) in queries {
             keys.clear();
             keys.extend(trace[w][s].iter().map(|b| DirKey { hash: b.chained, ns }));
             let t = Instant::now();
@@ -149,10 +207,12 @@ fn main() {
             assert!(runs.iter().any(|r| r.l1 == LEN as u32));
         }
         Stats::of(ingest, bytes, lat)
-    };
+    }
+}
 
-    // kv-index ChainIndex
-    let chain = {
+fn run_chain(trace: &Trace, queries: &[(usize, usize)], memberships: f64) -> Stats {
+    let (servers, seqs) = (trace.len(), trace[0].len());
+    {
         let r0 = rss();
         let idx =
             if servers > 256 { ChainIndex::with_max_workers(servers) } else { ChainIndex::new() };
@@ -175,7 +235,7 @@ fn main() {
         let bytes = (rss() - r0) as f64 / memberships;
         let mut lat = Vec::with_capacity(queries.len());
         let mut hashes = Vec::with_capacity(LEN);
-        for &(w, s) in &queries {
+        for &(w, s) in queries {
             hashes.clear();
             hashes.extend(trace[w][s].iter().map(|b| ContentHash(b.content)));
             let t = Instant::now();
@@ -184,11 +244,14 @@ fn main() {
             assert!(scores.scores.values().any(|&d| d == LEN as u32));
         }
         Stats::of(ingest, bytes, lat)
-    };
+    }
+}
 
-    // dynamo-kv-router RadixTree (its single-threaded index; blocks carry the chained hash
-    // and the content hash, as Dynamo's engines report them)
-    let dynamo = {
+/// dynamo-kv-router's RadixTree: its single-threaded index; blocks carry the chained hash and
+/// the content hash, as Dynamo's engines report them.
+fn run_dynamo(trace: &Trace, queries: &[(usize, usize)], memberships: f64) -> Stats {
+    let (servers, seqs) = (trace.len(), trace[0].len());
+    {
         let r0 = rss();
         let mut tree = RadixTree::new();
         let t = Instant::now();
@@ -219,7 +282,7 @@ fn main() {
         let ingest = memberships / t.elapsed().as_secs_f64();
         let bytes = (rss() - r0) as f64 / memberships;
         let mut lat = Vec::with_capacity(queries.len());
-        for &(w, s) in &queries {
+        for &(w, s) in queries {
             // Its API takes the query by value: building it is part of a lookup.
             let t = Instant::now();
             let hashes: Vec<LocalBlockHash> =
@@ -229,8 +292,10 @@ fn main() {
             assert!(scores.scores.values().any(|&d| d == LEN as u32));
         }
         Stats::of(ingest, bytes, lat)
-    };
+    }
+}
 
+fn report(ours: &Stats, dynamo: &Stats, chain: &Stats) {
     println!(
         "{:<30}{:>12}{:>16}{:>9}{:>22}{:>9}",
         "", "lmcache-rs", "Dynamo RadixTree", "ratio", "kv-index ChainIndex", "ratio"
