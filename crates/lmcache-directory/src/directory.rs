@@ -630,6 +630,11 @@ impl Directory {
         self.keys.placements(i)
     }
 
+    /// Slot `i`'s head (its namespace and one placement), when it has one placement.
+    pub(crate) fn head_at(&self, i: u32) -> Option<u32> {
+        self.keys.head(i)
+    }
+
     /// Slot `i`'s spill list with its owner bitsets, when it has several placements.
     pub(crate) fn spill_at(&self, i: u32) -> Option<&crate::slots::Spill> {
         self.keys.spill(i)

@@ -437,6 +437,13 @@ impl Slots {
         }
     }
 
+    /// Slot `i`'s head number, when it has one placement: slots with one head hold the same
+    /// namespace and placement.
+    pub(crate) fn head(&self, i: u32) -> Option<u32> {
+        let s = &self.slots[i as usize];
+        (s.spilled().is_none() && !s.is_free()).then_some(s.head)
+    }
+
     /// Slot `i`'s spill list, when it has several placements.
     pub(crate) fn spill(&self, i: u32) -> Option<&Spill> {
         self.slots[i as usize].spilled().map(|id| &self.spill[id as usize])
