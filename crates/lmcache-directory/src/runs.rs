@@ -273,7 +273,13 @@ fn ordered(runs: &mut [PrefixRun]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{DirectoryConfig, Entry, EventKind, Namespace};
+    use crate::{DirectoryConfig, Entry, EventKind, Namespace, NsId};
+
+    /// Model "m"'s namespace at `kv_rank` in `d`.
+    fn ns(d: &mut Directory, kv_rank: u32) -> NsId {
+        let ns = Namespace { model: "m".into(), kv_rank, object_group: 0, cache_salt: "".into() };
+        d.namespace(&ns).unwrap()
+    }
 
     /// Every bitset width the scan picks (1, 2, 4, 8 and 16 words, and a vector past 1,024
     /// instances) gives the same answer: the last instances hold runs of 5, 3 (1 in L1) and,
@@ -283,14 +289,7 @@ mod tests {
     fn every_fleet_size_gives_the_same_runs() {
         for n in [3u32, 70, 200, 300, 600, 1100] {
             let mut d = Directory::new(DirectoryConfig::default());
-            let ns = d
-                .namespace(&Namespace {
-                    model: "m".into(),
-                    kv_rank: 0x0100_0100,
-                    object_group: 0,
-                    cache_salt: "".into(),
-                })
-                .unwrap();
+            let ns = ns(&mut d, 0x0100_0100);
             let ids: Vec<InstanceId> =
                 (0..n).map(|i| d.instance(&format!("i{i}")).unwrap()).collect();
             let (a, b, c) = (ids[n as usize - 1], ids[n as usize - 2], ids[n as usize - 3]);
@@ -324,14 +323,7 @@ mod tests {
     #[test]
     fn chunks_of_one_batch_keep_the_runs_and_the_rest_change_them() {
         let mut d = Directory::new(DirectoryConfig::default());
-        let ns = d
-            .namespace(&Namespace {
-                model: "m".into(),
-                kv_rank: 0x0100_0100,
-                object_group: 0,
-                cache_salt: "".into(),
-            })
-            .unwrap();
+        let ns = ns(&mut d, 0x0100_0100);
         let (a, b) = (d.instance("a").unwrap(), d.instance("b").unwrap());
         let (a1, b1) = (
             d.site(a, Tier::L1, "dram", false).unwrap(),
@@ -344,54 +336,26 @@ mod tests {
         d.apply(a, 1, EventKind::Store, a1, 0.0, &batch(0..12)).unwrap();
         d.apply(b, 1, EventKind::Store, b1, 0.0, &batch(0..4)).unwrap();
         let q: Vec<DirKey> = (0..12).map(k).collect();
-        let runs = |d: &Directory| d.prefix_runs(RunQuery { keys: &q, per_chunk: 1 });
-        assert_eq!(
-            runs(&d),
-            vec![
-                PrefixRun { instance: a, l1: 12, any: 12 },
-                PrefixRun { instance: b, l1: 4, any: 4 }
-            ]
-        );
+        // a's runs (l1, any); b's stay 4 chunks in L1.
+        let a_has = |d: &Directory, l1, any| {
+            let got = d.prefix_runs(RunQuery { keys: &q, per_chunk: 1 });
+            let b_has = PrefixRun { instance: b, l1: 4, any: 4 };
+            assert_eq!(got, vec![PrefixRun { instance: a, l1, any }, b_has]);
+        };
+        a_has(&d, 12, 12);
         // Chunk 9 moves to a's L2 (another placement): a's L1 run ends there, its any-run not.
         d.apply(a, 1, EventKind::Delete, a1, 0.0, &[e(k(9))]).unwrap();
         d.apply(a, 1, EventKind::Store, a2, 0.0, &[e(k(9))]).unwrap();
-        assert_eq!(
-            runs(&d),
-            vec![
-                PrefixRun { instance: a, l1: 9, any: 12 },
-                PrefixRun { instance: b, l1: 4, any: 4 }
-            ]
-        );
+        a_has(&d, 9, 12);
         // Chunk 6 gone: every run ends there.
         d.apply(a, 1, EventKind::Delete, a1, 0.0, &[e(k(6))]).unwrap();
-        assert_eq!(
-            runs(&d),
-            vec![
-                PrefixRun { instance: a, l1: 6, any: 6 },
-                PrefixRun { instance: b, l1: 4, any: 4 }
-            ]
-        );
+        a_has(&d, 6, 6);
     }
 
     #[test]
     fn runs_need_every_rank_and_stop_at_the_first_gap() {
         let mut d = Directory::new(DirectoryConfig::default());
-        let r0 = d
-            .namespace(&Namespace {
-                model: "m".into(),
-                kv_rank: 0x0200_0200,
-                object_group: 0,
-                cache_salt: "".into(),
-            })
-            .unwrap();
-        let r1 = d
-            .namespace(&Namespace {
-                model: "m".into(),
-                kv_rank: 0x0201_0201,
-                object_group: 0,
-                cache_salt: "".into(),
-            })
-            .unwrap();
+        let (r0, r1) = (ns(&mut d, 0x0200_0200), ns(&mut d, 0x0201_0201));
         let a = d.instance("a").unwrap();
         let b = d.instance("b").unwrap();
         let a1 = d.site(a, Tier::L1, "dram", false).unwrap();
