@@ -10,8 +10,12 @@
 //! index took the pages an earlier one freed, so it paid fewer page faults in its ingest and
 //! showed less RSS growth. `--same-process` runs all three in this process, as before.
 //!
+//! `--repeat N` runs the three N times, interleaved (ours, ChainIndex, RadixTree, ours, ...),
+//! and reports each figure's median: this host is noisy, and one run of each can land on a
+//! quiet moment for one index and a busy one for the next.
+//!
 //! `cargo run --release --manifest-path benches/anchors/Cargo.toml -- [servers] [sequences]
-//! [--same-process]`
+//! [--repeat N] [--same-process]`
 
 #![expect(clippy::needless_range_loop, reason = "server × sequence indices read clearer")]
 
@@ -80,6 +84,24 @@ impl Stats {
     }
 }
 
+impl Stats {
+    /// Each figure's median over `all` (the upper one of an even count).
+    fn median(all: &[Stats]) -> Stats {
+        let of = |f: fn(&Stats) -> f64| {
+            let mut v: Vec<f64> = all.iter().map(f).collect();
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        Stats {
+            ingest: of(|s| s.ingest),
+            p50: of(|s| s.p50),
+            p99: of(|s| s.p99),
+            p999: of(|s| s.p999),
+            bytes: of(|s| s.bytes),
+        }
+    }
+}
+
 fn pct(v: &mut [u64], q: f64) -> f64 {
     v[((v.len() as f64 * q) as usize).min(v.len() - 1)] as f64 / 1000.0
 }
@@ -94,6 +116,13 @@ fn main() {
         (args.first().copied().unwrap_or(64), args.get(1).copied().unwrap_or(2500));
     let only = argv.iter().position(|a| a == "--only").and_then(|i| argv.get(i + 1));
     let same_process = argv.iter().any(|a| a == "--same-process");
+    let repeat = argv
+        .iter()
+        .position(|a| a == "--repeat")
+        .and_then(|i| argv.get(i + 1))
+        .and_then(|n| n.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
     println!(
         "trace: {servers} servers x {seqs} sequences x {LEN} blocks = {} memberships; 100,000 lookups of 64 blocks",
         servers * seqs * LEN
@@ -108,9 +137,23 @@ fn main() {
             );
             return;
         }
-        (None, true) => INDEXES.map(|name| run(name, servers, seqs)),
-        (None, false) => INDEXES.map(|name| in_child(name, servers, seqs)),
+        (None, same_process) => {
+            let mut runs: [Vec<Stats>; 3] = Default::default();
+            for _ in 0..repeat {
+                for (name, all) in INDEXES.iter().zip(runs.iter_mut()) {
+                    all.push(if same_process {
+                        run(name, servers, seqs)
+                    } else {
+                        in_child(name, servers, seqs)
+                    });
+                }
+            }
+            runs.map(|all| Stats::median(&all))
+        }
     };
+    if repeat > 1 {
+        println!("medians of {repeat} runs each, interleaved");
+    }
     report(&ours, &dynamo, &chain);
 }
 
