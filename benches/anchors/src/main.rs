@@ -82,9 +82,7 @@ impl Stats {
             bytes,
         }
     }
-}
 
-impl Stats {
     /// Each figure's median over `all` (the upper one of an even count).
     fn median(all: &[Stats]) -> Stats {
         let of = |f: fn(&Stats) -> f64| {
@@ -209,133 +207,125 @@ type Trace = Vec<Vec<Vec<Block>>>;
 
 fn run_ours(trace: &Trace, queries: &[(usize, usize)], memberships: f64) -> Stats {
     let (servers, seqs) = (trace.len(), trace[0].len());
-    {
-        let r0 = rss();
-        let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0, blend: None });
-        let ns = d
-            .namespace(&Namespace {
-                model: "m".into(),
-                kv_rank: 0x0100_0100,
-                object_group: 0,
-                cache_salt: "".into(),
-            })
-            .unwrap();
-        let inst: Vec<_> = (0..servers).map(|w| d.instance(&format!("s{w}")).unwrap()).collect();
-        let sites: Vec<_> =
-            inst.iter().map(|&i| d.site(i, Tier::L1, "dram", false).unwrap()).collect();
-        let t = Instant::now();
-        let mut entries = Vec::with_capacity(LEN);
-        for s in 0..seqs {
-            for w in 0..servers {
-                entries.clear();
-                entries.extend(trace[w][s].iter().map(|b| Entry {
-                    key: DirKey { hash: b.chained, ns },
-                    size: 1,
-                    tokens: &[],
-                    token_offset: -1,
-                }));
-                d.apply(inst[w], 1, EventKind::Store, sites[w], 0.0, &entries).unwrap();
-            }
+    let r0 = rss();
+    let mut d = Directory::new(DirectoryConfig { max_token_bindings: 0, blend: None });
+    let ns = d
+        .namespace(&Namespace {
+            model: "m".into(),
+            kv_rank: 0x0100_0100,
+            object_group: 0,
+            cache_salt: "".into(),
+        })
+        .unwrap();
+    let inst: Vec<_> = (0..servers).map(|w| d.instance(&format!("s{w}")).unwrap()).collect();
+    let sites: Vec<_> = inst.iter().map(|&i| d.site(i, Tier::L1, "dram", false).unwrap()).collect();
+    let t = Instant::now();
+    let mut entries = Vec::with_capacity(LEN);
+    for s in 0..seqs {
+        for w in 0..servers {
+            entries.clear();
+            entries.extend(trace[w][s].iter().map(|b| Entry {
+                key: DirKey { hash: b.chained, ns },
+                size: 1,
+                tokens: &[],
+                token_offset: -1,
+            }));
+            d.apply(inst[w], 1, EventKind::Store, sites[w], 0.0, &entries).unwrap();
         }
-        let ingest = memberships / t.elapsed().as_secs_f64();
-        let bytes = (rss() - r0) as f64 / memberships;
-        let mut lat = Vec::with_capacity(queries.len());
-        let mut keys = Vec::with_capacity(LEN);
-        for &(w, s) in queries {
-            keys.clear();
-            keys.extend(trace[w][s].iter().map(|b| DirKey { hash: b.chained, ns }));
-            let t = Instant::now();
-            let runs = d.prefix_runs(RunQuery { keys: &keys, per_chunk: 1 });
-            lat.push(t.elapsed().as_nanos() as u64);
-            assert!(runs.iter().any(|r| r.l1 == LEN as u32));
-        }
-        Stats::of(ingest, bytes, lat)
     }
+    let ingest = memberships / t.elapsed().as_secs_f64();
+    let bytes = (rss() - r0) as f64 / memberships;
+    let mut lat = Vec::with_capacity(queries.len());
+    let mut keys = Vec::with_capacity(LEN);
+    for &(w, s) in queries {
+        keys.clear();
+        keys.extend(trace[w][s].iter().map(|b| DirKey { hash: b.chained, ns }));
+        let t = Instant::now();
+        let runs = d.prefix_runs(RunQuery { keys: &keys, per_chunk: 1 });
+        lat.push(t.elapsed().as_nanos() as u64);
+        assert!(runs.iter().any(|r| r.l1 == LEN as u32));
+    }
+    Stats::of(ingest, bytes, lat)
 }
 
 fn run_chain(trace: &Trace, queries: &[(usize, usize)], memberships: f64) -> Stats {
     let (servers, seqs) = (trace.len(), trace[0].len());
-    {
-        let r0 = rss();
-        let idx =
-            if servers > 256 { ChainIndex::with_max_workers(servers) } else { ChainIndex::new() };
-        let ids: Vec<u32> =
-            (0..servers).map(|w| idx.intern_worker(&format!("s{w}")).unwrap()).collect();
-        let mut maps: Vec<ChainBlockMap> = (0..servers).map(|_| ChainBlockMap::new()).collect();
-        let t = Instant::now();
-        let mut blocks = Vec::with_capacity(LEN);
-        for s in 0..seqs {
-            for w in 0..servers {
-                blocks.clear();
-                blocks.extend(trace[w][s].iter().map(|b| StoredBlock {
-                    seq_hash: SequenceHash(word(&b.chained)),
-                    content_hash: ContentHash(b.content),
-                }));
-                idx.apply_stored(ids[w], &blocks, None, &mut maps[w]).unwrap();
-            }
+    let r0 = rss();
+    let idx = if servers > 256 { ChainIndex::with_max_workers(servers) } else { ChainIndex::new() };
+    let ids: Vec<u32> =
+        (0..servers).map(|w| idx.intern_worker(&format!("s{w}")).unwrap()).collect();
+    let mut maps: Vec<ChainBlockMap> = (0..servers).map(|_| ChainBlockMap::new()).collect();
+    let t = Instant::now();
+    let mut blocks = Vec::with_capacity(LEN);
+    for s in 0..seqs {
+        for w in 0..servers {
+            blocks.clear();
+            blocks.extend(trace[w][s].iter().map(|b| StoredBlock {
+                seq_hash: SequenceHash(word(&b.chained)),
+                content_hash: ContentHash(b.content),
+            }));
+            idx.apply_stored(ids[w], &blocks, None, &mut maps[w]).unwrap();
         }
-        let ingest = memberships / t.elapsed().as_secs_f64();
-        let bytes = (rss() - r0) as f64 / memberships;
-        let mut lat = Vec::with_capacity(queries.len());
-        let mut hashes = Vec::with_capacity(LEN);
-        for &(w, s) in queries {
-            hashes.clear();
-            hashes.extend(trace[w][s].iter().map(|b| ContentHash(b.content)));
-            let t = Instant::now();
-            let scores = idx.find_matches(&hashes, false);
-            lat.push(t.elapsed().as_nanos() as u64);
-            assert!(scores.scores.values().any(|&d| d == LEN as u32));
-        }
-        Stats::of(ingest, bytes, lat)
     }
+    let ingest = memberships / t.elapsed().as_secs_f64();
+    let bytes = (rss() - r0) as f64 / memberships;
+    let mut lat = Vec::with_capacity(queries.len());
+    let mut hashes = Vec::with_capacity(LEN);
+    for &(w, s) in queries {
+        hashes.clear();
+        hashes.extend(trace[w][s].iter().map(|b| ContentHash(b.content)));
+        let t = Instant::now();
+        let scores = idx.find_matches(&hashes, false);
+        lat.push(t.elapsed().as_nanos() as u64);
+        assert!(scores.scores.values().any(|&d| d == LEN as u32));
+    }
+    Stats::of(ingest, bytes, lat)
 }
 
 /// dynamo-kv-router's RadixTree: its single-threaded index; blocks carry the chained hash and
 /// the content hash, as Dynamo's engines report them.
 fn run_dynamo(trace: &Trace, queries: &[(usize, usize)], memberships: f64) -> Stats {
     let (servers, seqs) = (trace.len(), trace[0].len());
-    {
-        let r0 = rss();
-        let mut tree = RadixTree::new();
-        let t = Instant::now();
-        let mut event_id = 0u64;
-        for s in 0..seqs {
-            for w in 0..servers {
-                event_id += 1;
-                let blocks = trace[w][s]
-                    .iter()
-                    .map(|b| KvCacheStoredBlockData {
-                        block_hash: ExternalSequenceBlockHash(word(&b.chained)),
-                        tokens_hash: LocalBlockHash(b.content),
-                        mm_extra_info: None,
-                    })
-                    .collect();
-                let event = KvCacheEvent {
-                    event_id,
-                    data: KvCacheEventData::Stored(KvCacheStoreData {
-                        parent_hash: None,
-                        start_position: None,
-                        blocks,
-                    }),
-                    dp_rank: 0,
-                };
-                tree.apply_event(RouterEvent::new(w as u64, event)).unwrap();
-            }
+    let r0 = rss();
+    let mut tree = RadixTree::new();
+    let t = Instant::now();
+    let mut event_id = 0u64;
+    for s in 0..seqs {
+        for w in 0..servers {
+            event_id += 1;
+            let blocks = trace[w][s]
+                .iter()
+                .map(|b| KvCacheStoredBlockData {
+                    block_hash: ExternalSequenceBlockHash(word(&b.chained)),
+                    tokens_hash: LocalBlockHash(b.content),
+                    mm_extra_info: None,
+                })
+                .collect();
+            let event = KvCacheEvent {
+                event_id,
+                data: KvCacheEventData::Stored(KvCacheStoreData {
+                    parent_hash: None,
+                    start_position: None,
+                    blocks,
+                }),
+                dp_rank: 0,
+            };
+            tree.apply_event(RouterEvent::new(w as u64, event)).unwrap();
         }
-        let ingest = memberships / t.elapsed().as_secs_f64();
-        let bytes = (rss() - r0) as f64 / memberships;
-        let mut lat = Vec::with_capacity(queries.len());
-        for &(w, s) in queries {
-            // Its API takes the query by value: building it is part of a lookup.
-            let t = Instant::now();
-            let hashes: Vec<LocalBlockHash> =
-                trace[w][s].iter().map(|b| LocalBlockHash(b.content)).collect();
-            let scores = tree.find_matches(hashes, false);
-            lat.push(t.elapsed().as_nanos() as u64);
-            assert!(scores.scores.values().any(|&d| d == LEN as u32));
-        }
-        Stats::of(ingest, bytes, lat)
     }
+    let ingest = memberships / t.elapsed().as_secs_f64();
+    let bytes = (rss() - r0) as f64 / memberships;
+    let mut lat = Vec::with_capacity(queries.len());
+    for &(w, s) in queries {
+        // Its API takes the query by value: building it is part of a lookup.
+        let t = Instant::now();
+        let hashes: Vec<LocalBlockHash> =
+            trace[w][s].iter().map(|b| LocalBlockHash(b.content)).collect();
+        let scores = tree.find_matches(hashes, false);
+        lat.push(t.elapsed().as_nanos() as u64);
+        assert!(scores.scores.values().any(|&d| d == LEN as u32));
+    }
+    Stats::of(ingest, bytes, lat)
 }
 
 fn report(ours: &Stats, dynamo: &Stats, chain: &Stats) {
