@@ -99,7 +99,8 @@ impl Directory {
     /// rank keys each have the one placement (the same head) their keys in the chunk before
     /// had is passed over without the bitsets: its sets are that chunk's (a request's chunks
     /// stored in one batch share one head, so most of a walk is such chunks). The scan stops
-    /// when nobody is left. No allocation but the answer up to 1,024 instances.
+    /// when nobody is left. It allocates the answer and one L1 run per instance; the bitsets
+    /// are on the stack up to 1,024 instances, the chunk's slots and heads up to 8 rank keys.
     pub fn prefix_runs(&self, q: RunQuery<'_>) -> Vec<PrefixRun> {
         match self.instance_count().div_ceil(64) {
             0 | 1 => self.scan::<_, false>(q, [0u64; 1]),
