@@ -145,6 +145,8 @@ pub struct ServerArgs {
     /// any file) instead of shared memory; a missing file is created at --l1-size-gb. Only
     /// lmcache-driven clients can use it (engine-driven ones map shared memory). A device or
     /// file that holds anything but an lmcache-rs L1 is refused unless --l1-devdax-format.
+    /// On a /dev/dax device --l1-size-gb must be a whole number of the device's alignment
+    /// (2 MiB unless set otherwise with daxctl) and fit its size.
     #[arg(long, value_name = "PATH")]
     pub l1_devdax_path: Option<std::path::PathBuf>,
     /// Format the --l1-devdax-path device or file even if it holds something else (lost).

@@ -798,5 +798,12 @@ fn dax_conforms_on_a_file_and_never_takes_what_is_not_its_own() {
         let e =
             config::build(0, &spec(&dev, json!({"devices": []}))).await.unwrap_err().to_string();
         assert!(e.contains("one device per dax adapter"), "{e}");
+        // A character device that is not device-dax (/dev/zero maps, as shared anonymous
+        // memory) is refused by name, formatting asked or not: it used to be taken.
+        for extra in [json!({}), json!({"format": true})] {
+            let zero = std::path::Path::new("/dev/zero");
+            let e = config::build(0, &spec(zero, extra)).await.unwrap_err().to_string();
+            assert!(e.contains("is not a device-dax device"), "{e}");
+        }
     });
 }

@@ -104,6 +104,13 @@ pub enum MemoryError {
         /// The size asked for.
         asked: u64,
     },
+    /// A character device that is not device-dax, or a mapping of one that the kernel would
+    /// refuse (off its alignment) or that would run past its end.
+    #[error("device-dax: {reason}")]
+    DaxDevice {
+        /// Why.
+        reason: String,
+    },
     /// A system call failed.
     #[error("{op} failed: {source}")]
     Os {

@@ -36,6 +36,7 @@ use nix::fcntl::{Flock, FlockArg};
 use parking_lot::Mutex;
 use thiserror::Error;
 
+use crate::dax_device::DaxDevice;
 use crate::error::MemoryError;
 use crate::file_region::FileRegion;
 
@@ -357,6 +358,24 @@ impl FileArena {
                 path: path.clone(),
                 reason: "neither a regular file nor a device".into(),
             });
+        }
+        // A device-dax device maps only whole steps of its alignment, within its size: checked
+        // before anything is mapped or written, so a device that cannot hold this L1 (or a
+        // character device that is not device-dax) is refused by name and left as it was.
+        if let Some(dev) = DaxDevice::of_meta(&meta)
+            .map_err(|e| MemoryError::FileNotUsable { path: path.clone(), reason: e.to_string() })?
+        {
+            let refused =
+                |reason: String| MemoryError::FileNotUsable { path: path.clone(), reason };
+            dev.check(0, want.catalog_len() as u64).map_err(|e| refused(e.to_string()))?;
+            let mapped =
+                dev.check(want.data_offset, data_len).map_err(|e| refused(e.to_string()))?;
+            if mapped != data_len {
+                return Err(refused(format!(
+                    "an L1 of {data_len} bytes is not a whole number of the device's {}-byte                      steps; pick an --l1-size-gb that is",
+                    dev.align
+                )));
+            }
         }
         let found = read_superblock(&file, regular, meta.len());
         let fresh = regular && meta.len() == 0;

@@ -16,6 +16,7 @@ use std::fs::File;
 use memmap2::{MmapOptions, MmapRaw};
 
 use crate::allocator::AllocError;
+use crate::dax_device::DaxDevice;
 use crate::error::MemoryError;
 
 /// `len` bytes of a file from `offset`, mapped read-write and shared.
@@ -24,6 +25,9 @@ pub struct FileRegion {
     // Field order matters for drop: the guard unregisters before the mapping goes.
     guard: crate::fault_guard::Guard,
     map: MmapRaw,
+    /// The bytes asked for; the mapping may run further (a device-dax device maps whole
+    /// steps of its alignment), but copies stay within these.
+    len: usize,
 }
 
 impl FileRegion {
@@ -33,7 +37,8 @@ impl FileRegion {
             return Err(MemoryError::InvalidSize { size: 0, reason: "zero" });
         }
         let meta = file.metadata().map_err(|e| MemoryError::os("fstat", e))?;
-        // A block device reports no length here; the kernel bounds its mapping.
+        // A block device reports no length here; the kernel bounds its mapping. A device-dax
+        // one maps only whole steps of its alignment, within its size.
         let end = offset.checked_add(len as u64);
         if meta.is_file() && end.is_none_or(|end| end > meta.len()) {
             return Err(MemoryError::InvalidSize {
@@ -41,13 +46,19 @@ impl FileRegion {
                 reason: "past the file's end",
             });
         }
+        let mapped = match DaxDevice::of_meta(&meta)? {
+            Some(dev) => usize::try_from(dev.check(offset, len as u64)?).map_err(|_| {
+                MemoryError::InvalidSize { size: len as u64, reason: "address space" }
+            })?,
+            None => len,
+        };
         let map = MmapOptions::new()
             .offset(offset)
-            .len(len)
+            .len(mapped)
             .map_raw(file)
             .map_err(|e| MemoryError::os("mmap file region", e))?;
         let guard = crate::fault_guard::guard(map.as_ptr(), map.len());
-        Ok(Self { guard, map })
+        Ok(Self { guard, map, len })
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<(), AllocError> {
@@ -57,10 +68,10 @@ impl FileRegion {
         let oob = AllocError::OutOfBounds {
             offset: offset as u64,
             len: len as u64,
-            size: self.map.len() as u64,
+            size: self.len as u64,
         };
         match offset.checked_add(len) {
-            Some(end) if end <= self.map.len() => Ok(()),
+            Some(end) if end <= self.len => Ok(()),
             _ => Err(oob),
         }
     }
@@ -68,9 +79,9 @@ impl FileRegion {
     /// Copies the region's bytes at `offset` into `dst`.
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), AllocError> {
         self.check(offset, dst.len())?;
-        // SAFETY: `check` proved `offset + dst.len() <= map.len()`, so the source lies in the
-        // live mapping `self` owns; `dst` is a Rust slice, which cannot overlap a mapping no
-        // reference to which is ever handed out. Another process may write the file at the
+        // SAFETY: `check` proved `offset + dst.len() <= len <= map.len()`, so the source lies
+        // in the live mapping `self` owns; `dst` is a Rust slice, which cannot overlap a
+        // mapping no reference to which is ever handed out. Another process may write the file at the
         // same time: the bytes are then whatever the page held, which callers verify.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -88,9 +99,10 @@ impl FileRegion {
     /// Copies `src` into the region at `offset`. `&mut self`: no two writes race.
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), AllocError> {
         self.check(offset, src.len())?;
-        // SAFETY: `check` proved `offset + src.len() <= map.len()`, so the destination lies in
-        // the live mapping `self` owns; `src` is a Rust slice and cannot overlap a mapping no
-        // reference to which is ever handed out; `&mut self` excludes concurrent writers.
+        // SAFETY: `check` proved `offset + src.len() <= len <= map.len()`, so the destination
+        // lies in the live mapping `self` owns; `src` is a Rust slice and cannot overlap a
+        // mapping no reference to which is ever handed out; `&mut self` excludes concurrent
+        // writers.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 src.as_ptr(),

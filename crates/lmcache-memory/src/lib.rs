@@ -22,6 +22,8 @@
 //!   restarted process verified).
 //! - [`file_region`]: [`FileRegion`], a range of a file we own mapped shared and written by
 //!   bounds-checked copies (raw_block's journal appends).
+//! - [`dax_device`]: [`DaxDevice`], a /dev/dax device's size and mapping alignment from
+//!   sysfs, which every mapping of a character device keeps.
 //! - [`allocation`]: [`ArenaAllocator`] joins the two; an [`Allocation`] owns a range of the
 //!   arena, gives `&[u8]`/`&mut [u8]` to it, and returns it to the allocator on drop.
 //! - [`error`]: [`MemoryError`], naming the operation and the OS error.
@@ -31,6 +33,7 @@
 pub mod allocation;
 pub mod allocator;
 pub mod arena;
+pub mod dax_device;
 pub mod error;
 pub mod fault_guard;
 pub mod file_arena;
@@ -42,6 +45,7 @@ pub mod stream_copy;
 pub use allocation::{AdoptReport, Adopted, Allocation, ArenaAllocator, MemoryUsage, Prefaulter};
 pub use allocator::{AllocError, Allocator, AllocatorStats, Block, DEFAULT_ALIGN};
 pub use arena::{Arena, ArenaBacking, ArenaConfig, BackingKind, EngineSegment};
+pub use dax_device::DaxDevice;
 pub use error::MemoryError;
 pub use file_arena::{FileBacking, PersistError};
 pub use file_region::FileRegion;

@@ -153,6 +153,23 @@ fn foreign_files_are_left_alone_unless_formatting_is_asked_for() {
     assert!(lmcache_memory::file_arena::is_l1_file(&path));
 }
 
+/// /dev/zero maps like a device (shared anonymous memory) but is no device-dax one: taken as
+/// an L1 it used to "work", an L1 that no restart could find. It is refused by name, even
+/// with formatting asked for. (A real /dev/dax device's alignment and size checks are unit
+/// tests of `dax_device`, with a sysfs tree of their own.)
+#[test]
+fn a_character_device_that_is_not_device_dax_is_refused_by_name() {
+    for format in [false, true] {
+        match open(Path::new("/dev/zero"), true, format) {
+            Err(MemoryError::FileNotUsable { path, reason }) => {
+                assert_eq!(path, Path::new("/dev/zero"));
+                assert!(reason.contains("is not a device-dax device"), "{reason}");
+            }
+            other => panic!("format {format}: {:?}", other.map(|_| ())),
+        }
+    }
+}
+
 #[test]
 fn one_process_at_a_time_and_a_warm_restart_keeps_its_size() {
     let dir = tempfile::tempdir().unwrap();
