@@ -372,7 +372,8 @@ impl FileArena {
                 dev.check(want.data_offset, data_len).map_err(|e| refused(e.to_string()))?;
             if mapped != data_len {
                 return Err(refused(format!(
-                    "an L1 of {data_len} bytes is not a whole number of the device's {}-byte                      steps; pick an --l1-size-gb that is",
+                    "an L1 of {data_len} bytes is not a whole number of the device's {}-byte \
+                     steps; pick an --l1-size-gb that is",
                     dev.align
                 )));
             }

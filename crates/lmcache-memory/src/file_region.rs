@@ -81,8 +81,9 @@ impl FileRegion {
         self.check(offset, dst.len())?;
         // SAFETY: `check` proved `offset + dst.len() <= len <= map.len()`, so the source lies
         // in the live mapping `self` owns; `dst` is a Rust slice, which cannot overlap a
-        // mapping no reference to which is ever handed out. Another process may write the file at the
-        // same time: the bytes are then whatever the page held, which callers verify.
+        // mapping no reference to which is ever handed out. Another process may write the
+        // file at the same time: the bytes are then whatever the page held, which callers
+        // verify.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.map.as_ptr().add(offset),
