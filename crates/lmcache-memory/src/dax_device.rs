@@ -10,7 +10,7 @@
 //! the size, and a character device sysfs does not describe as device-dax (`/dev/zero`, a
 //! terminal) is refused by name before anything is mapped or written.
 
-use std::fs::{File, Metadata};
+use std::fs::Metadata;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::Path;
 
@@ -32,16 +32,10 @@ pub struct DaxDevice {
 }
 
 impl DaxDevice {
-    /// The device-dax facts of `file` when it is a character device (refused when sysfs does
-    /// not describe it as device-dax); `None` for a regular file or a block device, which
-    /// need none of this.
-    pub fn of(file: &File) -> Result<Option<Self>, MemoryError> {
-        let meta = file.metadata().map_err(|e| MemoryError::os("fstat", e))?;
-        Self::of_meta(&meta)
-    }
-
-    /// As [`DaxDevice::of`], from `stat`'s answer.
-    pub fn of_meta(meta: &Metadata) -> Result<Option<Self>, MemoryError> {
+    /// The device-dax facts of a file, from its `stat`, when it is a character device
+    /// (refused when sysfs does not describe it as device-dax); `None` for a regular file or a
+    /// block device, which need none of this.
+    pub fn of(meta: &Metadata) -> Result<Option<Self>, MemoryError> {
         if !meta.file_type().is_char_device() {
             return Ok(None);
         }
@@ -171,11 +165,11 @@ mod tests {
     #[test]
     fn files_need_no_device_facts_and_dev_zero_is_not_device_dax() {
         let f = tempfile::tempfile().unwrap();
-        assert_eq!(DaxDevice::of(&f).unwrap(), None);
+        assert_eq!(DaxDevice::of(&f.metadata().unwrap()).unwrap(), None);
         // /dev/zero is a character device that maps, but no device-dax one; opened read-only,
         // nothing is written.
-        let zero = File::open("/dev/zero").unwrap();
-        let e = DaxDevice::of(&zero).unwrap_err().to_string();
+        let zero = std::fs::File::open("/dev/zero").unwrap();
+        let e = DaxDevice::of(&zero.metadata().unwrap()).unwrap_err().to_string();
         assert!(e.contains("1:5 is not a device-dax device"), "{e}");
     }
 }

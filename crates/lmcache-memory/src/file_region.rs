@@ -46,7 +46,7 @@ impl FileRegion {
                 reason: "past the file's end",
             });
         }
-        let mapped = match DaxDevice::of_meta(&meta)? {
+        let mapped = match DaxDevice::of(&meta)? {
             Some(dev) => usize::try_from(dev.check(offset, len as u64)?).map_err(|_| {
                 MemoryError::InvalidSize { size: len as u64, reason: "address space" }
             })?,
