@@ -81,11 +81,15 @@ pub struct L1Stats {
     pub superseded: u64,
 }
 
-/// How [`L1Cache::reserve_with`] treats what is in its way.
+/// How [`L1Member::reserve_with`] treats what is in its way.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReserveMode {
     /// May evict objects the write-behind has not written yet, when nothing else makes room.
     pub evict_unwritten: bool,
+    /// Never evicts to make room: a batch that does not fit gets [`L1Error::OutOfMemory`]
+    /// (the first pass of [`L1Cache`](crate::L1Cache)'s ordered overflow, which fills its members in order
+    /// before any of them evicts).
+    pub no_eviction: bool,
     /// A key another writer holds staged gets a reservation of its own (a *shadow*) instead
     /// of [`L1Error::NotWritable`], so that a store never depends on a writer it cannot see
     /// finishing: the first of the two commits makes the key visible, the other finds it
@@ -174,7 +178,7 @@ impl RemovalCause {
     }
 }
 
-/// Where a key stands in L1 at one moment (see [`L1Cache::probe`]).
+/// Where a key stands in L1 at one moment (see [`L1Member::probe`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Residency {
     /// Resident: a lookup finds it.
@@ -218,7 +222,7 @@ pub(crate) struct State {
     used_bytes: u64,
     staged_bytes: u64,
     stats: L1Stats,
-    /// Whether committed objects wait for the write-behind (see [`L1Cache::set_write_behind`]).
+    /// Whether committed objects wait for the write-behind (see [`L1Member::set_write_behind`]).
     write_behind: bool,
     /// Resident objects not yet written to L2.
     unwritten: usize,
@@ -236,9 +240,10 @@ pub(crate) struct Shared {
     seals: Option<Arc<SealQueue>>,
 }
 
-/// The L1 tier. Cheap to clone; every clone is the same cache.
+/// One L1 over one arena (LMCache's "tagged L1"); [`L1Cache`](crate::L1Cache) puts one or more of them in
+/// write order. Cheap to clone; every clone is the same member.
 #[derive(Debug, Clone)]
-pub struct L1Cache {
+pub struct L1Member {
     shared: Arc<Shared>,
     leases: Arc<Leases>,
 }
@@ -249,7 +254,7 @@ struct Leases {
     write: LeaseTable<WriteReservation>,
 }
 
-impl L1Cache {
+impl L1Member {
     /// An L1 over `memory`.
     pub fn new(config: L1Config, memory: ArenaAllocator) -> Result<Self, L1ConfigError> {
         config.validate()?;
@@ -281,6 +286,11 @@ impl L1Cache {
             }),
             leases,
         })
+    }
+
+    /// Whether `shared` (a handle's) is this member's.
+    pub(crate) fn owns(&self, shared: &Arc<Shared>) -> bool {
+        Arc::ptr_eq(&self.shared, shared)
     }
 
     /// The seal queue, for an L1 in a file arena.
@@ -514,7 +524,7 @@ impl L1Cache {
         // 3. Memory, all or nothing, evicting as needed.
         if !todo.is_empty() {
             let sizes: Vec<u64> = todo.iter().map(|&(i, _)| requests[i].size).collect();
-            match st.allocate_evicting(&shared.memory, &sizes, evict_unwritten) {
+            match st.allocate_evicting(&shared.memory, &sizes, evict_unwritten, !mode.no_eviction) {
                 Ok(allocs) => {
                     for (&(i, size), alloc) in todo.iter().zip(allocs) {
                         let req = &requests[i];
@@ -544,7 +554,11 @@ impl L1Cache {
                     }
                 }
                 Err(e) => {
-                    st.stats.oom_rejections += todo.len() as u64;
+                    // A first overflow pass's refusal is not the store's: counted only when
+                    // the reservation may evict (the last word).
+                    if !mode.no_eviction {
+                        st.stats.oom_rejections += todo.len() as u64;
+                    }
                     for &(i, _) in &todo {
                         results[i] = Some(Err(e.clone()));
                     }
@@ -637,15 +651,7 @@ impl L1Cache {
                 .filter_map(|(k, slot)| st.entries.get(slot.id).map(|e| (k.clone(), e.bytes)))
                 .collect()
         };
-        keys.sort_by(|(a, _), (b, _)| {
-            (&a.model_name, a.kv_rank, a.object_group_id, a.chunk_hash, &a.cache_salt).cmp(&(
-                &b.model_name,
-                b.kv_rank,
-                b.object_group_id,
-                b.chunk_hash,
-                &b.cache_salt,
-            ))
-        });
+        keys.sort_by(|(a, _), (b, _)| listing_order(a, b));
         keys
     }
 
@@ -866,6 +872,17 @@ impl L1Cache {
     }
 }
 
+/// The order of [`L1Member::resident_keys`]: model, rank, group, hash, salt.
+pub(crate) fn listing_order(a: &ObjectKey, b: &ObjectKey) -> std::cmp::Ordering {
+    (&a.model_name, a.kv_rank, a.object_group_id, a.chunk_hash, &a.cache_salt).cmp(&(
+        &b.model_name,
+        b.kv_rank,
+        b.object_group_id,
+        b.chunk_hash,
+        &b.cache_salt,
+    ))
+}
+
 impl State {
     fn key_meta<'a>(&self, shared: &Shared, e: &'a Entry) -> (u64, &'a CacheSalt) {
         (shared.key_hasher.hash_one(&e.key), &e.key.cache_salt)
@@ -877,6 +894,7 @@ impl State {
         memory: &ArenaAllocator,
         sizes: &[u64],
         evict_unwritten: bool,
+        may_evict: bool,
     ) -> Result<Vec<Allocation>, L1Error> {
         let mut evicted_any = false;
         loop {
@@ -886,7 +904,8 @@ impl State {
                     // Free the shortfall; when the bytes exist but are fragmented, free at
                     // least one object's worth more and try again.
                     let want = requested.saturating_sub(free).max(1);
-                    let freed = self.evict_with(None, want, evict_unwritten);
+                    let freed =
+                        if may_evict { self.evict_with(None, want, evict_unwritten) } else { 0 };
                     if freed == 0 {
                         let free = memory.usage().allocator.capacity - self.used_bytes;
                         return Err(L1Error::OutOfMemory { requested, free });
@@ -899,7 +918,11 @@ impl State {
                 Err(AllocError::BackingFull { requested, .. }) => {
                     // /dev/shm is full (other processes filled it): only memory already
                     // backed can be reused, so evict what the request needs and retry there.
-                    let freed = self.evict_with(None, requested.max(1), evict_unwritten);
+                    let freed = if may_evict {
+                        self.evict_with(None, requested.max(1), evict_unwritten)
+                    } else {
+                        0
+                    };
                     if freed == 0 {
                         return Err(L1Error::OutOfMemory { requested, free: 0 });
                     }

@@ -117,6 +117,12 @@ pub enum L1ConfigError {
         /// The setting.
         name: &'static str,
     },
+    /// The list of L1s is not one lmcache-rs can run.
+    #[error("L1 list refused: {reason}")]
+    Members {
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The arena could not be created.
     #[error(transparent)]
     Memory(#[from] MemoryError),

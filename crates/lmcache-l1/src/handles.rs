@@ -33,6 +33,11 @@ impl WriteReservation {
         &self.key
     }
 
+    /// The member the object is reserved in.
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// Offset of the object in the arena (for an engine that maps it).
     pub fn offset(&self) -> u64 {
         self.alloc.as_ref().map_or(0, Allocation::offset)

@@ -9,7 +9,9 @@
 //! is measured in bytes; the same-size case allocates in O(1).
 //!
 //! # Components
-//! - `cache`: [`L1Cache`], the index and lifecycle (reserve → commit/discard, read locks,
+//! - `set`: [`L1Cache`], the tier: one or more tagged [`L1Member`]s in write order (LMCache's
+//!   repeated `--l1-manager`), writes overflowing from one to the next when it is full.
+//! - `cache`: [`L1Member`], one L1's index and lifecycle (reserve → commit/discard, read locks,
 //!   delete, clear; a second writer's shadow reservation of a staged key), eviction on
 //!   allocation and by watermark, quotas, parked leases.
 //! - `handles`: [`WriteReservation`] and [`ReadLease`], the RAII handles; `entry`: an index
@@ -33,9 +35,10 @@ pub mod lease_table;
 pub mod maintenance;
 pub mod persist;
 pub mod quota;
+mod set;
 
 pub use cache::{
-    ClearReport, L1Cache, L1Listener, L1Stats, L1Usage, MaintenanceReport, RemovalCause,
+    ClearReport, L1Listener, L1Member, L1Stats, L1Usage, MaintenanceReport, RemovalCause,
     ReserveMode, Residency, WriteRequest,
 };
 pub use config::L1Config;
@@ -46,3 +49,4 @@ pub use handles::{ReadLease, WriteReservation};
 pub use lease_table::LeaseId;
 pub use maintenance::Maintenance;
 pub use persist::{PersistStats, Sealer};
+pub use set::{DEFAULT_TAG, L1Cache};

@@ -7,7 +7,7 @@
 use std::sync::mpsc::{self, RecvTimeoutError, Sender};
 use std::thread::JoinHandle;
 
-use crate::cache::L1Cache;
+use crate::set::L1Cache;
 
 /// Owns the background thread; dropping it stops the thread.
 #[derive(Debug)]

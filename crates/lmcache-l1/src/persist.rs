@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use lmcache_core::{CacheSalt, ChunkHash, KvRank, ModelName, ObjectKey};
 use parking_lot::{Condvar, Mutex};
 
-use crate::cache::L1Cache;
 use crate::entry::ObjectMemory;
+use crate::set::L1Cache;
 
 const KEY_VERSION: u8 = 1;
 
@@ -192,28 +192,42 @@ impl SealQueue {
 /// still queued then is not sealed: call [`L1Cache::drain_seals`] first).
 #[derive(Debug)]
 pub struct Sealer {
-    queue: Arc<SealQueue>,
-    thread: Option<JoinHandle<()>>,
+    /// One thread per member in a file arena.
+    threads: Vec<(Arc<SealQueue>, Option<JoinHandle<()>>)>,
 }
 
 impl Sealer {
-    /// Starts the thread; `None` when the cache's memory keeps no catalog.
+    /// Starts a thread for each member whose memory keeps a catalog; `None` when none does.
     pub fn spawn(cache: &L1Cache) -> std::io::Result<Option<Self>> {
-        let Some(queue) = cache.seal_queue() else { return Ok(None) };
-        let q = Arc::clone(&queue);
-        let thread = std::thread::Builder::new().name("l1-sealer".into()).spawn(move || q.run())?;
-        Ok(Some(Self { queue, thread: Some(thread) }))
+        let mut this = Self { threads: Vec::new() };
+        for (tag, member) in cache.members() {
+            let Some(queue) = member.seal_queue() else { continue };
+            let q = Arc::clone(&queue);
+            let name = if cache.member_count() == 1 {
+                "l1-sealer".into()
+            } else {
+                format!("l1-sealer-{tag}")
+            };
+            // A failed spawn drops `this`, which stops the threads already started.
+            let thread = std::thread::Builder::new().name(name).spawn(move || q.run())?;
+            this.threads.push((queue, Some(thread)));
+        }
+        Ok((!this.threads.is_empty()).then_some(this))
     }
 }
 
 impl Drop for Sealer {
     fn drop(&mut self) {
-        self.queue.queue.lock().stop = true;
-        self.queue.changed.notify_all();
-        if let Some(t) = self.thread.take()
-            && t.join().is_err()
-        {
-            tracing::error!("l1 sealer thread panicked");
+        for (queue, _) in &self.threads {
+            queue.queue.lock().stop = true;
+            queue.changed.notify_all();
+        }
+        for (_, thread) in &mut self.threads {
+            if let Some(t) = thread.take()
+                && t.join().is_err()
+            {
+                tracing::error!("l1 sealer thread panicked");
+            }
         }
     }
 }

@@ -8,6 +8,8 @@
 //! - a quota is never exceeded by an admission;
 //! - per-key results agree with the model (NotWritable exactly when the key is known, a read
 //!   lock succeeds exactly when the key is resident);
+//! - the same holds for an L1 of two members in write order (LMCache's tagged L1s), where a
+//!   key is written once across both and read from whichever holds it;
 //! - at the end, once every handle is gone, every reservation has ended (nothing staged, no
 //!   memory held) and a non-forced clear empties the cache.
 
@@ -17,7 +19,7 @@ use std::collections::HashMap;
 
 use common::*;
 use lmcache_core::{CacheSalt, ObjectKey};
-use lmcache_l1::{EvictionPolicyKind, L1Error, ReadLease, WriteRequest, WriteReservation};
+use lmcache_l1::{EvictionPolicyKind, L1Cache, L1Error, ReadLease, WriteRequest, WriteReservation};
 use proptest::prelude::*;
 
 const KEYS: u32 = 24;
@@ -87,7 +89,15 @@ struct Held {
 }
 
 fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let c = cache_with(40 * PAGE, policy);
+    run_on(cache_with(40 * PAGE, policy), ops)
+}
+
+/// The same 40 pages as two members in write order (16 then 24 pages).
+fn run_two(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    run_on(members(&[16 * PAGE, 24 * PAGE], policy), ops)
+}
+
+fn run_on(c: L1Cache, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut model: HashMap<u32, Known> = HashMap::new();
     // incarnation → the byte its object is filled with.
     let mut patterns: HashMap<u64, u8> = HashMap::new();
@@ -107,8 +117,15 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                         temporary,
                     })
                     .collect();
-                let before: Vec<u64> =
-                    SALTS.iter().map(|s| c.usage_of(&CacheSalt::new(s).unwrap())).collect();
+                // A quota applies within each member.
+                let usage = |c: &L1Cache| -> Vec<Vec<u64>> {
+                    c.members()
+                        .map(|(_, m)| {
+                            SALTS.iter().map(|s| m.usage_of(&CacheSalt::new(s).unwrap())).collect()
+                        })
+                        .collect()
+                };
+                let before = usage(&c);
                 let results = c.reserve_write(&reqs);
                 let mut seen = Vec::new();
                 let mut oom = 0;
@@ -137,15 +154,20 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
                         Err(e) => return Err(TestCaseError::fail(format!("unexpected {e}"))),
                     }
                 }
-                prop_assert!(oom == 0 || oom == attempted, "batch allocation was partial");
-                for (i, s) in SALTS.iter().enumerate() {
-                    let salt = CacheSalt::new(s).unwrap();
-                    if let Some(limit) = c.quota(&salt) {
-                        let after = c.usage_of(&salt);
-                        prop_assert!(
-                            after <= limit.max(before[i]),
-                            "tenant {s:?} at {after} over quota {limit}"
-                        );
+                // One member allocates a batch all or nothing; several may split it.
+                prop_assert!(
+                    oom == 0 || oom == attempted || c.member_count() > 1,
+                    "batch allocation was partial"
+                );
+                for (m, after) in usage(&c).into_iter().enumerate() {
+                    for (i, s) in SALTS.iter().enumerate() {
+                        if let Some(limit) = c.quota(&CacheSalt::new(s).unwrap()) {
+                            prop_assert!(
+                                after[i] <= limit.max(before[m][i]),
+                                "tenant {s:?} at {} over quota {limit} in member {m}",
+                                after[i]
+                            );
+                        }
                     }
                 }
             }
@@ -285,7 +307,9 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
     prop_assert_eq!(u.locked_objects, 0, "a read lock outlived its lease");
     c.clear(false);
     prop_assert_eq!(c.usage().used_bytes, 0);
-    prop_assert_eq!(c.memory().usage().allocator.allocated_bytes, 0);
+    for (_, m) in c.members() {
+        prop_assert_eq!(m.memory().usage().allocator.allocated_bytes, 0);
+    }
     if let Err(msg) = c.check_invariants() {
         return Err(TestCaseError::fail(msg));
     }
@@ -326,5 +350,20 @@ proptest! {
     #[test]
     fn lifecycle_model_noop(ops in proptest::collection::vec(op(), 1..150)) {
         run(EvictionPolicyKind::Noop, ops)?;
+    }
+
+    #[test]
+    fn lifecycle_model_two_members_lru(ops in proptest::collection::vec(op(), 1..150)) {
+        run_two(EvictionPolicyKind::Lru, ops)?;
+    }
+
+    #[test]
+    fn lifecycle_model_two_members_s3fifo(ops in proptest::collection::vec(op(), 1..150)) {
+        run_two(EvictionPolicyKind::S3Fifo, ops)?;
+    }
+
+    #[test]
+    fn lifecycle_model_two_members_noop(ops in proptest::collection::vec(op(), 1..150)) {
+        run_two(EvictionPolicyKind::Noop, ops)?;
     }
 }

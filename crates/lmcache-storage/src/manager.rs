@@ -611,7 +611,11 @@ impl StorageManager {
         requests: &[WriteRequest],
         supersede_staged: bool,
     ) -> Vec<Result<WriteReservation, L1Error>> {
-        let mode = |evict_unwritten| ReserveMode { evict_unwritten, supersede_staged };
+        let mode = |evict_unwritten| ReserveMode {
+            evict_unwritten,
+            supersede_staged,
+            ..ReserveMode::default()
+        };
         let mut out = self.l1.reserve_with(requests, mode(false));
         let Some(tier) = &self.l2 else { return out };
         let deadline = Instant::now() + tier.config().write_behind_wait;

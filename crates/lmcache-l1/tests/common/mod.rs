@@ -2,7 +2,7 @@
 #![allow(dead_code, missing_docs, clippy::allow_attributes)]
 
 use lmcache_core::ObjectKey;
-use lmcache_l1::{EvictionPolicyKind, L1Cache, L1Config};
+use lmcache_l1::{EvictionPolicyKind, L1Cache, L1Config, L1Member};
 use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
 
 pub const PAGE: u64 = 4096;
@@ -16,6 +16,26 @@ pub fn cache_with(capacity: u64, policy: EvictionPolicyKind) -> L1Cache {
     .unwrap();
     let memory = ArenaAllocator::new(arena, PAGE).unwrap();
     L1Cache::new(L1Config { eviction_policy: policy, ..L1Config::default() }, memory).unwrap()
+}
+
+/// One member per capacity, in write order, tagged m0, m1, ...
+pub fn members(capacities: &[u64], policy: EvictionPolicyKind) -> L1Cache {
+    let list = capacities
+        .iter()
+        .enumerate()
+        .map(|(i, &size)| {
+            let arena = Arena::create(&ArenaConfig {
+                size,
+                backing: ArenaBacking::Anonymous,
+                mlock: false,
+            })
+            .unwrap();
+            let memory = ArenaAllocator::new(arena, PAGE).unwrap();
+            let config = L1Config { eviction_policy: policy, ..L1Config::default() };
+            (format!("m{i}"), L1Member::new(config, memory).unwrap())
+        })
+        .collect();
+    L1Cache::from_members(list).unwrap()
 }
 
 pub fn cache(capacity: u64) -> L1Cache {

@@ -1,0 +1,136 @@
+//! An L1 of several members in write order (LMCache's tagged L1s, `--l1-manager` repeated):
+//! writes fill the first and overflow to the next without evicting, reads find a key in
+//! whichever member holds it, a key is written in one member only.
+
+mod common;
+
+use common::*;
+use lmcache_core::ObjectKey;
+use lmcache_l1::{
+    EvictionPolicyKind, L1Cache, L1Config, L1ConfigError, L1Error, L1Member, WriteRequest,
+};
+use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
+
+fn store(c: &L1Cache, keys: &[ObjectKey], size: u64) -> Vec<Result<(), L1Error>> {
+    let reqs: Vec<WriteRequest> = keys.iter().map(|k| WriteRequest::new(k.clone(), size)).collect();
+    let mut ok = Vec::new();
+    let mut out: Vec<Result<(), L1Error>> = Vec::new();
+    for r in c.reserve_write(&reqs) {
+        match r {
+            Ok(mut w) => {
+                let fill = w.key().chunk_hash.0[3];
+                w.as_mut_slice().fill(fill);
+                ok.push(w);
+                out.push(Ok(()));
+            }
+            Err(e) => out.push(Err(e)),
+        }
+    }
+    let mut committed = c.commit_batch(ok).into_iter();
+    for r in &mut out {
+        if r.is_ok() {
+            *r = committed.next().unwrap_or(Err(L1Error::WrongState));
+        }
+    }
+    out
+}
+
+fn held(c: &L1Cache) -> Vec<usize> {
+    c.members().map(|(_, m)| m.usage().resident_objects).collect()
+}
+
+#[test]
+fn writes_fill_the_first_member_then_overflow_to_the_next_without_evicting() {
+    let c = members(&[8 * PAGE, 8 * PAGE], EvictionPolicyKind::Lru);
+    let keys: Vec<ObjectKey> = (0..12).map(key).collect();
+    // Two batches: the second is the one that meets a full first member.
+    assert!(store(&c, &keys[..6], PAGE).iter().all(Result::is_ok));
+    assert!(store(&c, &keys[6..], PAGE).iter().all(Result::is_ok));
+    assert_eq!(held(&c), [8, 4], "the batch that did not fit was split: what fitted stayed");
+    assert_eq!(c.usage().stats.evicted_objects, 0, "nothing evicted while a member had room");
+    assert_eq!(c.usage().stats.oom_rejections, 0, "an overflow is not a refusal");
+    for (k, lease) in keys.iter().zip(c.read_lock(&keys, 1)) {
+        let lease = lease.expect("every stored key reads back");
+        assert!(lease.bytes().iter().all(|&b| b == k.chunk_hash.0[3]), "{k}: its own bytes");
+    }
+    assert_eq!(c.prefix_hits(&keys), 12);
+    assert_eq!(c.read_lock_prefix(&keys, 1).unwrap().len(), 12);
+    let u = c.usage();
+    assert_eq!((u.resident_objects, u.capacity), (12, 16 * PAGE), "usage sums the members");
+    assert_eq!(c.resident_keys().len(), 12);
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn when_every_member_is_full_a_store_evicts_in_write_order() {
+    let c = members(&[4 * PAGE, 4 * PAGE], EvictionPolicyKind::Lru);
+    let old: Vec<ObjectKey> = (0..8).map(key).collect();
+    assert!(store(&c, &old, PAGE).iter().all(Result::is_ok), "one batch over two members");
+    assert_eq!(held(&c), [4, 4]);
+    let new: Vec<ObjectKey> = (100..102).map(key).collect();
+    assert!(store(&c, &new, PAGE).iter().all(Result::is_ok), "eviction made room");
+    assert_eq!(held(&c), [4, 4]);
+    assert_eq!(c.usage().stats.evicted_objects, 2);
+    // The first member evicted its least recent objects for them (a batch's last chunks
+    // leave first).
+    let first = c.members().next().unwrap().1;
+    assert!(new.iter().all(|k| first.contains(k)));
+    assert!(!c.contains(&old[2]) && !c.contains(&old[3]));
+    assert!(c.contains(&old[0]) && c.contains(&old[1]));
+    assert!(c.contains(&old[4]) && c.contains(&old[7]), "the second member kept its own");
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn an_object_too_big_for_the_first_member_goes_to_one_that_fits() {
+    let c = members(&[2 * PAGE, 8 * PAGE], EvictionPolicyKind::Lru);
+    assert_eq!(store(&c, &[key(1)], 6 * PAGE), [Ok(())]);
+    assert_eq!(held(&c), [0, 1]);
+    assert_eq!(c.largest_object(), 8 * PAGE);
+    // Too big for every member: the last member's refusal.
+    assert!(matches!(store(&c, &[key(2)], 9 * PAGE)[0], Err(L1Error::InvalidSize { .. })));
+}
+
+#[test]
+fn a_key_one_member_holds_is_written_nowhere_else_and_deleted_everywhere() {
+    let c = members(&[2 * PAGE, 8 * PAGE], EvictionPolicyKind::Lru);
+    assert!(store(&c, &[key(1), key(2)], PAGE).iter().all(Result::is_ok));
+    assert!(store(&c, &[key(3)], PAGE).iter().all(Result::is_ok));
+    assert_eq!(held(&c), [2, 1], "key 3 overflowed to the second member");
+    // The first member has room again; key 3 is still the second's.
+    assert_eq!(c.delete(&[key(1)], false), [Ok(())]);
+    assert_eq!(store(&c, &[key(3)], PAGE), [Err(L1Error::NotWritable)]);
+    // Being written in the second member: not writable in the first either.
+    let w = c.reserve_write(&[WriteRequest::new(key(4), 4 * PAGE)]).pop().unwrap().unwrap();
+    assert_eq!(store(&c, &[key(4)], PAGE), [Err(L1Error::NotWritable)]);
+    drop(w);
+    assert_eq!(held(&c), [1, 1]);
+    // Peers read by offset in the mapped (first) member only.
+    assert!(c.read_lock_mapped(&[key(3)], 1).pop().unwrap().is_err());
+    assert!(c.read_lock(&[key(3)], 1).pop().unwrap().is_ok());
+    assert_eq!(c.delete(&[key(3), key(9)], true), [Ok(()), Err(L1Error::NotFound)]);
+    assert!(!c.contains(&key(3)));
+    c.check_invariants().unwrap();
+}
+
+#[test]
+fn a_member_list_needs_distinct_non_empty_tags() {
+    let member = || {
+        let arena = Arena::create(&ArenaConfig {
+            size: 4 * PAGE,
+            backing: ArenaBacking::Anonymous,
+            mlock: false,
+        })
+        .unwrap();
+        L1Member::new(L1Config::default(), ArenaAllocator::new(arena, PAGE).unwrap()).unwrap()
+    };
+    let refused = |list: Vec<(String, L1Member)>| match L1Cache::from_members(list) {
+        Err(L1ConfigError::Members { reason }) => reason,
+        other => panic!("accepted: {other:?}"),
+    };
+    assert_eq!(refused(vec![]), "no L1 at all");
+    assert_eq!(refused(vec![(" ".into(), member())]), "an empty tag");
+    assert_eq!(refused(vec![("a".into(), member()), ("a".into(), member())]), "tag \"a\" twice");
+    let c = L1Cache::from_members(vec![("a".into(), member()), ("b".into(), member())]).unwrap();
+    assert_eq!(c.members().map(|(t, _)| t).collect::<Vec<_>>(), ["a", "b"]);
+}
