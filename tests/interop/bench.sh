@@ -19,6 +19,12 @@ trap 'rm -rf "$WORK" || true' EXIT
 
 FREE_PORT="$PWD/scripts/free-port"  # absolute: some calls run after a `cd`
 free_port() { "$FREE_PORT" "$WORK/.ports"; }
+wait_healthy() { # http_port: at most 10 s for the server's /healthcheck
+  for _ in $(seq 100); do
+    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$1/healthcheck', timeout=1)" 2>/dev/null && return 0
+    sleep 0.1
+  done
+}
 
 passed=0
 failed=0
@@ -45,10 +51,7 @@ for case in "${CASES[@]}"; do
         --shm-name "lmcache_rs_interop_$$_$name" --max-workers 2 --log-level warn \
         > "$WORK/$name.server.log" 2>&1 &
     pid=$!
-    for _ in $(seq 100); do
-      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
-      sleep 0.1
-    done
+    wait_healthy "$http"
     rc=0
     timeout 600 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
         --url "http://127.0.0.1:$http" --mode cpu --transfer-mode "$mode" --tp-size "$tp" \
@@ -168,10 +171,7 @@ start_l2() { # [extra flags]
       --shm-name "lmcache_rs_l2bench_$$" --max-workers 2 --log-level warn \
       >> "$WORK/l2-bench-$below.server.log" 2>&1 &
   pid=$!
-  for _ in $(seq 100); do
-    python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$http/healthcheck', timeout=1)" 2>/dev/null && break
-    sleep 0.1
-  done
+  wait_healthy "$http"
 }
 start_l2
 rc=0
@@ -223,6 +223,44 @@ else
   failed=$((failed + 1))
 fi
 done
+
+# Several L1s (--l1-manager, repeated, as LMCache's tagged L1s): a 200 MB DRAM L1 first and a
+# DEVDAX file second. LMCache's bench stores 10 sequences of 2 x 32 MiB chunks (640 MiB): what
+# DRAM cannot hold overflows into the file, nothing is evicted, every warm lookup is a full
+# hit and every checksum matches; /status shows each L1 by its tag.
+port=$(free_port); http=$(free_port)
+"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --no-l1-use-lazy \
+    --l1-manager '{"type": "DRAM", "tag": "dram", "size_gb": 0.2, "eviction": {"trigger_watermark": 1.0}}' \
+    --l1-manager "{\"type\": \"DEVDAX\", \"tag\": \"dax\", \"size_gb\": 1, \"path\": \"$WORK/dax-l1\"}" \
+    --shm-name "lmcache_rs_two_l1_$$" --max-workers 2 --log-level warn > "$WORK/two-l1.server.log" 2>&1 &
+pid=$!
+wait_healthy "$http"
+rc=0
+timeout 600 "$VENV/bin/lmcache" bench server --rpc-url "tcp://127.0.0.1:$port" \
+    --url "http://127.0.0.1:$http" --mode cpu --transfer-mode lmcache_driven --num-tokens 512 \
+    --start 0 --end 10 --interval 0 --format json --output "$WORK/two-l1.json" > "$WORK/two-l1.bench.log" 2>&1 || rc=$?
+status=$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$http/status', timeout=5).read().decode())" || echo '{}')
+kill -TERM "$pid"
+srv_rc=0; wait "$pid" || srv_rc=$?
+if python3 tests/interop/bench_check.py "$WORK/two-l1.json" "$WORK/two-l1.bench.log" 10 "$rc" "$srv_rc" \
+    && python3 - "$status" <<'PY'
+import json, sys
+l1s = json.loads(sys.argv[1])["storage_manager"]["l1_manager"]["l1s"]
+assert [m["tag"] for m in l1s] == ["dram", "dax"], l1s
+assert [m["type"] for m in l1s] == ["DRAM", "DEVDAX"], l1s
+assert l1s[0]["resident_objects"] > 0 and l1s[1]["resident_objects"] > 0, l1s
+assert sum(m["resident_objects"] for m in l1s) == 20, l1s
+assert all(m["evicted_objects"] == 0 for m in l1s), l1s
+PY
+then
+  echo "interop two L1s (DRAM then DEVDAX): ok (10 sequences, 640 MiB over a 200 MB DRAM L1, checksums match, nothing evicted)"
+  passed=$((passed + 1))
+else
+  echo "interop two L1s (DRAM then DEVDAX): FAILED"
+  tail -10 "$WORK/two-l1.bench.log" | sed 's/^/    /'
+  tail -10 "$WORK/two-l1.server.log" | sed 's/^/    /'
+  failed=$((failed + 1))
+fi
 
 # The other way round: our Rust `lmcache-rs bench server` against LMCache's own server, the
 # engine-driven path at tp 1, tp 2 and MLA (every byte checked). The lmcache-driven path is

@@ -226,7 +226,12 @@ pub struct ServerArgs {
     /// "path": "/dev/dax0.0"}' or '{"type": "DRAM", "tag": "_default", "size_gb": 8}'. Its
     /// fields replace the matching --l1-* flags (size_gb, align_bytes, read/write_ttl_seconds,
     /// eviction, shm_name, use_hugepages, path; a GDS entry's path, backend and direct_io
-    /// stand for the --gds-l1-* flags). lmcache-rs runs one L1: one entry.
+    /// stand for the --gds-l1-* flags). Repeat it for several L1s in write order: a store
+    /// goes to the first that fits it without evicting (LMCache's ordered overflow), then to
+    /// the first that fits it by evicting; reads find a key in whichever holds it. The first
+    /// entry is the pool engines map (engine-driven transfer, --shm-name) and the one peers
+    /// read; the others are private memory (DRAM) or a file (DEVDAX, warm with
+    /// --l1-warm-restart when the first is DEVDAX too). A GDS entry runs alone.
     #[arg(long = "l1-manager", value_name = "JSON")]
     pub l1_manager: Vec<String>,
     /// Accepted for LMCache compatibility: L1 memory is always committed as it is used.
@@ -614,16 +619,78 @@ fn gds_l1(args: &ServerArgs, slab_bytes: u64) -> anyhow::Result<Option<GdsL1>> {
     }))
 }
 
-/// The flags one `--l1-manager` entry (LMCache's tagged L1 JSON) stands for.
-fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
-    let mut out = args.clone();
-    let [text] = args.l1_manager.as_slice() else {
-        bail!(
-            "--l1-manager was given {} times: lmcache-rs runs one L1 (several tagged L1s are \
-             not supported yet)",
-            args.l1_manager.len()
-        );
+/// The L1s the `--l1-manager` entries (LMCache's tagged L1 JSON) describe, in write order:
+/// the first as the flags it stands for (the L1 every other flag speaks of), with its tag;
+/// the others as further L1s, which a store that does not fit the ones before goes to.
+fn apply_l1_managers(
+    args: &ServerArgs,
+) -> anyhow::Result<(ServerArgs, String, Vec<lmcache_storage::L1MemberConfig>)> {
+    let Some((first, rest)) = args.l1_manager.split_first() else {
+        bail!("--l1-manager: no entry");
     };
+    let (first_args, first_tag, first_kind) =
+        apply_l1_manager(args, first).with_context(|| format!("--l1-manager #0 ({first})"))?;
+    let mut tags = vec![first_tag.clone()];
+    let mut paths: Vec<std::path::PathBuf> = first_args.l1_devdax_path.iter().cloned().collect();
+    let mut more = Vec::with_capacity(rest.len());
+    for (i, text) in rest.iter().enumerate() {
+        let n = i + 1;
+        let (m, tag, kind) =
+            apply_l1_manager(args, text).with_context(|| format!("--l1-manager #{n} ({text})"))?;
+        if tags.contains(&tag) {
+            bail!("--l1-manager #{n}: tag {tag:?} is already another L1's (tags are unique)");
+        }
+        if kind == "GDS" || first_kind == "GDS" {
+            bail!(
+                "--l1-manager: a GDS L1 runs alone in lmcache-rs (its slab sits behind a DRAM \
+                 staging area); list DRAM and DEVDAX L1s together, or one GDS"
+            );
+        }
+        if m.shm_name != args.shm_name {
+            bail!(
+                "--l1-manager #{n}: shm_name: only the first L1 is the pool engines map by \
+                 name; a further L1 is private memory (DRAM) or a file (DEVDAX)"
+            );
+        }
+        let backing = match &m.l1_devdax_path {
+            Some(path) => {
+                if paths.contains(path) {
+                    bail!("--l1-manager #{n}: path {} is another L1's", path.display());
+                }
+                paths.push(path.clone());
+                ArenaBacking::File(lmcache_memory::FileBacking {
+                    path: path.clone(),
+                    format: args.l1_devdax_format,
+                    adopt: args.l1_warm_restart,
+                })
+            }
+            None if m.l1_use_hugepages => ArenaBacking::HugePages,
+            None => ArenaBacking::Anonymous,
+        };
+        let size = gib_to_bytes(m.l1_size_gb).filter(|&b| b > 0).with_context(|| {
+            format!("--l1-manager #{n}: size_gb {} is not a positive size", m.l1_size_gb)
+        })?;
+        more.push(lmcache_storage::L1MemberConfig {
+            tag: tag.clone(),
+            arena: ArenaConfig { size, backing, mlock: args.l1_mlock },
+            align: m.l1_align_bytes,
+            l1: l1_config(&m),
+        });
+        tags.push(tag);
+    }
+    if !more.is_empty() && first_args.l1_devdax_path.is_none() && args.l1_warm_restart {
+        bail!(
+            "--l1-warm-restart with several L1s needs the first to be a DEVDAX L1 (its file \
+             anchors the restart; the others restart warm with it when they are DEVDAX too)"
+        );
+    }
+    Ok((first_args, first_tag, more))
+}
+
+/// The flags one `--l1-manager` entry (LMCache's tagged L1 JSON) stands for, with its tag and
+/// its type (upper case).
+fn apply_l1_manager(args: &ServerArgs, text: &str) -> anyhow::Result<(ServerArgs, String, String)> {
+    let mut out = args.clone();
     let v: serde_json::Value =
         serde_json::from_str(text).with_context(|| format!("--l1-manager: not JSON: {text}"))?;
     let obj = v.as_object().context("--l1-manager: expected a JSON object")?;
@@ -648,9 +715,10 @@ fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
             bail!("--l1-manager: {k}: unknown field for a {kind} L1");
         }
     }
-    if obj.get("tag").and_then(|t| t.as_str()).is_none_or(str::is_empty) {
+    let Some(tag) = obj.get("tag").and_then(|t| t.as_str()).filter(|t| !t.trim().is_empty()) else {
         bail!("--l1-manager: tag: missing (a non-empty string)");
-    }
+    };
+    let (tag, kind_upper) = (tag.to_owned(), kind.to_ascii_uppercase());
     let num = |k: &str| -> anyhow::Result<Option<f64>> {
         match obj.get(k) {
             None => Ok(None),
@@ -729,22 +797,42 @@ fn apply_l1_manager(args: &ServerArgs) -> anyhow::Result<ServerArgs> {
             }
         }
     }
-    Ok(out)
+    Ok((out, tag, kind_upper))
+}
+
+/// An L1's eviction and lease settings, from its flags.
+fn l1_config(args: &ServerArgs) -> L1Config {
+    L1Config {
+        eviction_policy: args.eviction_policy,
+        trigger_watermark: args.eviction_trigger_watermark,
+        eviction_ratio: args.eviction_ratio,
+        read_ttl: Duration::from_secs(args.l1_read_ttl_seconds),
+        write_ttl: Duration::from_secs(args.l1_write_ttl_seconds),
+        ..L1Config::default()
+    }
 }
 
 pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     let managed;
-    let args = if args.l1_manager.is_empty() {
-        args
+    let (args, l1_tag, more_l1) = if args.l1_manager.is_empty() {
+        (args, lmcache_l1::DEFAULT_TAG.to_owned(), Vec::new())
     } else {
         if args.l1_devdax_path.is_some() || args.l1_use_hugepages {
             bail!(
                 "--l1-manager and the L1 flags it replaces (--l1-devdax-path, --l1-use-hugepages) exclude each other"
             );
         }
-        managed = apply_l1_manager(args)?;
-        &managed
+        let (first, tag, more) = apply_l1_managers(args)?;
+        managed = first;
+        (&managed, tag, more)
     };
+    if !more_l1.is_empty() && args.p2p_advertise_url.is_some() && args.p2p_transfer_engine == "nixl"
+    {
+        bail!(
+            "--p2p-transfer-engine nixl with several L1s: NIXL reads and writes one registered \
+             L1 by offset; use the native engine, or one L1"
+        );
+    }
     let size = gib_to_bytes(args.l1_size_gb)
         .filter(|&b| b > 0)
         .with_context(|| format!("--l1-size-gb {} is not a positive size", args.l1_size_gb))?;
@@ -908,16 +996,11 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
             args.event_bus_queue_size
         },
         copy_threads: args.copy_threads.max(1),
-        l1: L1Config {
-            eviction_policy: args.eviction_policy,
-            trigger_watermark: args.eviction_trigger_watermark,
-            eviction_ratio: args.eviction_ratio,
-            read_ttl: Duration::from_secs(args.l1_read_ttl_seconds),
-            write_ttl: Duration::from_secs(args.l1_write_ttl_seconds),
-            ..L1Config::default()
-        },
+        l1: l1_config(args),
         arena: ArenaConfig { size, backing, mlock: args.l1_mlock },
         align: args.l1_align_bytes,
+        l1_tag,
+        more_l1,
     })
 }
 
@@ -1131,10 +1214,69 @@ mod tests {
             assert!(format!("{err:#}").contains(named), "{bad}: {err:#}");
         }
         let two = ["--l1-manager", r#"{"type":"DRAM","tag":"a","size_gb":1}"#];
-        let err = config(&parse(&[two[0], two[1], two[0], two[1]])).unwrap_err();
-        assert!(err.to_string().contains("one L1"), "{err}");
         let err = config(&parse(&[two[0], two[1], "--l1-devdax-path", "/x"])).unwrap_err();
         assert!(err.to_string().contains("exclude"), "{err}");
+    }
+
+    #[test]
+    fn several_l1_manager_entries_are_l1s_in_write_order() {
+        let c = config(&parse(&[
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "fast", "size_gb": 1}"#,
+            "--l1-manager",
+            r#"{"type": "DEVDAX", "tag": "dax0", "size_gb": 2, "path": "/x/l1", "align_bytes": 8192,
+                "eviction": {"eviction_policy": "ARC"}}"#,
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "huge", "size_gb": 0.5, "use_hugepages": true,
+                "write_ttl_seconds": 9}"#,
+        ]))
+        .unwrap();
+        assert_eq!((c.l1_tag.as_str(), c.arena.size), ("fast", 1 << 30));
+        assert!(matches!(c.arena.backing, ArenaBacking::SharedMemory { .. }), "the mapped pool");
+        let [dax, huge] = c.more_l1.as_slice() else { panic!("{:?}", c.more_l1) };
+        assert_eq!((dax.tag.as_str(), dax.arena.size, dax.align), ("dax0", 2 << 30, 8192));
+        assert_eq!(dax.l1.eviction_policy.as_str(), "ARC");
+        assert_eq!(c.l1.eviction_policy.as_str(), "LRU", "each L1 its own policy");
+        match &dax.arena.backing {
+            ArenaBacking::File(f) => assert_eq!(f.path, std::path::Path::new("/x/l1")),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!((huge.arena.size, &huge.arena.backing), (512 << 20, &ArenaBacking::HugePages));
+        assert_eq!(huge.l1.write_ttl, Duration::from_secs(9));
+        let dram = |tag: &str| format!(r#"{{"type":"DRAM","tag":"{tag}","size_gb":1}}"#);
+        let dax = |tag: &str, path: &str| {
+            format!(r#"{{"type":"DEVDAX","tag":"{tag}","size_gb":1,"path":"{path}"}}"#)
+        };
+        let gds = r#"{"type":"GDS","tag":"g","size_gb":1,"path":"/n"}"#.to_owned();
+        let shm = r#"{"type":"DRAM","tag":"s","size_gb":1,"shm_name":"x"}"#.to_owned();
+        for (entries, extra, named) in [
+            (vec![dram("a"), dram("a")], vec![], "already another L1's"),
+            (vec![dram("a"), gds.clone()], vec![], "GDS L1 runs alone"),
+            (vec![gds, dram("a")], vec![], "GDS L1 runs alone"),
+            (vec![dram("a"), shm], vec![], "shm_name: only the first"),
+            (vec![dax("a", "/p"), dax("b", "/p")], vec![], "is another L1's"),
+            (vec![dram("a"), dax("b", "/p")], vec!["--l1-warm-restart"], "first to be a DEVDAX"),
+            (
+                vec![dram("a"), dram("b")],
+                vec![
+                    "--p2p-transfer-engine",
+                    "nixl",
+                    "--p2p-advertise-url",
+                    "127.0.0.1:1",
+                    "--coordinator-url",
+                    "http://127.0.0.1:1",
+                ],
+                "nixl with several L1s",
+            ),
+        ] {
+            let mut argv: Vec<&str> = Vec::new();
+            for e in &entries {
+                argv.extend(["--l1-manager", e.as_str()]);
+            }
+            argv.extend(extra.iter().copied());
+            let err = config(&parse(&argv)).unwrap_err();
+            assert!(format!("{err:#}").contains(named), "{entries:?}: {err:#}");
+        }
     }
 
     #[test]

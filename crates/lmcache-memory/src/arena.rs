@@ -172,6 +172,18 @@ impl Arena {
         Some((meta.dev(), meta.ino()))
     }
 
+    /// `(device, inode)` of whatever file backs the arena, a shared-memory segment or an L1
+    /// file (`--l1-devdax-path`, a warm-restart segment): what a client naming that file as
+    /// its own segment would map. `None` for private memory.
+    pub fn file_id(&self) -> Option<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        if self.shm.is_some() {
+            return self.shm_file_id();
+        }
+        let meta = self.file.as_ref()?.file.metadata().ok()?;
+        Some((meta.dev(), meta.ino()))
+    }
+
     /// The shared-memory segment name, for SHM arenas.
     pub fn shm_name(&self) -> Option<&str> {
         self.shm.as_ref().map(ShmSegment::name)

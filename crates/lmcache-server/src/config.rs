@@ -76,6 +76,10 @@ pub struct ServerConfig {
     pub arena: ArenaConfig,
     /// L1 object alignment.
     pub align: u64,
+    /// The L1's tag (LMCache's `--l1-manager` tag).
+    pub l1_tag: String,
+    /// Further L1s after it, in write order (`--l1-manager` repeated).
+    pub more_l1: Vec<lmcache_storage::L1MemberConfig>,
     /// L2 adapters in priority order (LMCache's `--l2-adapter` JSON objects).
     pub l2_adapters: Vec<serde_json::Value>,
     /// Settings of the L2 store and prefetch controllers.
@@ -122,6 +126,8 @@ impl ServerConfig {
             kv_event_log_size: 32768,
             event_bus_queue_size: 10_000,
             l1: L1Config::default(),
+            l1_tag: lmcache_l1::DEFAULT_TAG.into(),
+            more_l1: Vec::new(),
             arena,
             align: lmcache_memory::DEFAULT_ALIGN,
             l2_adapters: Vec::new(),
@@ -154,6 +160,8 @@ impl ServerConfig {
             arena: self.arena.clone(),
             align: self.align,
             l1: self.l1.clone(),
+            l1_tag: self.l1_tag.clone(),
+            more_l1: self.more_l1.clone(),
             l2_adapters: self.l2_adapters.clone(),
             l2: self.l2.clone(),
         }

@@ -35,6 +35,13 @@ pub struct L2Label {
     pub adapter_index: String,
 }
 
+/// Label of per-L1 metrics: the L1's tag (`--l1-manager`; `_default` for the legacy flags).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct L1TagLabel {
+    /// The tag.
+    pub tag: String,
+}
+
 /// Label of adapter-count gauges.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StateLabel {
@@ -427,6 +434,12 @@ pub struct Metrics {
     pub l1_staging_bytes: Gauge,
     /// L1 capacity.
     pub l1_capacity_bytes: Gauge,
+    /// Bytes in use per L1, by tag (set when scraped).
+    pub l1_tier_used_bytes: Family<L1TagLabel, Gauge>,
+    /// Capacity per L1, by tag (set when scraped).
+    pub l1_tier_capacity_bytes: Family<L1TagLabel, Gauge>,
+    /// Resident objects per L1, by tag (set when scraped).
+    pub l1_tier_objects: Family<L1TagLabel, Gauge>,
     /// KV event records retained (set when scraped).
     pub kv_events_log_depth: Gauge,
     /// Prefetch jobs in flight (lookups complete synchronously: always 0 until L2 exists).
@@ -532,6 +545,9 @@ impl Default for Metrics {
             l1_usage_ratio: FloatGauge::default(),
             l1_staging_bytes: Gauge::default(),
             l1_capacity_bytes: Gauge::default(),
+            l1_tier_used_bytes: Family::default(),
+            l1_tier_capacity_bytes: Family::default(),
+            l1_tier_objects: Family::default(),
             kv_events_log_depth: Gauge::default(),
             active_prefetch_jobs: Gauge::default(),
             active_p2p_lookup_jobs: Gauge::default(),
@@ -775,6 +791,21 @@ impl Default for Metrics {
             );
             rs.register("mp_request_seconds", "Handler time per MP operation", m.latency.clone());
             rs.register("l1_capacity_bytes", "L1 capacity in bytes", m.l1_capacity_bytes.clone());
+            rs.register(
+                "l1_tier_used_bytes",
+                "Bytes in use in each L1, by its tag (several with --l1-manager repeated)",
+                m.l1_tier_used_bytes.clone(),
+            );
+            rs.register(
+                "l1_tier_capacity_bytes",
+                "Capacity of each L1, by its tag",
+                m.l1_tier_capacity_bytes.clone(),
+            );
+            rs.register(
+                "l1_tier_objects",
+                "Resident objects in each L1, by its tag",
+                m.l1_tier_objects.clone(),
+            );
             rs.register(
                 "l1_evicted_objects",
                 "Objects evicted from L1",

@@ -85,6 +85,15 @@ impl Server {
         let started = Instant::now();
         let hasher = TokenHasher::new(config.chunk_size)
             .map_err(|e| ServerError::Config(format!("--chunk-size: {e}")))?;
+        if !config.more_l1.is_empty()
+            && matches!(config.p2p_engine, crate::config::P2pEngine::Nixl { .. })
+        {
+            // NIXL reads and writes the one registered arena by offset: an object in another
+            // L1 would be read from, or written to, the wrong bytes.
+            return Err(ServerError::Config(
+                "--p2p-transfer-engine nixl needs one L1 (several are listed)".into(),
+            ));
+        }
         // Stale segments of crashed runs (ours by their owner marker, locked by nobody) go
         // first: also before a warm restart in /dev/shm, whose name a crashed cold run may
         // have left behind (a warm-restart file carries no marker and is never removed).

@@ -8,18 +8,11 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use lmcache_client::{CacheKey, Client, EngineGroupInfo, Retrieve, Store};
-use lmcache_core::ModelName;
+use common::chunks32::{CHUNK, CHUNKS, connect, holds, key, pattern, transfer};
+use lmcache_client::Client;
 use lmcache_memory::{ArenaBacking, ArenaConfig, ForeignSegment};
 use lmcache_server::{Server, ServerConfig};
 
-const CHUNK: usize = 256;
-const BS: u64 = 16;
-/// Chunks per request: 4 x 32 MiB.
-const CHUNKS: usize = 4;
-const NB: u64 = (CHUNK * CHUNKS) as u64 / BS;
-/// One fp16 layer `[2, NB, BS, 32, 1024]`: 2 MiB per block, 32 MiB per 256-token chunk.
-const SHAPE: [u64; 5] = [2, NB, BS, 32, 1024];
 const REQUESTS: u32 = 3;
 /// DRAM staging: room for 5 of the 12 chunks stored.
 const STAGING: u64 = 160 << 20;
@@ -46,46 +39,8 @@ fn server(slab_dir: &Path, warm: bool) -> Server {
     Server::start(config).unwrap()
 }
 
-fn key(request: u32) -> CacheKey {
-    let tokens: Vec<u32> =
-        (0..(CHUNK * CHUNKS) as u32).map(|t| t * 7 + request * 100_003).collect();
-    CacheKey::whole(ModelName::new("m").unwrap(), &format!("r{request}"), tokens, CHUNK)
-}
-
-/// The request's KV as the engine holds it: every 8 bytes their offset and the request.
-fn pattern(len: u64, request: u32) -> Vec<u8> {
-    (0..len / 8).flat_map(|i| (i << 8 | u64::from(request)).to_le_bytes()).collect()
-}
-
 fn fill(seg: &ForeignSegment, request: u32) {
     seg.write(0, &pattern(seg.len(), request)).unwrap();
-}
-
-fn holds(seg: &ForeignSegment, request: u32) -> bool {
-    let mut got = vec![0u8; seg.len() as usize];
-    seg.read(0, &mut got).unwrap();
-    got == pattern(seg.len(), request)
-}
-
-fn transfer(c: &mut Client, store: bool, k: &CacheKey) -> bool {
-    let (key, instance_id, event_ipc_handle) = (k.for_worker(0), 1, Vec::new());
-    let block_ids = vec![(0..NB).collect()];
-    if store {
-        c.store(Store { key, instance_id, block_ids, event_ipc_handle }).unwrap()
-    } else {
-        let r = Retrieve { key, instance_id, block_ids, event_ipc_handle, skip_first_n_tokens: 0 };
-        c.retrieve(r).unwrap()
-    }
-}
-
-fn connect(
-    s: &Server,
-    seg_name: &str,
-) -> (Client, lmcache_memory::shm::ShmSegment, ForeignSegment) {
-    let mut c = Client::connect(s.endpoint(), Duration::from_secs(60)).unwrap();
-    let (owner, seg, desc) = common::cpu_shm_layer(seg_name, SHAPE.to_vec());
-    c.register_kv_cache(1, &[desc], "m", 1, &[EngineGroupInfo::full(0, vec![0], BS)]).unwrap();
-    (c, owner, seg)
 }
 
 /// The slab adapter's counters: (stored keys, loaded keys, corrupt blobs).
@@ -104,7 +59,7 @@ fn retrieve_all(c: &mut Client, seg: &ForeignSegment) {
         let k = key(r);
         assert_eq!(c.lookup(&k).unwrap(), CHUNKS as u64, "request {r}: lookup");
         seg.write(0, &vec![0u8; seg.len() as usize]).unwrap();
-        assert!(transfer(c, false, &k), "request {r}: retrieve");
+        assert!(transfer(c, 1, false, &k), "request {r}: retrieve");
         assert!(holds(seg, r), "request {r}: KV differs");
     }
 }
@@ -116,10 +71,10 @@ fn a_slab_l1_serves_more_than_its_staging_holds_and_restarts_warm() {
     let seg_name = format!("lmcache_rs_mp_test_gds_{pid}");
     {
         let s = server(dir.path(), false);
-        let (mut c, _owner, seg) = connect(&s, &seg_name);
+        let (mut c, _owner, seg) = connect(&s, 1, &seg_name);
         for r in 0..REQUESTS {
             fill(&seg, r);
-            assert!(transfer(&mut c, true, &key(r)), "request {r}: store");
+            assert!(transfer(&mut c, 1, true, &key(r)), "request {r}: store");
         }
         // No wait for the slab writes: a lookup that needs room in staging while its chunks
         // are still on their way to the slab waits for them (it used to miss).
@@ -134,7 +89,7 @@ fn a_slab_l1_serves_more_than_its_staging_holds_and_restarts_warm() {
     // Warm: every chunk from the slab alone (staging starts empty).
     {
         let s = server(dir.path(), true);
-        let (mut c, _owner, seg) = connect(&s, &seg_name);
+        let (mut c, _owner, seg) = connect(&s, 1, &seg_name);
         retrieve_all(&mut c, &seg);
         let (_, loaded, corrupt) = slab_counters(&s);
         assert_eq!(loaded, u64::from(REQUESTS) * CHUNKS as u64);
@@ -144,7 +99,7 @@ fn a_slab_l1_serves_more_than_its_staging_holds_and_restarts_warm() {
     }
     // Cold: the slab is cleared, as LMCache's is.
     let s = server(dir.path(), false);
-    let (mut c, _owner, _seg) = connect(&s, &seg_name);
+    let (mut c, _owner, _seg) = connect(&s, 1, &seg_name);
     assert_eq!(c.lookup(&key(0)).unwrap(), 0);
     drop(c);
     s.shutdown();

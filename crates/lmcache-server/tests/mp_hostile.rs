@@ -468,3 +468,39 @@ fn client_segments_must_be_the_clients_own_and_may_not_shrink_under_us() {
     assert_eq!(c.get_chunk_size().unwrap(), CHUNK as u64, "the server died");
     assert!(s.state().l1().usage().resident_objects == 1, "the failed store left an object");
 }
+
+/// Every L1 of the server is its own, not only the first: a client naming the file of a
+/// second L1 (here a file in /dev/shm, under the allowed prefix) as its segment is refused.
+#[test]
+fn a_client_may_not_name_any_of_the_servers_l1s_as_its_segment() {
+    let pid = std::process::id();
+    let member = format!("lmrs_ok_member_{pid}");
+    let path = std::path::Path::new("/dev/shm").join(&member);
+    let _ = std::fs::remove_file(&path);
+    let arena = |backing| ArenaConfig { size: 16 << 20, backing, mlock: false };
+    let s = Server::start(ServerConfig {
+        chunk_size: CHUNK,
+        http_port: Some(0),
+        allowed_shm_prefix: Some("lmrs_ok_".into()),
+        more_l1: vec![lmcache_storage::L1MemberConfig {
+            tag: "second".into(),
+            arena: arena(ArenaBacking::File(lmcache_memory::FileBacking {
+                path: path.clone(),
+                format: false,
+                adopt: false,
+            })),
+            align: lmcache_memory::DEFAULT_ALIGN,
+            l1: lmcache_l1::L1Config::default(),
+        }],
+        ..ServerConfig::local(arena(ArenaBacking::Anonymous))
+    })
+    .unwrap();
+    let mut c = client(&s);
+    let bytes = 2 * 8 * 16 * 2 * 8 * 2;
+    c.register_kv_cache(1, &[layer(&member, bytes, 8, 16, 2, 8)], "m", 1, &[]).unwrap();
+    let r = refusal(&s, 1).expect("the second L1's file was accepted as a client segment");
+    assert!(r["reason"].as_str().unwrap().contains("own L1 pool (second)"), "{r}");
+    drop(c);
+    drop(s);
+    std::fs::remove_file(&path).unwrap();
+}

@@ -7,7 +7,7 @@
 
 use std::ops::Deref;
 
-use lmcache_l1::{L1Cache, L1Config, L1ConfigError, Maintenance, Sealer};
+use lmcache_l1::{L1Cache, L1Config, L1ConfigError, L1Member, Maintenance, Sealer};
 use lmcache_l2::ConfigError;
 use lmcache_memory::{Arena, ArenaAllocator, ArenaConfig, MemoryError, Prefaulter};
 use parking_lot::Mutex;
@@ -32,10 +32,27 @@ pub struct StorageConfig {
     pub align: u64,
     /// L1's eviction, TTLs and watermarks.
     pub l1: L1Config,
+    /// The tag of that L1 (LMCache's `--l1-manager` tag; [`lmcache_l1::DEFAULT_TAG`]).
+    pub l1_tag: String,
+    /// Further L1s after it, in write order: a store that does not fit one goes to the next.
+    pub more_l1: Vec<L1MemberConfig>,
     /// The L2 adapters, as `--l2-adapter` gives them (none: no L2 tier).
     pub l2_adapters: Vec<Value>,
     /// The L2 tier's settings.
     pub l2: TierConfig,
+}
+
+/// One more L1 (LMCache's tagged L1): its own arena, alignment and settings.
+#[derive(Debug, Clone)]
+pub struct L1MemberConfig {
+    /// Its tag, unique among the L1s.
+    pub tag: String,
+    /// Its arena.
+    pub arena: ArenaConfig,
+    /// Allocation alignment in it.
+    pub align: u64,
+    /// Its eviction, TTLs and watermarks.
+    pub l1: L1Config,
 }
 
 /// Why storage could not be built.
@@ -69,24 +86,34 @@ impl From<MemoryError> for BuildError {
     }
 }
 
+/// L1's maintenance thread, a prefaulter per L1 arena, and the sealer of the L1 files.
+type Background = (Maintenance, Vec<Prefaulter>, Option<Sealer>);
+
 /// L1 and L2 with their background work.
 #[derive(Debug)]
 pub struct Storage {
     manager: StorageManager,
     /// L1's maintenance, the arena's prefaulter and, for an L1 file, its sealer; stopped by
     /// [`Storage::shutdown`] or drop.
-    background: Mutex<Option<(Maintenance, Prefaulter, Option<Sealer>)>>,
+    background: Mutex<Option<Background>>,
 }
 
 impl Storage {
     /// Builds the tiers `config` describes and starts their threads.
     pub fn build(config: &StorageConfig) -> Result<Self, BuildError> {
         let thread = |what| move |source| BuildError::Thread { what, source };
-        let arena = Arena::create(&config.arena)?;
-        let memory = ArenaAllocator::new(arena, config.align)?;
-        let prefaulter =
-            memory.spawn_prefaulter(PREFAULT_AHEAD).map_err(thread("the L1 prefaulter"))?;
-        let l1 = L1Cache::new(config.l1.clone(), memory)?;
+        let first = (&config.l1_tag, &config.arena, config.align, &config.l1);
+        let rest = config.more_l1.iter().map(|m| (&m.tag, &m.arena, m.align, &m.l1));
+        let mut members = Vec::with_capacity(1 + config.more_l1.len());
+        let mut prefaulters = Vec::with_capacity(members.capacity());
+        for (tag, arena, align, l1) in std::iter::once(first).chain(rest) {
+            let memory = ArenaAllocator::new(Arena::create(arena)?, align)?;
+            prefaulters.push(
+                memory.spawn_prefaulter(PREFAULT_AHEAD).map_err(thread("the L1 prefaulter"))?,
+            );
+            members.push((tag.clone(), L1Member::new(l1.clone(), memory)?));
+        }
+        let l1 = L1Cache::from_members(members)?;
         // An L1 file restarted warm: what the arena verified becomes resident before anything
         // can be stored (listeners installed later hear of it through `announce_resident`).
         let adopted = l1.adopt();
@@ -111,7 +138,7 @@ impl Storage {
         };
         Ok(Self {
             manager: StorageManager::new(l1, l2),
-            background: Mutex::new(Some((maintenance, prefaulter, sealer))),
+            background: Mutex::new(Some((maintenance, prefaulters, sealer))),
         })
     }
 
@@ -123,17 +150,22 @@ impl Storage {
         let Some(background) = self.background.lock().take() else { return 0 };
         let pending = self.manager.shutdown();
         let l1 = self.manager.l1();
-        if l1.memory().is_persistent() {
-            let left = l1.drain_seals(SEAL_DRAIN);
-            if left > 0 {
-                tracing::warn!(objects = left, "L1 objects not sealed in time: not kept");
+        let left = l1.drain_seals(SEAL_DRAIN);
+        if left > 0 {
+            tracing::warn!(objects = left, "L1 objects not sealed in time: not kept");
+        }
+        for (_, member) in l1.members() {
+            if member.memory().is_persistent() {
+                member.memory().detach_catalog();
             }
-            l1.memory().detach_catalog();
         }
         drop(background);
         // Every writer has stopped (the transport before this, the controllers and the
-        // sealer above): a successor may take the file while this process unmaps it.
-        l1.memory().release_file();
+        // sealer above): a successor may take the files while this process unmaps them. The
+        // first goes last: a successor (`--take-over`) waits for it, then opens the others.
+        for (_, member) in l1.members().rev() {
+            member.memory().release_file();
+        }
         pending
     }
 }
@@ -158,6 +190,8 @@ mod tests {
             arena: ArenaConfig { size: 8 << 20, backing: ArenaBacking::Anonymous, mlock: false },
             align: lmcache_memory::DEFAULT_ALIGN,
             l1: L1Config::default(),
+            l1_tag: lmcache_l1::DEFAULT_TAG.into(),
+            more_l1: vec![],
             l2_adapters: vec![serde_json::json!({"type": "fs", "base_path": dir})],
             l2: TierConfig::default(),
         };
@@ -186,6 +220,8 @@ mod tests {
             },
             align: lmcache_memory::DEFAULT_ALIGN,
             l1: L1Config::default(),
+            l1_tag: lmcache_l1::DEFAULT_TAG.into(),
+            more_l1: vec![],
             l2_adapters,
             l2: TierConfig::default(),
         }
@@ -226,6 +262,56 @@ mod tests {
         drop(s);
         let s = Storage::build(&config(true)).unwrap();
         assert_eq!(s.l1().persist_stats().adopted, 0);
+    }
+
+    #[test]
+    fn two_l1_files_in_write_order_restart_warm_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |adopt| {
+            let mut c = file_config(dir.path(), adopt, vec![]);
+            c.l1_tag = "dax0".into();
+            let mut second = c.arena.clone();
+            second.backing = ArenaBacking::File(lmcache_memory::FileBacking {
+                path: dir.path().join("l1-second"),
+                format: false,
+                adopt,
+            });
+            c.more_l1 = vec![L1MemberConfig {
+                tag: "dax1".into(),
+                arena: second,
+                align: c.align,
+                l1: L1Config::default(),
+            }];
+            c
+        };
+        let big = 5 << 20;
+        let s = Storage::build(&config(true)).unwrap();
+        for i in 0..5u8 {
+            let mut w = s
+                .l1()
+                .reserve_write(&[lmcache_l1::WriteRequest::new(key(i), big)])
+                .pop()
+                .unwrap()
+                .unwrap();
+            w.as_mut_slice().fill(i + 1);
+            w.commit().unwrap();
+        }
+        let held = |s: &Storage| -> Vec<usize> {
+            s.l1().members().map(|(_, m)| m.usage().resident_objects).collect()
+        };
+        let before = held(&s);
+        assert!(before[0] > 0 && before[1] > 0, "the first file overflowed: {before:?}");
+        assert_eq!(before.iter().sum::<usize>(), 5, "nothing evicted while the second had room");
+        s.shutdown();
+        drop(s);
+        let s = Storage::build(&config(true)).unwrap();
+        assert_eq!(held(&s), before, "each file adopted its own objects");
+        assert_eq!(s.l1().persist_stats().adopted, 5);
+        for i in 0..5u8 {
+            let lease = s.l1().read_lock(&[key(i)], 1).pop().unwrap().unwrap();
+            assert!(lease.bytes().iter().all(|&b| b == i + 1), "object {i}");
+        }
+        s.shutdown();
     }
 
     #[test]

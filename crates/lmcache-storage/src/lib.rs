@@ -41,7 +41,7 @@ pub mod store;
 pub mod testing;
 pub mod tier;
 
-pub use build::{BuildError, Storage, StorageConfig};
+pub use build::{BuildError, L1MemberConfig, Storage, StorageConfig};
 pub use lookup::{
     GroupLookupRequest, Lookup, LookupLeases, LookupRequest, PendingLookup, Settled, ShardKeys,
 };

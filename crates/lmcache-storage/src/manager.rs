@@ -161,7 +161,7 @@ impl StorageManager {
     /// nothing else (no L2, gaps allowed). One result per key, in order.
     pub fn lock_for_peer(&self, keys: &[ObjectKey]) -> Vec<Option<ReadLease>> {
         let locked: Vec<Option<ReadLease>> =
-            self.l1.read_lock(keys, 1).into_iter().map(Result::ok).collect();
+            self.l1.read_lock_mapped(keys, 1).into_iter().map(Result::ok).collect();
         let found = locked.iter().filter(|l| l.is_some()).count();
         self.announce(&StorageEvent::PeerLocked { keys: keys.len(), found });
         locked

@@ -35,6 +35,18 @@ pub(super) fn register(
         hidden: r.hidden_dim_size,
         dtype: r.dtype,
     };
+    let members = state.l1().member_count();
+    if members > 1 {
+        // The engine writes and reads the pool by offset: an object another L1 holds would
+        // be the wrong bytes. LMCache turns its shared pool off with several L1s too.
+        return Err(ProtocolError::OutOfRange {
+            field: "payload".into(),
+            reason: format!(
+                "engine-driven transfer maps one L1 pool, and this server runs {members} L1s \
+                 (--l1-manager): use the lmcache_driven transfer mode"
+            ),
+        });
+    }
     let arena = state.l1().memory().arena();
     let fits = layout.bytes().is_some_and(|b| b > 0 && b <= arena.len());
     if !fits {

@@ -84,8 +84,10 @@ fn check_segment(state: &RequestState, name: &str, seg: &ForeignSegment) -> Resu
             seg.owner_uid()
         ));
     }
-    if state.l1().memory().arena().shm_file_id() == Some(seg.file_id()) {
-        return Err(format!("segment {name:?} is the server's own L1 pool"));
+    for (tag, member) in state.l1().members() {
+        if member.memory().arena().file_id() == Some(seg.file_id()) {
+            return Err(format!("segment {name:?} is the server's own L1 pool ({tag})"));
+        }
     }
     Ok(())
 }
@@ -169,7 +171,7 @@ pub(super) fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), 
             .map_err(|e| bad("kv_cache", format!("{e}; use another serde codec for {d}")))?;
     }
     let bytes: Vec<u64> = groups.objects.iter().map(|o| o.bytes().unwrap_or(0)).collect();
-    if bytes.iter().any(|&b| b == 0 || b > state.l1().memory().arena().len()) {
+    if bytes.iter().any(|&b| b == 0 || b > state.l1().largest_object()) {
         return Err(bad(
             "kv_cache",
             format!("objects of {bytes:?} bytes: empty, or larger than the L1 pool"),

@@ -84,6 +84,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
                 "memory_used_bytes": u.used_bytes,
                 "memory_usage_ratio": u.usage_fraction(),
                 "total_object_count": u.resident_objects,
+                "l1s": l1_members(&s),
             },
             "eviction_controller": {"eviction_policy": s.l1().config().eviction_policy.as_str()},
             "l2_adapters": l2_status(&s),
@@ -111,6 +112,30 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
             }
         }
     }))
+}
+
+/// Each L1 in write order (LMCache's tagged L1s; one unless `--l1-manager` lists several):
+/// its tag, medium and occupancy.
+fn l1_members(s: &Shared) -> Vec<Value> {
+    s.l1()
+        .members()
+        .map(|(tag, m)| {
+            let u = m.usage();
+            let arena = m.memory().arena();
+            json!({
+                "tag": tag,
+                "type": if arena.file_path().is_some() { "DEVDAX" } else { "DRAM" },
+                "backing": arena.kind().as_str(),
+                "path": arena.file_path().map(|p| p.display().to_string()),
+                "capacity_bytes": u.capacity,
+                "used_bytes": u.used_bytes,
+                "usage": u.usage_fraction(),
+                "resident_objects": u.resident_objects,
+                "evicted_objects": u.stats.evicted_objects,
+                "eviction_policy": m.config().eviction_policy.as_str(),
+            })
+        })
+        .collect()
 }
 
 /// Every tenant with bytes in L2 (any adapter) or an L2 quota: its usage and its limit (`null`
@@ -326,6 +351,12 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     s.metrics.l1_usage_ratio.set(u.usage_fraction());
     s.metrics.l1_staging_bytes.set(u.staged_bytes as i64);
     s.metrics.l1_capacity_bytes.set(u.capacity as i64);
+    for (tag, member) in s.l1().members() {
+        let (m, l) = (member.usage(), crate::metrics::L1TagLabel { tag: tag.to_owned() });
+        s.metrics.l1_tier_used_bytes.get_or_create(&l).set(m.used_bytes as i64);
+        s.metrics.l1_tier_capacity_bytes.get_or_create(&l).set(m.capacity as i64);
+        s.metrics.l1_tier_objects.get_or_create(&l).set(m.resident_objects as i64);
+    }
     s.metrics.kv_events_log_depth.set(s.channels.kv_events.len() as i64);
     s.metrics.active_sessions.set(s.sessions.len() as i64);
     s.metrics.active_p2p_lookup_jobs.set(s.peers.active() as i64);

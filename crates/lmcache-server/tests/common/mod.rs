@@ -1,4 +1,5 @@
-//! Shared helpers of the server's tests: the HTTP ones here, CacheBlend's in `blend`.
+//! Shared helpers of the server's tests: the HTTP ones here, CacheBlend's in `blend`, a
+//! 32 MiB-chunk engine's in `chunks32`.
 #![allow(dead_code, missing_docs, clippy::allow_attributes)]
 
 use std::io::{Read, Write};
@@ -8,6 +9,7 @@ use std::time::Duration;
 use lmcache_server::Server;
 
 pub mod blend;
+pub mod chunks32;
 
 /// An engine-driven registration of a small model (`[2, 2 layers, chunk slots, 32]`, blocks
 /// of 16 tokens, one shard).
