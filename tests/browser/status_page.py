@@ -99,6 +99,11 @@ try:
     }
     for t in l1["tenants"]:
         want[f"tenant:{t['cache_salt']}"] = t["used_bytes"]
+    tiers = st["storage_manager"]["l1_manager"]["l1s"]
+    if [t["tag"] for t in tiers] != ["dram", "overflow"]:
+        problems.append(f"the server's two L1s are not in /status: {tiers}")
+    for t in tiers:
+        want[f"tier:{t['tag']}:used"] = t["used_bytes"]
     for t in st["storage_manager"]["l2_tenants"]:
         want[f"tenant-l2:{t['cache_salt']}"] = t["used_bytes"]
     if not any(t["quota_bytes"] for t in st["storage_manager"]["l2_tenants"]):

@@ -2,7 +2,8 @@
 # The status pages (GET /) in headless Chromium from Debian's packages, driven over WebDriver
 # (selenium, from PyPI, in a virtualenv cached outside the repo), each under LMCache's
 # `lmcache bench server`: the server's (with --http-auth-token; status_page.py), then the
-# coordinator's fleet page with two servers reporting (fleet_page.py).
+# coordinator's fleet page with two servers reporting (fleet_page.py). The server runs two L1s
+# (--l1-manager twice), so the page shows each by its tag.
 # Usage: tests/browser/status_page.sh PATH/TO/lmcache-rs [SCREENSHOT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,7 +29,9 @@ fi
 . tests/interop/common.sh
 port=$(free_port); http=$(free_port)
 token="page-test-$$-$RANDOM"
-"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
+"$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" \
+    --l1-manager '{"type": "DRAM", "tag": "dram", "size_gb": 0.5}' \
+    --l1-manager '{"type": "DRAM", "tag": "overflow", "size_gb": 0.5}' \
     --shm-name "lmcache_rs_page_$$" --max-workers 2 --exit-after-seconds 300 \
     --http-auth-token "$token" \
     --l2-adapter "{\"type\": \"fs\", \"base_path\": \"$WORK/l2\"}" > "$WORK/server.log" 2>&1 &

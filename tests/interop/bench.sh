@@ -226,11 +226,12 @@ done
 
 # Several L1s (--l1-manager, repeated, as LMCache's tagged L1s): a 200 MB DRAM L1 first and a
 # DEVDAX file second. LMCache's bench stores 10 sequences of 2 x 32 MiB chunks (640 MiB): what
-# DRAM cannot hold overflows into the file, nothing is evicted, every warm lookup is a full
-# hit and every checksum matches; /status shows each L1 by its tag.
+# DRAM cannot hold overflows into the file, and what DRAM's watermark chooses moves down into
+# it; nothing is evicted, every warm lookup is a full hit and every checksum matches; /status
+# shows each L1 by its tag.
 port=$(free_port); http=$(free_port)
 "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --no-l1-use-lazy \
-    --l1-manager '{"type": "DRAM", "tag": "dram", "size_gb": 0.2, "eviction": {"trigger_watermark": 1.0}}' \
+    --l1-manager '{"type": "DRAM", "tag": "dram", "size_gb": 0.2}' \
     --l1-manager "{\"type\": \"DEVDAX\", \"tag\": \"dax\", \"size_gb\": 1, \"path\": \"$WORK/dax-l1\"}" \
     --shm-name "lmcache_rs_two_l1_$$" --max-workers 2 --log-level warn > "$WORK/two-l1.server.log" 2>&1 &
 pid=$!

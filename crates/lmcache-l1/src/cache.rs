@@ -76,6 +76,8 @@ pub struct L1Stats {
     pub expired_write_leases: u64,
     /// Objects evicted before the write-behind had written them to L2 (their KV is gone).
     pub unwritten_evictions: u64,
+    /// Objects the watermark moved to the next L1 in write order instead of evicting them.
+    pub demoted_objects: u64,
     /// Commits that found their key already made visible by another writer (their own copy
     /// was dropped; the key was visible either way).
     pub superseded: u64,
@@ -135,6 +137,8 @@ pub struct MaintenanceReport {
     pub quota_evicted_bytes: u64,
     /// Bytes evicted by the watermark.
     pub watermark_evicted_bytes: u64,
+    /// Bytes the watermark moved to the next L1 in write order (see [`RemovalCause::Demoted`]).
+    pub demoted_bytes: u64,
     /// Read leases that expired.
     pub expired_read_leases: usize,
     /// Write leases that expired.
@@ -163,6 +167,9 @@ pub enum RemovalCause {
     Cleared,
     /// A temporary object (not kept in L1) whose last reader finished.
     Released,
+    /// Chosen by the watermark in an L1 that has a next one in write order, and moved there
+    /// (it is told as committed there next; if there is no room, as evicted).
+    Demoted,
 }
 
 impl RemovalCause {
@@ -174,6 +181,7 @@ impl RemovalCause {
             Self::Deleted => "deleted",
             Self::Cleared => "cleared",
             Self::Released => "released",
+            Self::Demoted => "demoted",
         }
     }
 }
@@ -710,6 +718,23 @@ impl L1Member {
     /// used bytes reach `trigger_watermark` of capacity, evict `eviction_ratio` of them),
     /// expire leases of dead clients.
     pub fn run_maintenance(&self) -> MaintenanceReport {
+        self.maintain(None)
+    }
+
+    /// [`Self::run_maintenance`], where what the watermark chooses is handed to `demote`
+    /// (out of this member, its memory kept alive by the handle) instead of being dropped.
+    pub(crate) fn run_maintenance_demoting(&self, demote: &mut Demoted) -> MaintenanceReport {
+        self.maintain(Some(demote))
+    }
+
+    /// Tells the listener `key` left L1 (a demotion that found no room).
+    pub(crate) fn announce_removed(&self, key: &ObjectKey, cause: RemovalCause) {
+        if let Some(l) = &self.shared.state.lock().listener {
+            l.removed_because(key, cause);
+        }
+    }
+
+    fn maintain(&self, demote: Option<&mut Demoted>) -> MaintenanceReport {
         let mut report = MaintenanceReport::default();
         {
             let mut st = self.shared.state.lock();
@@ -720,7 +745,12 @@ impl L1Member {
             let used = st.used_bytes as f64;
             if capacity > 0.0 && used >= self.shared.config.trigger_watermark * capacity {
                 let target = (used * self.shared.config.eviction_ratio).ceil() as u64;
-                report.watermark_evicted_bytes = st.evict(None, target.max(1));
+                match demote {
+                    Some(out) => {
+                        report.demoted_bytes = st.evict_pass(None, target.max(1), false, Some(out))
+                    }
+                    None => report.watermark_evicted_bytes = st.evict(None, target.max(1)),
+                }
             }
         }
         let now = Instant::now();
@@ -883,6 +913,10 @@ pub(crate) fn listing_order(a: &ObjectKey, b: &ObjectKey) -> std::cmp::Ordering 
     ))
 }
 
+/// Objects a member's watermark chose, handed out of it for the next member (see
+/// [`L1Member::run_maintenance_demoting`]): each key with the memory it still holds.
+pub(crate) type Demoted = Vec<(ObjectKey, Arc<ObjectMemory>)>;
+
 impl State {
     fn key_meta<'a>(&self, shared: &Shared, e: &'a Entry) -> (u64, &'a CacheSalt) {
         (shared.key_hasher.hash_one(&e.key), &e.key.cache_salt)
@@ -952,15 +986,23 @@ impl State {
         target: u64,
         unwritten: bool,
     ) -> u64 {
-        let freed = self.evict_pass(scope, target, false);
+        let freed = self.evict_pass(scope, target, false, None);
         if freed < target && unwritten && self.unwritten > 0 {
-            freed + self.evict_pass(scope, target - freed, true)
+            freed + self.evict_pass(scope, target - freed, true, None)
         } else {
             freed
         }
     }
 
-    fn evict_pass(&mut self, scope: Option<&CacheSalt>, target: u64, unwritten: bool) -> u64 {
+    /// Evicts objects the policy chooses, worth `target` bytes; with `demote`, they leave as
+    /// [`RemovalCause::Demoted`] and their memory goes to `demote` instead of being freed.
+    fn evict_pass(
+        &mut self,
+        scope: Option<&CacheSalt>,
+        target: u64,
+        unwritten: bool,
+        mut demote: Option<&mut Demoted>,
+    ) -> u64 {
         let mut victims = Vec::new();
         let entries = &self.entries;
         let freed = self.policy.evict(
@@ -980,16 +1022,23 @@ impl State {
             },
             &mut victims,
         );
-        let cause =
-            if scope.is_some() { RemovalCause::EvictedForQuota } else { RemovalCause::Evicted };
+        let cause = match (scope, &demote) {
+            (_, Some(_)) => RemovalCause::Demoted,
+            (Some(_), None) => RemovalCause::EvictedForQuota,
+            (None, None) => RemovalCause::Evicted,
+        };
         for id in victims {
-            if let Some(e) = self.remove_entry(id, cause) {
-                self.stats.evicted_objects += 1;
-                self.stats.evicted_bytes += e.bytes;
-                if e.unwritten {
-                    self.stats.unwritten_evictions += 1;
-                    tracing::debug!(key = %e.key, "evicted before the write-behind wrote it");
-                }
+            let Some(e) = self.remove_entry(id, cause) else { continue };
+            if let (Some(out), Slot::Resident { alloc, .. }) = (demote.as_deref_mut(), &e.slot) {
+                self.stats.demoted_objects += 1;
+                out.push((e.key.clone(), Arc::clone(alloc)));
+                continue;
+            }
+            self.stats.evicted_objects += 1;
+            self.stats.evicted_bytes += e.bytes;
+            if e.unwritten {
+                self.stats.unwritten_evictions += 1;
+                tracing::debug!(key = %e.key, "evicted before the write-behind wrote it");
             }
         }
         freed

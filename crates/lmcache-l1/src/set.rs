@@ -12,6 +12,11 @@
 //!   a delete removes both).
 //! - Each member keeps its own eviction policy, watermark, lease TTLs and quotas; a tenant's
 //!   quota applies within each member. Parked leases live in the first member's table.
+//! - **Demotion.** What a member's watermark chooses moves to the next member (copied, when
+//!   it fits there without evicting) instead of being discarded: the members form tiers, the
+//!   least recently used objects of the first sinking into the second, and only the last
+//!   member's watermark discards. (LMCache's L1s each discard at their own watermark, so a
+//!   second L1 only fills during bursts the first cannot take.)
 //! - The first member is the *mapped* one: the arena engines map (the shared-memory pool)
 //!   and peers read by offset. [`L1Cache::memory`] is its memory, and
 //!   [`L1Cache::read_lock_mapped`] locks only what it holds.
@@ -24,8 +29,8 @@ use lmcache_core::{CacheSalt, ObjectKey};
 use lmcache_memory::ArenaAllocator;
 
 use crate::cache::{
-    ClearReport, L1Listener, L1Member, L1Stats, L1Usage, MaintenanceReport, ReserveMode, Residency,
-    WriteRequest, listing_order,
+    ClearReport, Demoted, L1Listener, L1Member, L1Stats, L1Usage, MaintenanceReport, RemovalCause,
+    ReserveMode, Residency, WriteRequest, listing_order,
 };
 use crate::config::L1Config;
 use crate::error::{L1ConfigError, L1Error};
@@ -423,16 +428,31 @@ impl L1Cache {
         freed
     }
 
-    /// One maintenance pass in every member, each under its own settings.
+    /// One maintenance pass in every member, each under its own settings, in write order.
+    /// What a member's watermark chooses moves to the next member when it fits there without
+    /// evicting (a tier below, as LMCache's L1s are not: they discard), and is evicted
+    /// otherwise; the last member evicts.
     pub fn run_maintenance(&self) -> MaintenanceReport {
-        self.each().map(L1Member::run_maintenance).fold(MaintenanceReport::default(), |a, b| {
-            MaintenanceReport {
-                quota_evicted_bytes: a.quota_evicted_bytes + b.quota_evicted_bytes,
-                watermark_evicted_bytes: a.watermark_evicted_bytes + b.watermark_evicted_bytes,
-                expired_read_leases: a.expired_read_leases + b.expired_read_leases,
-                expired_write_leases: a.expired_write_leases + b.expired_write_leases,
-            }
-        })
+        let mut total = MaintenanceReport::default();
+        for (i, member) in self.members.iter().enumerate() {
+            let r = match self.members.get(i + 1) {
+                Some(next) => {
+                    let mut out = Vec::new();
+                    let r = member.l1.run_maintenance_demoting(&mut out);
+                    demote(&member.l1, &next.l1, out);
+                    r
+                }
+                None => member.l1.run_maintenance(),
+            };
+            total = MaintenanceReport {
+                quota_evicted_bytes: total.quota_evicted_bytes + r.quota_evicted_bytes,
+                watermark_evicted_bytes: total.watermark_evicted_bytes + r.watermark_evicted_bytes,
+                demoted_bytes: total.demoted_bytes + r.demoted_bytes,
+                expired_read_leases: total.expired_read_leases + r.expired_read_leases,
+                expired_write_leases: total.expired_write_leases + r.expired_write_leases,
+            };
+        }
+        total
     }
 
     /// Sets or removes a tenant's quota in bytes, in every member (it applies within each).
@@ -517,6 +537,47 @@ impl L1Cache {
     }
 }
 
+/// Moves objects `from`'s watermark handed out into `to`, where they fit without evicting:
+/// each copied (its bytes no longer change: the handle in `out` keeps them) and committed;
+/// one that does not fit, or that `to` holds already, is gone from `from` as evicted.
+fn demote(from: &L1Member, to: &L1Member, out: Demoted) {
+    if out.is_empty() {
+        return;
+    }
+    let reqs: Vec<WriteRequest> =
+        out.iter().map(|(k, mem)| WriteRequest::new(k.clone(), mem.len())).collect();
+    let mode = ReserveMode { no_eviction: true, ..ReserveMode::default() };
+    let mut placed = Vec::with_capacity(out.len());
+    let mut lost = Vec::new();
+    for ((key, mem), r) in out.into_iter().zip(to.reserve_with(&reqs, mode)) {
+        match r {
+            Ok(mut w) if w.len() == mem.len() => {
+                w.as_mut_slice().copy_from_slice(mem.as_slice());
+                placed.push(w);
+            }
+            Err(L1Error::NotWritable) if to.contains(&key) => {}
+            _ => lost.push(key),
+        }
+        // The source's memory goes here, outside every lock.
+        drop(mem);
+    }
+    let keys: Vec<ObjectKey> = placed.iter().map(|w| w.key().clone()).collect();
+    for (key, r) in keys.iter().zip(to.commit_batch(placed)) {
+        if r.is_err() && !to.contains(key) {
+            lost.push(key.clone());
+        }
+    }
+    // The watermark hands out only objects the write-behind is done with (or none runs):
+    // the copies are no less written than their sources.
+    to.mark_written(&keys);
+    for key in &lost {
+        from.announce_removed(key, RemovalCause::Evicted);
+    }
+    if !lost.is_empty() {
+        tracing::debug!(objects = lost.len(), "demotion found no room in the next L1: evicted");
+    }
+}
+
 fn add_stats(a: L1Stats, b: L1Stats) -> L1Stats {
     L1Stats {
         evicted_objects: a.evicted_objects + b.evicted_objects,
@@ -530,6 +591,7 @@ fn add_stats(a: L1Stats, b: L1Stats) -> L1Stats {
         expired_read_leases: a.expired_read_leases + b.expired_read_leases,
         expired_write_leases: a.expired_write_leases + b.expired_write_leases,
         unwritten_evictions: a.unwritten_evictions + b.unwritten_evictions,
+        demoted_objects: a.demoted_objects + b.demoted_objects,
         superseded: a.superseded + b.superseded,
     }
 }

@@ -134,3 +134,35 @@ fn a_member_list_needs_distinct_non_empty_tags() {
     let c = L1Cache::from_members(vec![("a".into(), member()), ("b".into(), member())]).unwrap();
     assert_eq!(c.members().map(|(t, _)| t).collect::<Vec<_>>(), ["a", "b"]);
 }
+
+#[test]
+fn the_watermark_of_a_member_with_a_next_one_moves_objects_down_instead_of_evicting() {
+    let c = members(&[8 * PAGE, 16 * PAGE], EvictionPolicyKind::Lru);
+    let keys: Vec<ObjectKey> = (0..8).map(key).collect();
+    // One store at a time: each its own batch, key 0 the least recently used.
+    for k in &keys {
+        assert_eq!(store(&c, std::slice::from_ref(k), PAGE), [Ok(())]);
+    }
+    assert_eq!(held(&c), [8, 0]);
+    c.set_write_behind(true);
+    let r = c.run_maintenance();
+    // 8 of 8 pages used >= 0.8: a fifth of them (2 pages) moves down.
+    assert_eq!((r.demoted_bytes, r.watermark_evicted_bytes), (2 * PAGE, 0));
+    assert_eq!(held(&c), [6, 2]);
+    let second = c.members().nth(1).unwrap().1;
+    assert!(second.contains(&keys[0]) && second.contains(&keys[1]), "the least recent went");
+    assert_eq!(c.unwritten(), 0, "a moved object is as written as it was");
+    for (k, lease) in keys.iter().zip(c.read_lock(&keys, 1)) {
+        let lease = lease.expect("nothing was lost");
+        assert!(lease.bytes().iter().all(|&b| b == k.chunk_hash.0[3]), "{k}: its own bytes");
+    }
+    let u = c.usage();
+    assert_eq!((u.stats.demoted_objects, u.stats.evicted_objects), (2, 0));
+    c.check_invariants().unwrap();
+    // The last member's watermark evicts.
+    let more: Vec<ObjectKey> = (100..112).map(key).collect();
+    assert!(store(&c, &more, PAGE).iter().all(Result::is_ok));
+    c.run_maintenance();
+    assert!(c.usage().stats.evicted_objects > 0, "the last member discards");
+    c.check_invariants().unwrap();
+}

@@ -132,6 +132,7 @@ fn l1_members(s: &Shared) -> Vec<Value> {
                 "usage": u.usage_fraction(),
                 "resident_objects": u.resident_objects,
                 "evicted_objects": u.stats.evicted_objects,
+                "demoted_objects": u.stats.demoted_objects,
                 "eviction_policy": m.config().eviction_policy.as_str(),
             })
         })

@@ -27,6 +27,12 @@ function render(st, m, recent, now) {
   setFigures(fig);
   document.getElementById("l1bar").style.width = (100 * (l1.usage || 0)).toFixed(1) + "%";
   document.getElementById("l1policy").textContent = l1.eviction_policy;
+  // Several L1s (--l1-manager, repeated): each by its tag, in write order.
+  const tiers = st.storage_manager.l1_manager.l1s || [];
+  document.getElementById("l1tiers").innerHTML = tiers.length < 2 ? "" : tiers.map(t =>
+    `${esc(t.tag)} (${esc(t.type)}): <span data-k="tier:${esc(t.tag)}:used" data-v="${t.used_bytes}">` +
+    `${fmt(t.used_bytes, "bytes")}</span> of ${fmt(t.capacity_bytes, "bytes")}, ` +
+    `${fmt(t.resident_objects, "count")} objects`).join(" · ");
   document.getElementById("version").textContent = "v" + st.version;
   document.getElementById("uptime").textContent = "up " + Math.round(st.uptime_seconds) + " s";
   document.getElementById("updated").textContent = "updated " + new Date(now).toLocaleTimeString();
