@@ -228,7 +228,8 @@ pub struct ServerArgs {
     /// eviction, shm_name, use_hugepages, path; a GDS entry's path, backend and direct_io
     /// stand for the --gds-l1-* flags). Repeat it for several L1s in write order: a store
     /// goes to the first that fits it without evicting (LMCache's ordered overflow), then to
-    /// the first that fits it by evicting; reads find a key in whichever holds it. The first
+    /// the first that fits it by evicting; reads find a key in whichever holds it. What an
+    /// L1's watermark evicts moves down to the next one (only the last discards). The first
     /// entry is the pool engines map (engine-driven transfer, --shm-name) and the one peers
     /// read; the others are private memory (DRAM) or a file (DEVDAX, warm with
     /// --l1-warm-restart when the first is DEVDAX too). A GDS entry runs alone.
