@@ -167,8 +167,9 @@ pub enum RemovalCause {
     Cleared,
     /// A temporary object (not kept in L1) whose last reader finished.
     Released,
-    /// Chosen by the watermark in an L1 that has a next one in write order, and moved there
-    /// (it is told as committed there next; if there is no room, as evicted).
+    /// Chosen by the watermark in an L1 that has a next one in write order, and moved there.
+    /// Never told to a listener: the object is still in L1 (the listener hears its commit in
+    /// the next member, or [`Self::Evicted`] if it found no room there).
     Demoted,
 }
 
@@ -1052,7 +1053,11 @@ impl State {
         }
         if e.indexed {
             self.index.remove(&e.key);
-            if let (Some(l), Slot::Resident { .. }) = (&self.listener, &e.slot) {
+            // A demoted object stays in L1 (in the next member): the listener hears its
+            // commit there, or its eviction if it finds no room.
+            if let (Some(l), Slot::Resident { .. }, false) =
+                (&self.listener, &e.slot, cause == RemovalCause::Demoted)
+            {
                 l.removed_because(&e.key, cause);
             }
         }

@@ -35,6 +35,22 @@ fn store(c: &L1Cache, keys: &[ObjectKey], size: u64) -> Vec<Result<(), L1Error>>
     out
 }
 
+/// What a listener heard.
+#[derive(Debug, Default)]
+struct Heard {
+    removed: std::sync::Mutex<Vec<ObjectKey>>,
+    committed: std::sync::Mutex<Vec<ObjectKey>>,
+}
+
+impl lmcache_l1::L1Listener for Heard {
+    fn removed(&self, key: &ObjectKey) {
+        self.removed.lock().unwrap().push(key.clone());
+    }
+    fn committed(&self, key: &ObjectKey, _bytes: u64) {
+        self.committed.lock().unwrap().push(key.clone());
+    }
+}
+
 fn held(c: &L1Cache) -> Vec<usize> {
     c.members().map(|(_, m)| m.usage().resident_objects).collect()
 }
@@ -145,7 +161,14 @@ fn the_watermark_of_a_member_with_a_next_one_moves_objects_down_instead_of_evict
     }
     assert_eq!(held(&c), [8, 0]);
     c.set_write_behind(true);
+    let heard = std::sync::Arc::new(Heard::default());
+    c.set_listener(heard.clone());
     let r = c.run_maintenance();
+    // The fleet and the KV events hear no removal: the objects are still in L1.
+    assert_eq!(heard.removed.lock().unwrap().len(), 0, "a move is not a removal");
+    let mut committed = heard.committed.lock().unwrap().clone();
+    committed.sort_by_key(|k| k.chunk_hash.0);
+    assert_eq!(committed, [keys[0].clone(), keys[1].clone()], "their commits there are");
     // 8 of 8 pages used >= 0.8: a fifth of them (2 pages) moves down.
     assert_eq!((r.demoted_bytes, r.watermark_evicted_bytes), (2 * PAGE, 0));
     assert_eq!(held(&c), [6, 2]);
@@ -164,5 +187,6 @@ fn the_watermark_of_a_member_with_a_next_one_moves_objects_down_instead_of_evict
     assert!(store(&c, &more, PAGE).iter().all(Result::is_ok));
     c.run_maintenance();
     assert!(c.usage().stats.evicted_objects > 0, "the last member discards");
+    assert!(!heard.removed.lock().unwrap().is_empty(), "an eviction is heard");
     c.check_invariants().unwrap();
 }
