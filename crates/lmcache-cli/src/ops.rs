@@ -265,6 +265,21 @@ pub fn describe(_target: Target, common: &Common) -> anyhow::Result<()> {
         ("Cached objects".into(), s(&l1["total_object_count"])),
         ("Active sessions".into(), s(&st["active_sessions"])),
     ];
+    // Several L1s (--l1-manager, repeated): each by its tag, in write order.
+    if let Some(list) = l1["l1s"].as_array().filter(|l| l.len() > 1) {
+        for t in list {
+            rows.push((
+                format!("L1 {}", s(&t["tag"])),
+                format!(
+                    "{}, {} / {} GB used, {} objects",
+                    s(&t["type"]),
+                    gb(&t["used_bytes"]),
+                    gb(&t["capacity_bytes"]),
+                    s(&t["resident_objects"])
+                ),
+            ));
+        }
+    }
     if let Some(list) = st["storage_manager"]["l2_adapters"].as_array() {
         for (n, a) in list.iter().enumerate() {
             let health = if a["is_healthy"] == json!(false) { "DOWN" } else { "healthy" };
