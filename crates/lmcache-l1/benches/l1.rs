@@ -8,6 +8,8 @@
 //! - `read_lock/*`: read-lock and release one key (what a retrieve does per chunk).
 //! - `store/*`: reserve + commit of one 256 KiB object into an L1 that is full, so every
 //!   store evicts one object synchronously: the eviction throughput, per policy.
+//! - `two_members/*`: an L1 of two members (`--l1-manager` twice): a key found in the first
+//!   or the second, and a store that overflows from a full first member into the second.
 //!
 //! Run: `cargo bench -p lmcache-l1 --bench l1`.
 #![expect(missing_docs, reason = "criterion macros generate undocumented items")]
@@ -17,7 +19,7 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use lmcache_core::ObjectKey;
-use lmcache_l1::{EvictionPolicyKind, L1Cache, L1Config, WriteRequest};
+use lmcache_l1::{EvictionPolicyKind, L1Cache, L1Config, L1Member, WriteRequest};
 use lmcache_memory::{Arena, ArenaAllocator, ArenaBacking, ArenaConfig};
 
 const OBJ: u64 = 256 << 10;
@@ -118,6 +120,51 @@ fn bench(c: &mut Criterion) {
             })
         });
     }
+    g.finish();
+
+    // Two members (--l1-manager twice), 10k keys each: a key of the second costs a probe of
+    // the first too; a store that overflows tries the first (no eviction) before the second.
+    let member = |n: u64| {
+        let arena =
+            Arena::create(&ArenaConfig { size: n, backing: ArenaBacking::Anonymous, mlock: false })
+                .expect("arena");
+        let memory = ArenaAllocator::new(arena, 4096).expect("allocator");
+        L1Member::new(L1Config::default(), memory).expect("member")
+    };
+    let two = L1Cache::from_members(vec![
+        ("first".into(), member(10_000 * 4096)),
+        ("second".into(), member(10_000 * 4096 + 4096 * OBJ)),
+    ])
+    .expect("two members");
+    fill(&two, 20_000, 4096);
+    let keys: Vec<ObjectKey> = (0..20_000).map(key).collect();
+    let mut g = c.benchmark_group("two_members");
+    for (name, range) in [("first", 0..10_000usize), ("second", 10_000..20_000)] {
+        g.bench_function(format!("contains_in_{name}"), |b| {
+            b.iter(|| {
+                i = range.start + (i + 7919) % range.len();
+                black_box(two.contains(black_box(&keys[i])))
+            })
+        });
+        g.bench_function(format!("read_lock_and_release_in_{name}"), |b| {
+            b.iter(|| {
+                i = range.start + (i + 7919) % range.len();
+                drop(black_box(two.read_lock(std::slice::from_ref(&keys[i]), 1)))
+            })
+        });
+    }
+    let mut next = 2_000_000u32;
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("overflow_reserve_commit_256k", |b| {
+        b.iter(|| {
+            next += 1;
+            let w = two.reserve_write(&[WriteRequest::new(key(next), OBJ)]).pop();
+            let w = w.expect("one result").expect("overflows and reserves");
+            w.commit().expect("commit");
+            // Keep the second member's room for the next round.
+            two.delete(&[key(next)], true);
+        })
+    });
     g.finish();
 }
 

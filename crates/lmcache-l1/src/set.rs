@@ -187,6 +187,13 @@ impl L1Cache {
         self.mapped().memory()
     }
 
+    /// Tells every member's prefaulter that about `bytes` will be written soon (see
+    /// [`ArenaAllocator::expect_use`]): stores that overflow, or objects that move down, land
+    /// in memory committed ahead of them too, not only the first member's.
+    pub fn expect_use(&self, bytes: u64) {
+        self.each().for_each(|m| m.memory().expect_use(bytes));
+    }
+
     /// The largest object any member can hold.
     pub fn largest_object(&self) -> u64 {
         self.each().map(|m| m.memory().arena().len()).max().unwrap_or(0)

@@ -81,7 +81,7 @@ pub(super) fn register(
         });
     }
     // First stores should not pay for untouched memory: commit a few objects ahead.
-    state.l1().memory().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
+    state.l1().expect_use(layout.bytes().unwrap_or(0).saturating_mul(4));
     state.registry.register(
         Family::EngineDriven,
         r.instance_id,

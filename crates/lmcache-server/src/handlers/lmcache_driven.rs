@@ -188,7 +188,7 @@ pub(super) fn register(state: &RequestState, r: &RegisterKvCache) -> Result<(), 
         "lmcache-driven worker registered"
     );
     // First stores should not pay for untouched memory: commit a few objects ahead.
-    state.l1().memory().expect_use(bytes.iter().sum::<u64>().saturating_mul(4));
+    state.l1().expect_use(bytes.iter().sum::<u64>().saturating_mul(4));
     state.registry.register(
         Family::LmcacheDriven,
         id,
