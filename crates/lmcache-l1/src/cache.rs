@@ -92,6 +92,10 @@ pub struct ReserveMode {
     /// (the first pass of [`L1Cache`](crate::L1Cache)'s ordered overflow, which fills its members in order
     /// before any of them evicts).
     pub no_eviction: bool,
+    /// A refusal for lack of memory is not counted in [`L1Stats::oom_rejections`]: another
+    /// member may still take the key ([`L1Cache`](crate::L1Cache)'s overflow counts a key
+    /// once, in the last member that refuses it).
+    pub uncounted: bool,
     /// A key another writer holds staged gets a reservation of its own (a *shadow*) instead
     /// of [`L1Error::NotWritable`], so that a store never depends on a writer it cannot see
     /// finishing: the first of the two commits makes the key visible, the other finds it
@@ -563,9 +567,8 @@ impl L1Member {
                     }
                 }
                 Err(e) => {
-                    // A first overflow pass's refusal is not the store's: counted only when
-                    // the reservation may evict (the last word).
-                    if !mode.no_eviction {
+                    // Not the store's refusal when another member may still take it.
+                    if !mode.no_eviction && !mode.uncounted {
                         st.stats.oom_rejections += todo.len() as u64;
                     }
                     for &(i, _) in &todo {

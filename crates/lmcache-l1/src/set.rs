@@ -236,13 +236,19 @@ impl L1Cache {
                 out[i] = Some(r);
             }
         }
-        // Fill in order without evicting; what fits nowhere then evicts, in order.
-        let passes = [ReserveMode { no_eviction: true, ..mode }, mode];
-        for pass in passes {
-            for member in self.members.iter() {
+        // Fill in order without evicting; what fits nowhere then evicts, in order (a refusal
+        // counted once, by the last member).
+        let last = self.members.len() - 1;
+        for evicting in [false, true] {
+            for (m, member) in self.members.iter().enumerate() {
                 if open.is_empty() {
                     break;
                 }
+                let pass = ReserveMode {
+                    no_eviction: !evicting,
+                    uncounted: !evicting || m < last,
+                    ..mode
+                };
                 let reqs: Vec<WriteRequest> = open.iter().map(|&i| requests[i].clone()).collect();
                 let mut next = Vec::new();
                 for (&i, r) in open.iter().zip(member.l1.reserve_with(&reqs, pass)) {

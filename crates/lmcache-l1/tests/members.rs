@@ -105,6 +105,15 @@ fn an_object_too_big_for_the_first_member_goes_to_one_that_fits() {
     assert_eq!(c.largest_object(), 8 * PAGE);
     // Too big for every member: the last member's refusal.
     assert!(matches!(store(&c, &[key(2)], 9 * PAGE)[0], Err(L1Error::InvalidSize { .. })));
+    // A key no member can take, even by evicting (everything staged or locked), is one
+    // refusal, counted once.
+    let lease = c.read_lock(&[key(1)], 1).pop().unwrap().unwrap();
+    let held: Vec<_> = [3, 5]
+        .map(|k| c.reserve_write(&[WriteRequest::new(key(k), 2 * PAGE)]).pop().unwrap().unwrap())
+        .into();
+    assert!(matches!(store(&c, &[key(4)], 2 * PAGE)[0], Err(L1Error::OutOfMemory { .. })));
+    assert_eq!(c.usage().stats.oom_rejections, 1);
+    drop((lease, held));
 }
 
 #[test]
