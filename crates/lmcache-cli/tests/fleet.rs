@@ -16,6 +16,30 @@ use lmcache_server::fleet_report::{CoordinatorReporting, ReportTransport};
 use lmcache_server::{Server, ServerConfig};
 use serde_json::{Value, json};
 
+/// A port for a coordinator that stops and starts again on it: free now, and below the
+/// kernel's ephemeral range, so that no outgoing connection of this process (the servers'
+/// reports, the tests' own requests) can take it while the coordinator is down. (A port from
+/// bind(0) is an ephemeral one: a restart on it once failed with EADDRINUSE.)
+fn restartable_port() -> u16 {
+    let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let low = 20000.min(start.saturating_sub(1000));
+    use rand::{Rng, SeedableRng};
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(nanos ^ u64::from(std::process::id()));
+    for _ in 0..1000 {
+        let port = rng.gen_range(low..start);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {low}..{start}");
+}
+
 fn coordinator(port: u16) -> Coordinator {
     Coordinator::start(CoordinatorConfig {
         host: "127.0.0.1".into(),
@@ -640,7 +664,7 @@ fn a_peer_that_died_gives_a_miss_in_bounded_time_and_leaves_nothing_behind() {
 
 #[test]
 fn events_wait_for_a_coordinator_that_is_down_and_arrive_without_a_gap() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = restartable_port();
     let s = server(port, "rs-2");
     store(&s, &[1, 2]);
     std::thread::sleep(Duration::from_millis(300));
@@ -669,7 +693,7 @@ fn events_wait_for_a_coordinator_that_is_down_and_arrive_without_a_gap() {
 #[test]
 fn a_cold_coordinator_resyncs_a_servers_l2_placements_too() {
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = restartable_port();
     let c = coordinator(port);
     let arena = ArenaConfig { size: 16 << 20, backing: ArenaBacking::Anonymous, mlock: false };
     let s = Server::start(ServerConfig {
