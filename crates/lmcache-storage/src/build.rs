@@ -1,6 +1,6 @@
 //! [`Storage`]: storage built whole from a [`StorageConfig`], with everything it runs. The
-//! one door to L1 and L2 for the server and the tools: it creates the arena, the allocator
-//! and its prefaulter, L1 and its maintenance thread, and the L2 tier with its runtime and
+//! one door to L1 and L2 for the server and the tools: it creates each L1's arena, allocator
+//! and prefaulter, the L1s and their maintenance thread, and the L2 tier with its runtime and
 //! controllers; it dereferences to the [`StorageManager`] every operation goes through, and
 //! its [`Storage::shutdown`] flushes the write-behind, closes the adapters and stops the
 //! background threads.

@@ -1,7 +1,8 @@
 //! The storage controllers of lmcache-rs: the L2 tier joined to L1.
 //!
-//! - `build`: [`Storage`], storage built whole from a [`StorageConfig`] (arena, L1 and its
-//!   maintenance, the L2 tier and its runtime), the one door the server and tools use.
+//! - `build`: [`Storage`], storage built whole from a [`StorageConfig`] (an arena per L1,
+//!   the L1s and their maintenance, the L2 tier and its runtime), the one door the server and
+//!   tools use.
 //! - [`fold`]: what a hit means for a hybrid model: the longest prefix every object group
 //!   can serve (full attention: every chunk; a window of `w` chunks: its last `w`), and the
 //!   cells that prefix needs.
