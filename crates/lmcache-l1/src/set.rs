@@ -490,22 +490,33 @@ impl L1Cache {
 
     /// Occupancy and counters of all members together (each member's: [`Self::members`]).
     pub fn usage(&self) -> L1Usage {
-        let mut u = self.mapped().usage();
-        for m in self.each().skip(1) {
-            let v = m.usage();
+        match self.single() {
+            Some(only) => only.usage(),
+            None => self.usage_by_member().0,
+        }
+    }
+
+    /// The total of [`Self::usage`] and each member's occupancy in write order, with its tag,
+    /// from one snapshot per member (a snapshot walks every entry of the member).
+    pub fn usage_by_member(&self) -> (L1Usage, Vec<(&str, L1Usage)>) {
+        let per: Vec<(&str, L1Usage)> =
+            self.members.iter().map(|m| (m.tag.as_str(), m.l1.usage())).collect();
+        // `from_members` refuses an empty list.
+        let mut u = per[0].1.clone();
+        for (_, v) in &per[1..] {
             u.capacity += v.capacity;
             u.used_bytes += v.used_bytes;
             u.staged_bytes += v.staged_bytes;
             u.resident_objects += v.resident_objects;
             u.staged_objects += v.staged_objects;
             u.locked_objects += v.locked_objects;
-            for (salt, bytes) in v.by_salt {
-                match u.by_salt.iter_mut().find(|(s, _)| *s == salt) {
+            for (salt, bytes) in &v.by_salt {
+                match u.by_salt.iter_mut().find(|(s, _)| s == salt) {
                     Some((_, b)) => *b += bytes,
-                    None => u.by_salt.push((salt, bytes)),
+                    None => u.by_salt.push((salt.clone(), *bytes)),
                 }
             }
-            let (a, b) = (&mut u.memory.allocator, v.memory.allocator);
+            let (a, b) = (&mut u.memory.allocator, &v.memory.allocator);
             a.capacity += b.capacity;
             a.allocated_bytes += b.allocated_bytes;
             a.live_blocks += b.live_blocks;
@@ -513,7 +524,7 @@ impl L1Cache {
             a.largest_free_extent = a.largest_free_extent.max(b.largest_free_extent);
             u.stats = add_stats(u.stats, v.stats);
         }
-        u
+        (u, per)
     }
 
     /// Parks a read lease for a client that releases it in a later message.

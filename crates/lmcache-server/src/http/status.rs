@@ -3,7 +3,7 @@
 use super::*;
 
 pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
-    let u = s.l1().usage();
+    let (u, per_l1) = s.l1().usage_by_member();
     let arena = s.l1().memory().arena();
     let instances: Vec<Value> = s
         .registry
@@ -84,7 +84,7 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
                 "memory_used_bytes": u.used_bytes,
                 "memory_usage_ratio": u.usage_fraction(),
                 "total_object_count": u.resident_objects,
-                "l1s": l1_members(&s),
+                "l1s": l1_members(&s, &per_l1),
             },
             "eviction_controller": {"eviction_policy": s.l1().config().eviction_policy.as_str()},
             "l2_adapters": l2_status(&s),
@@ -116,11 +116,11 @@ pub(super) async fn status(State(s): State<Shared>) -> Json<Value> {
 
 /// Each L1 in write order (LMCache's tagged L1s; one unless `--l1-manager` lists several):
 /// its tag, medium and occupancy.
-fn l1_members(s: &Shared) -> Vec<Value> {
+fn l1_members(s: &Shared, usage: &[(&str, lmcache_l1::L1Usage)]) -> Vec<Value> {
     s.l1()
         .members()
-        .map(|(tag, m)| {
-            let u = m.usage();
+        .zip(usage)
+        .map(|((tag, m), (_, u))| {
             let arena = m.memory().arena();
             json!({
                 "tag": tag,
@@ -347,13 +347,13 @@ pub(super) fn refresh_l2_metrics(s: &ServerState) {
 }
 
 pub(super) async fn metrics(State(s): State<Shared>) -> Response {
-    let u = s.l1().usage();
+    let (u, per_l1) = s.l1().usage_by_member();
     s.metrics.l1_used_bytes.set(u.used_bytes as i64);
     s.metrics.l1_usage_ratio.set(u.usage_fraction());
     s.metrics.l1_staging_bytes.set(u.staged_bytes as i64);
     s.metrics.l1_capacity_bytes.set(u.capacity as i64);
-    for (tag, member) in s.l1().members() {
-        let (m, l) = (member.usage(), crate::metrics::L1TagLabel { tag: tag.to_owned() });
+    for (tag, m) in per_l1 {
+        let l = crate::metrics::L1TagLabel { tag: tag.to_owned() };
         s.metrics.l1_tier_used_bytes.get_or_create(&l).set(m.used_bytes as i64);
         s.metrics.l1_tier_capacity_bytes.get_or_create(&l).set(m.capacity as i64);
         s.metrics.l1_tier_objects.get_or_create(&l).set(m.resident_objects as i64);
