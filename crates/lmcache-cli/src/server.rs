@@ -232,7 +232,12 @@ pub struct ServerArgs {
     /// L1's watermark evicts moves down to the next one (only the last discards). The first
     /// entry is the pool engines map (engine-driven transfer, --shm-name) and the one peers
     /// read; the others are private memory (DRAM) or a file (DEVDAX, warm with
-    /// --l1-warm-restart when the first is DEVDAX too). A GDS entry runs alone.
+    /// --l1-warm-restart when the first is a file too: DEVDAX, or DRAM with a stable
+    /// shm_name). A GDS entry goes last (or alone): its slab holds, written through, what the
+    /// L1s before it store, and they stand in for its DRAM staging area (--gds-l1-staging-gb
+    /// is then unused); with --l1-warm-restart the slab restarts warm, and so does a DRAM L1
+    /// in front of it that has a stable shm_name. LMCache fills a GDS L1 only with what the
+    /// L1s before it cannot take; ours keeps every stored chunk in the slab.
     #[arg(long = "l1-manager", value_name = "JSON")]
     pub l1_manager: Vec<String>,
     /// Accepted for LMCache compatibility: L1 memory is always committed as it is used.
@@ -584,22 +589,8 @@ struct GdsL1 {
 /// `--gds-l1-path` and its flags, checked; `None` without it. `slab_bytes` is --l1-size-gb.
 fn gds_l1(args: &ServerArgs, slab_bytes: u64) -> anyhow::Result<Option<GdsL1>> {
     let Some(dir) = &args.gds_l1_path else { return Ok(None) };
-    match args.gds_l1_backend.as_str() {
-        "auto" | "posix" => {}
-        b @ ("cufile" | "hipfile" | "ugds" | "phx") => bail!(
-            "--gds-l1-backend {b} moves KV between a GPU and the slab by DMA; lmcache-rs has \
-             no GPU path: use auto or posix (file I/O from DRAM staging)"
-        ),
-        other => bail!("--gds-l1-backend {other:?}: expected auto or posix"),
-    }
     if args.l1_devdax_path.is_some() {
         bail!("--gds-l1-path cannot be used with --l1-devdax-path");
-    }
-    if !args.l2_adapter.is_empty() || args.l2_config.is_some() {
-        bail!(
-            "--gds-l1-path and --l2-adapter/--l2-config exclude each other: the slab takes the \
-             L2 tier's place (LMCache also asks for L2 adapters to be off under GDS L1)"
-        );
     }
     if args.l1_devdax_format {
         bail!("--l1-devdax-format applies to --l1-devdax-path, not to --gds-l1-path");
@@ -608,24 +599,57 @@ fn gds_l1(args: &ServerArgs, slab_bytes: u64) -> anyhow::Result<Option<GdsL1>> {
         format!("--gds-l1-staging-gb {} is not a positive size", args.gds_l1_staging_gb)
     })?;
     Ok(Some(GdsL1 {
-        slab: serde_json::json!({
-            "type": "gds_slab",
-            "path": dir,
-            "capacity_bytes": slab_bytes,
-            "use_odirect": !args.no_gds_l1_use_direct_io,
-            "warm_restart": args.l1_warm_restart,
-            "slot_bytes": args.gds_l1_slot_mb.saturating_mul(1 << 20),
-        }),
+        slab: gds_slab(args, dir, slab_bytes)?,
         staging_bytes: staging.min(slab_bytes),
     }))
 }
 
-/// The L1s the `--l1-manager` entries (LMCache's tagged L1 JSON) describe, in write order:
-/// the first as the flags it stands for (the L1 every other flag speaks of), with its tag;
-/// the others as further L1s, which a store that does not fit the ones before goes to.
-fn apply_l1_managers(
+/// The slab (a `gds_slab` L2 spec) of `slab_bytes` in `dir` that a GDS L1 stands for, from
+/// the --gds-l1-* flags in `args`, checked.
+fn gds_slab(
     args: &ServerArgs,
-) -> anyhow::Result<(ServerArgs, String, Vec<lmcache_storage::L1MemberConfig>)> {
+    dir: &std::path::Path,
+    slab_bytes: u64,
+) -> anyhow::Result<serde_json::Value> {
+    match args.gds_l1_backend.as_str() {
+        "auto" | "posix" => {}
+        b @ ("cufile" | "hipfile" | "ugds" | "phx") => bail!(
+            "--gds-l1-backend {b} moves KV between a GPU and the slab by DMA; lmcache-rs has \
+             no GPU path: use auto or posix (file I/O from DRAM staging)"
+        ),
+        other => bail!("--gds-l1-backend {other:?}: expected auto or posix"),
+    }
+    if !args.l2_adapter.is_empty() || args.l2_config.is_some() {
+        bail!(
+            "--gds-l1-path and --l2-adapter/--l2-config exclude each other: the slab takes the \
+             L2 tier's place (LMCache also asks for L2 adapters to be off under GDS L1)"
+        );
+    }
+    Ok(serde_json::json!({
+        "type": "gds_slab",
+        "path": dir,
+        "capacity_bytes": slab_bytes,
+        "use_odirect": !args.no_gds_l1_use_direct_io,
+        "warm_restart": args.l1_warm_restart,
+        "slot_bytes": args.gds_l1_slot_mb.saturating_mul(1 << 20),
+    }))
+}
+
+/// What the `--l1-manager` entries (LMCache's tagged L1 JSON) describe.
+struct L1List {
+    /// The first entry as the flags it stands for (the L1 every other flag speaks of).
+    first: ServerArgs,
+    /// The first entry's tag.
+    tag: String,
+    /// The further L1s in write order, which a store that does not fit the ones before goes to.
+    more: Vec<lmcache_storage::L1MemberConfig>,
+    /// A GDS entry last in a list of several: its flags. Its slab sits behind the L1s before
+    /// it, which stand in for its DRAM staging area.
+    slab_behind: Option<ServerArgs>,
+}
+
+/// The L1s the `--l1-manager` entries describe, checked.
+fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
     let Some((first, rest)) = args.l1_manager.split_first() else {
         bail!("--l1-manager: no entry");
     };
@@ -634,6 +658,13 @@ fn apply_l1_managers(
     let mut tags = vec![first_tag.clone()];
     let mut paths: Vec<std::path::PathBuf> = first_args.l1_devdax_path.iter().cloned().collect();
     let mut more = Vec::with_capacity(rest.len());
+    let mut slab_behind = None;
+    if first_kind == "GDS" && !rest.is_empty() {
+        bail!(
+            "--l1-manager #0: a GDS L1 goes last in a list: its slab holds, written through, \
+             what the L1s before it store, and they stand in for its DRAM staging area"
+        );
+    }
     for (i, text) in rest.iter().enumerate() {
         let n = i + 1;
         let (m, tag, kind) =
@@ -641,11 +672,16 @@ fn apply_l1_managers(
         if tags.contains(&tag) {
             bail!("--l1-manager #{n}: tag {tag:?} is already another L1's (tags are unique)");
         }
-        if kind == "GDS" || first_kind == "GDS" {
-            bail!(
-                "--l1-manager: a GDS L1 runs alone in lmcache-rs (its slab sits behind a DRAM \
-                 staging area); list DRAM and DEVDAX L1s together, or one GDS"
-            );
+        tags.push(tag.clone());
+        if kind == "GDS" {
+            if n != rest.len() {
+                bail!(
+                    "--l1-manager #{n}: a GDS L1 goes last in a list: its slab holds, written \
+                     through, what the L1s before it store (one slab at most)"
+                );
+            }
+            slab_behind = Some(m);
+            continue;
         }
         if m.shm_name != args.shm_name {
             bail!(
@@ -672,20 +708,24 @@ fn apply_l1_managers(
             format!("--l1-manager #{n}: size_gb {} is not a positive size", m.l1_size_gb)
         })?;
         more.push(lmcache_storage::L1MemberConfig {
-            tag: tag.clone(),
+            tag,
             arena: ArenaConfig { size, backing, mlock: args.l1_mlock },
             align: m.l1_align_bytes,
             l1: l1_config(&m),
         });
-        tags.push(tag);
     }
-    if !more.is_empty() && first_args.l1_devdax_path.is_none() && args.l1_warm_restart {
+    if !more.is_empty()
+        && args.l1_warm_restart
+        && first_args.l1_devdax_path.is_none()
+        && first_args.shm_name.is_empty()
+    {
         bail!(
-            "--l1-warm-restart with several L1s needs the first to be a DEVDAX L1 (its file \
-             anchors the restart; the others restart warm with it when they are DEVDAX too)"
+            "--l1-warm-restart with several L1s needs the first to be a file: a DEVDAX L1, or a \
+             DRAM L1 with a stable shm_name (it anchors the restart; the DEVDAX ones after it \
+             restart warm with it)"
         );
     }
-    Ok((first_args, first_tag, more))
+    Ok(L1List { first: first_args, tag: first_tag, more, slab_behind })
 }
 
 /// The flags one `--l1-manager` entry (LMCache's tagged L1 JSON) stands for, with its tag and
@@ -815,17 +855,18 @@ fn l1_config(args: &ServerArgs) -> L1Config {
 
 pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     let managed;
-    let (args, l1_tag, more_l1) = if args.l1_manager.is_empty() {
-        (args, lmcache_l1::DEFAULT_TAG.to_owned(), Vec::new())
+    let (args, l1_tag, more_l1, slab_behind) = if args.l1_manager.is_empty() {
+        (args, lmcache_l1::DEFAULT_TAG.to_owned(), Vec::new(), None)
     } else {
-        if args.l1_devdax_path.is_some() || args.l1_use_hugepages {
+        if args.l1_devdax_path.is_some() || args.l1_use_hugepages || args.gds_l1_path.is_some() {
             bail!(
-                "--l1-manager and the L1 flags it replaces (--l1-devdax-path, --l1-use-hugepages) exclude each other"
+                "--l1-manager and the L1 flags it replaces (--l1-devdax-path, --l1-use-hugepages, \
+                 --gds-l1-path) exclude each other"
             );
         }
-        let (first, tag, more) = apply_l1_managers(args)?;
-        managed = first;
-        (&managed, tag, more)
+        let list = apply_l1_managers(args)?;
+        managed = list.first;
+        (&managed, list.tag, list.more, list.slab_behind)
     };
     if !more_l1.is_empty() && args.p2p_advertise_url.is_some() && args.p2p_transfer_engine == "nixl"
     {
@@ -837,8 +878,18 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     let size = gib_to_bytes(args.l1_size_gb)
         .filter(|&b| b > 0)
         .with_context(|| format!("--l1-size-gb {} is not a positive size", args.l1_size_gb))?;
-    let gds = gds_l1(args, size)?;
-    // Under GDS, --l1-size-gb sizes the slab (as in LMCache) and DRAM holds the staging area.
+    // Under GDS, --l1-size-gb sizes the slab (as in LMCache) and DRAM holds the staging area;
+    // a GDS entry after other L1s sizes its own slab, and they are its staging.
+    let gds = match &slab_behind {
+        None => gds_l1(args, size)?,
+        Some(g) => {
+            let dir = g.gds_l1_path.as_deref().context("--l1-manager: GDS without a path")?;
+            let slab = gib_to_bytes(g.l1_size_gb).filter(|&b| b > 0).with_context(|| {
+                format!("--l1-manager: GDS size_gb {} is not a positive size", g.l1_size_gb)
+            })?;
+            Some(GdsL1 { slab: gds_slab(g, dir, slab)?, staging_bytes: size })
+        }
+    };
     let size = gds.as_ref().map_or(size, |g| g.staging_bytes);
     let t = args.worker_reap_timeout_seconds;
     if t != 0 && t < 30 {
@@ -858,7 +909,10 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
     if args.l1_devdax_path.is_none() && args.l1_devdax_format && !args.l1_warm_restart {
         bail!("--l1-devdax-format needs --l1-devdax-path or --l1-warm-restart");
     }
-    let backing = if args.l1_devdax_path.is_none() && args.l1_warm_restart && gds.is_none() {
+    // A DRAM L1 with a stable name in front of a listed slab restarts warm too (a GDS L1's own
+    // staging area does not).
+    let warm_shm = gds.is_none() || (slab_behind.is_some() && !args.shm_name.is_empty());
+    let backing = if args.l1_devdax_path.is_none() && args.l1_warm_restart && warm_shm {
         // A warm restart in shared memory: the L1 file is the segment /dev/shm/NAME, which
         // engines map by name as any shared-memory pool; it stays when the server stops.
         if args.l1_use_hugepages {
@@ -1252,11 +1306,18 @@ mod tests {
         let shm = r#"{"type":"DRAM","tag":"s","size_gb":1,"shm_name":"x"}"#.to_owned();
         for (entries, extra, named) in [
             (vec![dram("a"), dram("a")], vec![], "already another L1's"),
-            (vec![dram("a"), gds.clone()], vec![], "GDS L1 runs alone"),
-            (vec![gds, dram("a")], vec![], "GDS L1 runs alone"),
+            (vec![gds.clone(), dram("a")], vec![], "GDS L1 goes last"),
+            (vec![dram("a"), gds.clone(), dram("b")], vec![], "GDS L1 goes last"),
+            (vec![dram("a"), gds.clone(), gds.replace("\"g\"", "\"h\"")], vec![], "goes last"),
+            (
+                vec![dram("a"), gds.clone()],
+                vec!["--l2-adapter", r#"{"type":"mock","max_size_gb":1}"#],
+                "exclude each other",
+            ),
+            (vec![dram("a"), gds.clone()], vec!["--gds-l1-path", "/m"], "exclude each other"),
             (vec![dram("a"), shm], vec![], "shm_name: only the first"),
             (vec![dax("a", "/p"), dax("b", "/p")], vec![], "is another L1's"),
-            (vec![dram("a"), dax("b", "/p")], vec!["--l1-warm-restart"], "first to be a DEVDAX"),
+            (vec![dram("a"), dax("b", "/p")], vec!["--l1-warm-restart"], "first to be a file"),
             (
                 vec![dram("a"), dram("b")],
                 vec![
@@ -1277,6 +1338,79 @@ mod tests {
             argv.extend(extra.iter().copied());
             let err = config(&parse(&argv)).unwrap_err();
             assert!(format!("{err:#}").contains(named), "{entries:?}: {err:#}");
+        }
+    }
+
+    #[test]
+    fn a_gds_entry_last_in_a_list_is_a_slab_behind_the_l1s_before_it() {
+        let gds = r#"{"type": "GDS", "tag": "slab", "size_gb": 100, "path": "/nvme/kv",
+            "direct_io": false}"#;
+        let c = config(&parse(&[
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "dram", "size_gb": 1}"#,
+            "--l1-manager",
+            r#"{"type": "DEVDAX", "tag": "dax", "size_gb": 2, "path": "/x/l1"}"#,
+            "--l1-manager",
+            gds,
+        ]))
+        .unwrap();
+        assert_eq!((c.l1_tag.as_str(), c.arena.size), ("dram", 1 << 30), "no staging area");
+        assert!(matches!(c.arena.backing, ArenaBacking::SharedMemory { .. }), "the mapped pool");
+        let [dax] = c.more_l1.as_slice() else { panic!("{:?}", c.more_l1) };
+        assert_eq!((dax.tag.as_str(), dax.arena.size), ("dax", 2 << 30));
+        assert_eq!(
+            c.l2_adapters,
+            vec![serde_json::json!({"type": "gds_slab", "path": "/nvme/kv",
+                "capacity_bytes": 100u64 << 30, "use_odirect": false, "warm_restart": false,
+                "slot_bytes": 0})],
+            "the slab is sized by its own entry"
+        );
+        assert_eq!(c.l2.write_behind_wait, Duration::from_secs(60), "L1 waits for the slab");
+        assert_eq!(c.l2.flush_timeout, Duration::from_secs(60), "a stop writes L1 out");
+        let lock = std::path::PathBuf::from("/nvme/kv/lmcache-rs-gds-l1.lock");
+        assert_eq!(c.restart_anchor(), Some((lock.clone(), false)));
+
+        // Warm: a DRAM L1 without a stable name stays cold (as a GDS L1's staging does) and
+        // the slab anchors the restart; with a stable name it is a file and anchors it.
+        let dram = r#"{"type": "DRAM", "tag": "dram", "size_gb": 1}"#;
+        let warm = ["--l1-warm-restart", "--l1-manager", dram, "--l1-manager", gds];
+        let c = config(&parse(&warm)).unwrap();
+        assert!(matches!(c.arena.backing, ArenaBacking::SharedMemory { .. }));
+        assert_eq!(c.l2_adapters[0]["warm_restart"], true);
+        assert_eq!(c.restart_anchor(), Some((lock, true)));
+        let mut named = warm.to_vec();
+        named.extend(["--shm-name", "kv_pool"]);
+        let c = config(&parse(&named)).unwrap();
+        let shm = std::path::Path::new(lmcache_memory::shm::SHM_DIR).join("kv_pool");
+        match &c.arena.backing {
+            ArenaBacking::File(f) => assert!(f.path == shm && f.adopt, "{f:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.restart_anchor(), Some((shm, true)));
+        assert_eq!(c.l2_adapters[0]["warm_restart"], true);
+        // A GDS entry alone is still its own staging area in front of its slab.
+        let alone = config(&parse(&["--l1-manager", gds])).unwrap();
+        assert_eq!(alone.arena.size, 2 << 30, "the staging area");
+        assert_eq!(alone.l2_adapters[0]["capacity_bytes"], 100u64 << 30);
+    }
+
+    #[test]
+    fn several_l1s_restart_warm_from_a_named_dram_pool_too() {
+        let c = config(&parse(&[
+            "--l1-warm-restart",
+            "--shm-name",
+            "kv_pool",
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "dram", "size_gb": 1}"#,
+            "--l1-manager",
+            r#"{"type": "DEVDAX", "tag": "dax", "size_gb": 2, "path": "/x/l1"}"#,
+        ]))
+        .unwrap();
+        let shm = std::path::Path::new(lmcache_memory::shm::SHM_DIR).join("kv_pool");
+        assert_eq!(c.restart_anchor(), Some((shm, true)));
+        match &c.more_l1[0].arena.backing {
+            ArenaBacking::File(f) => assert!(f.adopt, "the DEVDAX L1 restarts warm with it"),
+            other => panic!("{other:?}"),
         }
     }
 
