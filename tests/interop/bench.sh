@@ -15,7 +15,8 @@ VENV=$(./scripts/lmcache-venv)
 N=${INTEROP_SEQUENCES:-10}
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_DISABLE_BANNER=1 PYTHONWARNINGS=ignore
 WORK=$(mktemp -d)
-trap 'rm -rf "$WORK" || true' EXIT
+# The list case below restarts warm from a named DRAM L1: its file stays in /dev/shm by design.
+trap 'rm -rf "$WORK" /dev/shm/lmcache_rs_l2bench_$$ /dev/shm/lmcache_rs_l2bench_$$.lmcache-rs-* || true' EXIT
 
 FREE_PORT="$PWD/scripts/free-port"  # absolute: some calls run after a `cd`
 free_port() { "$FREE_PORT" "$WORK/.ports"; }

@@ -231,9 +231,10 @@ pub struct ServerArgs {
     /// the first that fits it by evicting; reads find a key in whichever holds it. What an
     /// L1's watermark evicts moves down to the next one (only the last discards). The first
     /// entry is the pool engines map (engine-driven transfer, --shm-name) and the one peers
-    /// read; the others are private memory (DRAM) or a file (DEVDAX, warm with
-    /// --l1-warm-restart when the first is a file too: DEVDAX, or DRAM with a stable
-    /// shm_name). A GDS entry goes last (or alone): its slab holds, written through, what the
+    /// read; the others are private memory (DRAM; a segment of its own where it names a
+    /// shm_name, unique as in LMCache) or a file (DEVDAX). With --l1-warm-restart every file
+    /// restarts warm (a named DRAM L1 is then a file in /dev/shm) when the first is a file
+    /// too: DEVDAX, or DRAM with a stable shm_name. A GDS entry goes last (or alone): its slab holds, written through, what the
     /// L1s before it store, and they stand in for its DRAM staging area (--gds-l1-staging-gb
     /// is then unused); with --l1-warm-restart the slab restarts warm, and so does a DRAM L1
     /// in front of it that has a stable shm_name. LMCache fills a GDS L1 only with what the
@@ -653,9 +654,12 @@ fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
     let Some((first, rest)) = args.l1_manager.split_first() else {
         bail!("--l1-manager: no entry");
     };
-    let (first_args, first_tag, first_kind) =
+    let L1Entry { args: first_args, tag: first_tag, kind: first_kind, .. } =
         apply_l1_manager(args, first).with_context(|| format!("--l1-manager #0 ({first})"))?;
     let mut tags = vec![first_tag.clone()];
+    // Segment names in use: each DRAM L1 that names one has its own (as LMCache asks).
+    let mut shm_names: Vec<String> =
+        Some(first_args.shm_name.clone()).filter(|n| !n.is_empty()).into_iter().collect();
     let mut paths: Vec<std::path::PathBuf> = first_args.l1_devdax_path.iter().cloned().collect();
     let mut more = Vec::with_capacity(rest.len());
     let mut slab_behind = None;
@@ -667,7 +671,7 @@ fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
     }
     for (i, text) in rest.iter().enumerate() {
         let n = i + 1;
-        let (m, tag, kind) =
+        let L1Entry { args: m, tag, kind, shm_name } =
             apply_l1_manager(args, text).with_context(|| format!("--l1-manager #{n} ({text})"))?;
         if tags.contains(&tag) {
             bail!("--l1-manager #{n}: tag {tag:?} is already another L1's (tags are unique)");
@@ -683,14 +687,23 @@ fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
             slab_behind = Some(m);
             continue;
         }
-        if m.shm_name != args.shm_name {
-            bail!(
-                "--l1-manager #{n}: shm_name: only the first L1 is the pool engines map by \
-                 name; a further L1 is private memory (DRAM) or a file (DEVDAX)"
-            );
+        // A further DRAM L1 is private memory unless it names a segment of its own (only the
+        // first is the pool engines map; with --l1-warm-restart a named one is a file in
+        // /dev/shm, warm as the first).
+        let own_shm = shm_name.filter(|n| !n.is_empty());
+        if let Some(name) = &own_shm {
+            if shm_names.contains(name) {
+                bail!("--l1-manager #{n}: shm_name {name:?} is another L1's (names are unique)");
+            }
+            if m.l1_use_hugepages {
+                bail!("--l1-manager #{n}: use_hugepages and shm_name exclude each other");
+            }
+            lmcache_memory::shm::validate_name(name)
+                .map_err(|e| anyhow::anyhow!("--l1-manager #{n}: shm_name: {e}"))?;
+            shm_names.push(name.clone());
         }
-        let backing = match &m.l1_devdax_path {
-            Some(path) => {
+        let backing = match (&m.l1_devdax_path, own_shm) {
+            (Some(path), _) => {
                 if paths.contains(path) {
                     bail!("--l1-manager #{n}: path {} is another L1's", path.display());
                 }
@@ -701,8 +714,16 @@ fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
                     adopt: args.l1_warm_restart,
                 })
             }
-            None if m.l1_use_hugepages => ArenaBacking::HugePages,
-            None => ArenaBacking::Anonymous,
+            (None, Some(name)) if args.l1_warm_restart => {
+                ArenaBacking::File(lmcache_memory::FileBacking {
+                    path: std::path::Path::new(lmcache_memory::shm::SHM_DIR).join(name),
+                    format: args.l1_devdax_format,
+                    adopt: true,
+                })
+            }
+            (None, Some(name)) => ArenaBacking::SharedMemory { name },
+            (None, None) if m.l1_use_hugepages => ArenaBacking::HugePages,
+            (None, None) => ArenaBacking::Anonymous,
         };
         let size = gib_to_bytes(m.l1_size_gb).filter(|&b| b > 0).with_context(|| {
             format!("--l1-manager #{n}: size_gb {} is not a positive size", m.l1_size_gb)
@@ -728,9 +749,19 @@ fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
     Ok(L1List { first: first_args, tag: first_tag, more, slab_behind })
 }
 
-/// The flags one `--l1-manager` entry (LMCache's tagged L1 JSON) stands for, with its tag and
-/// its type (upper case).
-fn apply_l1_manager(args: &ServerArgs, text: &str) -> anyhow::Result<(ServerArgs, String, String)> {
+/// One `--l1-manager` entry (LMCache's tagged L1 JSON), read.
+struct L1Entry {
+    /// The flags it stands for.
+    args: ServerArgs,
+    tag: String,
+    /// Its type, upper case.
+    kind: String,
+    /// The shm_name it names itself (a DRAM entry), if any.
+    shm_name: Option<String>,
+}
+
+/// The flags one `--l1-manager` entry stands for, with its tag and type.
+fn apply_l1_manager(args: &ServerArgs, text: &str) -> anyhow::Result<L1Entry> {
     let mut out = args.clone();
     let v: serde_json::Value =
         serde_json::from_str(text).with_context(|| format!("--l1-manager: not JSON: {text}"))?;
@@ -813,6 +844,7 @@ fn apply_l1_manager(args: &ServerArgs, text: &str) -> anyhow::Result<(ServerArgs
         let p = obj.get("path").and_then(|p| p.as_str()).filter(|p| !p.is_empty());
         Ok(p.with_context(|| format!("--l1-manager: path: missing for a {kind} L1"))?.into())
     };
+    let mut shm_name = None;
     match kind.to_ascii_uppercase().as_str() {
         "DEVDAX" => out.l1_devdax_path = Some(path("DEVDAX")?),
         "GDS" => {
@@ -829,8 +861,9 @@ fn apply_l1_manager(args: &ServerArgs, text: &str) -> anyhow::Result<(ServerArgs
         }
         _ => {
             if let Some(n) = obj.get("shm_name") {
-                out.shm_name =
-                    n.as_str().context("--l1-manager: shm_name: not a string")?.to_owned();
+                let n = n.as_str().context("--l1-manager: shm_name: not a string")?;
+                out.shm_name = n.to_owned();
+                shm_name = Some(n.to_owned());
             }
             if let Some(h) = obj.get("use_hugepages") {
                 out.l1_use_hugepages =
@@ -838,7 +871,7 @@ fn apply_l1_manager(args: &ServerArgs, text: &str) -> anyhow::Result<(ServerArgs
             }
         }
     }
-    Ok((out, tag, kind_upper))
+    Ok(L1Entry { args: out, tag, kind: kind_upper, shm_name })
 }
 
 /// An L1's eviction and lease settings, from its flags.
@@ -1315,7 +1348,14 @@ mod tests {
                 "exclude each other",
             ),
             (vec![dram("a"), gds.clone()], vec!["--gds-l1-path", "/m"], "exclude each other"),
-            (vec![dram("a"), shm], vec![], "shm_name: only the first"),
+            (vec![shm.clone(), shm.replace("\"s\"", "\"t\"")], vec![], "another L1's (names"),
+            (vec![dram("a"), shm.clone()], vec!["--shm-name", "x"], "another L1's (names"),
+            (
+                vec![dram("a"), shm.replace("\"x\"", "\"x\",\"use_hugepages\":true")],
+                vec![],
+                "use_hugepages and shm_name",
+            ),
+            (vec![dram("a"), shm.replace("\"x\"", "\"../x\"")], vec![], "shm_name"),
             (vec![dax("a", "/p"), dax("b", "/p")], vec![], "is another L1's"),
             (vec![dram("a"), dax("b", "/p")], vec!["--l1-warm-restart"], "first to be a file"),
             (
@@ -1392,6 +1432,34 @@ mod tests {
         let alone = config(&parse(&["--l1-manager", gds])).unwrap();
         assert_eq!(alone.arena.size, 2 << 30, "the staging area");
         assert_eq!(alone.l2_adapters[0]["capacity_bytes"], 100u64 << 30);
+    }
+
+    #[test]
+    fn a_further_dram_l1_may_name_a_segment_of_its_own() {
+        let entries = [
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "a", "size_gb": 1, "shm_name": "pool_a"}"#,
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "b", "size_gb": 1, "shm_name": "pool_b"}"#,
+            "--l1-manager",
+            r#"{"type": "DRAM", "tag": "c", "size_gb": 1}"#,
+        ];
+        let c = config(&parse(&entries)).unwrap();
+        assert_eq!(c.arena.backing, ArenaBacking::SharedMemory { name: "pool_a".into() });
+        let [b, anon] = c.more_l1.as_slice() else { panic!("{:?}", c.more_l1) };
+        assert_eq!(b.arena.backing, ArenaBacking::SharedMemory { name: "pool_b".into() });
+        assert_eq!(anon.arena.backing, ArenaBacking::Anonymous, "no name: private memory");
+        // Restarted warm, each named one is a file in /dev/shm and adopts what it held.
+        let mut warm = entries.to_vec();
+        warm.push("--l1-warm-restart");
+        let c = config(&parse(&warm)).unwrap();
+        let shm = std::path::Path::new(lmcache_memory::shm::SHM_DIR);
+        assert_eq!(c.restart_anchor(), Some((shm.join("pool_a"), true)));
+        match &c.more_l1[0].arena.backing {
+            ArenaBacking::File(f) => assert!(f.path == shm.join("pool_b") && f.adopt, "{f:?}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.more_l1[1].arena.backing, ArenaBacking::Anonymous);
     }
 
     #[test]

@@ -334,12 +334,16 @@ fn bench_server_drives_both_transfer_paths_with_tp_and_mla_and_writes_csv_and_pl
 fn operator_commands_against_a_real_server() {
     let (port, http) = (free_port(), free_port());
     let name = format!("lmcache_rs_cli_ops_{}", std::process::id());
-    // Two L1s (LMCache's --l1-manager list): describe lists each by its tag.
+    // Two L1s (LMCache's --l1-manager list): describe lists each by its tag. The second names
+    // a segment of its own, as LMCache lets each DRAM L1 do.
+    let more = format!("{name}_more");
+    let more_entry =
+        format!(r#"{{"type": "DRAM", "tag": "more", "size_gb": 0.5, "shm_name": "{more}"}}"#);
     let mut server = bin()
         .args(["server", "--port", &port.to_string(), "--http-port", &http.to_string()])
         .args(["--shm-name", &name])
         .args(["--l1-manager", r#"{"type": "DRAM", "tag": "dram", "size_gb": 1}"#])
-        .args(["--l1-manager", r#"{"type": "DRAM", "tag": "more", "size_gb": 0.5}"#])
+        .args(["--l1-manager", &more_entry])
         .args(["--l2-adapter", r#"{"type": "mock", "max_size_gb": 0.1}"#])
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -371,6 +375,8 @@ fn operator_commands_against_a_real_server() {
     assert!(out.contains("GB used"), "describe shows L2 used/capacity: {out}");
     assert!(out.contains("L1 dram") && out.contains("L1 more"), "each L1 by its tag: {out}");
     assert!(out.contains("L1 capacity (GB)") && out.contains("1.50"), "both L1s' sum: {out}");
+    let segment = std::path::Path::new("/dev/shm").join(&more);
+    assert!(segment.exists(), "the second L1's own segment");
     // An L2 quota is its own: set and listed with --tier l2, absent from L1's list.
     assert_eq!(run(&["quota", "set", "team-l2", "--limit-gb", "3", "--tier", "l2"]).0, Some(0));
     let (_, out, _) = run(&["quota", "list", "--tier", "l2", "--format", "json"]);
@@ -392,6 +398,7 @@ fn operator_commands_against_a_real_server() {
     assert!(out.contains("ok"), "{out}");
     nix_kill(server.id());
     assert!(server.wait().unwrap().success());
+    assert!(!segment.exists(), "a stop removes the second L1's segment");
     // The server is gone: ping fails with exit code 1.
     let (code, out, _) = run(&["ping", "kvcache"]);
     assert_eq!(code, Some(1));

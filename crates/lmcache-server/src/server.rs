@@ -517,8 +517,11 @@ impl Server {
             t.close();
         }
         self.state.sessions.clear();
-        // The segment's name goes now, whatever still holds the memory until exit.
-        self.state.l1().memory().arena().unlink_name();
+        // The segments' names go now (every L1's that has one), whatever still holds the
+        // memory until exit.
+        for (_, member) in self.state.l1().members() {
+            member.memory().arena().unlink_name();
+        }
         // Where a stop's time went (a hot upgrade's pause starts with it).
         tracing::info!(
             total_ms = started.elapsed().as_millis() as u64,
