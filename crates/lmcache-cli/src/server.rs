@@ -234,11 +234,12 @@ pub struct ServerArgs {
     /// read; the others are private memory (DRAM; a segment of its own where it names a
     /// shm_name, unique as in LMCache) or a file (DEVDAX). With --l1-warm-restart every file
     /// restarts warm (a named DRAM L1 is then a file in /dev/shm) when the first is a file
-    /// too: DEVDAX, or DRAM with a stable shm_name. A GDS entry goes last (or alone): its slab holds, written through, what the
-    /// L1s before it store, and they stand in for its DRAM staging area (--gds-l1-staging-gb
-    /// is then unused); with --l1-warm-restart the slab restarts warm, and so does a DRAM L1
-    /// in front of it that has a stable shm_name. LMCache fills a GDS L1 only with what the
-    /// L1s before it cannot take; ours keeps every stored chunk in the slab.
+    /// too: DEVDAX, or DRAM with a stable shm_name. A GDS entry goes last (or alone): its
+    /// slab holds, written through, what the L1s before it store, and they stand in for its
+    /// DRAM staging area (--gds-l1-staging-gb is then unused); with --l1-warm-restart the
+    /// slab restarts warm, and so does a DRAM L1 in front of it that has a stable shm_name.
+    /// LMCache fills a GDS L1 only with what the L1s before it cannot take; ours keeps every
+    /// stored chunk in the slab.
     #[arg(long = "l1-manager", value_name = "JSON")]
     pub l1_manager: Vec<String>,
     /// Accepted for LMCache compatibility: L1 memory is always committed as it is used.
@@ -742,8 +743,8 @@ fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
     {
         bail!(
             "--l1-warm-restart with several L1s needs the first to be a file: a DEVDAX L1, or a \
-             DRAM L1 with a stable shm_name (it anchors the restart; the DEVDAX ones after it \
-             restart warm with it)"
+             DRAM L1 with a stable shm_name (it anchors the restart; the files after it, \
+             DEVDAX or named DRAM, restart warm with it)"
         );
     }
     Ok(L1List { first: first_args, tag: first_tag, more, slab_behind })
