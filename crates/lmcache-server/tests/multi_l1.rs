@@ -2,7 +2,7 @@
 //! LMCache's default chunk of 32 MiB: a small first L1 in DRAM or a file, a second in a file.
 //! Stores fill the first and overflow to the second without evicting; every chunk reads back
 //! byte for byte from whichever holds it, with two clients storing the same requests at once;
-//! both files restart warm together; engine-driven transfer (one mapped pool) is refused by
+//! both files restart warm together (on disk, and in /dev/shm as named DRAM L1s are); engine-driven transfer (one mapped pool) is refused by
 //! name, and `/status` reports each L1 by its tag.
 
 mod common;
@@ -27,7 +27,7 @@ fn file(path: &Path, warm: bool) -> ArenaBacking {
     ArenaBacking::File(FileBacking { path: path.to_owned(), format: false, adopt: warm })
 }
 
-fn server(first: ArenaBacking, second: &Path, warm: bool) -> Server {
+fn server(first: ArenaBacking, second: ArenaBacking) -> Server {
     let arena = |size, backing| ArenaConfig { size, backing, mlock: false };
     // Eviction only when a store needs room: what each L1 holds is then exactly what overflow
     // put there.
@@ -39,7 +39,7 @@ fn server(first: ArenaBacking, second: &Path, warm: bool) -> Server {
         l1_tag: "dram".into(),
         more_l1: vec![lmcache_storage::L1MemberConfig {
             tag: "dax".into(),
-            arena: arena(SECOND, file(second, warm)),
+            arena: arena(SECOND, second),
             align: lmcache_memory::DEFAULT_ALIGN,
             l1: l1.clone(),
         }],
@@ -69,7 +69,7 @@ fn held(s: &Server) -> Vec<usize> {
 fn stores_overflow_into_the_second_l1_and_every_chunk_reads_back() {
     let dir = tempfile::tempdir().unwrap();
     let pid = std::process::id();
-    let s = server(ArenaBacking::Anonymous, &dir.path().join("second"), false);
+    let s = server(ArenaBacking::Anonymous, file(&dir.path().join("second"), false));
     // Two clients, each with its own segment, store the same requests at once.
     let mut owners = Vec::new();
     let mut clients: Vec<(Client, u64, ForeignSegment)> = Vec::new();
@@ -130,11 +130,41 @@ fn stores_overflow_into_the_second_l1_and_every_chunk_reads_back() {
 #[test]
 fn two_l1_files_restart_warm_together() {
     let dir = tempfile::tempdir().unwrap();
+    restart_warm_together(&dir.path().join("first"), &dir.path().join("second"), "file");
+}
+
+/// Two DRAM L1s that each name a segment (`shm_name`), restarted warm: the CLI makes each a
+/// file in /dev/shm, and each adopts what it held there.
+#[test]
+fn two_named_dram_l1s_restart_warm_together_in_dev_shm() {
     let pid = std::process::id();
-    let (first, second) = (dir.path().join("first"), dir.path().join("second"));
-    let seg_name = format!("lmcache_rs_multi_warm_{pid}");
+    let shm = Path::new(lmcache_memory::shm::SHM_DIR);
+    let (first, second) = (
+        shm.join(format!("lmcache_rs_multi_a_{pid}")),
+        shm.join(format!("lmcache_rs_multi_b_{pid}")),
+    );
+    /// Removes what the test made in /dev/shm (the two files and the first's sidecars).
+    struct Made(Vec<std::path::PathBuf>);
+    impl Drop for Made {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                for suffix in ["", ".lmcache-rs-workers", ".lmcache-rs-tokens"] {
+                    let mut name = p.clone().into_os_string();
+                    name.push(suffix);
+                    let _ = std::fs::remove_file(name);
+                }
+            }
+        }
+    }
+    let _made = Made(vec![first.clone(), second.clone()]);
+    restart_warm_together(&first, &second, "shm");
+}
+
+fn restart_warm_together(first: &Path, second: &Path, what: &str) {
+    let pid = std::process::id();
+    let seg_name = format!("lmcache_rs_multi_warm_{what}_{pid}");
     let before = {
-        let s = server(file(&first, true), &second, true);
+        let s = server(file(first, true), file(second, true));
         let (mut c, _owner, seg) = connect(&s, 1, &seg_name);
         for r in 0..REQUESTS {
             seg.write(0, &pattern(seg.len(), r)).unwrap();
@@ -146,7 +176,7 @@ fn two_l1_files_restart_warm_together() {
         s.shutdown();
         before
     };
-    let s = server(file(&first, true), &second, true);
+    let s = server(file(first, true), file(second, true));
     assert_eq!(held(&s), before, "each file adopted what it held");
     let (mut c, _owner, seg) = connect(&s, 1, &seg_name);
     retrieve_all(&mut c, 1, &seg);
