@@ -2,8 +2,9 @@
 //! LMCache's default chunk of 32 MiB: a small first L1 in DRAM or a file, a second in a file.
 //! Stores fill the first and overflow to the second without evicting; every chunk reads back
 //! byte for byte from whichever holds it, with two clients storing the same requests at once;
-//! both files restart warm together (on disk, and in /dev/shm as named DRAM L1s are); engine-driven transfer (one mapped pool) is refused by
-//! name, and `/status` reports each L1 by its tag.
+//! both files restart warm together (on disk, and in /dev/shm as named DRAM L1s are);
+//! engine-driven transfer (one mapped pool) is refused by name, and `/status` reports each L1
+//! by its tag.
 
 mod common;
 
