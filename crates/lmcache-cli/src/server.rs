@@ -597,9 +597,7 @@ fn gds_l1(args: &ServerArgs, slab_bytes: u64) -> anyhow::Result<Option<GdsL1>> {
     if args.l1_devdax_format {
         bail!("--l1-devdax-format applies to --l1-devdax-path, not to --gds-l1-path");
     }
-    let staging = gib_to_bytes(args.gds_l1_staging_gb).filter(|&b| b > 0).with_context(|| {
-        format!("--gds-l1-staging-gb {} is not a positive size", args.gds_l1_staging_gb)
-    })?;
+    let staging = positive_size(args.gds_l1_staging_gb, "--gds-l1-staging-gb")?;
     Ok(Some(GdsL1 {
         slab: gds_slab(args, dir, slab_bytes)?,
         staging_bytes: staging.min(slab_bytes),
@@ -716,19 +714,13 @@ fn apply_l1_managers(args: &ServerArgs) -> anyhow::Result<L1List> {
                 })
             }
             (None, Some(name)) if args.l1_warm_restart => {
-                ArenaBacking::File(lmcache_memory::FileBacking {
-                    path: std::path::Path::new(lmcache_memory::shm::SHM_DIR).join(name),
-                    format: args.l1_devdax_format,
-                    adopt: true,
-                })
+                warm_segment(&name, args.l1_devdax_format)
             }
             (None, Some(name)) => ArenaBacking::SharedMemory { name },
             (None, None) if m.l1_use_hugepages => ArenaBacking::HugePages,
             (None, None) => ArenaBacking::Anonymous,
         };
-        let size = gib_to_bytes(m.l1_size_gb).filter(|&b| b > 0).with_context(|| {
-            format!("--l1-manager #{n}: size_gb {} is not a positive size", m.l1_size_gb)
-        })?;
+        let size = positive_size(m.l1_size_gb, &format!("--l1-manager #{n}: size_gb"))?;
         more.push(lmcache_storage::L1MemberConfig {
             tag,
             arena: ArenaConfig { size, backing, mlock: args.l1_mlock },
@@ -875,6 +867,23 @@ fn apply_l1_manager(args: &ServerArgs, text: &str) -> anyhow::Result<L1Entry> {
     Ok(L1Entry { args: out, tag, kind: kind_upper, shm_name })
 }
 
+/// `gb` GiB in bytes, refused (naming `what`) unless a positive size.
+fn positive_size(gb: f64, what: &str) -> anyhow::Result<u64> {
+    gib_to_bytes(gb)
+        .filter(|&b| b > 0)
+        .with_context(|| format!("{what} {gb} is not a positive size"))
+}
+
+/// The L1 of shared-memory segment `name` restarted warm: the file /dev/shm/NAME, adopted (it
+/// stays when the server stops).
+fn warm_segment(name: &str, format: bool) -> ArenaBacking {
+    ArenaBacking::File(lmcache_memory::FileBacking {
+        path: std::path::Path::new(lmcache_memory::shm::SHM_DIR).join(name),
+        format,
+        adopt: true,
+    })
+}
+
 /// An L1's eviction and lease settings, from its flags.
 fn l1_config(args: &ServerArgs) -> L1Config {
     L1Config {
@@ -909,18 +918,14 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
              L1 by offset; use the native engine, or one L1"
         );
     }
-    let size = gib_to_bytes(args.l1_size_gb)
-        .filter(|&b| b > 0)
-        .with_context(|| format!("--l1-size-gb {} is not a positive size", args.l1_size_gb))?;
+    let size = positive_size(args.l1_size_gb, "--l1-size-gb")?;
     // Under GDS, --l1-size-gb sizes the slab (as in LMCache) and DRAM holds the staging area;
     // a GDS entry after other L1s sizes its own slab, and they are its staging.
     let gds = match &slab_behind {
         None => gds_l1(args, size)?,
         Some(g) => {
             let dir = g.gds_l1_path.as_deref().context("--l1-manager: GDS without a path")?;
-            let slab = gib_to_bytes(g.l1_size_gb).filter(|&b| b > 0).with_context(|| {
-                format!("--l1-manager: GDS size_gb {} is not a positive size", g.l1_size_gb)
-            })?;
+            let slab = positive_size(g.l1_size_gb, "--l1-manager: GDS size_gb")?;
             Some(GdsL1 { slab: gds_slab(g, dir, slab)?, staging_bytes: size })
         }
     };
@@ -954,11 +959,7 @@ pub(crate) fn config(args: &ServerArgs) -> anyhow::Result<ServerConfig> {
         }
         lmcache_memory::shm::validate_name(&args.shm_name)
             .map_err(|e| anyhow::anyhow!("--shm-name: {e}"))?;
-        ArenaBacking::File(lmcache_memory::FileBacking {
-            path: std::path::Path::new(lmcache_memory::shm::SHM_DIR).join(&args.shm_name),
-            format: args.l1_devdax_format,
-            adopt: true,
-        })
+        warm_segment(&args.shm_name, args.l1_devdax_format)
     } else if let Some(path) = &args.l1_devdax_path {
         if !args.shm_name.is_empty() {
             bail!("--l1-devdax-path and --shm-name exclude each other (L1 lives in the file)");
