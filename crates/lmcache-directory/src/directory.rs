@@ -630,9 +630,10 @@ impl Directory {
         self.keys.placements(i)
     }
 
-    /// Slot `i`'s head (its namespace and one placement), when it has one placement.
-    pub(crate) fn head_at(&self, i: u32) -> Option<u32> {
-        self.keys.head(i)
+    /// What slot `i` names for its placements (a head or a shared list): slots naming the
+    /// same hold the same placements.
+    pub(crate) fn held_at(&self, i: u32) -> Option<u32> {
+        self.keys.held(i)
     }
 
     /// Slot `i`'s spill list with its owner bitsets, when it has several placements.

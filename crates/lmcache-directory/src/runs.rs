@@ -96,9 +96,10 @@ impl Directory {
     /// Per chunk, each rank key's placements set bits in two bitsets over instance ids (its
     /// L1 holders; everyone who can load it), the chunk's sets are their AND, and the alive
     /// sets shrink by AND too; an instance's run is the chunk where its bit went. A chunk whose
-    /// rank keys each have the one placement (the same head) their keys in the chunk before
-    /// had is passed over without the bitsets: its sets are that chunk's (a request's chunks
-    /// stored in one batch share one head, so most of a walk is such chunks). The scan stops
+    /// rank keys each name the placements (the same head, or the same shared list) their keys
+    /// in the chunk before named is passed over without the bitsets: its sets are that chunk's
+    /// (a request's chunks stored in one batch share one head, and a prefix that several
+    /// servers stored shares one list, so most of a walk is such chunks). The scan stops
     /// when nobody is left. It allocates the answer and one L1 run per instance; the bitsets
     /// are on the stack up to 1,024 instances, the chunk's slots and heads up to 8 rank keys.
     pub fn prefix_runs(&self, q: RunQuery<'_>) -> Vec<PrefixRun> {
@@ -131,8 +132,8 @@ impl Directory {
         let usable = q.keys.len() - q.keys.len() % per;
         let mut prev: Option<u32> = None;
         let width = zero.words().len();
-        // The chunk's slots, and each rank key's head in the chunk before (`None`: several
-        // placements, or no key).
+        // The chunk's slots, and what each rank key's slot named in the chunk before (a head or
+        // a list; `None`: no key).
         let mut slots: smallvec::SmallVec<[Option<u32>; 8]> = smallvec::SmallVec::new();
         let mut heads: smallvec::SmallVec<[Option<u32>; 8]> = smallvec::smallvec![None; per];
         for chunk in q.keys[..usable].chunks(per) {
@@ -144,14 +145,13 @@ impl Directory {
                 let slot = self.slot_after(prev, key);
                 prev = slot.or(prev);
                 slots.push(slot);
-                let now = slot.and_then(|i| self.head_at(i));
+                let now = slot.and_then(|i| self.held_at(i));
                 same &= now.is_some() && now == *head;
                 *head = now;
             }
             if same {
-                // Every rank key has the one placement its key in the chunk before had (a
-                // request's chunks stored in one batch share a head): the chunk's sets are
-                // the chunk before's, so nobody drops out here.
+                // Every rank key names the placements its key in the chunk before named: the
+                // chunk's sets are the chunk before's, so nobody drops out here.
                 done += 1;
                 continue;
             }

@@ -10,8 +10,9 @@
 //! A slot names its key's namespace and single placement through a *head*, interned and shared
 //! by every slot with the same ones (a store batch's keys, as a rule); a key placed at several
 //! sites (a prefix every server holds, a chunk in L1 and L2) keeps them all in a spill list the
-//! slot points to instead. A key with no placement has no slot: the last removal frees it for
-//! the next new key.
+//! slot points to instead, shared as heads are by every slot with the same placements (a
+//! prefix's chunks, which its servers store batch by batch). A key with no placement has no
+//! slot: the last removal frees it for the next new key.
 
 use std::hash::BuildHasher as _;
 
@@ -51,16 +52,23 @@ fn set_bit(bits: &mut Bits, i: InstanceId) {
     bits[w] |= 1 << (i.index() % 64);
 }
 
-/// The placements of a key held at several sites, with what the routing scan needs from them
+/// The placements of keys held at several sites, with what the routing scan needs from them
 /// precomputed: the owners of its private L1 sites and of all its private sites as bitsets,
 /// and how many of its sites are shared pools (whose mounts the scan still reads). A
 /// placement is its [`Heads`] number (4 bytes): the servers holding one prefix share their
 /// heads with the rest of their store batches.
+///
+/// A list is shared by every slot with the same placements, as a head is: the chunks of a
+/// prefix that many servers hold get each new placement in one store batch, so the batch's
+/// first key makes the new list (a copy of the old one plus the placement) and the others move
+/// onto it ([`Slots`]'s memo), instead of each key growing a list of its own. A list that
+/// more than one slot names is never changed in place: a change is a new list for the slot
+/// that changes.
 #[derive(Debug, Default)]
 pub(crate) struct Spill {
-    /// The key's namespace (a spilled slot names its list instead of a head).
+    /// The keys' namespace (a spilled slot names its list instead of a head).
     ns: u32,
-    /// Head numbers, one reference each.
+    /// Head numbers, one reference each (however many slots name the list).
     list: Vec<u32>,
     /// Owners of the private L1 sites in `list`.
     pub(crate) l1: Bits,
@@ -68,6 +76,11 @@ pub(crate) struct Spill {
     pub(crate) any: Bits,
     /// Placements in `list` at shared pools.
     pub(crate) shared: u32,
+    /// Slots naming the list; 0: free.
+    refs: u32,
+    /// Bumped at every change in place, at its release and at the reuse of its number: a memo
+    /// names the versions it was made from and to, so a memo of a changed list is stale.
+    version: u32,
 }
 
 impl Spill {
@@ -244,6 +257,11 @@ impl Heads {
         id
     }
 
+    /// One more reference on live head `id` (a list copied names it too).
+    fn retain(&mut self, id: u32) {
+        self.list[id as usize].refs += 1;
+    }
+
     /// Drops a reference on head `id`; the head goes with its last.
     fn release(&mut self, id: u32) {
         let h = &mut self.list[id as usize];
@@ -277,6 +295,34 @@ pub(crate) struct Removed {
     pub(crate) key_gone: Option<bool>,
 }
 
+/// What a slot names for its placements: a head (with what it names, so a head number
+/// reused since does not match), or a list at a version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    Head(u32, u32, Placement),
+    List(u32, u32),
+}
+
+/// A change to a slot's placements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    /// The placement at its site stored (added, or replacing the site's).
+    Put(Placement),
+    /// The placement at this site removed.
+    Remove(SiteId),
+}
+
+/// The last change that gave a slot a new list (or took it back to a head): from what it held,
+/// `change` made it hold `to`, replacing or removing placement `gone`. The next slot of the
+/// batch that held the same and takes the same change moves onto `to`.
+#[derive(Debug, Clone, Copy)]
+struct Memo {
+    from: Held,
+    change: Change,
+    to: Held,
+    gone: Option<Placement>,
+}
+
 /// The arena and its table. See the module docs.
 #[derive(Debug)]
 pub(crate) struct Slots {
@@ -287,6 +333,8 @@ pub(crate) struct Slots {
     heads: Heads,
     spill: Vec<Spill>,
     spill_free: Vec<u32>,
+    /// The last change that made a list (see [`Memo`]).
+    memo: Option<Memo>,
     free: Vec<u32>,
     live: usize,
     /// While an image build runs, new keys append instead of reusing freed slots.
@@ -328,6 +376,7 @@ impl Slots {
             heads: Heads::default(),
             spill: Vec::new(),
             spill_free: Vec::new(),
+            memo: None,
             free: Vec::new(),
             live: 0,
             reuse_paused: false,
@@ -437,11 +486,11 @@ impl Slots {
         }
     }
 
-    /// Slot `i`'s head number, when it has one placement: slots with one head hold the same
-    /// namespace and placement.
-    pub(crate) fn head(&self, i: u32) -> Option<u32> {
+    /// What live slot `i` names for its placements: a head, or a list (as a number with
+    /// [`SPILLED`] set). Slots naming the same hold the same namespace and placements.
+    pub(crate) fn held(&self, i: u32) -> Option<u32> {
         let s = &self.slots[i as usize];
-        (s.spilled().is_none() && !s.is_free()).then_some(s.head)
+        (!s.is_free()).then_some(s.head)
     }
 
     /// Slot `i`'s spill list, when it has several placements.
@@ -495,43 +544,167 @@ impl Slots {
     /// Upserts `p` into slot `i`; the size it replaced.
     fn put(&mut self, i: u32, p: Placement, owners: &SiteOwners) -> Option<u64> {
         let s = self.slots[i as usize];
-        if let Some(id) = s.spilled() {
-            let spill = &mut self.spill[id as usize];
-            // A private site whose owner holds nothing of this key is a new placement, without
-            // a scan of the list (a prefix every server holds has one per server).
-            let at = match spill.may_hold(p.site, owners) {
-                true => spill.position(p.site, &self.heads),
-                false => None,
-            };
-            let head = self.heads.acquire(spill.ns, p);
-            return match at {
-                // Same site, same owner: the bitsets stand.
-                Some(k) => {
-                    let old = std::mem::replace(&mut spill.list[k], head);
-                    let size = self.heads.get(old).placement.size();
-                    self.heads.release(old);
-                    Some(size)
+        let held = match s.spilled() {
+            Some(id) => Held::List(id, self.spill[id as usize].version),
+            None => {
+                let head = *self.heads.get(s.head);
+                if head.placement.site == p.site {
+                    let id = self.heads.acquire(head.ns, p);
+                    self.heads.release(s.head);
+                    self.slots[i as usize].head = id;
+                    return Some(head.placement.size());
                 }
-                None => {
-                    spill.add(head, p, owners);
-                    None
+                Held::Head(s.head, head.ns, head.placement)
+            }
+        };
+        if let Some(m) = self.recall(held, Change::Put(p)) {
+            // The batch's key before held the same and got the same: share its new list.
+            self.take_up(i, held, m.to);
+            return m.gone.map(|g| g.size());
+        }
+        match held {
+            Held::Head(h, ns, old) => {
+                // The slot's head reference moves into the list.
+                let mut spill = Spill { ns, refs: 1, ..Spill::default() };
+                spill.add(h, old, owners);
+                spill.add(self.heads.acquire(ns, p), p, owners);
+                let to = self.file_spill(spill);
+                self.slots[i as usize].head = SPILLED | to;
+                self.remember(held, Change::Put(p), SPILLED | to, None);
+                None
+            }
+            Held::List(id, _) => {
+                let spill = &self.spill[id as usize];
+                // A private site whose owner holds nothing of this key is a new placement,
+                // without a scan of the list (a prefix every server holds has one per server).
+                let at = match spill.may_hold(p.site, owners) {
+                    true => spill.position(p.site, &self.heads),
+                    false => None,
+                };
+                let gone = at.map(|k| self.heads.get(spill.list[k]).placement);
+                let replaced = gone.map(|g| g.size());
+                if spill.refs == 1 {
+                    // Named by this slot alone: changed in place.
+                    let head = self.heads.acquire(spill.ns, p);
+                    let spill = &mut self.spill[id as usize];
+                    spill.version = spill.version.wrapping_add(1);
+                    match at {
+                        // Same site, same owner: the bitsets stand.
+                        Some(k) => {
+                            let old = std::mem::replace(&mut spill.list[k], head);
+                            self.heads.release(old);
+                        }
+                        None => spill.add(head, p, owners),
+                    }
+                    return replaced;
                 }
-            };
+                // Shared: a copy with the change, for this slot (room for one more only: a
+                // list of 150 would otherwise double).
+                let mut list = Vec::with_capacity(spill.list.len() + 1);
+                list.extend_from_slice(&spill.list);
+                let ns = spill.ns;
+                for &h in &list {
+                    self.heads.retain(h);
+                }
+                let head = self.heads.acquire(ns, p);
+                match at {
+                    Some(k) => {
+                        let old = std::mem::replace(&mut list[k], head);
+                        self.heads.release(old);
+                    }
+                    None => list.push(head),
+                }
+                let mut copy = Spill { ns, list, refs: 1, ..Spill::default() };
+                copy.rebuild(&self.heads, owners);
+                let to = self.file_spill(copy);
+                self.spill[id as usize].refs -= 1;
+                self.slots[i as usize].head = SPILLED | to;
+                self.remember(held, Change::Put(p), SPILLED | to, gone);
+                replaced
+            }
         }
-        let head = *self.heads.get(s.head);
-        if head.placement.site == p.site {
-            let id = self.heads.acquire(head.ns, p);
-            self.heads.release(s.head);
-            self.slots[i as usize].head = id;
-            return Some(head.placement.size());
+    }
+
+    /// Drops a slot's hold on what it `held` (it now names another list).
+    fn leave(&mut self, held: Held) {
+        match held {
+            Held::Head(h, _, _) => self.heads.release(h),
+            Held::List(id, _) => self.unref_spill(id),
         }
-        // The slot's head reference moves into the list.
-        let mut spill = Spill { ns: head.ns, ..Spill::default() };
-        spill.add(s.head, head.placement, owners);
-        spill.add(self.heads.acquire(head.ns, p), p, owners);
-        let id = file_in(&mut self.spill, &mut self.spill_free, spill);
-        self.slots[i as usize].head = SPILLED | id;
-        None
+    }
+
+    /// Notes that `change` took a slot from `from` to list `to` (or, with [`SPILLED`] clear,
+    /// to head `to`), replacing or removing placement `gone`.
+    fn remember(&mut self, from: Held, change: Change, to: u32, gone: Option<Placement>) {
+        let to = match to & SPILLED {
+            0 => {
+                let head = self.heads.get(to);
+                Held::Head(to, head.ns, head.placement)
+            }
+            _ => Held::List(to & !SPILLED, self.spill[(to & !SPILLED) as usize].version),
+        };
+        self.memo = Some(Memo { from, change, to, gone });
+    }
+
+    /// The memo of `change` from `held`, while what it leads to is unchanged.
+    fn recall(&self, held: Held, change: Change) -> Option<Memo> {
+        let m = self.memo.filter(|m| m.from == held && m.change == change)?;
+        let live = match m.to {
+            Held::List(id, version) => {
+                let sp = &self.spill[id as usize];
+                sp.version == version && sp.refs > 0
+            }
+            Held::Head(h, ns, placement) => self
+                .heads
+                .list
+                .get(h as usize)
+                .is_some_and(|x| x.refs > 0 && x.ns == ns && x.placement == placement),
+        };
+        live.then_some(m)
+    }
+
+    /// Slot `i`, which held `held`, now names `to` (another list, or a head).
+    fn take_up(&mut self, i: u32, held: Held, to: Held) {
+        self.slots[i as usize].head = match to {
+            Held::List(id, _) => {
+                self.spill[id as usize].refs += 1;
+                SPILLED | id
+            }
+            Held::Head(h, _, _) => {
+                self.heads.retain(h);
+                h
+            }
+        };
+        self.leave(held);
+    }
+
+    /// A new list's number: a freed one (its version moves on) or the next.
+    fn file_spill(&mut self, mut spill: Spill) -> u32 {
+        match self.spill_free.pop() {
+            Some(id) => {
+                spill.version = self.spill[id as usize].version.wrapping_add(1);
+                self.spill[id as usize] = spill;
+                id
+            }
+            None => {
+                self.spill.push(spill);
+                (self.spill.len() - 1) as u32
+            }
+        }
+    }
+
+    /// One slot fewer names list `id`; the list goes with its last, releasing its heads.
+    fn unref_spill(&mut self, id: u32) {
+        let spill = &mut self.spill[id as usize];
+        spill.refs -= 1;
+        if spill.refs == 0 {
+            let version = spill.version.wrapping_add(1);
+            for h in std::mem::take(spill).list {
+                self.heads.release(h);
+            }
+            self.spill[id as usize].version = version;
+            self.spill_free.push(id);
+        }
     }
 
     /// Removes slot `i`'s placement at `site`; frees the slot when it was the last.
@@ -547,15 +720,50 @@ impl Slots {
             self.free_slot(i);
             return Some(Removed { placement: head.placement, key_gone: Some(bound) });
         };
-        let spill = &mut self.spill[id as usize];
+        let held = Held::List(id, self.spill[id as usize].version);
+        if let Some(m) = self.recall(held, Change::Remove(site))
+            && let Some(placement) = m.gone
+        {
+            // The batch's key before held the same and lost the same: share what it got.
+            self.take_up(i, held, m.to);
+            return Some(Removed { placement, key_gone: None });
+        }
+        let spill = &self.spill[id as usize];
         let at = spill.position(site, &self.heads)?;
+        let placement = self.heads.get(spill.list[at]).placement;
+        if spill.refs > 1 {
+            // Shared: this slot alone leaves it, for a copy without the placement, or for the
+            // one head left.
+            let rest: Vec<u32> =
+                spill.list.iter().enumerate().filter(|&(k, _)| k != at).map(|(_, &h)| h).collect();
+            let ns = spill.ns;
+            for &h in &rest {
+                self.heads.retain(h);
+            }
+            self.spill[id as usize].refs -= 1;
+            let to = match rest[..] {
+                [last] => last,
+                _ => {
+                    let mut copy = Spill { ns, list: rest, refs: 1, ..Spill::default() };
+                    copy.rebuild(&self.heads, owners);
+                    SPILLED | self.file_spill(copy)
+                }
+            };
+            self.slots[i as usize].head = to;
+            self.remember(held, Change::Remove(site), to, Some(placement));
+            return Some(Removed { placement, key_gone: None });
+        }
+        let spill = &mut self.spill[id as usize];
+        spill.version = spill.version.wrapping_add(1);
         let gone = spill.list.swap_remove(at);
-        let placement = self.heads.get(gone).placement;
         self.heads.release(gone);
         if spill.list.len() == 1 {
             // The last head reference moves back into the slot.
             let last = spill.list[0];
-            self.spill[id as usize] = Spill::default();
+            spill.list.clear();
+            spill.refs = 0;
+            let version = spill.version.wrapping_add(1);
+            self.spill[id as usize] = Spill { version, ..Spill::default() };
             self.spill_free.push(id);
             self.slots[i as usize].head = last;
         } else {
@@ -568,19 +776,15 @@ impl Slots {
         let h = self.hash_of(&self.key(i));
         self.table.remove(h, i);
         let s = &mut self.slots[i as usize];
-        match s.spilled() {
-            // (Only a list of one placement is freed with its key, and such a list goes back
-            // inline first; this keeps a slot's list from leaking whatever the caller did.)
-            Some(id) => {
-                for h in std::mem::take(&mut self.spill[id as usize]).list {
-                    self.heads.release(h);
-                }
-                self.spill_free.push(id);
-            }
-            None => self.heads.release(s.head),
-        }
+        let held = s.head;
         s.head = FREE;
         s.set_bound(false);
+        match (held & SPILLED != 0).then_some(held & !SPILLED) {
+            // (Only a list of one placement is freed with its key, and such a list goes back
+            // inline first; this keeps a slot's list from leaking whatever the caller did.)
+            Some(id) => self.unref_spill(id),
+            None => self.heads.release(held),
+        }
         self.free.push(i);
         self.live -= 1;
     }
@@ -652,13 +856,28 @@ impl Slots {
             return false;
         }
         let i = self.slots.len() as u32;
-        let mut slot = Slot::new(self.heads.acquire(key.ns.0, *first));
+        // A key with the placements of the key before (a prefix's chunks) shares its list.
+        let shared = self.slots.last().and_then(Slot::spilled).filter(|&id| {
+            let sp = &self.spill[id as usize];
+            sp.ns == key.ns.0
+                && sp.list.len() == placements.len()
+                && sp.list.iter().zip(placements).all(|(&h, p)| self.heads.get(h).placement == *p)
+        });
+        let mut slot = match shared {
+            Some(id) => {
+                self.spill[id as usize].refs += 1;
+                Slot::new(SPILLED | id)
+            }
+            None => Slot::new(self.heads.acquire(key.ns.0, *first)),
+        };
         slot.last_access = last_access;
         slot.set_access_count(access_count);
         self.slots.push(slot);
         self.hashes.push(key.hash);
-        for p in rest {
-            self.put(i, *p, owners);
+        if shared.is_none() {
+            for p in rest {
+                self.put(i, *p, owners);
+            }
         }
         self.live += 1;
         true
@@ -869,6 +1088,8 @@ mod tests {
             assert_eq!(s.find(&key(b)), Some(u32::from(b)));
             assert_eq!(s.spill(u32::from(b)).unwrap().shared, 1);
         }
+        assert_eq!(live_lists(&s), 1, "keys restored with the same placements share a list");
+        heads_add_up(&s);
         assert_eq!(s.find(&key(200)), None);
         let mut d = Slots::new(3);
         d.push_restored(&key(1), &[p(0, 1)], 0, 0, &OWNERS);
@@ -915,15 +1136,80 @@ mod tests {
         assert_eq!(s.iter().count(), 20_000);
     }
 
-    /// Every live head is named as often as its count says (by slots and spill lists), and
-    /// only live heads are interned.
+    /// The number of live spill lists.
+    fn live_lists(s: &Slots) -> usize {
+        s.spill.iter().filter(|sp| sp.refs > 0).count()
+    }
+
+    #[test]
+    fn a_prefix_several_servers_store_shares_one_list() {
+        let mut s = Slots::new(1);
+        let keys: Vec<DirKey> = (0..16).map(key).collect();
+        // Server 0 stores the prefix, then servers 2 and 70 each store it in one batch.
+        for site in [0, 2, 4] {
+            let mut prev = None;
+            for k in &keys {
+                let h = s.hash_of(k);
+                prev = Some(s.store(prev, k, h, p(site, 1), &OWNERS).0);
+            }
+            heads_add_up(&s);
+        }
+        assert_eq!(live_lists(&s), 1, "one list for sixteen keys");
+        let shared = s.held(0);
+        assert!((0..16).all(|i| s.held(i) == shared && ps(&s, i).len() == 3));
+        // One key loses a placement: a list of its own; the others keep theirs.
+        assert_eq!(s.remove(5, SiteId(2), &OWNERS).map(|r| r.placement), Some(p(2, 1)));
+        assert_eq!(live_lists(&s), 2);
+        assert_eq!(ps(&s, 5), &[p(0, 1), p(4, 1)]);
+        assert!((0..16).filter(|&i| i != 5).all(|i| s.held(i) == shared));
+        heads_add_up(&s);
+        // The others lose it too, in one batch: they share again, with key 5 or beside it.
+        for i in (0..16).filter(|&i| i != 5) {
+            assert!(s.remove(i, SiteId(2), &OWNERS).is_some());
+        }
+        assert!(live_lists(&s) <= 2, "{} lists", live_lists(&s));
+        assert!((0..16).filter(|&i| i != 5).all(|i| s.held(i) == s.held(0)));
+        heads_add_up(&s);
+        // Down to one placement each: every key back on a head, no list left.
+        for i in 0..16 {
+            assert_eq!(s.remove(i, SiteId(4), &OWNERS).map(|r| r.key_gone), Some(None));
+        }
+        assert_eq!(live_lists(&s), 0);
+        assert!((0..16).all(|i| ps(&s, i) == [p(0, 1)] && s.spill(i).is_none()));
+        heads_add_up(&s);
+    }
+
+    #[test]
+    fn a_list_changed_since_is_not_shared() {
+        let mut s = Slots::new(1);
+        let (a, b) = (st(&mut s, &key(1), p(0, 1)).0, st(&mut s, &key(2), p(0, 1)).0);
+        // Key 1 gets site 2 (a new list), then site 4 in place: the list no longer is what
+        // site 2 alone made of key 2's head.
+        st(&mut s, &key(1), p(2, 1));
+        st(&mut s, &key(1), p(4, 1));
+        st(&mut s, &key(2), p(2, 1));
+        assert_eq!(ps(&s, b), &[p(0, 1), p(2, 1)]);
+        assert_eq!(ps(&s, a), &[p(0, 1), p(2, 1), p(4, 1)]);
+        assert_ne!(s.held(a), s.held(b));
+        heads_add_up(&s);
+    }
+
+    /// Every live head is named as often as its count says (by slots and live spill lists,
+    /// each list once), only live heads are interned, and every list is named by as many slots
+    /// as its count says.
     fn heads_add_up(s: &Slots) {
         let mut named = vec![0u32; s.heads.list.len()];
+        let mut naming = vec![0u32; s.spill.len()];
         for i in s.iter() {
             match s.slots[i as usize].spilled() {
-                Some(id) => s.spill[id as usize].list.iter().for_each(|&h| named[h as usize] += 1),
+                Some(id) => naming[id as usize] += 1,
                 None => named[s.slots[i as usize].head as usize] += 1,
             }
+        }
+        for (id, sp) in s.spill.iter().enumerate() {
+            assert_eq!(sp.refs, naming[id], "list {id}'s count");
+            assert_eq!(sp.refs == 0, s.spill_free.contains(&(id as u32)), "list {id} is free");
+            sp.list.iter().for_each(|&h| named[h as usize] += 1);
         }
         for (id, h) in s.heads.list.iter().enumerate() {
             assert_eq!(h.refs, named[id], "head {id}'s count");
