@@ -606,16 +606,22 @@ impl Slots {
                 for &h in &list {
                     self.heads.retain(h);
                 }
+                // The bitsets carry over: a placement replaced keeps its site and owner, and an
+                // added one sets its owner's bits (no walk of the list's heads).
+                let (l1, any, shared) = (spill.l1.clone(), spill.any.clone(), spill.shared);
                 let head = self.heads.acquire(ns, p);
+                let mut copy = Spill { ns, l1, any, shared, refs: 1, ..Spill::default() };
                 match at {
                     Some(k) => {
                         let old = std::mem::replace(&mut list[k], head);
                         self.heads.release(old);
                     }
-                    None => list.push(head),
+                    None => {
+                        list.push(head);
+                        copy.note(p, owners);
+                    }
                 }
-                let mut copy = Spill { ns, list, refs: 1, ..Spill::default() };
-                copy.rebuild(&self.heads, owners);
+                copy.list = list;
                 let to = self.file_spill(copy);
                 self.spill[id as usize].refs -= 1;
                 self.slots[i as usize].head = SPILLED | to;
