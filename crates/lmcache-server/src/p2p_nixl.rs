@@ -121,9 +121,7 @@ impl NixlChannel {
         sock.set_linger(0).map_err(std::io::Error::other)?;
         sock.set_rcvtimeo(100).map_err(std::io::Error::other)?;
         sock.set_maxmsgsize(MAX_MESSAGE).map_err(std::io::Error::other)?;
-        sock.bind(&format!("tcp://{listen}")).map_err(|e| {
-            std::io::Error::other(format!("binding the NIXL handshake socket on {listen}: {e}"))
-        })?;
+        bind_handshake(&sock, listen)?;
         let this = Arc::clone(self);
         std::thread::Builder::new().name("p2p-nixl".into()).spawn(move || {
             let _ctx = ctx;
@@ -350,9 +348,36 @@ fn bin<'a>(v: &'a Value, name: &str) -> Result<&'a [u8], String> {
     }
 }
 
+/// Binds the handshake socket on `listen`. A port already taken keeps its kind
+/// ([`std::io::ErrorKind::AddrInUse`]), so a caller that picked the port can pick another.
+fn bind_handshake(sock: &zmq::Socket, listen: SocketAddr) -> std::io::Result<()> {
+    sock.bind(&format!("tcp://{listen}")).map_err(|e| {
+        let kind = match e {
+            zmq::Error::EADDRINUSE => std::io::ErrorKind::AddrInUse,
+            _ => std::io::ErrorKind::Other,
+        };
+        std::io::Error::new(kind, format!("binding the NIXL handshake socket on {listen}: {e}"))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_handshake_port_already_taken_says_so_by_its_kind() {
+        let ctx = zmq::Context::new();
+        let first = ctx.socket(zmq::REP).unwrap();
+        first.set_linger(0).unwrap();
+        first.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = first.get_last_endpoint().unwrap().unwrap();
+        let taken: SocketAddr = endpoint.trim_start_matches("tcp://").parse().unwrap();
+        let second = ctx.socket(zmq::REP).unwrap();
+        second.set_linger(0).unwrap();
+        let err = bind_handshake(&second, taken).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
+        assert!(err.to_string().contains(&taken.to_string()), "{err}");
+    }
 
     #[test]
     fn pickles_name_the_wheel_the_library_came_from() {
