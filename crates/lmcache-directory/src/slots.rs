@@ -543,20 +543,15 @@ impl Slots {
 
     /// Upserts `p` into slot `i`; the size it replaced.
     fn put(&mut self, i: u32, p: Placement, owners: &SiteOwners) -> Option<u64> {
-        let s = self.slots[i as usize];
-        let held = match s.spilled() {
-            Some(id) => Held::List(id, self.spill[id as usize].version),
-            None => {
-                let head = *self.heads.get(s.head);
-                if head.placement.site == p.site {
-                    let id = self.heads.acquire(head.ns, p);
-                    self.heads.release(s.head);
-                    self.slots[i as usize].head = id;
-                    return Some(head.placement.size());
-                }
-                Held::Head(s.head, head.ns, head.placement)
-            }
-        };
+        let held = self.holding(self.slots[i as usize].head);
+        if let Held::Head(h, ns, old) = held
+            && old.site == p.site
+        {
+            // One placement, at this site: replaced in the slot.
+            self.slots[i as usize].head = self.heads.acquire(ns, p);
+            self.heads.release(h);
+            return Some(old.size());
+        }
         if let Some(m) = self.recall(held, Change::Put(p)) {
             // The batch's key before held the same and got the same: share its new list.
             self.take_up(i, held, m.to);
@@ -642,14 +637,19 @@ impl Slots {
     /// Notes that `change` took a slot from `from` to list `to` (or, with [`SPILLED`] clear,
     /// to head `to`), replacing or removing placement `gone`.
     fn remember(&mut self, from: Held, change: Change, to: u32, gone: Option<Placement>) {
-        let to = match to & SPILLED {
+        self.memo = Some(Memo { from, change, to: self.holding(to), gone });
+    }
+
+    /// What a live slot's `head` field (a head number, or [`SPILLED`] and a list number)
+    /// names now.
+    fn holding(&self, raw: u32) -> Held {
+        match raw & SPILLED {
             0 => {
-                let head = self.heads.get(to);
-                Held::Head(to, head.ns, head.placement)
+                let head = self.heads.get(raw);
+                Held::Head(raw, head.ns, head.placement)
             }
-            _ => Held::List(to & !SPILLED, self.spill[(to & !SPILLED) as usize].version),
-        };
-        self.memo = Some(Memo { from, change, to, gone });
+            _ => Held::List(raw & !SPILLED, self.spill[(raw & !SPILLED) as usize].version),
+        }
     }
 
     /// The memo of `change` from `held`, while what it leads to is unchanged.
@@ -726,7 +726,7 @@ impl Slots {
             self.free_slot(i);
             return Some(Removed { placement: head.placement, key_gone: Some(bound) });
         };
-        let held = Held::List(id, self.spill[id as usize].version);
+        let held = self.holding(s.head);
         if let Some(m) = self.recall(held, Change::Remove(site))
             && let Some(placement) = m.gone
         {
@@ -766,8 +766,6 @@ impl Slots {
         if spill.list.len() == 1 {
             // The last head reference moves back into the slot.
             let last = spill.list[0];
-            spill.list.clear();
-            spill.refs = 0;
             let version = spill.version.wrapping_add(1);
             self.spill[id as usize] = Spill { version, ..Spill::default() };
             self.spill_free.push(id);
