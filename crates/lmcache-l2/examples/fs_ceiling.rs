@@ -18,14 +18,13 @@
 //! [--hash]`. Prints one JSON line. DIR must not exist; it is removed at the end.
 
 use std::fs::{File, OpenOptions};
-use std::hash::Hasher;
 use std::io::{IoSlice, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use lmcache_core::ObjectKey;
-use twox_hash::XxHash3_64;
+use lmcache_l2::blob::PieceHasher;
 
 struct Args {
     dir: PathBuf,
@@ -89,8 +88,10 @@ fn store_file(dir: &Path, r: usize, i: usize, header: &[u8], payload: &[u8], has
     let fin = shard.join(&name);
     assert!(!fin.exists(), "{} exists", fin.display());
     if hash {
-        let mut h = XxHash3_64::with_seed(0);
-        h.write(payload);
+        let mut h = PieceHasher::new();
+        for piece in payload.chunks(PieceHasher::PIECE) {
+            h.piece(piece);
+        }
         std::hint::black_box(h.finish());
     }
     let tmp = shard.join(format!(".{name}.{i}.tmp"));
@@ -114,13 +115,9 @@ fn load_file(dir: &Path, r: usize, i: usize, header: &mut [u8], dest: &mut [u8],
         f.read_exact(dest).unwrap();
         return;
     }
-    // As the adapter verifies: each 256 KiB piece hashed right after it lands.
-    let mut h = XxHash3_64::with_seed(0);
-    for piece in dest.chunks_mut(256 << 10) {
-        f.read_exact(piece).unwrap();
-        h.write(piece);
-    }
-    std::hint::black_box(h.finish());
+    // As the adapter verifies: each piece hashed right after it lands.
+    let hash = PieceHasher::fill(dest, |_, piece| f.read_exact(piece)).unwrap();
+    std::hint::black_box(hash);
 }
 
 /// Mean round time over the measured rounds, in seconds.
