@@ -13,18 +13,52 @@
 //! `scripts/bench-l2-vs-lmcache` runs it in the same sitting as `lmcache bench l2` (fs_native)
 //! and `lmcache-rs bench l2` (fs), so each ratio is against a ceiling measured in that run.
 //!
+//! `--io` picks how the kernel is asked, to see what would move the ceiling itself (issue 24
+//! §4: O_DIRECT, preallocated files, io_uring):
+//! - `buffered` (the default): what the `fs` adapter does, as above;
+//! - `prealloc`: the same, with the file's blocks reserved (`fallocate`) before its write;
+//! - `direct`: O_DIRECT for stores and loads, from and into 4 KiB-aligned buffers, the header
+//!   padded to a 4 KiB block of its own so the payload needs no copy (payloads must be whole
+//!   4 KiB blocks);
+//! - `uring`: one io_uring per writer or reader, all its files submitted at once, each file a
+//!   linked chain (open into a registered file slot, write header, write payload, close,
+//!   rename; loads: open, read header, read payload, close), one system call per round and
+//!   thread instead of five per file. A store's chain starts with `statx` of the final name.
+//!
 //! `cargo run --release -p lmcache-l2 --example fs_ceiling -- DIR [--num-keys 32]
 //! [--in-flight 4] [--data-size-kb 256] [--rounds 5] [--warmup-rounds 1] [--header-bytes N]
-//! [--hash]`. Prints one JSON line. DIR must not exist; it is removed at the end.
+//! [--hash] [--io buffered|prealloc|direct|uring]`. Prints one JSON line. DIR must not exist;
+//! it is removed at the end.
 
-use std::fs::{File, OpenOptions};
+use std::fs::OpenOptions;
 use std::io::{IoSlice, Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use lmcache_core::ObjectKey;
 use lmcache_l2::blob::PieceHasher;
+
+/// How files are written and read; see the module docs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Io {
+    Buffered,
+    Prealloc,
+    Direct,
+    Uring,
+}
+
+impl Io {
+    fn name(self) -> &'static str {
+        match self {
+            Io::Buffered => "buffered",
+            Io::Prealloc => "prealloc",
+            Io::Direct => "direct",
+            Io::Uring => "uring",
+        }
+    }
+}
 
 struct Args {
     dir: PathBuf,
@@ -35,6 +69,7 @@ struct Args {
     warmup: usize,
     header: Option<usize>,
     hash: bool,
+    io: Io,
 }
 
 fn args() -> Result<Args, String> {
@@ -49,10 +84,19 @@ fn args() -> Result<Args, String> {
         warmup: 1,
         header: None,
         hash: false,
+        io: Io::Buffered,
     };
     while let Some(flag) = it.next() {
         if flag == "--hash" {
             a.hash = true;
+            continue;
+        }
+        if flag == "--io" {
+            let v = it.next().unwrap_or_default();
+            a.io = [Io::Buffered, Io::Prealloc, Io::Direct, Io::Uring]
+                .into_iter()
+                .find(|io| io.name() == v)
+                .ok_or_else(|| format!("--io {v:?}: one of buffered, prealloc, direct, uring"))?;
             continue;
         }
         let v: usize = it
@@ -74,7 +118,37 @@ fn args() -> Result<Args, String> {
             "--num-keys, --in-flight, --data-size-kb and --rounds must be at least 1".into()
         );
     }
+    if a.io == Io::Direct && a.size % BLOCK != 0 {
+        return Err(format!("--io direct needs a payload of whole {BLOCK}-byte blocks"));
+    }
     Ok(a)
+}
+
+/// O_DIRECT's alignment (of buffers, offsets and lengths) used here.
+const BLOCK: usize = 4096;
+
+/// A zeroed buffer of `len` bytes whose start is `BLOCK`-aligned, in safe code: a longer
+/// vector and the offset of its first aligned byte.
+struct Aligned {
+    buf: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let buf = vec![0u8; len + BLOCK];
+        let at = buf.as_ptr().align_offset(BLOCK);
+        Self { buf, at, len }
+    }
+
+    fn get(&self) -> &[u8] {
+        &self.buf[self.at..self.at + self.len]
+    }
+
+    fn get_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.at..self.at + self.len]
+    }
 }
 
 /// File `i` of round `r`: its shard directory and name.
@@ -83,19 +157,32 @@ fn path(dir: &Path, r: usize, i: usize) -> (PathBuf, String) {
     (shard, format!("bench-model@0x00000001@0@{r:08x}{i:056x}.data"))
 }
 
-fn store_file(dir: &Path, r: usize, i: usize, header: &[u8], payload: &[u8], hash: bool) {
+fn hash_all(payload: &[u8]) {
+    let mut h = PieceHasher::new();
+    for piece in payload.chunks(PieceHasher::PIECE) {
+        h.piece(piece);
+    }
+    std::hint::black_box(h.finish());
+}
+
+fn store_file(dir: &Path, r: usize, i: usize, header: &[u8], payload: &[u8], a: &Args) {
     let (shard, name) = path(dir, r, i);
     let fin = shard.join(&name);
     assert!(!fin.exists(), "{} exists", fin.display());
-    if hash {
-        let mut h = PieceHasher::new();
-        for piece in payload.chunks(PieceHasher::PIECE) {
-            h.piece(piece);
-        }
-        std::hint::black_box(h.finish());
+    if a.hash {
+        hash_all(payload);
     }
     let tmp = shard.join(format!(".{name}.{i}.tmp"));
-    let mut f = OpenOptions::new().write(true).create_new(true).mode(0o644).open(&tmp).unwrap();
+    let mut opts = OpenOptions::new();
+    opts.write(true).create_new(true).mode(0o644);
+    if a.io == Io::Direct {
+        opts.custom_flags(libc::O_DIRECT);
+    }
+    let mut f = opts.open(&tmp).unwrap();
+    if a.io == Io::Prealloc {
+        let len = (header.len() + payload.len()) as i64;
+        nix::fcntl::fallocate(f.as_raw_fd(), nix::fcntl::FallocateFlags::empty(), 0, len).unwrap();
+    }
     let mut bufs = [IoSlice::new(header), IoSlice::new(payload)];
     let mut slices: &mut [IoSlice<'_>] = &mut bufs;
     while !slices.is_empty() {
@@ -106,12 +193,17 @@ fn store_file(dir: &Path, r: usize, i: usize, header: &[u8], payload: &[u8], has
     std::fs::rename(&tmp, &fin).unwrap();
 }
 
-fn load_file(dir: &Path, r: usize, i: usize, header: &mut [u8], dest: &mut [u8], hash: bool) {
+fn load_file(dir: &Path, r: usize, i: usize, header: &mut [u8], dest: &mut [u8], a: &Args) {
     let (shard, name) = path(dir, r, i);
-    let mut f = File::open(shard.join(name)).unwrap();
+    let mut opts = OpenOptions::new();
+    opts.read(true);
+    if a.io == Io::Direct {
+        opts.custom_flags(libc::O_DIRECT);
+    }
+    let mut f = opts.open(shard.join(name)).unwrap();
     assert_eq!(f.metadata().unwrap().len() as usize, header.len() + dest.len());
     f.read_exact(header).unwrap();
-    if !hash {
+    if !a.hash {
         f.read_exact(dest).unwrap();
         return;
     }
@@ -133,6 +225,150 @@ fn rounds(a: &Args, mut round: impl FnMut(usize)) -> f64 {
     total / a.rounds as f64
 }
 
+/// The `uring` mode's stores and loads.
+mod uring {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::{Path, PathBuf};
+
+    use io_uring::{IoUring, opcode, squeue, types};
+
+    fn c(p: &Path) -> CString {
+        CString::new(p.as_os_str().as_bytes()).unwrap()
+    }
+
+    /// Submits `entries` and waits for all their completions; panics on any failure, except
+    /// that a `statx` (user data with the top bit set) must fail with ENOENT.
+    fn run(ring: &mut IoUring, entries: &[squeue::Entry]) {
+        for e in entries {
+            // SAFETY: every pointer in these entries (paths, buffers, the statx record) points
+            // into memory the caller keeps alive and does not touch until this function has
+            // seen all their completions, below.
+            unsafe { ring.submission().push(e).unwrap() };
+        }
+        let mut left = entries.len();
+        while left > 0 {
+            ring.submit_and_wait(left.min(1)).unwrap();
+            for cqe in ring.completion() {
+                left -= 1;
+                if cqe.user_data() >> 63 == 1 {
+                    assert_eq!(cqe.result(), -libc::ENOENT, "the final name is new");
+                } else {
+                    let (file, op) = (cqe.user_data() >> 8, cqe.user_data() & 0xff);
+                    assert!(
+                        cqe.result() >= 0,
+                        "file {file}, op {op} of its chain: {}",
+                        std::io::Error::from_raw_os_error(-cqe.result())
+                    );
+                }
+            }
+        }
+    }
+
+    /// A ring for `files` files at a time, each with a registered file slot.
+    pub fn ring(files: usize) -> IoUring {
+        let ring = IoUring::new((files * 8).next_power_of_two() as u32).unwrap();
+        ring.submitter().register_files_sparse(files as u32).unwrap();
+        ring
+    }
+
+    /// Stores `files` (temporary path, final path, header, payload) in one submission.
+    pub fn store(ring: &mut IoUring, files: &[(PathBuf, PathBuf, &[u8], &[u8])]) {
+        let paths: Vec<(CString, CString)> = files.iter().map(|f| (c(&f.0), c(&f.1))).collect();
+        // (io_uring's own `statx` type is opaque, of no size: the record is libc's.)
+        let mut stats: Vec<libc::statx> =
+            // SAFETY: `statx` is a plain C record of integers, valid all zero.
+            files.iter().map(|_| unsafe { std::mem::zeroed() }).collect();
+        let mut entries = Vec::with_capacity(files.len() * 6);
+        let cwd = types::Fd(libc::AT_FDCWD);
+        let link = squeue::Flags::IO_LINK;
+        for (j, ((tmp, fin), (_, _, header, payload))) in paths.iter().zip(files).enumerate() {
+            let slot = types::DestinationSlot::try_from_slot_target(j as u32).unwrap();
+            let fd = types::Fixed(j as u32);
+            let st = (&mut stats[j] as *mut libc::statx).cast::<types::statx>();
+            entries.push(
+                // Linked, so that it runs before the rename; a hard link, so that its ENOENT
+                // does not cancel the chain.
+                opcode::Statx::new(cwd, fin.as_ptr(), st)
+                    .mask(libc::STATX_SIZE)
+                    .build()
+                    .flags(squeue::Flags::IO_HARDLINK)
+                    .user_data(1 << 63 | j as u64),
+            );
+            let ud = (j as u64) << 8;
+            entries.push(
+                opcode::OpenAt::new(cwd, tmp.as_ptr())
+                    .file_index(Some(slot))
+                    .flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
+                    .mode(0o644)
+                    .build()
+                    .flags(link)
+                    .user_data(ud),
+            );
+            entries.push(
+                opcode::Write::new(fd, header.as_ptr(), header.len() as u32)
+                    .offset(0)
+                    .build()
+                    .flags(link)
+                    .user_data(ud | 1),
+            );
+            entries.push(
+                opcode::Write::new(fd, payload.as_ptr(), payload.len() as u32)
+                    .offset(header.len() as u64)
+                    .build()
+                    .flags(link)
+                    .user_data(ud | 2),
+            );
+            entries.push(opcode::Close::new(fd).build().flags(link).user_data(ud | 3));
+            entries.push(
+                opcode::RenameAt::new(cwd, tmp.as_ptr(), cwd, fin.as_ptr())
+                    .build()
+                    .user_data(ud | 4),
+            );
+        }
+        run(ring, &entries);
+        drop((paths, stats));
+    }
+
+    /// Loads `files` (path, header buffer, payload buffer) in one submission.
+    pub fn load(ring: &mut IoUring, files: &mut [(PathBuf, &mut [u8], &mut [u8])]) {
+        let paths: Vec<CString> = files.iter().map(|f| c(&f.0)).collect();
+        let mut entries = Vec::with_capacity(files.len() * 4);
+        let cwd = types::Fd(libc::AT_FDCWD);
+        let link = squeue::Flags::IO_LINK;
+        for (j, (p, (_, header, dest))) in paths.iter().zip(files.iter_mut()).enumerate() {
+            let slot = types::DestinationSlot::try_from_slot_target(j as u32).unwrap();
+            let fd = types::Fixed(j as u32);
+            let ud = (j as u64) << 8;
+            entries.push(
+                opcode::OpenAt::new(cwd, p.as_ptr())
+                    .file_index(Some(slot))
+                    .flags(libc::O_RDONLY)
+                    .build()
+                    .flags(link)
+                    .user_data(ud),
+            );
+            entries.push(
+                opcode::Read::new(fd, header.as_mut_ptr(), header.len() as u32)
+                    .offset(0)
+                    .build()
+                    .flags(link)
+                    .user_data(ud | 1),
+            );
+            entries.push(
+                opcode::Read::new(fd, dest.as_mut_ptr(), dest.len() as u32)
+                    .offset(header.len() as u64)
+                    .build()
+                    .flags(link)
+                    .user_data(ud | 2),
+            );
+            entries.push(opcode::Close::new(fd).build().user_data(ud | 3));
+        }
+        run(ring, &entries);
+        drop(paths);
+    }
+}
+
 fn main() {
     let a = match args() {
         Ok(a) => a,
@@ -146,33 +382,78 @@ fn main() {
         std::fs::create_dir(a.dir.join(format!("{s:02x}"))).unwrap();
     }
     let n = a.num_keys * a.in_flight;
-    let payloads: Vec<Vec<u8>> =
-        (0..n).map(|i| (0..a.size).map(|j| (i * 31 + j) as u8).collect()).collect();
-    // The header the adapter writes for `bench l2`'s keys, unless told otherwise.
+    let direct = a.io == Io::Direct;
+    let payloads: Vec<Aligned> = (0..n)
+        .map(|i| {
+            let mut p = Aligned::new(a.size);
+            for (j, b) in p.get_mut().iter_mut().enumerate() {
+                *b = (i * 31 + j) as u8;
+            }
+            p
+        })
+        .collect();
+    // The header the adapter writes for `bench l2`'s keys, unless told otherwise; O_DIRECT
+    // gives it a block of its own.
     let key = ObjectKey::new([0; 32], "bench-model", 1, 0, 0, "").unwrap();
-    let header = vec![7u8; a.header.unwrap_or_else(|| lmcache_l2::blob::header_len(&key))];
+    let header_len = a.header.unwrap_or_else(|| lmcache_l2::blob::header_len(&key));
+    let header_len = if direct { header_len.next_multiple_of(BLOCK) } else { header_len };
+    let mut header = Aligned::new(header_len);
+    header.get_mut().fill(7);
     let store = rounds(&a, |r| {
         std::thread::scope(|s| {
             for w in 0..a.in_flight {
-                let (a, header, payloads) = (&a, &header, &payloads);
+                let (a, header, payloads) = (&a, header.get(), &payloads);
                 s.spawn(move || {
-                    for j in 0..a.num_keys {
-                        let i = w * a.num_keys + j;
-                        store_file(&a.dir, r, i, header, &payloads[i], a.hash);
+                    let mine = w * a.num_keys..(w + 1) * a.num_keys;
+                    if a.io != Io::Uring {
+                        for i in mine {
+                            store_file(&a.dir, r, i, header, payloads[i].get(), a);
+                        }
+                        return;
                     }
+                    let mut ring = uring::ring(a.num_keys);
+                    let files: Vec<_> = mine
+                        .map(|i| {
+                            let (shard, name) = path(&a.dir, r, i);
+                            if a.hash {
+                                hash_all(payloads[i].get());
+                            }
+                            let tmp = shard.join(format!(".{name}.{i}.tmp"));
+                            (tmp, shard.join(name), header, payloads[i].get())
+                        })
+                        .collect();
+                    uring::store(&mut ring, &files);
                 });
             }
         });
     });
-    let mut dests: Vec<(Vec<u8>, Vec<u8>)> =
-        (0..n).map(|_| (vec![0u8; header.len()], vec![0u8; a.size])).collect();
+    let mut dests: Vec<(Aligned, Aligned)> =
+        (0..n).map(|_| (Aligned::new(header_len), Aligned::new(a.size))).collect();
     let load = rounds(&a, |r| {
         std::thread::scope(|s| {
             for (w, part) in dests.chunks_mut(a.num_keys).enumerate() {
                 let a = &a;
                 s.spawn(move || {
-                    for (j, (h, d)) in part.iter_mut().enumerate() {
-                        load_file(&a.dir, r, w * a.num_keys + j, h, d, a.hash);
+                    if a.io != Io::Uring {
+                        for (j, (h, d)) in part.iter_mut().enumerate() {
+                            load_file(&a.dir, r, w * a.num_keys + j, h.get_mut(), d.get_mut(), a);
+                        }
+                        return;
+                    }
+                    let mut ring = uring::ring(a.num_keys);
+                    let mut files: Vec<_> = part
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(j, (h, d))| {
+                            let (shard, name) = path(&a.dir, r, w * a.num_keys + j);
+                            (shard.join(name), h.get_mut(), d.get_mut())
+                        })
+                        .collect();
+                    uring::load(&mut ring, &mut files);
+                    if a.hash {
+                        for (_, _, d) in &files {
+                            hash_all(d);
+                        }
                     }
                 });
             }
@@ -181,7 +462,8 @@ fn main() {
     std::fs::remove_dir_all(&a.dir).unwrap();
     let mib = (n * a.size) as f64 / (1 << 20) as f64;
     println!(
-        "{{\"who\": \"fs ceiling{}\", \"store\": {{\"mib_per_s\": {:.1}}}, \"load\": {{\"mib_per_s\": {:.1}}}}}",
+        "{{\"who\": \"fs ceiling{}{}\", \"store\": {{\"mib_per_s\": {:.1}}}, \"load\": {{\"mib_per_s\": {:.1}}}}}",
+        if a.io == Io::Buffered { String::new() } else { format!(" ({})", a.io.name()) },
         if a.hash { " + xxh3" } else { "" },
         mib / store,
         mib / load
