@@ -56,5 +56,10 @@ for name in ["l2-0.0", "l2-0.5", "server"]:
         fields += len(sec) if isinstance(sec, dict) else 1
         if isinstance(sec, dict) and "operation" in sec:
             assert ours["metrics"][k]["operation"] == sec["operation"], (name, k)
+            if name.startswith("l2"):
+                # Same flags, so the same counts: every key succeeds, lookups hit as the
+                # hit rate says, warm-up rounds not counted.
+                for f in ("total_keys", "total_success"):
+                    assert ours["metrics"][k][f] == sec[f], (name, sec["operation"], f, ours["metrics"][k][f], sec[f])
 print(f"JSON shapes: our bench l2 and bench server documents carry every one of LMCache's {fields} fields")
 PY
