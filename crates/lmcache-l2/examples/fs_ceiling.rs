@@ -25,15 +25,20 @@
 //!   rename; loads: open, read header, read payload, close), one system call per round and
 //!   thread instead of five per file. A store's chain starts with `statx` of the final name.
 //!
+//! `--store-piece-kb N` writes the payload in `pwrite`s of N KiB, each piece hashed just
+//! before (with `--hash`), then the header: what the adapter does when the header is not sealed
+//! yet, as in `bench l2`. `--dest-offset N` starts each load destination N bytes past a page
+//! boundary, as `malloc` places large buffers.
+//!
 //! `cargo run --release -p lmcache-l2 --example fs_ceiling -- DIR [--num-keys 32]
 //! [--in-flight 4] [--data-size-kb 256] [--rounds 5] [--warmup-rounds 1] [--header-bytes N]
-//! [--hash] [--io buffered|prealloc|direct|uring]`. Prints one JSON line. DIR must not exist;
-//! it is removed at the end.
+//! [--hash] [--io buffered|prealloc|direct|uring] [--store-piece-kb N] [--dest-offset N]`.
+//! Prints one JSON line. DIR must not exist; it is removed at the end.
 
 use std::fs::OpenOptions;
 use std::io::{IoSlice, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -70,6 +75,11 @@ struct Args {
     header: Option<usize>,
     hash: bool,
     io: Io,
+    /// Stores write the payload in pieces of this many bytes (`pwrite` each, hashed just
+    /// before), as the adapter does when the header is not sealed yet; 0: one `writev`.
+    store_piece: usize,
+    /// Load destinations start this many bytes past a 4 KiB boundary.
+    dest_offset: usize,
 }
 
 fn args() -> Result<Args, String> {
@@ -85,6 +95,8 @@ fn args() -> Result<Args, String> {
         header: None,
         hash: false,
         io: Io::Buffered,
+        store_piece: 0,
+        dest_offset: 0,
     };
     while let Some(flag) = it.next() {
         if flag == "--hash" {
@@ -110,6 +122,8 @@ fn args() -> Result<Args, String> {
             "--rounds" => a.rounds = v,
             "--warmup-rounds" => a.warmup = v,
             "--header-bytes" => a.header = Some(v),
+            "--store-piece-kb" => a.store_piece = v << 10,
+            "--dest-offset" => a.dest_offset = v % BLOCK,
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
@@ -118,8 +132,11 @@ fn args() -> Result<Args, String> {
             "--num-keys, --in-flight, --data-size-kb and --rounds must be at least 1".into()
         );
     }
-    if a.io == Io::Direct && a.size % BLOCK != 0 {
-        return Err(format!("--io direct needs a payload of whole {BLOCK}-byte blocks"));
+    if a.io == Io::Uring && a.store_piece > 0 {
+        return Err("--store-piece-kb: not with --io uring (one write per file there)".into());
+    }
+    if a.io == Io::Direct && (a.size % BLOCK != 0 || a.store_piece % BLOCK != 0) {
+        return Err(format!("--io direct needs a payload and pieces of whole {BLOCK}-byte blocks"));
     }
     Ok(a)
 }
@@ -169,7 +186,7 @@ fn store_file(dir: &Path, r: usize, i: usize, header: &[u8], payload: &[u8], a: 
     let (shard, name) = path(dir, r, i);
     let fin = shard.join(&name);
     assert!(!fin.exists(), "{} exists", fin.display());
-    if a.hash {
+    if a.hash && a.store_piece == 0 {
         hash_all(payload);
     }
     let tmp = shard.join(format!(".{name}.{i}.tmp"));
@@ -183,11 +200,27 @@ fn store_file(dir: &Path, r: usize, i: usize, header: &[u8], payload: &[u8], a: 
         let len = (header.len() + payload.len()) as i64;
         nix::fcntl::fallocate(f.as_raw_fd(), nix::fcntl::FallocateFlags::empty(), 0, len).unwrap();
     }
-    let mut bufs = [IoSlice::new(header), IoSlice::new(payload)];
-    let mut slices: &mut [IoSlice<'_>] = &mut bufs;
-    while !slices.is_empty() {
-        let n = f.write_vectored(slices).unwrap();
-        IoSlice::advance_slices(&mut slices, n);
+    if a.store_piece > 0 {
+        let mut h = PieceHasher::new();
+        let mut at = header.len() as u64;
+        for piece in payload.chunks(a.store_piece) {
+            if a.hash {
+                for p in piece.chunks(PieceHasher::PIECE) {
+                    h.piece(p);
+                }
+            }
+            f.write_all_at(piece, at).unwrap();
+            at += piece.len() as u64;
+        }
+        std::hint::black_box(h.finish());
+        f.write_all_at(header, 0).unwrap();
+    } else {
+        let mut bufs = [IoSlice::new(header), IoSlice::new(payload)];
+        let mut slices: &mut [IoSlice<'_>] = &mut bufs;
+        while !slices.is_empty() {
+            let n = f.write_vectored(slices).unwrap();
+            IoSlice::advance_slices(&mut slices, n);
+        }
     }
     drop(f);
     std::fs::rename(&tmp, &fin).unwrap();
@@ -427,8 +460,14 @@ fn main() {
             }
         });
     });
-    let mut dests: Vec<(Aligned, Aligned)> =
-        (0..n).map(|_| (Aligned::new(header_len), Aligned::new(a.size))).collect();
+    let mut dests: Vec<(Aligned, Aligned)> = (0..n)
+        .map(|_| {
+            let mut d = Aligned::new(a.size + a.dest_offset);
+            d.at += a.dest_offset;
+            d.len = a.size;
+            (Aligned::new(header_len), d)
+        })
+        .collect();
     let load = rounds(&a, |r| {
         std::thread::scope(|s| {
             for (w, part) in dests.chunks_mut(a.num_keys).enumerate() {
