@@ -219,6 +219,39 @@ fn fs_conforms_with_each_codec_and_odirect() {
 }
 
 #[test]
+fn fs_stores_a_blob_sealed_by_another_tier_in_pieces_and_loads_it_back() {
+    // A blob another tier wrote first arrives with its header sealed; fs then writes the
+    // payload unhashed, a piece at a time, and the header last. Sizes around and past the
+    // 256 KiB piece, and a 32 MiB chunk of LMCache's default shape.
+    let dir = tempfile::tempdir().unwrap();
+    let sizes = [0usize, 1, 256 << 10, (256 << 10) + 1, (1 << 20) + 7, 32 << 20];
+    rt().block_on(async {
+        let b = build(json!({"type": "fs", "base_path": dir.path()})).await;
+        let keys: Vec<ObjectKey> = (0..sizes.len() as u32).map(|i| key(i, "sealed")).collect();
+        let items: Vec<(ObjectKey, lmcache_l2::Blob)> = keys
+            .iter()
+            .zip(sizes)
+            .enumerate()
+            .map(|(i, (k, len))| {
+                let blob = b.codec.encode(k, Bytes::from(payload(i as u32, len))).unwrap();
+                let _ = blob.header();
+                assert!(blob.sealed_header().is_some());
+                (k.clone(), blob)
+            })
+            .collect();
+        for r in b.adapter.store(items.clone()).await {
+            assert!(matches!(r, Ok(Stored::Written(_))), "store failed: {r:?}");
+        }
+        for (i, (k, r)) in keys.iter().zip(b.adapter.load(&keys).await).enumerate() {
+            let bytes = r.unwrap().unwrap_or_else(|| panic!("key {i} not loaded"));
+            assert_eq!(bytes.len(), items[i].1.len(), "key {i}: the file is the blob's length");
+            assert_eq!(b.codec.decode(k, &bytes).unwrap(), payload(i as u32, sizes[i]), "key {i}");
+        }
+        direct_loads(&b, &keys, &items).await;
+    });
+}
+
+#[test]
 fn fs_refuses_torn_files_and_cleans_temporaries() {
     let dir = tempfile::tempdir().unwrap();
     let spec = json!({"type": "fs", "base_path": dir.path()});
