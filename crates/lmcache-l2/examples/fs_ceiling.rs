@@ -4,7 +4,8 @@
 //! kept across rounds, MiB/s = a round's payload over the mean round time), with what a store
 //! of the `fs` adapter asks of the kernel per file and no more: a `stat` of the final name,
 //! `open(O_CREAT | O_EXCL)` of a temporary file beside it in one of 256 shard directories, one
-//! write of header and payload, `close`, `rename`. Loads `open`, `fstat` and read each file into
+//! write of header and payload (the adapter writes 256 KiB pieces, then the header:
+//! `--store-piece-kb 256`), `close`, `rename`. Loads `open`, `fstat` and read each file into
 //! buffers made before the clock starts. With `--hash`, each payload is also hashed (xxh3, the
 //! adapter's checksum) before its write and as it is read, 256 KiB at a time: the ceiling with
 //! the checksum at its hardware speed. No header is built or checked, no runtime schedules
