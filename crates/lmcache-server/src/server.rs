@@ -654,19 +654,133 @@ fn start_http(
                 };
                 // The status page's last minutes, sampled on this runtime (ends with it).
                 tokio::spawn(crate::http::history::run(Arc::clone(&state)));
-                let app = crate::http::router(state);
-                let shutdown = async move {
-                    let _ = rx.await;
-                };
-                // Handlers may name the caller (adapters added at run time are logged with it).
-                let app = app.into_make_service_with_connect_info::<SocketAddr>();
-                if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
-                    tracing::error!(error = %e, "HTTP server failed");
-                }
+                serve_http(listener, crate::http::router(state), rx).await;
             });
         })
         .map_err(io("starting the HTTP thread"))?;
     Ok((local, tx, join, dup))
+}
+
+/// Serves `app` on `listener` until `stop` fires, then stops taking connections and answers
+/// the requests of those it took ([`DrainingListener`]).
+async fn serve_http(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) {
+    let (listener, drain) = DrainingListener::new(listener);
+    let shutdown = async move {
+        let _ = stop.await;
+        drain.stop_accepting().await;
+    };
+    // Handlers may name the caller (adapters added at run time are logged with it); `tap_io`
+    // is what gives a listener of our own the caller's address.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |_| {});
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
+    if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(shutdown).await {
+        tracing::error!(error = %e, "HTTP server failed");
+    }
+}
+
+/// How long a connection the HTTP listener took just before a stop gets to send its request
+/// before the graceful shutdown closes the connections that are idle.
+const HTTP_DRAIN: Duration = Duration::from_millis(100);
+
+/// The HTTP listener, which stops taking connections before the server's graceful shutdown
+/// starts. That shutdown closes every connection with no request in progress at once, and a
+/// connection taken a moment before, whose request is still on its way or unread, is then
+/// reset: a client's request dropped across a hot upgrade, where a connection the kernel
+/// queued instead waits for the next server, which shares the listening socket. So a stop
+/// first stops the accepting, then, when a connection was taken within [`HTTP_DRAIN`], waits
+/// out the rest of it: by then its request is in progress, and the graceful shutdown answers
+/// it before it closes the connection.
+struct DrainingListener {
+    inner: tokio::net::TcpListener,
+    stop: tokio::sync::watch::Receiver<bool>,
+    /// When the last connection was taken, as nanoseconds since `epoch` (0: none yet).
+    last_accept: Arc<std::sync::atomic::AtomicU64>,
+    epoch: Instant,
+}
+
+/// The stopping end of a [`DrainingListener`].
+struct Drain {
+    stop: tokio::sync::watch::Sender<bool>,
+    last_accept: Arc<std::sync::atomic::AtomicU64>,
+    epoch: Instant,
+}
+
+impl DrainingListener {
+    fn new(inner: tokio::net::TcpListener) -> (Self, Drain) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        let last_accept = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let epoch = Instant::now();
+        let drain = Drain { stop: tx, last_accept: Arc::clone(&last_accept), epoch };
+        (Self { inner, stop: rx, last_accept, epoch }, drain)
+    }
+}
+
+impl Drain {
+    /// Stops the accepting, then waits until the last connection taken has had
+    /// [`HTTP_DRAIN`] since.
+    async fn stop_accepting(self) {
+        let _ = self.stop.send(true);
+        let last = self.last_accept.load(Ordering::Acquire);
+        if last == 0 {
+            return;
+        }
+        let since = self.epoch.elapsed().saturating_sub(Duration::from_nanos(last));
+        if let Some(left) = HTTP_DRAIN.checked_sub(since) {
+            tokio::time::sleep(left).await;
+        }
+    }
+}
+
+impl axum::serve::Listener for DrainingListener {
+    type Io = tokio::net::TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            if *self.stop.borrow() {
+                // Taken by nothing any more: what the kernel queues now is the next server's.
+                std::future::pending::<()>().await;
+            }
+            tokio::select! {
+                // A stop that comes with a connection ready wins: the stop has already read
+                // when the last connection was taken.
+                biased;
+                changed = self.stop.changed() => {
+                    if changed.is_err() {
+                        std::future::pending::<()>().await;
+                    }
+                }
+                taken = self.inner.accept() => match taken {
+                    Ok((io, addr)) => {
+                        let at = self.epoch.elapsed().as_nanos().max(1) as u64;
+                        self.last_accept.store(at, Ordering::Release);
+                        return (io, addr);
+                    }
+                    // As axum's own listener: a connection that went before it was taken is
+                    // passed over; any other failure (out of descriptors) is logged and
+                    // retried a moment later.
+                    Err(e) if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::ConnectionRefused
+                    ) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "HTTP accept failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+            }
+        }
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
 }
 
 /// Announces the adopted chunks whose tokens the previous process kept: a KV event `stored`
@@ -828,4 +942,95 @@ fn subscribers(
         subs.push(Arc::new(LookupLogSubscriber(Arc::clone(l))));
     }
     subs
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    use super::serve_http;
+
+    fn get(c: &mut std::net::TcpStream, close: bool) -> std::io::Result<()> {
+        let conn = if close { "Connection: close\r\n" } else { "" };
+        write!(c, "GET /ok HTTP/1.1\r\nHost: 127.0.0.1\r\n{conn}\r\n")
+    }
+
+    /// Reads one response whose body is `body` (its length known), leaving the connection open.
+    fn answer(c: &mut std::net::TcpStream, body: &str) -> String {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 1024];
+        while !String::from_utf8_lossy(&got).ends_with(&format!("\r\n\r\n{body}")) {
+            match c.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+                Err(e) => return format!("{}[{e}]", String::from_utf8_lossy(&got)),
+            }
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    }
+
+    /// A hot upgrade's HTTP side, with a successor sharing the listening socket: a request on
+    /// a connection the old server took just before its stop is answered by it (the graceful
+    /// shutdown alone closed that connection, idle at the stop, and reset the request), and a
+    /// connection made after the stop is the successor's.
+    #[test]
+    fn a_stop_answers_a_connection_it_just_took_and_leaves_new_ones_to_the_successor() {
+        let std_listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let shared = std_listener.try_clone().unwrap();
+        std_listener.set_nonblocking(true).unwrap();
+        let addr = std_listener.local_addr().unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let old = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(std_listener).unwrap();
+                let app = axum::Router::new().route("/ok", axum::routing::get(|| async { "old" }));
+                serve_http(listener, app, rx).await;
+            });
+        });
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        get(&mut c, false).unwrap();
+        let first = answer(&mut c, "old");
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+        // The stop; the connection, taken a moment ago, is idle; its next request comes.
+        tx.send(()).unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+        let second = get(&mut c, true).map(|()| answer(&mut c, "old"));
+        assert!(
+            second.as_ref().is_ok_and(|a| a.starts_with("HTTP/1.1 200")),
+            "the request after the stop was dropped: {second:?}"
+        );
+        // The successor takes what is queued from now on (the socket is one, as after a
+        // handover); the old server takes nothing more.
+        let successor = std::thread::spawn(move || {
+            let t0 = std::time::Instant::now();
+            loop {
+                match shared.accept() {
+                    Ok((mut s, _)) => {
+                        let mut buf = [0u8; 1024];
+                        s.set_nonblocking(false).unwrap();
+                        let _ = s.read(&mut buf);
+                        let _ = s.write_all(
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nnew",
+                        );
+                        return;
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        assert!(t0.elapsed() < Duration::from_secs(10), "nothing came");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        });
+        let mut d = std::net::TcpStream::connect(addr).unwrap();
+        d.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        get(&mut d, true).unwrap();
+        let third = answer(&mut d, "new");
+        assert!(third.ends_with("new"), "a connection after the stop: {third:?}");
+        successor.join().unwrap();
+        old.join().unwrap();
+    }
 }
