@@ -697,25 +697,22 @@ const HTTP_DRAIN: Duration = Duration::from_millis(100);
 struct DrainingListener {
     inner: tokio::net::TcpListener,
     stop: tokio::sync::watch::Receiver<bool>,
-    /// When the last connection was taken, as nanoseconds since `epoch` (0: none yet).
-    last_accept: Arc<std::sync::atomic::AtomicU64>,
-    epoch: Instant,
+    /// When the last connection was taken (none yet: `None`).
+    last_accept: Arc<parking_lot::Mutex<Option<Instant>>>,
 }
 
 /// The stopping end of a [`DrainingListener`].
 struct Drain {
     stop: tokio::sync::watch::Sender<bool>,
-    last_accept: Arc<std::sync::atomic::AtomicU64>,
-    epoch: Instant,
+    last_accept: Arc<parking_lot::Mutex<Option<Instant>>>,
 }
 
 impl DrainingListener {
     fn new(inner: tokio::net::TcpListener) -> (Self, Drain) {
         let (tx, rx) = tokio::sync::watch::channel(false);
-        let last_accept = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let epoch = Instant::now();
-        let drain = Drain { stop: tx, last_accept: Arc::clone(&last_accept), epoch };
-        (Self { inner, stop: rx, last_accept, epoch }, drain)
+        let last_accept = Arc::new(parking_lot::Mutex::new(None));
+        let drain = Drain { stop: tx, last_accept: Arc::clone(&last_accept) };
+        (Self { inner, stop: rx, last_accept }, drain)
     }
 }
 
@@ -724,12 +721,8 @@ impl Drain {
     /// [`HTTP_DRAIN`] since.
     async fn stop_accepting(self) {
         let _ = self.stop.send(true);
-        let last = self.last_accept.load(Ordering::Acquire);
-        if last == 0 {
-            return;
-        }
-        let since = self.epoch.elapsed().saturating_sub(Duration::from_nanos(last));
-        if let Some(left) = HTTP_DRAIN.checked_sub(since) {
+        let last = *self.last_accept.lock();
+        if let Some(left) = last.and_then(|t| HTTP_DRAIN.checked_sub(t.elapsed())) {
             tokio::time::sleep(left).await;
         }
     }
@@ -756,8 +749,7 @@ impl axum::serve::Listener for DrainingListener {
                 }
                 taken = self.inner.accept() => match taken {
                     Ok((io, addr)) => {
-                        let at = self.epoch.elapsed().as_nanos().max(1) as u64;
-                        self.last_accept.store(at, Ordering::Release);
+                        *self.last_accept.lock() = Some(Instant::now());
                         return (io, addr);
                     }
                     // As axum's own listener: a connection that went before it was taken is
