@@ -282,7 +282,7 @@ mod uring {
         }
         let mut left = entries.len();
         while left > 0 {
-            ring.submit_and_wait(left.min(1)).unwrap();
+            ring.submit_and_wait(1).unwrap();
             for cqe in ring.completion() {
                 left -= 1;
                 if cqe.user_data() >> 63 == 1 {
@@ -297,6 +297,18 @@ mod uring {
                 }
             }
         }
+    }
+
+    /// Opens `path` into registered file slot `j`, first of its file's linked chain.
+    fn open_into(path: &CString, j: usize, flags: i32, mode: libc::mode_t) -> squeue::Entry {
+        let slot = types::DestinationSlot::try_from_slot_target(j as u32).unwrap();
+        opcode::OpenAt::new(types::Fd(libc::AT_FDCWD), path.as_ptr())
+            .file_index(Some(slot))
+            .flags(flags)
+            .mode(mode)
+            .build()
+            .flags(squeue::Flags::IO_LINK)
+            .user_data((j as u64) << 8)
     }
 
     /// A ring for `files` files at a time, each with a registered file slot.
@@ -317,7 +329,6 @@ mod uring {
         let cwd = types::Fd(libc::AT_FDCWD);
         let link = squeue::Flags::IO_LINK;
         for (j, ((tmp, fin), (_, _, header, payload))) in paths.iter().zip(files).enumerate() {
-            let slot = types::DestinationSlot::try_from_slot_target(j as u32).unwrap();
             let fd = types::Fixed(j as u32);
             let st = (&mut stats[j] as *mut libc::statx).cast::<types::statx>();
             entries.push(
@@ -330,15 +341,7 @@ mod uring {
                     .user_data(1 << 63 | j as u64),
             );
             let ud = (j as u64) << 8;
-            entries.push(
-                opcode::OpenAt::new(cwd, tmp.as_ptr())
-                    .file_index(Some(slot))
-                    .flags(libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL)
-                    .mode(0o644)
-                    .build()
-                    .flags(link)
-                    .user_data(ud),
-            );
+            entries.push(open_into(tmp, j, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o644));
             entries.push(
                 opcode::Write::new(fd, header.as_ptr(), header.len() as u32)
                     .offset(0)
@@ -368,20 +371,11 @@ mod uring {
     pub fn load(ring: &mut IoUring, files: &mut [(PathBuf, &mut [u8], &mut [u8])]) {
         let paths: Vec<CString> = files.iter().map(|f| c(&f.0)).collect();
         let mut entries = Vec::with_capacity(files.len() * 4);
-        let cwd = types::Fd(libc::AT_FDCWD);
         let link = squeue::Flags::IO_LINK;
         for (j, (p, (_, header, dest))) in paths.iter().zip(files.iter_mut()).enumerate() {
-            let slot = types::DestinationSlot::try_from_slot_target(j as u32).unwrap();
             let fd = types::Fixed(j as u32);
             let ud = (j as u64) << 8;
-            entries.push(
-                opcode::OpenAt::new(cwd, p.as_ptr())
-                    .file_index(Some(slot))
-                    .flags(libc::O_RDONLY)
-                    .build()
-                    .flags(link)
-                    .user_data(ud),
-            );
+            entries.push(open_into(p, j, libc::O_RDONLY, 0));
             entries.push(
                 opcode::Read::new(fd, header.as_mut_ptr(), header.len() as u32)
                     .offset(0)
