@@ -108,7 +108,8 @@ impl<'a> Cursor<'a> {
             if !self.bytes().get(self.at)?.is_ascii_digit() {
                 return None;
             }
-            i64::try_from(self.digits()?).ok().map(|v| -v)
+            // serde_json reads "-0" as the float -0.0, which no integer field takes.
+            i64::try_from(self.digits()?).ok().filter(|&v| v != 0).map(|v| -v)
         } else {
             i64::try_from(self.digits()?).ok()
         }
@@ -463,8 +464,8 @@ mod tests {
             f.push(("token_ids", format!("[{}]", ids.join(", "))));
         }
         if g.one_in(3) {
-            let off = ["256", "-1", "0", "-2", "-9223372036854775808"]
-                [g.below(4 + u64::from(odd)) as usize];
+            let off = ["256", "-1", "0", "-2", "-9223372036854775808", "-0", "-01", "- 1"]
+                [g.below(4 + 4 * u64::from(odd)) as usize];
             f.push(("token_offset", off.to_string()));
         }
         object(g, f, odd)
@@ -572,6 +573,21 @@ mod tests {
         assert!(agrees(text).unwrap());
         let b = decode_body_for_test(text);
         assert_eq!(b.batches[0].entries[0].key.chunk_hash.0.as_ref().map(|h| h[0]), Ok(0x6d));
+    }
+
+    #[test]
+    fn minus_zero_is_left_to_serde_which_refuses_it_as_an_integer() {
+        // Found by the damaged-bodies property in CI: the pass read "-0" as 0.
+        let key = r#"{"chunk_hash_hex": "6d0a5e3ad8b0f3d7c5c4b3a29181706f5e4d3c2b1a09f8e7d6c5b4a392817060", "model_name": "m", "kv_rank": 0}"#;
+        let body = |off: &str| {
+            format!(
+                r#"{{"batches": [{{"instance_id": "s", "incarnation": 1, "seq": 1, "event_type": "store", "tier": "l1", "entries": [{{"key": {key}, "token_offset": {off}}}]}}]}}"#
+            )
+        };
+        assert!(agrees(&body("-1")).unwrap());
+        let text = body("-0");
+        assert_eq!(scan(&text), None, "the pass must not read -0");
+        assert!(serde_json::from_str::<CacheEventsBody<'_>>(&text).is_err());
     }
 
     fn decode_body_for_test(text: &str) -> CacheEventsBody<'_> {
