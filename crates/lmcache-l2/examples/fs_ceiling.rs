@@ -155,8 +155,13 @@ struct Aligned {
 
 impl Aligned {
     fn new(len: usize) -> Self {
-        let buf = vec![0u8; len + BLOCK];
-        let at = buf.as_ptr().align_offset(BLOCK);
+        Self::past_boundary(len, 0)
+    }
+
+    /// `len` bytes starting `offset` bytes past a `BLOCK` boundary (`offset < BLOCK`).
+    fn past_boundary(len: usize, offset: usize) -> Self {
+        let buf = vec![0u8; len + offset + BLOCK];
+        let at = buf.as_ptr().align_offset(BLOCK) + offset;
         Self { buf, at, len }
     }
 
@@ -456,12 +461,7 @@ fn main() {
         });
     });
     let mut dests: Vec<(Aligned, Aligned)> = (0..n)
-        .map(|_| {
-            let mut d = Aligned::new(a.size + a.dest_offset);
-            d.at += a.dest_offset;
-            d.len = a.size;
-            (Aligned::new(header_len), d)
-        })
+        .map(|_| (Aligned::new(header_len), Aligned::past_boundary(a.size, a.dest_offset)))
         .collect();
     let load = rounds(&a, |r| {
         std::thread::scope(|s| {
