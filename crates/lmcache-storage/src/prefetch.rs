@@ -253,9 +253,14 @@ async fn run_inner(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcom
     let mut out = PrefetchOutcome::default();
     let permit =
         tokio::time::timeout_at(deadline, shared.prefetch_slots.clone().acquire_owned()).await;
+    // Read locks on this request's chunks L1 already holds, kept until the prefix is locked
+    // below: neither the loads' own reservations nor the watermark may evict them to make
+    // room for the chunks loaded beside them (which would leave the prefix short of what L1
+    // and L2 hold between them).
+    let mut resident: Vec<ReadLease> = Vec::new();
     if let Ok(Ok(_permit)) = permit {
         stats.prefetch_in_flight.fetch_add(1, Ordering::Relaxed);
-        if !load_missing(shared, &req, &mut out, deadline).await {
+        if !load_missing(shared, &req, &mut out, &mut resident, deadline).await {
             out.expired = true;
         }
         stats.prefetch_in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -278,29 +283,33 @@ async fn run_inner(shared: &Arc<Shared>, req: PrefetchRequest) -> PrefetchOutcom
     }
     out.leases = leases;
     out.hits = hits;
+    drop(resident);
     out
 }
 
-/// Looks up, plans and loads the chunks L1 lacks. The lookups must end by `deadline`; the
-/// loads get `deadline` plus their planned bytes at [`lmcache_l2::FLOOR_BANDWIDTH`], so a
-/// request of large chunks is not cut off by a limit sized for small ones. Returns false if a
-/// time limit cut it short.
+/// Looks up, plans and loads the chunks L1 lacks; read-locks those it holds into `resident`.
+/// The lookups must end by `deadline`; the loads get `deadline` plus their planned bytes at
+/// [`lmcache_l2::FLOOR_BANDWIDTH`], so a request of large chunks is not cut off by a limit
+/// sized for small ones. Returns false if a time limit cut it short.
 async fn load_missing(
     shared: &Arc<Shared>,
     req: &PrefetchRequest,
     out: &mut PrefetchOutcome,
+    resident: &mut Vec<ReadLease>,
     deadline: tokio::time::Instant,
 ) -> bool {
     let n = req.shards.iter().map(Vec::len).min().unwrap_or(0);
     if n == 0 {
         return true;
     }
-    // Which (shard, chunk) cells L1 lacks.
+    // Which (shard, chunk) cells L1 lacks; those it holds are locked until the end.
     let mut missing: Vec<(usize, usize)> = Vec::new();
     for (s, keys) in req.shards.iter().enumerate() {
-        for (c, k) in keys.iter().take(n).enumerate() {
-            if !shared.l1.contains(k) {
-                missing.push((s, c));
+        let keys = keys.get(..n).unwrap_or_default();
+        for (c, lease) in shared.l1.read_lock(keys, 1).into_iter().enumerate() {
+            match lease {
+                Ok(l) => resident.push(l),
+                Err(_) => missing.push((s, c)),
             }
         }
     }

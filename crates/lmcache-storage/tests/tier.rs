@@ -153,6 +153,73 @@ fn prefix_stops_at_the_first_chunk_nowhere() {
 }
 
 #[test]
+fn loading_a_chunk_never_evicts_another_chunk_of_the_same_request() {
+    // L1 holds 8 objects: chunks 1..8 of a request and, used last, an unrelated object. The
+    // request's chunk 0 is only in L2; loading it needs room, and the room must come from
+    // the unrelated object, not from chunk 1 (the prefix would end there: 1 of 8, with all 8
+    // in L1 and L2 between them). A slab L1 whose staging holds one request hit 6 of 8 so.
+    let l1 = l1(8 * OBJ);
+    let tier = L2Tier::start(
+        l1.clone(),
+        &[json!({"type": "mock", "max_size_gb": 1})],
+        TierConfig::default(),
+    )
+    .unwrap();
+    for i in 0..8 {
+        put(&l1, i);
+    }
+    tier.submit_store((0..8).map(key));
+    wait_stored(&tier, 8);
+    assert!(l1.delete(&[key(0)], false)[0].is_ok());
+    put(&l1, 100);
+    tier.submit_store([key(100)]);
+    wait_stored(&tier, 9);
+    let out = tier
+        .prefetch_blocking(PrefetchRequest { shards: vec![(0..8).map(key).collect()], readers: 1 });
+    assert_eq!(out.loaded_keys, 1);
+    assert_eq!(out.hits, 8, "a chunk of the request was evicted for another of its chunks");
+    for (i, lease) in out.leases[0].iter().enumerate() {
+        assert_eq!(lease.bytes(), &pattern(i as u32)[..], "chunk {i}");
+    }
+    assert!(!l1.contains(&key(100)), "the unrelated object made the room");
+}
+
+#[test]
+fn a_watermark_pass_during_a_load_spares_the_requests_chunks_already_in_l1() {
+    // L1 holds 8 objects. Chunks 0 and 1 of a request are only in a slow L2, 2..8 in L1
+    // too. While 0 and 1 load, their reservations fill L1 and the watermark pass (80 %)
+    // evicts a fifth of it: never the request's own chunks (it used to take 2 and 3, and
+    // the prefix ended at 2 with all 8 in L1 and L2 between them).
+    let l1 = l1(8 * OBJ);
+    let spec = json!({"type": "fault_inject", "rate": 1.0, "mode": "delay", "delay_ms": 1000,
+        "ops": ["load"], "inner": {"type": "mock", "max_size_gb": 1}});
+    let tier = L2Tier::start(l1.clone(), &[spec], TierConfig::default()).unwrap();
+    for i in 0..8 {
+        put(&l1, i);
+    }
+    tier.submit_store((0..8).map(key));
+    wait_stored(&tier, 8);
+    assert!(l1.delete(&[key(0), key(1)], false).iter().all(Result::is_ok));
+    let (tier, l1b) = (std::sync::Arc::new(tier), l1.clone());
+    let t = tier.clone();
+    let prefetch = std::thread::spawn(move || {
+        t.prefetch_blocking(PrefetchRequest { shards: vec![(0..8).map(key).collect()], readers: 1 })
+    });
+    let t0 = Instant::now();
+    while l1b.usage().used_bytes < 8 * OBJ {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the loads never reserved their room");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let report = l1.run_maintenance();
+    let out = prefetch.join().unwrap();
+    assert_eq!(report.watermark_evicted_bytes, 0, "the pass evicted a chunk of the request");
+    assert_eq!((out.loaded_keys, out.hits), (2, 8));
+    for (i, lease) in out.leases[0].iter().enumerate() {
+        assert_eq!(lease.bytes(), &pattern(i as u32)[..], "chunk {i}");
+    }
+}
+
+#[test]
 fn corrupt_truncated_and_failing_loads_are_misses_never_wrong_bytes() {
     for mode in ["corrupt", "truncate", "fail", "miss"] {
         let l1 = l1(64 << 20);
