@@ -79,22 +79,26 @@ for ckind in lmcache-rs lmcache; do
   pids+=($!)
   wait_http "http://127.0.0.1:$cport/healthz" "$WORK/coord-$ckind.log"
   l2="$WORK/l2-$ckind"; mkdir -p "$l2"
-  urls=()
+  urls=(); https=()
   for name in a b; do
     port=$(free_port); http=$(free_port)
+    # A's L2 writes take a second: the coordinator hears of A's chunk before the L2 holds
+    # it, every run (B must not look, and count the chunk stale, before then).
+    adapter="{\"type\": \"fs\", \"base_path\": \"$l2\"}"
+    [ "$name" = b ] || adapter="{\"type\": \"fault_inject\", \"rate\": 1.0, \"mode\": \"delay\", \"delay_ms\": 1000, \"ops\": [\"store\"], \"inner\": $adapter}"
     "$BIN" server --host 127.0.0.1 --port "$port" --http-port "$http" --l1-size-gb 1 \
         --engine-type blend --shm-name "lmcache_rs_bf_$$_${ckind}_$name" --max-workers 2 \
-        --l2-adapter "{\"type\": \"fs\", \"base_path\": \"$l2\"}" \
+        --l2-adapter "$adapter" \
         --instance-id "blend-$name" --coordinator-url "http://127.0.0.1:$cport" \
         --coordinator-event-reporting --coordinator-event-flush-interval 0.1 \
         --coordinator-heartbeat-interval 1 --coordinator-advertise-ip 127.0.0.1 \
         --exit-after-seconds 300 > "$WORK/fleet-$ckind-$name.log" 2>&1 &
     pids+=($!)
     wait_http "http://127.0.0.1:$http/healthcheck" "$WORK/fleet-$ckind-$name.log"
-    urls+=("tcp://127.0.0.1:$port"); last_http="http://127.0.0.1:$http"
+    urls+=("tcp://127.0.0.1:$port"); https+=("http://127.0.0.1:$http")
   done
   (cd tests/interop && timeout 240 "$VENV/bin/python" blend_fleet.py "${urls[0]}" "${urls[1]}" \
-      "$last_http") || {
+      "${https[0]}" "${https[1]}") || {
     echo "FAILED: blend fleet ($ckind coordinator)"
     for l in "coord-$ckind" "fleet-$ckind-a" "fleet-$ckind-b"; do echo "--- $l"; tail -25 "$WORK/$l.log"; done
     exit 1

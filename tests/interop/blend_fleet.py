@@ -8,7 +8,7 @@ Checks: B's lookup answers exactly what A's own matcher answers for the same pro
 and hash bytes); B's scatter passes LMCache's re-rotation oracle; B never struck the chunk;
 B's metrics count the coordinator's match and the L2 read.
 
-Usage: python blend_fleet.py tcp://SERVER_A tcp://SERVER_B http://B_HTTP
+Usage: python blend_fleet.py tcp://SERVER_A tcp://SERVER_B http://A_HTTP http://B_HTTP
 """
 import re
 import sys
@@ -38,8 +38,19 @@ def metric(url, name):
     return sum(float(x) for x in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
+def written_to_l2(http, deadline):
+    """Waits until the server's L2 write-behind has written everything submitted to it."""
+    while True:
+        done = metric(http, "lmcache_mp_l2_store_completed_objects_total")
+        asked = metric(http, "lmcache_mp_l2_store_submitted_objects_total")
+        if asked >= 1 and done >= asked:
+            return
+        assert time.monotonic() < deadline, f"A's L2 writes: {done} of {asked}"
+        time.sleep(0.05)
+
+
 def main():
-    url_a, url_b, http_b = sys.argv[1:4]
+    url_a, url_b, http_a, http_b = sys.argv[1:5]
     ctx = zmq.Context()
     a, b = Engine(url_a, ctx), Engine(url_b, ctx)
     for eng in (a, b):
@@ -49,6 +60,9 @@ def main():
     a.write_prompt(src, neox=True)
     assert a.store("p1", P1, src), "A's store"
     zero(a)
+    # B may only look once the chunk is in the L2 they share: a lookup before that finds the
+    # coordinator's match but no KV, and counts it stale (as it should).
+    written_to_l2(http_a, time.monotonic() + 30)
 
     # What A's own matcher answers for P2: the truth B must reach through the fleet.
     want, _ = a.lookup("qa", P2)
