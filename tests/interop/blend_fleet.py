@@ -10,14 +10,13 @@ B's metrics count the coordinator's match and the L2 read.
 
 Usage: python blend_fleet.py tcp://SERVER_A tcp://SERVER_B http://A_HTTP http://B_HTTP
 """
-import re
 import sys
 import time
-import urllib.request
 
 import zmq
 
 from blend_engine import P1, P2, Engine, check_scatter, zero
+from prom import metric  # beside this file
 
 
 def found(eng, rid, tokens, deadline):
@@ -31,11 +30,6 @@ def found(eng, rid, tokens, deadline):
         eng.end(f"{rid}-{i}")
         i += 1
         time.sleep(0.2)
-
-
-def metric(url, name):
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    return sum(float(x) for x in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
 def written_to_l2(http, deadline):

@@ -9,9 +9,7 @@ for byte with what was stored; the server's metrics must show the hits came from
 Usage: python l2_offload.py tcp://127.0.0.1:PORT http://127.0.0.1:HTTP
 """
 import os
-import re
 import sys
-import urllib.request
 
 import torch
 import zmq
@@ -22,6 +20,7 @@ from lmcache.integration.vllm.vllm_multi_process_adapter import (
     ParallelStrategy,
 )
 
+from prom import metric  # beside this file
 from vllm_adapters import wait_for  # beside this file
 
 BS, LAYERS, HEADS, HEAD = 16, 4, 2, 64
@@ -30,14 +29,6 @@ SEQS = int(os.environ.get("L2_SEQS", "12"))
 BLOCKS_PER_SEQ = 2 * CHUNK_TOKENS // BS
 NB = (SEQS + 1) * BLOCKS_PER_SEQ
 TIMEOUT = 30.0
-
-
-def metric(http, name):
-    text = urllib.request.urlopen(f"{http}/metrics", timeout=5).read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M):
-        total += float(m.group(1))
-    return total
 
 
 def main():

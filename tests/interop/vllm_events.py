@@ -20,6 +20,8 @@ import msgspec
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+from prom import metric  # beside this file
+
 BIN, PORT, PUB, REPLAY, LOG = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 URL = f"http://127.0.0.1:{PORT}"
 DECODE = msgspec.msgpack.Decoder(KVEventBatch)
@@ -153,12 +155,9 @@ def run():
         replayed.append((int.from_bytes(seq, "big"), payload))
     assert replayed == [(g[1], g[2]) for g in got], [s for s, _ in replayed]
 
-    with urllib.request.urlopen(f"{URL}/metrics", timeout=10) as r:
-        metrics = r.read().decode()
     # Queued: srv-a's 4 batches (one per model) and its fence, then its store; the warm-up's.
-    queued = [l for l in metrics.splitlines()
-              if l.startswith("lmcache_rs_coordinator_vllm_kv_event_batches_queued_total ")]
-    assert queued and float(queued[0].split()[1]) >= 6 + 1, queued
+    queued = metric(URL, "lmcache_rs_coordinator_vllm_kv_event_batches_queued_total")
+    assert queued >= 6 + 1, queued
     print(f"vLLM KV events: {len(got)} batches decoded by vLLM 0.34.0's KVEventBatch, "
           f"replay of {len(replayed)} from seq {start}")
 
