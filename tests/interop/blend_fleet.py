@@ -16,7 +16,7 @@ import time
 import zmq
 
 from blend_engine import P1, P2, Engine, check_scatter, zero
-from prom import metric  # beside this file
+from prom import metric, metrics  # beside this file
 
 
 def found(eng, rid, tokens, deadline):
@@ -35,8 +35,8 @@ def found(eng, rid, tokens, deadline):
 def written_to_l2(http, deadline):
     """Waits until the server's L2 write-behind has written everything submitted to it."""
     while True:
-        done = metric(http, "lmcache_mp_l2_store_completed_objects_total")
-        asked = metric(http, "lmcache_mp_l2_store_submitted_objects_total")
+        done, asked = metrics(http, "lmcache_mp_l2_store_completed_objects_total",
+                              "lmcache_mp_l2_store_submitted_objects_total")
         if asked >= 1 and done >= asked:
             return
         assert time.monotonic() < deadline, f"A's L2 writes: {done} of {asked}"
