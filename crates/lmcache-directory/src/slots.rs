@@ -509,6 +509,12 @@ impl Slots {
         p: Placement,
         owners: &SiteOwners,
     ) -> (u32, bool, Option<u64>) {
+        // A batch that walks a run already stored (a prefix another server stored first)
+        // finds its keys in the slots after the previous one: the slot `PREFETCH_AHEAD` on is
+        // asked for, as a lookup's walk does (`find_after`). Past the arena's end, nothing is.
+        if let Some(prev) = prev {
+            self.prefetch_slot(prev.wrapping_add(PREFETCH_AHEAD as u32));
+        }
         if let Some(i) = self.next_slot(prev, key) {
             return (i, false, self.put(i, p, owners));
         }
@@ -518,7 +524,14 @@ impl Slots {
         let new = reused.unwrap_or(self.slots.len() as u32);
         let (slots, hashes, heads, spill) = (&self.slots, &self.hashes, &self.heads, &self.spill);
         match self.table.find_or_insert(h, |j| holds(slots, hashes, heads, spill, j, key), new) {
-            Some(i) => (i, false, self.put(i, p, owners)),
+            Some(i) => {
+                // A held key found by the table may start a stored run: the records after it
+                // are asked for, as the next keys of the batch try them first.
+                for k in 1..=PREFETCH_AHEAD as u32 {
+                    self.prefetch_slot(i.wrapping_add(k));
+                }
+                (i, false, self.put(i, p, owners))
+            }
             None => {
                 self.occupy(new, reused.is_some(), key, p);
                 (new, true, None)
