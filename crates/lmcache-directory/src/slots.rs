@@ -414,18 +414,18 @@ impl Slots {
     }
 
     /// The slot after `prev` when it holds `key` (a request's next chunk, stored next).
+    /// The slot [`PREFETCH_AHEAD`] further on is asked for, so a walk of a stored run (a
+    /// lookup's, or a store batch's over a prefix another server stored first) finds its
+    /// records in cache. Past the arena's end, nothing is asked for.
     fn next_slot(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
-        let next = prev?.wrapping_add(1);
+        let prev = prev?;
+        self.prefetch_slot(prev.wrapping_add(PREFETCH_AHEAD as u32));
+        let next = prev.wrapping_add(1);
         ((next as usize) < self.slots.len() && self.matches(next, key)).then_some(next)
     }
 
     /// The slot of `key`, trying the one after `prev` first.
-    /// The slot [`PREFETCH_AHEAD`] further on is asked for, so a walk of a stored run finds
-    /// its records in cache.
     pub(crate) fn find_after(&self, prev: Option<u32>, key: &DirKey) -> Option<u32> {
-        if let Some(p) = prev {
-            self.prefetch_slot(p.wrapping_add(PREFETCH_AHEAD as u32));
-        }
         self.next_slot(prev, key).or_else(|| self.find(key))
     }
 
@@ -509,12 +509,6 @@ impl Slots {
         p: Placement,
         owners: &SiteOwners,
     ) -> (u32, bool, Option<u64>) {
-        // A batch that walks a run already stored (a prefix another server stored first)
-        // finds its keys in the slots after the previous one: the slot `PREFETCH_AHEAD` on is
-        // asked for, as a lookup's walk does (`find_after`). Past the arena's end, nothing is.
-        if let Some(prev) = prev {
-            self.prefetch_slot(prev.wrapping_add(PREFETCH_AHEAD as u32));
-        }
         if let Some(i) = self.next_slot(prev, key) {
             return (i, false, self.put(i, p, owners));
         }
